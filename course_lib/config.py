@@ -1,0 +1,284 @@
+"""Configs as dataclasses, presets as functions, and the ladder of techniques.
+
+`ModelConfig` says what the network is; `TrainConfig` says how it is trained, with one typed field per
+technique. Both check themselves at construction and say what to change when a combination is invalid.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass, field, replace
+from typing import Callable, Literal
+
+import torch
+
+Precision = Literal["fp32", "tf32", "bf16", "fp16"]
+Attention = Literal["naive", "sdpa"]
+Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
+Schedule = Literal["constant", "cosine"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+ATTENTIONS = ("naive", "sdpa")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message says what to change."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _choice(name: str, value, allowed) -> None:
+    _check(value in allowed, f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    block_size: int = 512  # the longest context the position embedding covers
+    vocab_size: int = 4097  # the course's Shakespeare BPE (4095 ranks + <|endoftext|> + <|pad|>)
+    vocab_multiple: int = 1  # pad the embedding to a multiple of this (64 makes GPU kernels happier)
+    attention: Attention = "naive"
+    dropout: float = 0.0
+    bias: bool = True
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple"):
+            _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int, got {getattr(self, name)!r}")
+        _check(self.n_embd % self.n_head == 0, f"n_head={self.n_head} must divide n_embd={self.n_embd}: change one so that n_embd/n_head is a whole head size")
+        _choice("attention", self.attention, ATTENTIONS)
+        _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def device_supports(precision: str, device: str) -> tuple[bool, str]:
+    """Can `device` run `precision`? (ok, reason when not)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return False, "CUDA is not available on this machine"
+        major, _ = torch.cuda.get_device_capability(dev)
+        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+            return False, f"{torch.cuda.get_device_name(dev)} has no bf16 support: use fp16 with loss scaling"
+        if precision == "tf32" and major < 8:
+            return False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); this one is {major}.x"
+        return True, ""
+    if dev.type == "cpu":
+        if precision in ("bf16", "fp16") and not torch.amp.autocast_mode.is_autocast_available("cpu"):
+            return False, "this torch build has no CPU autocast"
+        return True, ""
+    if dev.type == "mps" and precision == "tf32":
+        return False, "TF32 is an NVIDIA tensor-core format; MPS has no such mode"
+    return True, ""
+
+
+def compile_supported(device: str) -> tuple[bool, str]:
+    """torch.compile needs a C++ compiler on a CPU (Inductor writes C++/OpenMP) and Triton on CUDA."""
+    if not hasattr(torch, "compile"):
+        return False, "this torch has no torch.compile"
+    if torch.device(device).type == "cpu":
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        if not cxx:
+            return False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False, "torch.compile on CUDA needs Triton (pip install triton), or turn compile off"
+    return True, ""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    device: str = "cpu"
+    # The batch. batch_size is sequences per optimizer step; it is split into grad_accum_steps micro-batches.
+    batch_size: int = 32
+    grad_accum_steps: int = 1
+    context: int = 512
+    steps: int = 10
+    timing_warmup: int = 2  # steps left out of the timing (the first one also compiles)
+    seed: int = 0
+    # Techniques, each a switch.
+    precision: Precision = "fp32"
+    compile: bool = False
+    compile_mode: CompileMode = "default"
+    fused_adamw: bool = False
+    activation_checkpointing: bool = False
+    loss_chunks: int = 1  # >1: output layer + loss in this many token slices, recomputed in backward
+    set_to_none: bool = False  # zero_grad(set_to_none=...): True frees gradients between steps
+    # Optimisation (notebook 05): optimiser, schedule, clipping, weight decay.
+    optimizer: Optimizer = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.9  # for sgd_momentum
+    schedule: Schedule = "constant"
+    lr_warmup_steps: int = 0
+    min_lr_ratio: float = 0.1  # cosine decays to this fraction of lr
+    clip_norm: float | None = None  # global-norm clipping threshold; None is off
+    weight_decay: float = 0.0
+    decay_2d_only: bool = True  # weight decay only on >=2-D parameters (matmuls, embeddings)
+    eval_every: int = 0  # validation loss every this many steps (0: never)
+    eval_batches: int = 4
+    measure_memory: bool = True  # on a CPU, the last step runs under the memory ledger (and is not timed)
+
+    def __post_init__(self):
+        if isinstance(self.betas, list):
+            object.__setattr__(self, "betas", tuple(self.betas))
+        for name in ("batch_size", "grad_accum_steps", "context", "steps", "loss_chunks"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive int, got {v!r}")
+        _check(isinstance(self.timing_warmup, int) and self.timing_warmup >= 0, f"timing_warmup must be an int >= 0, got {self.timing_warmup!r}")
+        _check(self.batch_size % self.grad_accum_steps == 0,
+               f"batch_size={self.batch_size} does not divide into grad_accum_steps={self.grad_accum_steps} equal micro-batches: "
+               f"make batch_size a multiple of grad_accum_steps (e.g. batch_size={self.batch_size // self.grad_accum_steps * self.grad_accum_steps or self.grad_accum_steps})")
+        _check(self.context <= self.model.block_size,
+               f"context={self.context} is longer than the model's block_size={self.model.block_size}: shorten the context or raise ModelConfig.block_size")
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("optimizer", self.optimizer, ("adamw", "sgd", "sgd_momentum"))
+        _choice("schedule", self.schedule, ("constant", "cosine"))
+        _choice("compile_mode", self.compile_mode, ("default", "reduce-overhead", "max-autotune"))
+        _check(self.eval_every >= 0 and self.eval_batches >= 1, "eval_every must be >= 0 and eval_batches >= 1")
+        _check(self.lr > 0, f"lr must be positive, got {self.lr}")
+        _check(self.clip_norm is None or self.clip_norm > 0, f"clip_norm must be positive or None (off), got {self.clip_norm}")
+        _check(0 <= self.lr_warmup_steps, f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"device={self.device!r} is not a torch device: use 'cpu' or 'cuda'") from e
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} but CUDA is not available here: use device='cpu'")
+        ok, why = device_supports(self.precision, self.device)
+        _check(ok, f"precision={self.precision!r} cannot run on {self.device}: {why}")
+        if self.compile:
+            ok, why = compile_supported(self.device)
+            _check(ok, why)
+        if self.fused_adamw:
+            _check(self.optimizer == "adamw", "fused_adamw applies to optimizer='adamw' only: turn it off or use AdamW")
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step (on one process), padding included."""
+        return self.batch_size * self.context
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        d = dict(d)
+        d["model"] = ModelConfig(**d["model"])
+        return cls(**d)
+
+    def with_model(self, **changes) -> "TrainConfig":
+        return replace(self, model=replace(self.model, **changes))
+
+
+# ---- Presets: start from a baseline and change a few fields -------------------------------------
+
+def reference_preset(device: str | None = None) -> TrainConfig:
+    """The course's reference model: 4 blocks, context 512, width 256, 4 heads, batch 32."""
+    return TrainConfig(model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=512), device=device or default_device(),
+                       batch_size=32, context=512, steps=20, timing_warmup=3)
+
+
+def cpu_preset(device: str | None = None) -> TrainConfig:
+    """Small enough for a laptop CPU (a step well under a second on 2 cores), shaped like the reference model:
+    long context for its width, so attention and the logits are a real share of the work, as on a GPU."""
+    base = reference_preset(device or "cpu")
+    return replace(base, model=replace(base.model, n_layer=2, n_head=2, n_embd=64, block_size=256),
+                   batch_size=8, context=256, steps=8, timing_warmup=2)
+
+
+def tiny_preset(device: str | None = None) -> TrainConfig:
+    """For tests: a few milliseconds a step."""
+    base = cpu_preset(device)
+    return replace(base, model=replace(base.model, n_layer=2, n_head=2, n_embd=32, block_size=64),
+                   batch_size=4, context=64, steps=4, timing_warmup=1)
+
+
+def gpt2_small_preset(device: str | None = None) -> TrainConfig:
+    """GPT-2 small, 124M parameters: 12 blocks, width 768, 12 heads, context 1024, GPT-2's vocab of 50257."""
+    base = reference_preset(device)
+    return replace(base, model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),
+                   batch_size=16, context=1024, steps=20, timing_warmup=3)
+
+
+PRESETS: dict[str, Callable[..., TrainConfig]] = {
+    "tiny": tiny_preset,
+    "cpu": cpu_preset,
+    "reference": reference_preset,
+    "gpt2-small": gpt2_small_preset,
+}
+
+
+def preset(name: str, device: str | None = None) -> TrainConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"Unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    return PRESETS[name](device)
+
+
+# ---- The ladder: naive fp32 to everything on, one change per rung --------------------------------
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    what_changed: str
+    apply: Callable[[TrainConfig], TrainConfig]
+
+
+LADDER: tuple[Rung, ...] = (
+    Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place", lambda c: c),
+    Rung("+ tf32", "TF32 tensor-core matmuls (CUDA Ampere+; no effect on a CPU)", lambda c: replace(c, precision="tf32")),
+    Rung("+ bf16 autocast", "matmuls in bf16 under autocast, fp32 weights", lambda c: replace(c, precision="bf16")),
+    Rung("+ sdpa (flash)", "scaled_dot_product_attention: no s x s matrix in memory", lambda c: c.with_model(attention="sdpa")),
+    Rung("+ compile", "torch.compile fuses the element-wise work into generated kernels", lambda c: replace(c, compile=True)),
+    Rung("+ vocab to x64", "embedding padded to a multiple of 64", lambda c: c.with_model(vocab_multiple=64)),
+    Rung("+ fused AdamW", "one fused optimizer kernel, gradients freed with set_to_none", lambda c: replace(c, fused_adamw=True, set_to_none=True)),
+    Rung("+ checkpointing", "activation checkpointing per block: recompute in backward, less memory", lambda c: replace(c, activation_checkpointing=True)),
+    Rung("+ chunked loss", "output layer and loss in 8 token slices: one slice of logits at a time", lambda c: replace(c, loss_chunks=8)),
+)
+
+
+def naive(cfg: TrainConfig) -> TrainConfig:
+    """The naive baseline of any config: every technique of the ladder off."""
+    return replace(cfg, precision="fp32", compile=False, fused_adamw=False, set_to_none=False,
+                   activation_checkpointing=False, loss_chunks=1, model=replace(cfg.model, attention="naive", vocab_multiple=1))
+
+
+def ladder_configs(base: TrainConfig) -> list[tuple[Rung, TrainConfig | ConfigError]]:
+    """Each rung's config, cumulative from the naive baseline; a rung the device cannot run gives its ConfigError."""
+    out, cfg = [], naive(base)
+    for rung in LADDER:
+        try:
+            nxt = rung.apply(cfg)
+            cfg = nxt
+            out.append((rung, nxt))
+        except ConfigError as e:  # skip this rung, keep climbing from the last valid config
+            out.append((rung, e))
+    return out

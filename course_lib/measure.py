@@ -1,0 +1,345 @@
+"""Measurement: time, memory and FLOPs, the same way on any device.
+
+- Time: synchronise before reading the clock, leave warm-up steps out, quote the median.
+- Memory on CUDA: the allocator's peak (`max_memory_allocated`) and what it reserved.
+- Memory on a CPU: an exact ledger. Every tensor storage an operation creates is followed from birth to
+  death (a TorchDispatchMode sees every op, forward and backward), so the live total and its peak are
+  exact for tensor memory. Each storage is put in a category: parameters, gradients, optimizer state,
+  activations (created in the forward pass and still alive), logits (the output layer and the loss), and
+  other (temporaries, mostly in backward). Saved-for-backward bytes are also counted on their own, once
+  per storage, with saved_tensors_hooks.
+- FLOPs: 6N + 12·L·h·s per token (PaLM, appendix B), checkable against FlopCounterMode.
+"""
+from __future__ import annotations
+
+import contextlib
+import platform
+import statistics
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+GiB = 1024**3
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
+
+
+# ---- the device --------------------------------------------------------------------------------
+
+def device_name(device: str | torch.device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "cpu":
+        name = platform.processor() or ""
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        return f"CPU ({name or platform.machine()}, {torch.get_num_threads()} threads)"
+    return str(dev)
+
+
+def synchronize(device: str | torch.device) -> None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def cpu_bf16_support() -> str:
+    """What a CPU has for bf16 matmuls: AMX tiles, AVX-512 BF16, or neither (then bf16 is emulated)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    avx = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    if amx:
+        return "AMX (bf16 matrix tiles)"
+    if avx:
+        return "AVX-512 BF16 instructions"
+    return "none: bf16 is converted in software and is usually slower than fp32 here"
+
+
+def capabilities(device: str | torch.device) -> dict[str, str | bool]:
+    """What this device supports, for the notebooks' environment cell."""
+    from .config import compile_supported, device_supports  # config imports nothing from here
+
+    dev = torch.device(device)
+    caps: dict[str, str | bool] = {"device": device_name(dev), "torch": torch.__version__}
+    for p in ("tf32", "bf16", "fp16"):
+        ok, why = device_supports(p, str(dev))
+        caps[p] = True if ok else why
+    if dev.type == "cpu":
+        caps["tf32"] = "accepted but does nothing on a CPU (TF32 is a CUDA tensor-core mode)"
+        caps["bf16 hardware"] = cpu_bf16_support()
+    ok, why = compile_supported(str(dev))
+    caps["compile"] = True if ok else why
+    caps["flash attention"] = "SDPA flash kernel" if dev.type in ("cpu", "cuda") else "math fallback"
+    caps["fused AdamW"] = True
+    return caps
+
+
+# ---- time --------------------------------------------------------------------------------------
+
+class StepTimer:
+    """Wall time of each step, with the device synchronised before the clock is read."""
+
+    def __init__(self, device: str | torch.device):
+        self.device = device
+        self.times: list[float] = []
+
+    @contextlib.contextmanager
+    def step(self):
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.times.append(time.perf_counter() - t0)
+
+
+def median_excluding(times: list[float], excluded: set[int]) -> float:
+    kept = [t for i, t in enumerate(times) if i not in excluded]
+    if not kept:
+        raise ValueError("no timed steps left after warm-up: raise steps above timing_warmup")
+    return statistics.median(kept)
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of distinct storages among `tensors` (a view or a tied weight is counted once)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            key = (st.data_ptr(), t.device) if t.device.type != "meta" else id(st)
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    # `step` counters are scalar tensors too; they count, as they do on a GPU.
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+@dataclass
+class MemoryReport:
+    """Peak memory of one step, split by category, in bytes."""
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    saved_for_backward_bytes: int | None = None  # activations saved by autograd (ledger only)
+    reserved_bytes: int | None = None  # CUDA only: what the caching allocator holds
+    method: str = ""
+    timeline: list[tuple[str, int]] = field(default_factory=list)  # (phase, live bytes) after each op
+
+    def gib(self) -> dict[str, float]:
+        return {k: v / GiB for k, v in self.by_category.items()}
+
+    def to_dict(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "by_category": self.by_category, "saved_for_backward_bytes": self.saved_for_backward_bytes,
+                "reserved_bytes": self.reserved_bytes, "method": self.method}
+
+
+class MemoryLedger(TorchDispatchMode):
+    """Follows every tensor storage created while active; knows the live total, its peak and what it holds.
+
+    Use `phase("forward" | "loss" | "backward" | "optimizer")` around the parts of a step so that new storages
+    get a category; call `register(...)` first for what exists before the step (parameters, gradients,
+    optimizer state). Storages still alive when the ledger closes are re-examined, so a gradient made in
+    backward is counted as a gradient, not as a temporary.
+    """
+
+    PHASE_CATEGORY = {"forward": "activations", "loss": "logits", "backward": "other", "optimizer": "other", "other": "other"}
+
+    def __init__(self, keep_timeline: bool = True):
+        super().__init__()
+        self._info: dict[int, list] = {}  # storage id -> [nbytes, category]
+        self._refs: dict[int, weakref.ref] = {}
+        self._next = 0
+        self.live = 0
+        self.peak = 0
+        self._peak_members: dict[int, list] = {}
+        self._phase = "other"
+        self.keep_timeline = keep_timeline
+        self.timeline: list[tuple[str, int]] = []
+        self.saved_bytes = 0
+        self._saved_seen: set[int] = set()
+
+    # storages are identified by a counter stored on the Python storage object, which PyTorch keeps
+    # alive (and the same object) as long as the storage lives
+    def _track(self, t: torch.Tensor, category: str) -> int | None:
+        st = t.untyped_storage()
+        sid = getattr(st, "_course_ledger_id", None)
+        if sid is not None and sid in self._info:
+            return sid
+        sid = self._next
+        self._next += 1
+        try:
+            st._course_ledger_id = sid
+        except AttributeError:
+            return None
+        nbytes = st.nbytes()
+        self._info[sid] = [nbytes, category]
+        self._refs[sid] = weakref.ref(st, lambda _r, sid=sid: self._free(sid))
+        self.live += nbytes
+        if self.live > self.peak:
+            self.peak = self.live
+            self._peak_members = {k: v[:] for k, v in self._info.items()}
+        return sid
+
+    def _free(self, sid: int) -> None:
+        info = self._info.pop(sid, None)
+        self._refs.pop(sid, None)
+        if info is not None:
+            self.live -= info[0]
+
+    def register(self, tensors, category: str) -> None:
+        """Count tensors that already exist (parameters, gradients, optimizer state) under `category`."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                sid = self._track(t, category)
+                if sid is not None:
+                    self._info[sid][1] = category
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        prev, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = prev
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = self.PHASE_CATEGORY.get(self._phase, "other")
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t, category)
+        if self.keep_timeline:
+            self.timeline.append((self._phase, self.live))
+        return out
+
+    @contextlib.contextmanager
+    def watch(self, model: torch.nn.Module):
+        """Follow one training step of a GPT: the forward pass is "activations" until the output layer, whose
+        result and everything after it (the loss) is "logits"; the bytes autograd saves for backward during
+        the forward are also counted, once per storage."""
+
+        def pack(t: torch.Tensor):
+            st = t.untyped_storage()
+            if self._phase == "forward" and id(st) not in self._saved_seen:
+                self._saved_seen.add(id(st))
+                keepalive.append(st)  # keeps id() unique while counting
+                self.saved_bytes += st.nbytes()
+            return t
+
+        def into_loss(_module, _inputs):
+            if self._phase == "forward":
+                self._phase = "loss"
+
+        def logits_out(_module, _inputs, output):
+            self.register([output], "logits")
+
+        def start_forward(_module, _inputs):
+            self._phase = "forward"
+
+        keepalive: list = []
+        handles = [model.register_forward_pre_hook(start_forward), model.lm_head.register_forward_pre_hook(into_loss),
+                   model.lm_head.register_forward_hook(logits_out)]
+        try:
+            with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                yield self
+        finally:
+            for h in handles:
+                h.remove()
+
+    def reclassify(self, tensors, category: str) -> None:
+        """After the step: storages in `tensors` that were alive at the peak belong to `category`."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                sid = getattr(t.untyped_storage(), "_course_ledger_id", None)
+                if sid is not None and sid in self._peak_members:
+                    self._peak_members[sid][1] = category
+
+    def report(self) -> MemoryReport:
+        by = dict.fromkeys(CATEGORIES, 0)
+        for nbytes, category in self._peak_members.values():
+            by[category] += nbytes
+        return MemoryReport(peak_bytes=self.peak, by_category=by, saved_for_backward_bytes=self.saved_bytes,
+                            method="CPU ledger: every tensor storage followed through one training step", timeline=list(self.timeline))
+
+
+def cuda_memory_report(device, static: dict[str, int]) -> MemoryReport:
+    """CUDA: the allocator's peak since the last reset. Parameters, gradients and optimizer state come from
+    the tensors themselves; the rest of the peak (activations, logits, temporaries) is reported as 'other',
+    since the allocator does not know what a block was for."""
+    peak = torch.cuda.max_memory_allocated(device)
+    by = dict.fromkeys(CATEGORIES, 0)
+    by.update(static)
+    by["other"] = max(0, peak - sum(by.values()))
+    return MemoryReport(peak_bytes=peak, by_category=by,
+                        reserved_bytes=torch.cuda.max_memory_reserved(device),
+                        method="CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats")
+
+
+# ---- FLOPs and MFU ------------------------------------------------------------------------------
+
+def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, context: int) -> int:
+    """Training FLOPs per token, forward and backward: 6N for the weight matmuls and 12·L·h·s for
+    attention's scores and weighted sum (PaLM, appendix B). Causal masking is not subtracted."""
+    return 6 * n_params_non_embedding + 12 * n_layer * n_embd * context
+
+
+def counted_flops_per_token(model: torch.nn.Module, idx: torch.Tensor, loss_fn) -> int:
+    """The same quantity counted by torch's FlopCounterMode over one forward and backward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss_fn(model(idx)).backward()
+    return counter.get_total_flops() // idx.numel()
+
+
+# Dense (no sparsity) peak throughput in TFLOP/s, from the vendors' data sheets. Keys are matched
+# against torch.cuda.get_device_name(); the first key found in the name wins, so specific names first.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+def peak_tflops(device_name_: str, precision: str) -> float | None:
+    """Peak TFLOP/s of a named device for a precision, or None when the device is not in the table."""
+    dtype = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16"}[precision]
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in device_name_:
+            return peaks.get(dtype)
+    return None
+
+
+def mfu(tokens_per_s: float, flops_per_token_: int, device_name_: str, precision: str) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak; None ("n/a") when unknown."""
+    peak = peak_tflops(device_name_, precision)
+    if not peak:
+        return None
+    return tokens_per_s * flops_per_token_ / (peak * 1e12)

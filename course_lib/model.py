@@ -1,0 +1,139 @@
+"""A GPT in the style of nanoGPT: the network only.
+
+No autocast, no compile, no timing, no loss here: techniques wrap the model from outside
+(course_lib.techniques), so the same module serves every rung of the ladder.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """Causal attention written out: materialises the (batch, heads, s, s) scores and probabilities."""
+    s = q.size(-2)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+    causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    probs = F.softmax(scores, dim=-1)
+    probs = F.dropout(probs, p=dropout_p, training=training)
+    return probs @ v
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """The same function through scaled_dot_product_attention, which picks a fused kernel (flash,
+    memory-efficient or math) and, for flash, never stores the s x s matrix."""
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
+
+
+ATTENTION_IMPLS = {"naive": naive_attention, "sdpa": sdpa_attention}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.dropout = cfg.n_head, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.attend = ATTENTION_IMPLS[cfg.attention]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = self.attend(q, k, v, self.dropout, self.training)
+        y = y.transpose(1, 2).contiguous().view(b, s, d)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied input and output embeddings
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2 * n_layer)
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters counted once (the tied weight once). non_embedding leaves out the position table,
+        which does no matmul; the token table stays, since as lm_head it does."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, s) to the final normalised hidden states (batch, s, n_embd)."""
+        b, s = idx.shape
+        if s > self.config.block_size:
+            raise ValueError(f"sequence length {s} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(s, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, s) to logits (batch, s, padded_vocab)."""
+        return self.lm_head(self.hidden(idx))
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample continuations; padded vocabulary rows are never sampled."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.config.block_size :])[:, -1, : self.config.vocab_size] / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

@@ -1,0 +1,130 @@
+"""The result record of one run and its JSON form. Every record says where its numbers came from."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .measure import CATEGORIES, GiB
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(device_name: str) -> dict:
+    """Where a number came from: device, torch (and CUDA) version, date, commit."""
+    return {"device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": git_commit()}
+
+
+@dataclass
+class RunResult:
+    label: str
+    status: str  # "ok", "oom", "skipped" or "error"
+    config: dict
+    provenance: dict
+    reason: str = ""
+    step_times: list[float] = field(default_factory=list)
+    excluded_steps: list[int] = field(default_factory=list)  # warm-up (and ledger) steps left out of the median
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
+    median_step_s: float | None = None
+    tokens_per_step: int | None = None
+    tokens_per_s: float | None = None
+    compile_s: float | None = None  # first step's time beyond a normal step, when compiling
+    memory: dict | None = None  # MemoryReport.to_dict()
+    n_params: int | None = None
+    flops_per_token: int | None = None
+    mfu: float | None = None
+    skipped_optimizer_steps: int = 0  # fp16: steps the GradScaler skipped for inf/nan gradients
+    loss_scales: list[float] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def peak_gib(self) -> float | None:
+        return self.memory["peak_bytes"] / GiB if self.memory else None
+
+    def memory_gib(self) -> dict[str, float]:
+        if not self.memory:
+            return dict.fromkeys(CATEGORIES, 0.0)
+        return {k: v / GiB for k, v in self.memory["by_category"].items()}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunResult":
+        d = dict(d)
+        d["val_losses"] = [tuple(v) for v in d.get("val_losses", [])]
+        return cls(**d)
+
+
+def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {**extra, "results": [r.to_dict() for r in results]}
+    path.write_text(json.dumps(payload, indent=1))
+    return path
+
+
+def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
+    payload = json.loads(Path(path).read_text())
+    results = [RunResult.from_dict(r) for r in payload.pop("results")]
+    return results, payload
+
+
+def fmt(x: float | None, spec: str = ".3g", missing: str = "n/a") -> str:
+    return missing if x is None else format(x, spec)
+
+
+def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> list[dict[str, str]]:
+    """Rows for a table: speed-up and memory relative to `baseline` (default: the first ok result)."""
+    base = baseline or next((r for r in results if r.ok), None)
+    rows = []
+    for r in results:
+        if not r.ok:
+            rows.append({"run": r.label, "status": r.status.upper(), "ms/step": "", "tokens/s": "", "speed-up": "",
+                         "peak GiB": "", "memory vs base": "", "MFU": "", "note": r.reason})
+            continue
+        speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
+        mem = r.peak_gib / base.peak_gib if base and base.peak_gib else None
+        rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
+                     "speed-up": fmt(speed, ".2f") + "x" if speed else "", "peak GiB": fmt(r.peak_gib, ".4f"),
+                     "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": fmt(r.mfu * 100, ".1f") + "%" if r.mfu is not None else "n/a",
+                     "note": r.reason})
+    return rows
+
+
+def text_table(rows: list[dict[str, str]]) -> str:
+    if not rows:
+        return "(no results)"
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(r[c]) for r in rows)) for c in cols}
+    line = lambda r: "  ".join(r[c].ljust(widths[c]) for c in cols).rstrip()  # noqa: E731
+    return "\n".join([line({c: c for c in cols}), "  ".join("-" * widths[c] for c in cols)] + [line(r) for r in rows])
+
+
+def html_table(rows: list[dict[str, str]]) -> str:
+    import html
+
+    if not rows:
+        return "<p><i>No runs yet.</i></p>"
+    cols = list(rows[0])
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(r[c])}</td>" for c in cols) + "</tr>" for r in rows)
+    return f'<table class="course-results"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'

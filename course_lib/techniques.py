@@ -1,0 +1,157 @@
+"""Turn a TrainConfig into the objects the training loop uses.
+
+A technique that is off becomes a no-op object (nullcontext, a disabled GradScaler, clip_norm=None), so
+the loop in train.py has one code path. The order of wrapping is fixed here, once:
+  1. activation checkpointing wraps each block (it must see the eager blocks),
+  2. the model and its loss become one module (LossModule), optionally with the loss in chunks,
+  3. torch.compile wraps that module (it then traces through the checkpointed blocks and the loss),
+and the optimizer always holds the original parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .config import TrainConfig
+from .data import IGNORE_INDEX
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class CheckpointedBlock(nn.Module):
+    """Keeps only the block's input in forward; recomputes the inside in backward (non-reentrant)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return self.block(x)
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX)."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _head_and_loss(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return loss_sum(lm_head(hidden), targets)
+
+
+class LossModule(nn.Module):
+    """Model and loss as one module: token ids and targets in, summed loss out.
+
+    Compiling this (not just the model) lets the compiler fuse the cross-entropy too. With loss_chunks > 1
+    the output layer and the loss run on slices of the tokens, each under checkpoint, so only one slice of
+    the (tokens x vocab) logits exists at a time, in forward and again in backward.
+    """
+
+    def __init__(self, model: nn.Module, loss_chunks: int = 1):
+        super().__init__()
+        self.model, self.loss_chunks = model, loss_chunks
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss_chunks == 1:
+            return loss_sum(self.model(idx), targets)
+        hidden = self.model.hidden(idx).reshape(-1, self.model.config.n_embd)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for h, t in zip(hidden.chunk(self.loss_chunks), targets.reshape(-1).chunk(self.loss_chunks)):
+            total = total + checkpoint(_head_and_loss, self.model.lm_head, h, t, use_reentrant=False)
+        return total
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    model.blocks = nn.ModuleList(b if isinstance(b, CheckpointedBlock) else CheckpointedBlock(b) for b in model.blocks)
+
+
+def set_matmul_precision(precision: str) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA Ampere+ ("high"), or exact fp32 ("highest")."""
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+
+
+def autocast_context(cfg: TrainConfig) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context to run forward and loss in: autocast for bf16/fp16, else nothing."""
+    if cfg.precision in AUTOCAST_DTYPES:
+        device_type = torch.device(cfg.device).type
+        dtype = AUTOCAST_DTYPES[cfg.precision]
+        return lambda: torch.autocast(device_type=device_type, dtype=dtype)
+    return contextlib.nullcontext
+
+
+def make_grad_scaler(cfg: TrainConfig) -> torch.amp.GradScaler:
+    """Loss scaling only for fp16 (its narrow exponent flushes small gradients to zero); bf16 needs none."""
+    return torch.amp.GradScaler(torch.device(cfg.device).type, enabled=cfg.precision == "fp16")
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
+    """A list of dicts for the optimizer: decay on >=2-D tensors (matmul weights, embeddings), none on
+    biases and LayerNorm gains. Each parameter appears once (the tied embedding too)."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    if not decay_2d_only:
+        return [{"params": params, "weight_decay": weight_decay}]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay, cfg.decay_2d_only)
+    if cfg.optimizer == "adamw":
+        # Baseline is the for-loop implementation (foreach=False); fused is one kernel for all tensors.
+        impl = {"fused": True} if cfg.fused_adamw else {"foreach": False}
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **impl)
+    momentum = cfg.momentum if cfg.optimizer == "sgd_momentum" else 0.0
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=momentum)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr, then constant or a
+    cosine decay to min_lr_ratio * lr at the last step."""
+    if step < cfg.lr_warmup_steps:
+        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    decay_steps = max(1, cfg.steps - 1 - cfg.lr_warmup_steps)
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / decay_steps)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built from one TrainConfig."""
+
+    model: nn.Module  # the module the optimizer updates (eager, maybe with checkpointed blocks)
+    loss_module: LossModule  # eager: (x, y) -> summed loss
+    loss_fn: nn.Module | Callable  # what the loop calls: loss_module, or its compiled version
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    scaler: torch.amp.GradScaler
+
+
+def build(cfg: TrainConfig, model: nn.Module) -> Setup:
+    """Apply the config's techniques to `model` (already on cfg.device) in the one correct order."""
+    set_matmul_precision(cfg.precision)
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    loss_module = LossModule(model, cfg.loss_chunks)
+    loss_fn = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if cfg.compile else loss_module
+    optimizer = make_optimizer(cfg, model)
+    return Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
+                 autocast=autocast_context(cfg), scaler=make_grad_scaler(cfg))
