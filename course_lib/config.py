@@ -140,6 +140,13 @@ class TrainConfig:
     eval_every: int = 0  # validation loss every this many steps (0: never)
     eval_batches: int = 4
     measure_memory: bool = True  # on a CPU, the last step runs under the memory ledger (and is not timed)
+    # Notebook 03: the fp16 GradScaler's starting loss scale and how many clean steps before it doubles
+    # (the defaults are torch's own, so they change nothing unless set).
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+    # Notebook 07: inside a torchrun process group, wrap the model for data parallelism ("ddp": DistributedDataParallel,
+    # "fsdp": FSDP2 fully_shard per block and at the root). "none" (the default) changes nothing.
+    data_parallel: Literal["none", "ddp", "fsdp"] = "none"
 
     def __post_init__(self):
         if isinstance(self.betas, list):
@@ -157,12 +164,15 @@ class TrainConfig:
         _choice("optimizer", self.optimizer, ("adamw", "sgd", "sgd_momentum"))
         _choice("schedule", self.schedule, ("constant", "cosine"))
         _choice("compile_mode", self.compile_mode, ("default", "reduce-overhead", "max-autotune"))
+        _choice("data_parallel", self.data_parallel, ("none", "ddp", "fsdp"))
         _check(self.eval_every >= 0 and self.eval_batches >= 1, "eval_every must be >= 0 and eval_batches >= 1")
         _check(self.lr > 0, f"lr must be positive, got {self.lr}")
         _check(self.clip_norm is None or self.clip_norm > 0, f"clip_norm must be positive or None (off), got {self.clip_norm}")
         _check(0 <= self.lr_warmup_steps, f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.loss_scale_init > 0 and isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1,
+               f"loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}")
         try:
             dev = torch.device(self.device)
         except RuntimeError as e:

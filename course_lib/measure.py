@@ -230,15 +230,24 @@ class MemoryLedger(TorchDispatchMode):
 
     @contextlib.contextmanager
     def watch(self, model: torch.nn.Module):
-        """Follow one training step of a GPT: the forward pass is "activations" until the output layer, whose
-        result and everything after it (the loss) is "logits"; the bytes autograd saves for backward during
-        the forward are also counted, once per storage."""
+        """Follow one training step of a GPT. Inside `phase("forward")`, new storages are "activations" until
+        the output layer runs; its result and everything after it (the loss) are "logits". The bytes autograd
+        saves for backward during the forward are also counted, once per storage. Usage:
 
+            with ledger.watch(model):
+                with ledger.phase("forward"): loss = loss_fn(x, y)
+                with ledger.phase("backward"): loss.backward()
+                with ledger.phase("optimizer"): opt.step()
+        """
         def pack(t: torch.Tensor):
             st = t.untyped_storage()
-            if self._phase == "forward" and id(st) not in self._saved_seen:
-                self._saved_seen.add(id(st))
-                keepalive.append(st)  # keeps id() unique while counting
+            # Mark the storage itself (its Python object lives as long as it does) rather than holding it by
+            # id(): holding it would keep every micro-batch's activations alive until the step ends.
+            if self._phase == "forward" and getattr(st, "_course_saved_by", None) is not saved_token:
+                try:
+                    st._course_saved_by = saved_token
+                except AttributeError:
+                    pass
                 self.saved_bytes += st.nbytes()
             return t
 
@@ -249,11 +258,8 @@ class MemoryLedger(TorchDispatchMode):
         def logits_out(_module, _inputs, output):
             self.register([output], "logits")
 
-        def start_forward(_module, _inputs):
-            self._phase = "forward"
-
-        keepalive: list = []
-        handles = [model.register_forward_pre_hook(start_forward), model.lm_head.register_forward_pre_hook(into_loss),
+        saved_token = object()  # this watch's mark on the storages it has counted
+        handles = [model.lm_head.register_forward_pre_hook(into_loss),
                    model.lm_head.register_forward_hook(logits_out)]
         try:
             with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

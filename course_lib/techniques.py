@@ -91,7 +91,8 @@ def autocast_context(cfg: TrainConfig) -> Callable[[], contextlib.AbstractContex
 
 def make_grad_scaler(cfg: TrainConfig) -> torch.amp.GradScaler:
     """Loss scaling only for fp16 (its narrow exponent flushes small gradients to zero); bf16 needs none."""
-    return torch.amp.GradScaler(torch.device(cfg.device).type, enabled=cfg.precision == "fp16")
+    return torch.amp.GradScaler(torch.device(cfg.device).type, init_scale=cfg.loss_scale_init,
+                                growth_interval=cfg.loss_scale_growth_interval, enabled=cfg.precision == "fp16")
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
@@ -132,6 +133,63 @@ def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
 
 
+class SyncOnLastMicroBatch(nn.Module):
+    """Data parallelism with gradient accumulation, with no DDP-specific code in the loop: before each training
+    forward it tells the wrapped DDP (or FSDP2) module whether this micro-batch's backward should communicate.
+    Only the last micro-batch of an optimizer step does (what `ddp.no_sync()` does for the others); with
+    `enabled = False` every micro-batch communicates (correct, but more traffic)."""
+
+    def __init__(self, wrapped: nn.Module, accum_steps: int):
+        super().__init__()
+        self.wrapped, self.accum_steps, self.enabled, self.calls = wrapped, accum_steps, True, 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.calls += 1
+            sync = (not self.enabled) or self.calls % self.accum_steps == 0
+            if hasattr(self.wrapped, "set_requires_gradient_sync"):  # FSDP2
+                self.wrapped.set_requires_gradient_sync(sync)
+            else:  # DistributedDataParallel: the flag no_sync() toggles
+                self.wrapped.require_backward_grad_sync = sync
+        return self.wrapped(idx)
+
+
+def wrap_data_parallel(cfg: TrainConfig, model: nn.Module) -> nn.Module:
+    """The module the loss calls: `model` itself ("none"), or wrapped for DDP / FSDP2 inside an initialised
+    process group (torchrun; see course_lib.distributed). The optimizer keeps `model`'s parameters."""
+    if cfg.data_parallel == "none":
+        return model
+    import torch.distributed as dist
+
+    from .config import ConfigError
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
+                          "(course_lib.distributed.launch) or set data_parallel='none'")
+    if cfg.loss_chunks != 1:
+        raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls model.hidden, which the wrapper hides)")
+    dev = torch.device(cfg.device)
+    if cfg.data_parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        wrapped = model
+    return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
+
+
+# Called as listener(cfg, setup) at the end of build(); empty by default. The distributed modules of notebook 07
+# use it to reach the model and optimizer that train() builds (per-rank memory, final parameters).
+BUILD_LISTENERS: list[Callable[[TrainConfig, "Setup"], None]] = []
+
+
 @dataclass
 class Setup:
     """Everything the loop needs, built from one TrainConfig."""
@@ -150,8 +208,11 @@ def build(cfg: TrainConfig, model: nn.Module) -> Setup:
     set_matmul_precision(cfg.precision)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
-    loss_module = LossModule(model, cfg.loss_chunks)
+    loss_module = LossModule(wrap_data_parallel(cfg, model), cfg.loss_chunks)
     loss_fn = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if cfg.compile else loss_module
     optimizer = make_optimizer(cfg, model)
-    return Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
-                 autocast=autocast_context(cfg), scaler=make_grad_scaler(cfg))
+    setup = Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
+                  autocast=autocast_context(cfg), scaler=make_grad_scaler(cfg))
+    for listener in BUILD_LISTENERS:
+        listener(cfg, setup)
+    return setup

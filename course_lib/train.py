@@ -94,7 +94,7 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
         step_loss = torch.zeros((), device=dev)
         with timer.step(), (ledger.watch(model) if measuring else contextlib.nullcontext()):
             for x, y in micro:
-                with setup.autocast():
+                with setup.autocast(), (ledger.phase("forward") if measuring else contextlib.nullcontext()):
                     loss = loss_fn(x, y) / n_targets
                 with (ledger.phase("backward") if measuring else contextlib.nullcontext()):
                     setup.scaler.scale(loss).backward()

@@ -1,0 +1,199 @@
+"""Gradient accumulation (notebook 06): the arithmetic of the big batch, exact gradient comparisons, and the
+padding trap.
+
+The training loop itself lives in course_lib.train (TrainConfig.grad_accum_steps splits batch_size into
+micro-batches and divides every micro-batch's summed loss by the number of real target tokens in the whole
+accumulated batch). This module only
+
+- does the batch arithmetic (tokens per optimizer step, how many micro-steps a token budget needs),
+- builds micro-batches with deliberately different amounts of padding,
+- computes the gradient of one accumulated batch under several normalisations (the correct one and the
+  classic mistakes), with one forward and backward per micro-batch and no optimizer, so that they can be
+  compared with the big batch's gradient,
+- runs the one loop (course_lib.train.train) on the same data as one big batch and as micro-batches,
+- sweeps accumulation steps at a fixed effective batch through course_lib.train.run.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from . import data as data_mod
+from .config import TrainConfig
+from .model import GPT
+from .results import RunResult
+from .techniques import loss_sum
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+NORMALISATIONS = {
+    "global": "sum of the loss over each micro-batch / real target tokens in the whole batch (correct)",
+    "mean_of_means": "mean loss of each micro-batch / number of micro-steps (right only if every micro-batch has as many real tokens)",
+    "no_division": "mean loss of each micro-batch, not divided by the number of micro-steps (K times too large)",
+    "divide_after_backward": "loss.backward() first, loss / K afterwards (the division comes too late to change the gradient)",
+    "zero_grad_inside": "zero_grad() inside the micro-batch loop (only the last micro-batch's gradient survives)",
+}
+
+
+# ---- the arithmetic of the batch ----------------------------------------------------------------
+
+def tokens_per_optimizer_step(micro_batch: int, context: int, accum_steps: int = 1, processes: int = 1) -> int:
+    """Tokens that one optimizer step sees: micro-batch x context x accumulation steps x processes."""
+    for name, v in (("micro_batch", micro_batch), ("context", context), ("accum_steps", accum_steps), ("processes", processes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    return micro_batch * context * accum_steps * processes
+
+
+def accumulation_steps_for(target_tokens: int, micro_batch: int, context: int, processes: int = 1) -> int:
+    """How many micro-steps reach `target_tokens` per optimizer step, as an int (range() needs one).
+
+    Raises ValueError when the target is not a whole multiple of the tokens one micro-step of all processes
+    handles, rather than silently rounding the batch you asked for."""
+    per_micro_step = tokens_per_optimizer_step(micro_batch, context, 1, processes)
+    steps, rest = divmod(target_tokens, per_micro_step)
+    if rest or steps < 1:
+        raise ValueError(f"target_tokens={target_tokens} is not a whole multiple of micro_batch x context x processes = "
+                         f"{micro_batch} x {context} x {processes} = {per_micro_step}: change the micro-batch or the target")
+    return steps
+
+
+# ---- data ----------------------------------------------------------------------------------------
+
+def padded_micro_batches(stream: torch.Tensor, lengths: list[int], micro_batch: int, context: int, pad: int,
+                         seed: int = 0) -> list[Batch]:
+    """One micro-batch per entry of `lengths`: `micro_batch` random text pieces with `lengths[i]` real target
+    tokens each, padded to `context` (padded targets are IGNORE_INDEX). Different lengths give micro-batches with
+    different numbers of real tokens, the situation where a mean of per-micro-batch means goes wrong."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        if not 1 <= n <= context:
+            raise ValueError(f"each length must be in [1, context={context}], got {n}")
+        starts = torch.randint(0, len(stream) - n - 1, (micro_batch,), generator=gen).tolist()
+        out.append(data_mod.pad_sequences([stream[s : s + n + 1] for s in starts], context, pad))
+    return out
+
+
+def full_micro_batches(stream: torch.Tensor, n_micro: int, micro_batch: int, context: int, seed: int = 0) -> list[Batch]:
+    """`n_micro` micro-batches of random windows with no padding."""
+    gen = torch.Generator().manual_seed(seed)
+    return [data_mod.random_windows(stream, micro_batch, context, gen) for _ in range(n_micro)]
+
+
+def concat(micro: list[Batch]) -> Batch:
+    """The micro-batches stacked into the one big batch they are slices of."""
+    return torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+
+
+def target_counts(micro: list[Batch]) -> list[int]:
+    """Real (non-padding) target tokens in each micro-batch."""
+    return [data_mod.count_targets(y) for _, y in micro]
+
+
+# ---- gradients -----------------------------------------------------------------------------------
+
+def make_model(cfg: TrainConfig, seed: int | None = None) -> GPT:
+    """A freshly initialised GPT of cfg.model (same seed, same weights), in training mode, on cfg.device."""
+    torch.manual_seed(cfg.seed if seed is None else seed)
+    return GPT(cfg.model).to(cfg.device).train()
+
+
+def gradients(model: torch.nn.Module, micro: list[Batch], normalisation: str = "global") -> dict[str, torch.Tensor]:
+    """The gradient one accumulated batch leaves in `model` (forward and backward per micro-batch, no optimizer
+    step), as {parameter name: gradient copy}. `normalisation` is one of NORMALISATIONS: "global" is what
+    course_lib.train does; the others are the classic mistakes, kept here so they can be measured."""
+    if normalisation not in NORMALISATIONS:
+        raise ValueError(f"normalisation={normalisation!r} is not one of {', '.join(NORMALISATIONS)}")
+    dev = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    k = len(micro)
+    total = sum(target_counts(micro))
+    for x, y in micro:
+        x, y = x.to(dev), y.to(dev)
+        if normalisation == "zero_grad_inside":
+            model.zero_grad(set_to_none=True)
+        summed = loss_sum(model(x), y)
+        if normalisation == "global":
+            loss = summed / total
+        else:
+            loss = summed / data_mod.count_targets(y)  # this micro-batch's mean
+            if normalisation in ("mean_of_means", "zero_grad_inside"):
+                loss = loss / k
+        loss.backward()
+        if normalisation == "divide_after_backward":
+            loss = loss / k  # too late: backward() has already added this micro-batch's full gradient
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def big_batch_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The reference: the whole batch in one forward and backward, loss averaged over its real target tokens."""
+    return gradients(model, [(x, y)], "global")
+
+
+def flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.reshape(-1).double() for g in grads.values()])
+
+
+def relative_error(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """||g - g_ref|| / ||g_ref|| over all parameters together (global 2-norm)."""
+    if grads.keys() != reference.keys():
+        raise ValueError("the two gradients cover different parameters")
+    ref = flat(reference)
+    return float((flat(grads) - ref).norm() / ref.norm())
+
+
+def norm_ratio(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """||g|| / ||g_ref||: 1 when the scale is right."""
+    return float(flat(grads).norm() / flat(reference).norm())
+
+
+def compare_normalisations(model: torch.nn.Module, micro: list[Batch], normalisations=tuple(NORMALISATIONS)) -> dict[str, dict[str, float]]:
+    """Each normalisation's gradient against the big batch's: {name: {"relative_error", "norm_ratio"}}."""
+    ref = big_batch_gradients(model, *concat(micro))
+    out = {}
+    for name in normalisations:
+        g = gradients(model, micro, name)
+        out[name] = {"relative_error": relative_error(g, ref), "norm_ratio": norm_ratio(g, ref)}
+    return out
+
+
+# ---- the one loop, big batch against accumulation -------------------------------------------------
+
+def loop_equivalence(cfg: TrainConfig, micro_per_step: Callable[[int], list[Batch]], label: str = "") -> tuple[RunResult, RunResult]:
+    """Train the same model on the same data twice with course_lib.train.train: once as one big batch per step
+    (grad_accum_steps=1), once as the micro-batches (grad_accum_steps=K). Returns (big, accumulated) results;
+    their losses and gradient norms should agree to rounding."""
+    from .train import train
+
+    k = len(micro_per_step(0))
+    base = replace(cfg, batch_size=k * cfg.micro_batch_size, measure_memory=False)
+    big = train(replace(base, grad_accum_steps=1), f"{label}big batch", batches=lambda step: [concat(micro_per_step(step))])
+    acc = train(replace(base, grad_accum_steps=k), f"{label}{k} micro-batches", batches=micro_per_step)
+    return big, acc
+
+
+def max_relative_difference(a: list[float], b: list[float]) -> float:
+    if len(a) != len(b) or not a:
+        raise ValueError("need two non-empty lists of the same length")
+    return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b))
+
+
+# ---- the cost: accumulation steps at a fixed effective batch ---------------------------------------
+
+def accumulation_sweep(base: TrainConfig, accum_steps: list[int], callback: Callable[[int, RunResult], None] | None = None,
+                       runner: Callable[..., RunResult] | None = None) -> list[RunResult]:
+    """One run of the one loop (course_lib.train.run) per number of accumulation steps, all with the effective
+    batch base.batch_size; the micro-batch is batch_size / K."""
+    from .train import run
+
+    runner = runner or run
+    results = []
+    for k in accum_steps:
+        cfg = replace(base, grad_accum_steps=k)
+        results.append(runner(cfg, label=f"K={k} (micro-batch {cfg.micro_batch_size})", callback=callback))
+    return results

@@ -1,0 +1,234 @@
+"""Attention three ways, and the measurements of notebook 04.
+
+- `naive_attention` (from model.py): writes out the (batch, heads, s, s) scores and probabilities.
+- `sdpa_attention` (from model.py): `F.scaled_dot_product_attention`, which picks a fused kernel.
+- `tiled_attention`: exact attention computed one (query block x key block) tile at a time with an online
+  softmax, in plain PyTorch, for understanding. Only a tile of scores exists at any moment.
+- `windowed_attention`: a *local* attention (each query sees only the last `window` keys). It is here to
+  show what flash attention is NOT: flash attention is exact, a window changes the function.
+
+And the measurements: which SDPA backend actually runs (`sdpa_backend`), and a context-length sweep that
+times naive against SDPA attention and measures their peak memory (`context_sweep`).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .bench import peak_bytes, time_fn
+from .model import naive_attention, sdpa_attention
+
+__all__ = ["naive_attention", "sdpa_attention", "tiled_attention", "windowed_attention", "max_abs_diff", "sdpa_backend",
+           "AttentionPoint", "context_sweep", "IMPLS", "scores_bytes"]
+
+
+def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 64, block_k: int = 64,
+                    causal: bool = True, return_lse: bool = False):
+    """Exact (causal) softmax attention, one tile at a time, with an online softmax.
+
+    For each block of queries we walk over the blocks of keys and keep, per query row, three running
+    quantities: the largest score seen so far `m`, the sum of exp(score - m) `l`, and the weighted sum of
+    values `acc` (also relative to exp(-m)). When a new tile raises the maximum from m to m', the old `l`
+    and `acc` are rescaled by exp(m - m'), so at the end acc / l is exactly softmax(scores) @ v.
+    Only a (block_q x block_k) tile of scores exists at a time: the s x s matrix never does.
+
+    q, k, v: (..., s, head_dim). Returns the output (and the log-sum-exp per query when `return_lse`).
+    Under autograd this function saves its tiles for backward; flash attention instead writes its own
+    backward that recomputes them (see the notebook).
+    """
+    if causal and q.size(-2) != k.size(-2):
+        raise ValueError("causal tiled_attention needs as many queries as keys")
+    s_q, s_k, d = q.size(-2), k.size(-2), q.size(-1)
+    scale = 1.0 / math.sqrt(d)
+    outs, lses = [], []
+    for i0 in range(0, s_q, block_q):
+        i1 = min(i0 + block_q, s_q)
+        qi = q[..., i0:i1, :] * scale
+        m = qi.new_full(qi.shape[:-1], float("-inf"))  # running max per query row
+        l = qi.new_zeros(qi.shape[:-1])  # running sum of exp(score - m)
+        acc = qi.new_zeros(qi.shape)  # running sum of exp(score - m) * v
+        k_end = i1 if causal else s_k  # keys after the block's last query are all masked
+        for j0 in range(0, k_end, block_k):
+            j1 = min(j0 + block_k, k_end)
+            scores = qi @ k[..., j0:j1, :].transpose(-2, -1)  # one tile: (..., i1-i0, j1-j0)
+            if causal and j1 - 1 > i0:  # the tile crosses the diagonal: mask keys after each query
+                rows = torch.arange(i0, i1, device=q.device).unsqueeze(-1)
+                cols = torch.arange(j0, j1, device=q.device).unsqueeze(0)
+                scores = scores.masked_fill(cols > rows, float("-inf"))
+            m_new = torch.maximum(m, scores.amax(dim=-1))
+            p = torch.exp(scores - m_new.unsqueeze(-1))
+            correction = torch.exp(m - m_new)  # rescales what was summed under the old maximum
+            l = l * correction + p.sum(dim=-1)
+            acc = acc * correction.unsqueeze(-1) + p @ v[..., j0:j1, :]
+            m = m_new
+        outs.append(acc / l.unsqueeze(-1))
+        lses.append(m + torch.log(l))
+    out = torch.cat(outs, dim=-2)
+    return (out, torch.cat(lses, dim=-1)) if return_lse else out
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 64) -> torch.Tensor:
+    """Causal *local* attention: query i sees keys i-window+1 .. i only. A different function from full
+    attention whenever s > window (this is not what flash attention does)."""
+    s = q.size(-2)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.size(-1))
+    i = torch.arange(s, device=q.device).unsqueeze(-1)
+    j = torch.arange(s, device=q.device).unsqueeze(0)
+    keep = (j <= i) & (j > i - window)
+    return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+
+def _naive(q, k, v):
+    return naive_attention(q, k, v)
+
+
+def _sdpa(q, k, v):
+    return sdpa_attention(q, k, v)
+
+
+def _tiled(q, k, v):
+    return tiled_attention(q, k, v, block_q=128, block_k=128)
+
+
+IMPLS: dict[str, Callable] = {"naive": _naive, "sdpa": _sdpa, "tiled": _tiled}
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def random_qkv(batch: int, heads: int, s: int, head_dim: int, device="cpu", dtype=torch.float32, seed: int = 0,
+               requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = [torch.randn(batch, heads, s, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
+    for t in out:
+        t.requires_grad_(requires_grad)
+    return tuple(out)
+
+
+# ---- which SDPA backend runs ---------------------------------------------------------------------
+
+# aten op that scaled_dot_product_attention dispatches to -> backend name
+SDPA_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "memory-efficient",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_fused_attention_overrideable": "fused (device plug-in)",
+}
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> tuple[str, str]:
+    """Which kernel F.scaled_dot_product_attention actually runs for these inputs: (backend, aten op).
+
+    Found by watching the operators it dispatches to (a TorchDispatchMode sees them), not by asking what
+    could run: SDPA silently falls back to the "math" path (plain matmul + softmax, s x s matrix and all)
+    when no fused kernel accepts the inputs.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), _Ops():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+    for op in seen:
+        if op in SDPA_OPS:
+            return SDPA_OPS[op], "aten." + op
+    return "math (unfused fallback)", "aten." + ", aten.".join(dict.fromkeys(seen))
+
+
+# ---- the context-length sweep --------------------------------------------------------------------
+
+def scores_bytes(batch: int, heads: int, s: int, dtype=torch.float32) -> int:
+    """Bytes of one (batch, heads, s, s) matrix: what naive attention materialises (scores, then probs)."""
+    return batch * heads * s * s * torch.tensor([], dtype=dtype).element_size()
+
+
+@dataclass
+class AttentionPoint:
+    impl: str
+    context: int
+    ms: float  # median wall time, ms
+    peak_bytes: int  # peak of the memory the call allocated (inputs not included)
+    method: str  # how the peak was measured
+    backward: bool  # forward + backward (training) or forward only
+    batch: int
+    heads: int
+    head_dim: int
+    device: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int = 4, head_dim: int = 64, backward: bool = True,
+                  device="cpu", dtype=torch.float32, repeats: int = 3, progress: Callable[[str, int], None] | None = None) -> list[AttentionPoint]:
+    """Time and peak memory of each attention implementation at each context length.
+
+    Time: median of `repeats` calls after one warm-up, device synchronised. Memory: the peak of what the call
+    allocates beyond its inputs (CPU: every storage followed by the course's ledger; CUDA: the allocator's peak),
+    with `backward` the gradients of q, k, v and everything saved for backward included.
+    """
+    from .measure import device_name
+
+    name = device_name(device)
+    points = []
+    for s in contexts:
+        for impl in impls:
+            fn = IMPLS[impl]
+            q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=backward)
+
+            def call():
+                out = fn(q, k, v)
+                if backward:
+                    out.backward(torch.ones_like(out))
+                    for t in (q, k, v):
+                        t.grad = None
+                return out
+
+            ctx = torch.enable_grad() if backward else torch.no_grad()
+            with ctx:
+                ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
+                peak, method = peak_bytes(call, device=device)
+            points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
+            if progress:
+                progress(impl, s)
+            del q, k, v
+    return points
+
+
+def plot_sweep(points: list[AttentionPoint], title: str = ""):
+    """Time (ms) and peak memory (MiB) against context length, log-log, with the s^2 matrix size for scale."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10.5, 3.6), layout="constrained")
+    impls = list(dict.fromkeys(p.impl for p in points))
+    for impl in impls:
+        pts = [p for p in points if p.impl == impl]
+        xs = [p.context for p in pts]
+        ax_t.plot(xs, [p.ms for p in pts], "o-", label=impl)
+        ax_m.plot(xs, [p.peak_bytes / 2**20 for p in pts], "o-", label=impl)
+    if points:
+        p0 = points[0]
+        xs = sorted({p.context for p in points})
+        ax_m.plot(xs, [scores_bytes(p0.batch, p0.heads, s) / 2**20 for s in xs], "k:", lw=1, label="one b·a·s·s fp32 matrix")
+    for ax in (ax_t, ax_m):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length s (tokens)")
+        ax.legend(fontsize=8)
+    mode = "forward + backward" if points and points[0].backward else "forward only"
+    ax_t.set_ylabel(f"time per call, {mode} (ms)")
+    ax_m.set_ylabel("peak memory allocated by the call (MiB)")
+    dev = points[0].device if points else ""
+    shape = f"batch {points[0].batch}, heads {points[0].heads}, head dim {points[0].head_dim}" if points else ""
+    fig.suptitle(f"{title or 'Attention vs context length'} ({shape})\n{dev}, torch {torch.__version__}", fontsize=9)
+    return fig

@@ -1,0 +1,168 @@
+"""Small benchmarks for notebook 04: timing and peak memory of one call, "ugly" sizes, AdamW implementations,
+and what torch.compile does when shapes change. The training runs themselves go through course_lib.train.
+
+Every function returns what it measured (plain numbers, with units in the names); nothing is hard-coded.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .measure import MemoryLedger, synchronize
+
+
+# ---- one call: time and memory -------------------------------------------------------------------
+
+def time_fn(fn: Callable[[], object], device="cpu", repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall time of fn() in seconds, after `warmup` calls, with the device synchronised around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_bytes(fn: Callable[[], object], device="cpu") -> tuple[int, str]:
+    """Peak bytes that fn() allocates on top of what already exists, and how that was measured.
+
+    CUDA: max_memory_allocated after reset_peak_memory_stats, minus what was allocated before.
+    CPU: the course's MemoryLedger follows every tensor storage the operators create (a fused kernel's
+    internal scratch buffers, which never become tensors, are not seen).
+    """
+    dev = torch.device(device)
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        out = fn()
+        torch.cuda.synchronize(dev)
+        del out
+        return torch.cuda.max_memory_allocated(dev) - before, "CUDA max_memory_allocated - allocated before"
+    ledger = MemoryLedger(keep_timeline=False)
+    with ledger:
+        out = fn()
+    del out
+    return ledger.peak, "CPU ledger: tensor storages created by the call"
+
+
+# ---- ugly numbers ---------------------------------------------------------------------------------
+
+@dataclass
+class SizePoint:
+    n: int
+    ms: float
+    gflops: float  # achieved GFLOP/s
+
+    @property
+    def multiple_of_64(self) -> bool:
+        return self.n % 64 == 0
+
+
+def matmul_sweep(sizes: Sequence[int], m: int = 1024, k: int = 256, device="cpu", dtype=torch.float32, repeats: int = 5) -> list[SizePoint]:
+    """(m x k) @ (k x n) for each n: median time and achieved GFLOP/s (2·m·k·n FLOPs)."""
+    out = []
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    for n in sizes:
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        s = time_fn(lambda: a @ b, device=device, repeats=repeats, warmup=2)
+        out.append(SizePoint(n, s * 1e3, 2 * m * k * n / s / 1e9))
+    return out
+
+
+def lm_head_time(vocab: int, tokens: int = 1024, width: int = 256, device="cpu", dtype=torch.float32, repeats: int = 5) -> float:
+    """Seconds for the output layer and its loss, forward and backward: logits = h @ W^T (tokens x vocab), then
+    cross-entropy. The part of a GPT step whose shape the vocabulary size sets."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, width, generator=gen).to(device, dtype).requires_grad_()
+    w = (0.02 * torch.randn(vocab, width, generator=gen)).to(device, dtype).requires_grad_()
+    y = torch.randint(0, min(vocab, 50257), (tokens,), generator=gen).to(device)
+
+    def step():
+        loss = F.cross_entropy(h @ w.t(), y)
+        loss.backward()
+        h.grad = w.grad = None
+
+    return time_fn(step, device=device, repeats=repeats, warmup=1)
+
+
+# ---- AdamW: for-loop, foreach, fused ------------------------------------------------------------------
+
+ADAMW_IMPLS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+
+
+def adamw_step_times(params: Sequence[torch.Tensor], impls=tuple(ADAMW_IMPLS), repeats: int = 10, device="cpu") -> dict[str, float]:
+    """Median seconds of optimizer.step() for each AdamW implementation on copies of `params` with random
+    gradients (the same for each implementation). An implementation this build cannot run is left out."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen).to(device) * 1e-3 for p in params]
+    out = {}
+    for name in impls:
+        ps = [p.detach().clone().to(device).requires_grad_() for p in params]
+        for p, g in zip(ps, grads):
+            p.grad = g.clone()
+        try:
+            opt = torch.optim.AdamW(ps, lr=1e-3, **ADAMW_IMPLS[name])
+            out[name] = time_fn(opt.step, device=device, repeats=repeats, warmup=2)
+        except (RuntimeError, ValueError):
+            continue
+    return out
+
+
+def adamw_results_agree(params: Sequence[torch.Tensor], steps: int = 3) -> float:
+    """Largest difference between the parameters the three AdamW implementations produce after `steps` steps."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(steps)]
+    finals = []
+    for kw in ADAMW_IMPLS.values():
+        ps = [p.detach().clone().requires_grad_() for p in params]
+        opt = torch.optim.AdamW(ps, lr=1e-2, **kw)
+        for g in grads:
+            for p, gi in zip(ps, g):
+                p.grad = gi.clone()
+            opt.step()
+        finals.append(ps)
+    return max((a - b).abs().max().item() for other in finals[1:] for a, b in zip(finals[0], other))
+
+
+# ---- torch.compile: compile events -------------------------------------------------------------------
+
+class CompileCounter:
+    """A torch.compile backend that runs the captured graph as it is (no code generation, so it is quick) and
+    records every graph Dynamo hands it, with its input shapes: each entry is one (re)compilation.
+
+        counter = CompileCounter()
+        f = torch.compile(fn, backend=counter)
+    """
+
+    def __init__(self):
+        self.graphs: list[dict] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        shapes = [tuple(str(d) for d in t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
+        n_ops = sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module"))
+        self.graphs.append({"input_shapes": shapes, "ops": n_ops, "dynamic": any(isinstance(t, torch.SymInt) for t in example_inputs)
+                            or any(not s.isdigit() for sh in shapes if isinstance(sh, tuple) for s in sh),
+                            "code": gm.code})
+        return gm.forward
+
+    @property
+    def compiles(self) -> int:
+        return len(self.graphs)
+
+
+def break_even_steps(compile_s: float, eager_step_s: float, compiled_step_s: float) -> float | None:
+    """Steps after which compiling has paid for itself: compile_s / (eager - compiled); None if it never does."""
+    saved = eager_step_s - compiled_step_s
+    return compile_s / saved if saved > 0 else None

@@ -1,0 +1,26 @@
+"""How much work the notebooks do: the full size for a learner, a small budget for the tests.
+
+Set COURSE_BUDGET=smoke (the test suite does) to run every experiment with few steps and small shapes on a
+2-core CPU; unset, or COURSE_BUDGET=full, gives the learner the full experiment.
+"""
+from __future__ import annotations
+
+import os
+
+BUDGETS = ("full", "smoke")
+
+
+def budget() -> str:
+    value = os.environ.get("COURSE_BUDGET", "full").strip().lower() or "full"
+    if value not in BUDGETS:
+        raise ValueError(f"COURSE_BUDGET={value!r} is not one of {BUDGETS}: unset it or use 'smoke' for a quick run")
+    return value
+
+
+def is_smoke() -> bool:
+    return budget() == "smoke"
+
+
+def pick(full, smoke):
+    """`full` for a learner, `smoke` under the test budget."""
+    return smoke if is_smoke() else full

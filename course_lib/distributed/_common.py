@@ -1,0 +1,139 @@
+"""What every strategy module does inside a torchrun process: read its arguments, join the process group
+(NCCL on GPUs, gloo on CPU processes), measure, and write one JSON file per rank.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; nothing here
+assumes one machine, so the same module runs on a multi-GPU node or across nodes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import measure
+from ..config import TrainConfig, tiny_preset
+from ..results import provenance
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    out: Path
+    options: dict
+    cfg: TrainConfig
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1
+
+
+def choose_backend(device_pref: str, local_world: int) -> tuple[str, str]:
+    """(backend, device type): NCCL when every local process can have its own GPU, else gloo on CPU."""
+    if device_pref in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        return "nccl", "cuda"
+    if device_pref == "cuda":
+        raise RuntimeError(f"device='cuda' asked for, but {torch.cuda.device_count()} GPU(s) for {local_world} local processes")
+    return "gloo", "cpu"
+
+
+def start(argv=None) -> Ctx:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="folder for rank<r>.json")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--config", default=None, help="a TrainConfig as JSON (file path); default: the tiny preset")
+    ap.add_argument("--options", default="{}", help="strategy options as a JSON object")
+    args = ap.parse_args(argv)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    backend, dev_type = choose_backend(args.device, local_world)
+    device = torch.device("cuda", local_rank) if dev_type == "cuda" else torch.device("cpu")
+    if dev_type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend=backend, device_id=device if dev_type == "cuda" else None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid_rank{rank}").write_text(str(os.getpid()))  # lets a test check that nothing is left running
+    if args.config:
+        cfg = TrainConfig.from_dict(json.loads(Path(args.config).read_text()))
+    else:
+        cfg = tiny_preset("cpu")
+    from dataclasses import replace
+
+    cfg = replace(cfg, device=str(device), measure_memory=False)
+    return Ctx(rank, world, local_rank, device, backend, out, json.loads(args.options), cfg)
+
+
+def write(ctx: Ctx, payload: dict) -> None:
+    """rank<r>.json: the rank's measurements plus where they came from."""
+    base = {"rank": ctx.rank, "world_size": ctx.world, "backend": ctx.backend, "device": str(ctx.device),
+            "provenance": provenance(measure.device_name(ctx.device)), "time": time.time()}
+    (ctx.out / f"rank{ctx.rank}.json").write_text(json.dumps({**base, **payload}, indent=1, default=float))
+
+
+def finish() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of a tensor this rank holds: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_bytes(tensors) -> int:
+    """Bytes this rank holds for `tensors` (DTensor shards counted locally; each storage once)."""
+    return measure.tensor_bytes([local_tensor(t) for t in tensors if isinstance(t, torch.Tensor)])
+
+
+def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    return {"parameters": local_bytes(params),
+            "gradients": local_bytes([p.grad for p in params if p.grad is not None]),
+            "optimizer state": local_bytes(measure.optimizer_state_tensors(optimizer))}
+
+
+def cuda_peak(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    return {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+
+
+def global_batches(cfg: TrainConfig, world: int, seed: int = 0):
+    """The same global batches on every rank: step -> list of micro-batches of world * micro_batch_size
+    sequences. A rank takes its slice with `shard`."""
+    from .. import data as data_mod
+
+    splits = data_mod.load_splits()
+    cache: dict[int, list] = {}
+
+    def at(step: int):
+        if step not in cache:
+            gen = torch.Generator().manual_seed(seed * 100_003 + step)
+            cache[step] = [data_mod.random_windows(splits.train, world * cfg.micro_batch_size, cfg.context, gen)
+                           for _ in range(cfg.grad_accum_steps)]
+        return cache[step]
+
+    return splits, at
+
+
+def shard(batch, rank: int, world: int):
+    x, y = batch
+    n = x.size(0) // world
+    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]

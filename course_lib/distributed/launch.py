@@ -1,0 +1,165 @@
+"""Start a strategy module under torchrun in a subprocess and read back each rank's JSON.
+
+A notebook must not fork training processes itself (mp.spawn fails in IPython), so it runs
+
+    python -m torch.distributed.run --nproc_per_node=N --master_addr=127.0.0.1 --master_port=<free port> \\
+        -m course_lib.distributed.<strategy> --out <dir> [--config cfg.json] [--options '{...}']
+
+with a timeout; torchrun and its workers get a process group of their own, and the whole group is stopped
+when the run ends, fails or hangs, so no process is left behind. On a failure the captured stderr is shown.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor_parallel", "selftest")
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(strategy: str, nproc: int, out_dir: str | Path, *, config_file: str | Path | None = None,
+                     options: dict | None = None, device: str = "auto", nnodes: int = 1, node_rank: int = 0,
+                     master_addr: str = "127.0.0.1", master_port: int | None = None) -> list[str]:
+    """The command line, the same on a laptop, a multi-GPU node or (with nnodes > 1, run once per node with
+    its node_rank and the first node's address) a cluster."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
+           f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={master_port or free_port()}",
+           "-m", f"course_lib.distributed.{strategy}", "--out", str(out_dir), "--device", device]
+    if config_file:
+        cmd += ["--config", str(config_file)]
+    if options:
+        cmd += ["--options", json.dumps(options)]
+    return cmd
+
+
+@dataclass
+class LaunchResult:
+    strategy: str
+    nproc: int
+    command: list[str]
+    returncode: int | None
+    timed_out: bool
+    wall_s: float
+    ranks: list[dict] = field(default_factory=list)  # rank<r>.json, in rank order
+    stderr: str = ""
+    stdout: str = ""
+    out_dir: str = ""
+    pid: int = 0  # torchrun's process id (its process group is the run's)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and len(self.ranks) == self.nproc
+
+    def why(self) -> str:
+        if self.timed_out:
+            head = f"{self.strategy} with {self.nproc} processes was stopped after {self.wall_s:.0f} s (timeout)"
+        elif self.returncode != 0:
+            head = f"{self.strategy} with {self.nproc} processes failed (exit code {self.returncode})"
+        else:
+            head = f"{self.strategy}: {len(self.ranks)} of {self.nproc} ranks wrote results"
+        # The ranks' own exceptions first (the root cause is usually one rank's error, the rest is fallout).
+        errors = [ln for ln in self.stderr.splitlines() if ln.startswith("[rank") and "Error" in ln.split(":", 2)[-1][:80]]
+        cause = ("\n--- errors raised in the ranks ---\n" + "\n".join(errors[:10])) if errors else ""
+        return head + cause + "\n--- stderr (last 3000 characters) ---\n" + self.stderr[-3000:]
+
+    def raise_for_status(self) -> "LaunchResult":
+        if not self.ok:
+            raise RuntimeError(self.why())
+        return self
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM to the run's own process group (torchrun and its workers), then SIGKILL what is left."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)  # does any member of the group remain?
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = None, device: str = "auto",
+           timeout_s: float = 180, out_dir: str | Path | None = None, threads_per_process: int | None = None,
+           show_errors: bool = True) -> LaunchResult:
+    """Run course_lib.distributed.<strategy> on `nproc` processes of this machine and collect their results.
+
+    cfg: a TrainConfig (default: the tiny preset). device: "auto" (NCCL if there are `nproc` GPUs, else gloo
+    on CPU), "cpu" or "cuda". A run that fails or outlives `timeout_s` comes back with ok=False, its stderr
+    kept (and printed when show_errors); every process it started is stopped either way."""
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"course_{strategy}_"))
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("rank*.json"):
+        old.unlink()
+    config_file = None
+    if cfg is not None:
+        config_file = out / "config.json"
+        config_file.write_text(json.dumps(cfg.to_dict()))
+    cmd = torchrun_command(strategy, nproc, out, config_file=config_file, options=options, device=device)
+    env = dict(os.environ)
+    # Share the cores: each process gets its slice (torchrun would set 1 and warn about it).
+    env["OMP_NUM_THREADS"] = str(threads_per_process or max(1, (os.cpu_count() or 1) // nproc))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env["TORCHELASTIC_ERROR_FILE"] = str(out / "error.json")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _stop_group(proc)
+        stdout, stderr = proc.communicate()
+    finally:
+        _stop_group(proc, grace_s=1.0)  # workers that outlived torchrun, if any
+    wall = time.perf_counter() - t0
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+    result = LaunchResult(strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr, stdout, str(out), proc.pid)
+    if show_errors and not result.ok:
+        print(result.why(), file=sys.stderr)
+    return result
+
+
+def rank_pids(result: LaunchResult) -> list[int]:
+    """The worker processes' ids (each rank writes its pid when it starts)."""
+    return [int(f.read_text()) for f in Path(result.out_dir).glob("pid_rank*")]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie has exited; only its parent has not collected it yet
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False

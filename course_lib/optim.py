@@ -1,0 +1,336 @@
+"""The optimiser and its hyperparameters from first principles (notebook 05).
+
+- AdamW written from its update rule (`adamw_update`, `HandAdamW`), checked equal to torch.optim.AdamW.
+- Learning-rate schedules as plain functions of the step: constant, linear warmup + cosine decay (the one
+  the training loop uses, `techniques.lr_at`), inverse square root, step decay and warmup-stable-decay;
+  and the torch.optim.lr_scheduler constructions they are checked against.
+- Gradient clipping: the global norm over all parameters (what GPT-3 clips) beside per-tensor clipping.
+- Optimizer state bytes, measured from the tensors and from the formula.
+- Weight-decay groups listed by name, and batch sources for the loop (an injected bad batch, a batch ramp).
+
+Nothing here trains a model: the experiments run through course_lib.train.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Iterable
+
+import torch
+import torch.nn as nn
+
+from . import data as data_mod
+from . import measure, techniques
+
+# ---- AdamW from its update rule -------------------------------------------------------------------
+
+
+@torch.no_grad()
+def adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+    """One AdamW step for one tensor, in place. `t` is the step number, starting at 1.
+
+        theta <- theta - lr * wd * theta                 (decoupled weight decay: not part of the gradient)
+        m <- b1 m + (1 - b1) g,    v <- b2 v + (1 - b2) g^2
+        m_hat = m / (1 - b1^t),    v_hat = v / (1 - b2^t)   (bias correction: m and v start at zero)
+        theta <- theta - lr * m_hat / (sqrt(v_hat) + eps)
+    """
+    b1, b2 = betas
+    p.mul_(1 - lr * weight_decay)
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    m_hat = m / (1 - b1**t)
+    v_hat = v / (1 - b2**t)
+    p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+
+
+class HandAdamW(torch.optim.Optimizer):
+    """AdamW built on `adamw_update`; two state tensors (m, v) per parameter, as in torch's."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["t"] = 0
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                state["t"] += 1
+                adamw_update(p, p.grad, state["m"], state["v"], state["t"], group["lr"], group["betas"], group["eps"],
+                             group["weight_decay"])
+
+
+# ---- learning-rate schedules: lr of optimizer step `step` (0-based) ---------------------------------
+
+def _warmup(step: int, lr: float, warmup: int) -> float:
+    return lr * (step + 1) / warmup
+
+
+def constant_lr(step: int, lr: float, warmup: int = 0) -> float:
+    return _warmup(step, lr, warmup) if step < warmup else lr
+
+
+def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then half a cosine down to min_lr_ratio * lr, reached at
+    the last step (total - 1). GPT-3 decays to 10% of the maximum. Same formula as techniques.lr_at."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    floor = min_lr_ratio * lr
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
+    """The original Transformer's schedule, scaled to peak at `lr`: with t = step + 1,
+    lr * min(t / warmup, sqrt(warmup / t)): linear up to t = warmup, then proportional to 1/sqrt(t)."""
+    if warmup < 1:
+        raise ValueError("inverse_sqrt_lr needs warmup >= 1 (it peaks at t = warmup)")
+    t = step + 1
+    return lr * min(t / warmup, math.sqrt(warmup / t))
+
+
+def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
+    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) / step_size)."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    return lr * gamma ** ((step - warmup) // step_size)
+
+
+def wsd_lr(step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0) -> float:
+    """Warmup-stable-decay: linear warmup, a long flat stretch at `lr`, then a linear cool-down over the last
+    `decay_fraction` of the steps, reaching min_lr_ratio * lr at the last step (total - 1)."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    decay_steps = max(1, math.ceil(decay_fraction * total))
+    start = total - decay_steps  # first step of the cool-down
+    if step < start:
+        return lr
+    progress = min(1.0, (step - start + 1) / decay_steps)
+    floor = min_lr_ratio * lr
+    return lr - (lr - floor) * progress
+
+
+SCHEDULES: dict[str, Callable[..., float]] = {
+    "constant": constant_lr, "cosine": warmup_cosine_lr, "inverse sqrt": inverse_sqrt_lr,
+    "step": step_decay_lr, "wsd": wsd_lr,
+}
+
+
+def curve(fn: Callable[[int], float], steps: int) -> list[float]:
+    return [fn(s) for s in range(steps)]
+
+
+def _dummy_optimizer(lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def torch_scheduler_curve(make: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler], lr: float,
+                          steps: int) -> list[float]:
+    """The lr a torch.optim.lr_scheduler construction gives at each of `steps` steps (read before each step,
+    as the training loop reads it)."""
+    opt = _dummy_optimizer(lr)
+    sched = make(opt)
+    out = []
+    for _ in range(steps):
+        out.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return out
+
+
+def torch_warmup_cosine(opt: torch.optim.Optimizer, warmup: int, total: int, min_lr_ratio: float = 0.1):
+    """The warmup + cosine schedule from torch's own building blocks: LinearLR from lr/warmup to lr over the
+    first `warmup` steps, then CosineAnnealingLR down to min_lr_ratio * lr at the last step."""
+    lr = opt.param_groups[0]["lr"]
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total - 1 - warmup), eta_min=min_lr_ratio * lr)
+    if warmup == 0:
+        return cosine
+    if warmup == 1:
+        warm = torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=1)
+    else:
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+    return torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[warmup])
+
+
+# ---- gradient clipping ----------------------------------------------------------------------------
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def global_grad_norm(params: Iterable[torch.Tensor]) -> float:
+    """||g|| over all parameters at once, as if every gradient were one long vector: sqrt(sum of all g^2)."""
+    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in _grads(params)))
+
+
+@torch.no_grad()
+def clip_global_(params: Iterable[torch.Tensor], max_norm: float) -> float:
+    """Scale every gradient by the same factor min(1, max_norm / ||g||): the direction is kept. Returns the
+    norm before clipping (as torch.nn.utils.clip_grad_norm_ does; 1e-6 guards against division by zero)."""
+    params = list(params)
+    norm = global_grad_norm(params)
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    for g in _grads(params):
+        g.mul_(coef)
+    return norm
+
+
+@torch.no_grad()
+def clip_per_tensor_(params: Iterable[torch.Tensor], max_norm: float) -> list[float]:
+    """Clip each tensor's gradient on its own norm (not what GPT-3 does): each tensor gets its own factor, so
+    the direction of the whole gradient changes. Returns each tensor's norm before clipping."""
+    norms = []
+    for g in _grads(params):
+        n = float(g.norm())
+        norms.append(n)
+        g.mul_(min(1.0, max_norm / (n + 1e-6)))
+    return norms
+
+
+def cosine_similarity(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Cosine of the angle between two whole gradients (lists of tensors seen as one vector)."""
+    dot = sum(float((x.double() * y.double()).sum()) for x, y in zip(a, b))
+    na = math.sqrt(sum(float(x.double().pow(2).sum()) for x in a))
+    nb = math.sqrt(sum(float(y.double().pow(2).sum()) for y in b))
+    return dot / (na * nb)
+
+
+def update_norm(model: nn.Module, grads: list[torch.Tensor], scale: float,
+                make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], clip: float | None = None) -> float:
+    """||theta_after - theta_before|| of ONE optimizer step from fresh state, on a copy of `model`, with the
+    gradient `grads` multiplied by `scale` (and clipped to `clip` first when given). A small illustration of
+    what the gradient's scale does to the update, not a training run."""
+    m = copy.deepcopy(model)
+    params = list(m.parameters())
+    before = [p.detach().clone() for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g.detach().clone() * scale
+    if clip is not None:
+        clip_global_(params, clip)
+    make_optimizer(params).step()
+    return math.sqrt(sum(float((p.detach() - b).double().pow(2).sum()) for p, b in zip(params, before)))
+
+
+# ---- optimizer state --------------------------------------------------------------------------------
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors (moments, step counters), measured from the tensors."""
+    return measure.tensor_bytes(measure.optimizer_state_tensors(optimizer))
+
+
+def expected_state_bytes(kind: str, params: list[torch.Tensor]) -> int:
+    """The formula for fp32 state. N = number of parameters, T = number of tensors.
+    adamw: m and v, 2 x 4N bytes, + one 4-byte step counter per tensor.  sgd: nothing.  sgd_momentum: one
+    buffer, 4N.  adafactor (torch's, no first moment): per matrix of shape (r, c) a row and a column
+    second-moment vector, 4(r + c) bytes instead of 4rc; a vector keeps its full 4n; + a step counter per tensor."""
+    n = sum(p.numel() for p in params)
+    t = len(params)
+    if kind == "adamw":
+        return 2 * 4 * n + 4 * t
+    if kind == "sgd":
+        return 0
+    if kind == "sgd_momentum":
+        return 4 * n
+    if kind == "adafactor":
+        total = 0
+        for p in params:
+            if p.dim() >= 2:
+                r, c = p.shape[-2], p.shape[-1]
+                lead = p.numel() // (r * c)
+                total += 4 * lead * (r + c)
+            else:
+                total += 4 * p.numel()
+        return total + 4 * t
+    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum or adafactor")
+
+
+def make_named_optimizer(kind: str, params: list[torch.Tensor], lr: float = 1e-3) -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, foreach=False)
+    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum or adafactor")
+
+
+def measured_state_bytes(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """State bytes after one real step (state is created lazily, at the first step) on a copy of `model`."""
+    m = copy.deepcopy(model)
+    params = list(m.parameters())
+    opt = make_named_optimizer(kind, params)
+    techniques.loss_sum(m(x), y).backward()
+    opt.step()
+    return state_bytes(opt)
+
+
+# ---- weight-decay groups ------------------------------------------------------------------------------
+
+def describe_param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
+    """The groups techniques.param_groups builds (what the loop's optimizer gets), with names and counts."""
+    names = {}
+    for name, p in model.named_parameters():  # a tied weight keeps its first name
+        names.setdefault(id(p), name)
+    rows = []
+    for i, g in enumerate(techniques.param_groups(model, weight_decay, decay_2d_only)):
+        rows.append({"group": i, "weight_decay": g["weight_decay"], "tensors": len(g["params"]),
+                     "parameters": sum(p.numel() for p in g["params"]),
+                     "names": [f"{names[id(p)]} {tuple(p.shape)}" for p in g["params"]]})
+    return rows
+
+
+# ---- batch sources for train(..., batches=...) ---------------------------------------------------------
+
+def default_batches(splits: data_mod.Splits, cfg, seed: int | None = None):
+    """The loop's own default batches (random windows of the training text, same generator and order)."""
+    gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
+
+    def batches(step: int):
+        return [data_mod.random_windows(splits.train, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
+
+    return batches
+
+
+def with_bad_batch(splits: data_mod.Splits, cfg, bad_steps: Iterable[int], seed: int | None = None):
+    """The default batches, except that at `bad_steps` the targets are replaced by random tokens (a corrupted
+    batch: labels that do not follow from the text). The good steps get exactly the batches they would get
+    without it, so a run with and a run without the bad batch differ only there."""
+    good = default_batches(splits, cfg, seed)
+    bad = set(bad_steps)
+    noise = torch.Generator().manual_seed(10_000 + (cfg.seed if seed is None else seed))
+
+    def batches(step: int):
+        micro = good(step)
+        if step in bad:
+            micro = [(x, torch.randint(0, splits.vocab_size, y.shape, generator=noise)) for x, y in micro]
+        return micro
+
+    return batches
+
+
+def ramp_batch_size(step: int, start: int, end: int, ramp_steps: int) -> int:
+    """GPT-3's batch-size ramp: grow linearly from `start` to `end` sequences over `ramp_steps` steps, then stay."""
+    if step >= ramp_steps:
+        return end
+    return max(1, round(start + (end - start) * step / ramp_steps))
+
+
+def ramped_batches(splits: data_mod.Splits, cfg, start: int, ramp_steps: int, seed: int | None = None):
+    """Batches whose size follows ramp_batch_size up to cfg.batch_size (one micro-batch per step). The loop
+    divides the summed loss by the tokens of each step's batch, so a varying size is handled exactly."""
+    gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
+
+    def batches(step: int):
+        b = ramp_batch_size(step, start, cfg.batch_size, ramp_steps)
+        return [data_mod.random_windows(splits.train, b, cfg.context, gen)]
+
+    return batches

@@ -1,0 +1,108 @@
+"""Plots of results: speed, memory by category, loss curves, step times. Each names its units and device."""
+from __future__ import annotations
+
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from .measure import CATEGORIES, GiB
+from .results import RunResult
+
+CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#a0a0a0")))
+
+
+def _devices(results: list[RunResult]) -> str:
+    names = sorted({r.provenance.get("device", "?") for r in results})
+    torch_versions = sorted({r.provenance.get("torch", "?") for r in results})
+    return f"{' / '.join(names)}, torch {' / '.join(torch_versions)}"
+
+
+def _new_axes(ax, figsize=(7, 3.2)):
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = plt.subplots(figsize=figsize, layout="constrained")
+    return fig, ax
+
+
+def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = None) -> Figure:
+    """tokens/s per run, each bar labelled with its speed-up over the baseline (the first ok run)."""
+    fig, ax = _new_axes(ax)
+    base = baseline or next((r for r in results if r.ok), None)
+    labels = [r.label for r in results]
+    values = [r.tokens_per_s if r.ok else 0.0 for r in results]
+    bars = ax.bar(range(len(results)), values, color=["#4c72b0" if r.ok else "#dddddd" for r in results])
+    for bar, r in zip(bars, results):
+        text = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if r.ok and base else r.status.upper()
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(results)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s (median step)")
+    ax.set_title(f"Throughput, speed-up vs {base.label if base else 'n/a'}\n{_devices(results)}", fontsize=9)
+    ax.margins(y=0.15)
+    return fig
+
+
+def plot_memory(results: list[RunResult], ax=None) -> Figure:
+    """Peak memory as stacked bars by category, in GiB."""
+    fig, ax = _new_axes(ax)
+    bottoms = [0.0] * len(results)
+    for cat in CATEGORIES:
+        vals = [r.memory_gib().get(cat, 0.0) if r.ok else 0.0 for r in results]
+        ax.bar(range(len(results)), vals, bottom=bottoms, label=cat, color=CATEGORY_COLORS[cat])
+        bottoms = [b + v for b, v in zip(bottoms, vals)]
+    for i, r in enumerate(results):
+        if not r.ok:
+            ax.annotate(r.status.upper(), (i, 0), ha="center", va="bottom", fontsize=8, color="#c44e52")
+    ax.set_xticks(range(len(results)), [r.label for r in results], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("peak memory (GiB)")
+    methods = sorted({r.memory.get("method", "").split(":")[0] for r in results if r.ok and r.memory})
+    ax.set_title(f"Peak memory by category ({'; '.join(methods) or 'n/a'})\n{_devices(results)}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> Figure:
+    """Training loss per optimizer step (and validation loss where measured), one line per run."""
+    fig, ax = _new_axes(ax)
+    for r in results:
+        if not r.losses:
+            continue
+        (line,) = ax.plot(range(len(r.losses)), r.losses, label=f"{r.label} (train)", lw=1.2)
+        if validation and r.val_losses:
+            steps, vals = zip(*r.val_losses)
+            ax.plot(steps, vals, "o--", color=line.get_color(), label=f"{r.label} (val)", ms=3, lw=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(f"Loss curves\n{_devices(results)}", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    return fig
+
+
+def plot_step_times(results: list[RunResult], ax=None) -> Figure:
+    """Time of every step in ms, log scale; steps left out of the median (warm-up/compile, ledger) hollow."""
+    fig, ax = _new_axes(ax)
+    for r in results:
+        if not r.step_times:
+            continue
+        ms = [t * 1e3 for t in r.step_times]
+        (line,) = ax.plot(range(len(ms)), ms, "-", lw=1, label=r.label)
+        ex = [i for i in r.excluded_steps if i < len(ms)]
+        ax.plot(ex, [ms[i] for i in ex], "o", mfc="none", color=line.get_color(), ms=6)
+    ax.set_yscale("log")
+    ax.set_xlabel("step (hollow: warm-up / compile or memory-ledger steps, left out of the median)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"Step times\n{_devices(results)}", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    return fig
+
+
+PLOTS = {"speed": plot_speed, "memory": plot_memory, "loss": plot_losses, "step_times": plot_step_times}
+
+
+def plot_results(results: list[RunResult], which=("speed", "memory")) -> Figure:
+    """Several plots side by side in one figure."""
+    fig, axes = plt.subplots(1, len(which), figsize=(5.2 * len(which), 3.6), layout="constrained", squeeze=False)
+    for ax, name in zip(axes[0], which):
+        PLOTS[name](results, ax=ax)
+    return fig

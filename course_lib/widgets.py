@@ -1,0 +1,267 @@
+"""The technique panel: one control per technique, a Run button, a progress bar, plots and a results table
+that keeps every run of the session. It can be driven from code (`set`, `run`), which is how tests use it.
+
+The panel holds no result that is not also in `panel.results` (a plain list), and it can save them to JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Callable, Sequence
+
+import ipywidgets as W
+import matplotlib.pyplot as plt
+from IPython.display import display
+
+from . import config as C
+from .measure import capabilities
+from .plots import plot_results
+from .results import RunResult, html_table, provenance, save_results, table_rows
+from .measure import device_name
+
+MODEL_FIELDS = ("attention", "vocab_multiple")
+ALL_CONTROLS = ("preset", "precision", "attention", "compile", "compile_mode", "fused_adamw", "activation_checkpointing",
+                "set_to_none", "loss_chunks", "vocab_multiple", "batch_size", "grad_accum_steps", "context", "steps")
+
+# Ranges for numeric controls: (min, max, step); max may be a function of the base config.
+SLIDERS: dict[str, tuple] = {
+    "batch_size": (1, 128, 1),
+    "grad_accum_steps": (1, 16, 1),
+    "context": (16, lambda c: c.model.block_size, 16),
+    "steps": (2, 200, 1),
+    "lr_warmup_steps": (0, 100, 1),
+    "timing_warmup": (0, 10, 1),
+    "eval_every": (0, 50, 1),
+}
+CHOICES: dict[str, tuple] = {"loss_chunks": (1, 2, 4, 8, 16), "vocab_multiple": (1, 8, 64, 128)}
+LABELS = {"fused_adamw": "fused AdamW", "activation_checkpointing": "activation checkpointing", "set_to_none": "zero_grad(set_to_none)",
+          "grad_accum_steps": "accumulation steps", "batch_size": "batch size", "loss_chunks": "loss chunks",
+          "vocab_multiple": "pad vocab to x", "compile_mode": "compile mode", "clip_norm": "clip norm (0: off)",
+          "lr_warmup_steps": "LR warm-up steps", "weight_decay": "weight decay", "decay_2d_only": "decay only >=2-D"}
+
+
+def _field_types() -> dict[str, object]:
+    hints = typing.get_type_hints(C.TrainConfig)
+    hints.update({f"model.{k}": v for k, v in typing.get_type_hints(C.ModelConfig).items()})
+    return hints
+
+
+def _current(cfg: C.TrainConfig, name: str):
+    return getattr(cfg.model, name) if name in MODEL_FIELDS else getattr(cfg, name)
+
+
+def unsupported_reasons(device: str) -> dict[str, str]:
+    """Technique -> why this device cannot run it (empty when it can)."""
+    reasons = {}
+    for p in ("bf16", "fp16", "tf32"):
+        ok, why = C.device_supports(p, device)
+        if not ok:
+            reasons[p] = why
+    ok, why = C.compile_supported(device)
+    if not ok:
+        reasons["compile"] = why
+    return reasons
+
+
+class Panel:
+    def __init__(self, base: C.TrainConfig | None = None, controls: Sequence[str] = ALL_CONTROLS, *, title: str = "Technique panel",
+                 runner: Callable[[C.TrainConfig, str, Callable], RunResult] | None = None,
+                 plots: Sequence[str] = ("speed", "memory"), save_to: str | Path | None = None):
+        self.base = base or C.cpu_preset()
+        self.runner = runner or self._default_runner
+        self.plot_names = tuple(plots)
+        self.save_to = Path(save_to) if save_to else None
+        self.results: list[RunResult] = []
+        self.last_figure = None
+        self._types = _field_types()
+        self.reasons = unsupported_reasons(self.base.device)
+        self.controls: dict[str, W.Widget] = {}
+        notes = []
+        for name in controls:
+            self.controls[name] = self._make_control(name, notes)
+        self.run_button = W.Button(description="Run", button_style="primary", icon="play")
+        self.clear_button = W.Button(description="Clear", icon="trash")
+        self.progress = W.IntProgress(value=0, min=0, max=1, description="idle", layout=W.Layout(width="320px"))
+        self.status = W.HTML()
+        self.table = W.HTML(html_table([]))
+        self.plot_out = W.Output()
+        self.run_button.on_click(lambda _b: self._safe_run())
+        self.clear_button.on_click(lambda _b: self.clear())
+        header = W.HTML(f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
+                        + "".join(f"<br><small>&#9888; {n}</small>" for n in notes))
+        grid = W.GridBox(list(self.controls.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
+        self.widget = W.VBox([header, grid, W.HBox([self.run_button, self.clear_button, self.progress]), self.status,
+                              self.plot_out, self.table])
+
+    # ---- building controls ----------------------------------------------------------------------
+    def _make_control(self, name: str, notes: list[str]) -> W.Widget:
+        style, layout = {"description_width": "150px"}, W.Layout(width="320px")
+        desc = LABELS.get(name, name.replace("_", " "))
+        if name == "preset":
+            return W.Dropdown(options=list(C.PRESETS), value=self._matching_preset(), description="preset", style=style, layout=layout)
+        if name == "device":
+            import torch
+            opts = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+            return W.Dropdown(options=opts, value=str(self.base.device), description="device", style=style, layout=layout)
+        value = _current(self.base, name)
+        hint = self._types.get(f"model.{name}" if name in MODEL_FIELDS else name)
+        if name == "precision":
+            options = [p for p in C.PRECISIONS if p not in self.reasons]
+            for p in C.PRECISIONS:
+                if p in self.reasons:
+                    notes.append(f"{p} is not offered: {self.reasons[p]}")
+            if self.base.device == "cpu" or str(self.base.device).startswith("cpu"):
+                notes.append("tf32 runs on a CPU but changes nothing there (it is a CUDA tensor-core mode)")
+            return W.Dropdown(options=options, value=value if value in options else "fp32", description=desc, style=style, layout=layout)
+        if name in CHOICES:
+            opts = sorted(set(CHOICES[name]) | {value})
+            return W.Dropdown(options=opts, value=value, description=desc, style=style, layout=layout)
+        if typing.get_origin(hint) is typing.Literal:
+            return W.Dropdown(options=list(typing.get_args(hint)), value=value, description=desc, style=style, layout=layout)
+        if hint is bool:
+            w = W.Checkbox(value=bool(value), description=desc, indent=False, layout=layout)
+            if name in self.reasons:
+                w.disabled, w.value = True, False
+                w.description = f"{desc} (unavailable)"
+                w.tooltip = self.reasons[name]
+                notes.append(f"{desc} is disabled: {self.reasons[name]}")
+            return w
+        if name in SLIDERS:
+            lo, hi, step = SLIDERS[name]
+            hi = hi(self.base) if callable(hi) else hi
+            return W.IntSlider(value=value, min=lo, max=max(hi, value), step=step, description=desc, style=style, layout=layout,
+                               continuous_update=False)
+        if name == "lr":
+            return W.FloatLogSlider(value=value, base=10, min=-5, max=-1, step=0.1, description=desc, style=style, layout=layout,
+                                    readout_format=".1e", continuous_update=False)
+        if name == "clip_norm":
+            return W.FloatText(value=value or 0.0, description=desc, style=style, layout=layout)
+        if hint is int or typing.get_origin(hint) is None and isinstance(value, int):
+            return W.IntText(value=value, description=desc, style=style, layout=layout)
+        if isinstance(value, float):
+            return W.FloatText(value=value, description=desc, style=style, layout=layout)
+        if isinstance(value, tuple):  # betas
+            return W.Text(value=", ".join(map(str, value)), description=desc, style=style, layout=layout)
+        raise ValueError(f"No control for {name!r}: it is not a TrainConfig/ModelConfig field the panel knows")
+
+    def _matching_preset(self) -> str:
+        for name, fn in C.PRESETS.items():
+            if fn(self.base.device).model == self.base.model:
+                return name
+        return "cpu"
+
+    # ---- config from the controls ---------------------------------------------------------------
+    def config(self) -> C.TrainConfig:
+        """The TrainConfig the controls describe (raises ConfigError with a message when invalid)."""
+        base = self.base
+        values = {k: w.value for k, w in self.controls.items()}
+        device = values.pop("device", base.device)
+        if "preset" in values:
+            chosen = values.pop("preset")
+            if chosen != self._matching_preset():
+                base = C.preset(chosen, device)
+        if device != base.device:
+            base = dataclasses.replace(base, device=device)
+        model_changes = {k: values.pop(k) for k in MODEL_FIELDS if k in values}
+        if "clip_norm" in values:
+            values["clip_norm"] = values["clip_norm"] or None
+        if "betas" in values and isinstance(values["betas"], str):
+            values["betas"] = tuple(float(v) for v in values["betas"].split(","))
+        if "context" in values:
+            values["context"] = min(values["context"], base.model.block_size) if "preset" in self.controls else values["context"]
+        cfg = dataclasses.replace(base, **values)
+        return cfg.with_model(**model_changes) if model_changes else cfg
+
+    def set(self, **values) -> "Panel":
+        """Set controls from code, e.g. panel.set(precision="bf16", compile=True)."""
+        for k, v in values.items():
+            if k not in self.controls:
+                raise KeyError(f"This panel has no {k!r} control; it has {', '.join(self.controls)}")
+            w = self.controls[k]
+            if getattr(w, "disabled", False) and v:
+                raise C.ConfigError(f"{k} is unavailable on this device: {self.reasons.get(k, 'disabled')}")
+            w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
+        return self
+
+    def label(self, cfg: C.TrainConfig) -> str:
+        """A short name for a run: what differs from the panel's starting config."""
+        parts = []
+        for k in self.controls:
+            if k in ("preset", "device"):
+                continue
+            new, old = _current(cfg, k), _current(self.base, k)
+            if new != old:
+                parts.append(k if new is True else f"no {k}" if new is False else f"{k}={new}")
+        return f"#{len(self.results) + 1} " + (", ".join(parts) if parts else "baseline")
+
+    # ---- running --------------------------------------------------------------------------------
+    def _default_runner(self, cfg: C.TrainConfig, label: str, callback) -> RunResult:
+        from .train import run
+
+        return run(cfg, label, callback=callback)
+
+    def run(self, label: str | None = None) -> RunResult:
+        """Run the experiment the controls describe; an invalid config becomes a 'skipped' row with the reason."""
+        try:
+            cfg = self.config()
+        except (C.ConfigError, ValueError) as e:
+            result = RunResult(label=label or f"#{len(self.results) + 1} invalid", status="skipped", config={},
+                               provenance=provenance(device_name(self.base.device)), reason=str(e))
+            self.status.value = f"<span style='color:#c44e52'>Not run: {e}</span>"
+            return self._record(result)
+        label = label or self.label(cfg)
+        self.progress.max, self.progress.value, self.progress.description = cfg.steps, 0, "running"
+        self.status.value = f"Running <b>{label}</b> ({cfg.steps} steps)..."
+
+        def callback(step: int, _result: RunResult) -> None:
+            self.progress.value = step + 1
+
+        result = self.runner(cfg, label, callback)
+        self.progress.description = "done"
+        self.status.value = (f"<b>{label}</b>: {result.tokens_per_s:,.0f} tokens/s, peak {result.peak_gib:.4f} GiB" if result.ok
+                             else f"<b>{label}</b>: {result.status.upper()} {result.reason}")
+        return self._record(result)
+
+    def _safe_run(self) -> None:
+        """The button's handler: never lets an exception kill the panel; the error is shown instead."""
+        try:
+            self.run()
+        except Exception as e:  # noqa: BLE001 - shown to the learner, the kernel lives on
+            self.status.value = f"<span style='color:#c44e52'>Error: {type(e).__name__}: {e}</span>"
+
+    def _record(self, result: RunResult) -> RunResult:
+        self.results.append(result)
+        if self.save_to:
+            save_results(self.results, self.save_to)
+        self.redraw()
+        return result
+
+    def clear(self) -> None:
+        self.results.clear()
+        self.redraw()
+        self.status.value = "Cleared."
+
+    def redraw(self) -> None:
+        self.table.value = html_table(table_rows(self.results))
+        self.plot_out.clear_output(wait=True)
+        if not self.results:
+            self.last_figure = None
+            return
+        fig = plot_results(self.results, self.plot_names)
+        self.last_figure = fig
+        with self.plot_out:
+            display(fig)
+        plt.close(fig)
+
+    def _ipython_display_(self):
+        display(self.widget)
+
+
+def show_environment(device: str) -> None:
+    """The environment cell: device, torch version and what this device supports."""
+    import html
+
+    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{'yes' if v is True else html.escape(str(v))}</td></tr>"
+                   for k, v in capabilities(device).items())
+    display(W.HTML(f"<table>{rows}</table>"))

@@ -1,0 +1,90 @@
+"""course_lib.attention: naive, tiled and SDPA attention are the same function; the sweep measures what it claims."""
+import pytest
+import torch
+
+from course_lib import attention as A
+
+
+SHAPES = [(1, 1, 1, 8), (2, 3, 37, 16), (1, 2, 128, 32), (2, 2, 200, 64)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("blocks", [(64, 64), (16, 48), (32, 8)])
+def test_naive_tiled_sdpa_agree(shape, blocks):
+    q, k, v = A.random_qkv(*shape, seed=sum(shape))
+    ref = A.sdpa_attention(q, k, v)
+    assert A.max_abs_diff(A.naive_attention(q, k, v), ref) < 1e-5
+    assert A.max_abs_diff(A.tiled_attention(q, k, v, *blocks), ref) < 1e-5
+
+
+def test_tiled_non_causal_and_lse():
+    q, k, v = A.random_qkv(2, 2, 50, 16, seed=3)
+    out, lse = A.tiled_attention(q, k, v, 16, 16, causal=False, return_lse=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert A.max_abs_diff(out, ref) < 1e-5
+    scores = q @ k.transpose(-2, -1) / 16 ** 0.5
+    assert A.max_abs_diff(lse, torch.logsumexp(scores, dim=-1)) < 1e-5
+
+
+def test_tiled_gradients_match():
+    q, k, v = A.random_qkv(1, 2, 40, 8, seed=5, requires_grad=True)
+    A.tiled_attention(q, k, v, 16, 16).square().sum().backward()
+    g_tiled = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    A.sdpa_attention(q, k, v).square().sum().backward()
+    for a, t in zip(g_tiled, (q, k, v)):
+        assert A.max_abs_diff(a, t.grad) < 1e-4
+
+
+def test_windowed_is_a_different_function():
+    q, k, v = A.random_qkv(1, 2, 128, 16, seed=1)
+    ref = A.sdpa_attention(q, k, v)
+    assert A.max_abs_diff(A.windowed_attention(q, k, v, window=32), ref) > 1e-2
+    # a window as long as the sequence is full causal attention again
+    assert A.max_abs_diff(A.windowed_attention(q, k, v, window=128), ref) < 1e-5
+
+
+def test_sdpa_backend_names_a_kernel():
+    q, k, v = A.random_qkv(1, 2, 64, 16)
+    backend, op = A.sdpa_backend(q, k, v)
+    assert op.startswith("aten.")
+    if q.device.type == "cpu":
+        assert backend.startswith("flash"), (backend, op)
+
+
+def test_sdpa_backend_sees_math_fallback():
+    q, k, v = A.random_qkv(1, 2, 64, 16)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        backend, op = A.sdpa_backend(q, k, v)
+    assert backend.startswith("math"), (backend, op)
+
+
+def test_context_sweep_memory_quadratic_vs_linear():
+    pts = A.context_sweep([64, 256], impls=("naive", "sdpa"), batch=1, heads=2, head_dim=16, repeats=1)
+    by = {(p.impl, p.context): p for p in pts}
+    assert all(p.ms > 0 and p.peak_bytes > 0 for p in pts)
+    # naive holds at least the b·a·s·s probabilities; 4x the context gives >= 8x its memory
+    assert by["naive", 256].peak_bytes >= A.scores_bytes(1, 2, 256)
+    assert by["naive", 256].peak_bytes / by["naive", 64].peak_bytes > 8
+    # SDPA (flash) never materialises s x s: its memory grows about linearly and stays below one s x s matrix
+    assert by["sdpa", 256].peak_bytes / by["sdpa", 64].peak_bytes < 6
+    assert by["sdpa", 256].peak_bytes < A.scores_bytes(1, 2, 256)
+
+
+def test_context_sweep_forward_only_tiled_is_linear():
+    pts = A.context_sweep([128, 512], impls=("naive", "tiled"), batch=1, heads=1, head_dim=16, backward=False, repeats=1)
+    by = {(p.impl, p.context): p.peak_bytes for p in pts}
+    assert by["naive", 512] >= A.scores_bytes(1, 1, 512)
+    assert by["tiled", 512] < A.scores_bytes(1, 1, 512)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU backends (flash / memory-efficient) only exist there")
+def test_cuda_sdpa_backend_and_memory():
+    q, k, v = A.random_qkv(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    backend, _ = A.sdpa_backend(q, k, v)
+    assert not backend.startswith("math")
+    pts = A.context_sweep([1024], impls=("naive", "sdpa"), batch=2, heads=4, device="cuda", dtype=torch.bfloat16, repeats=2)
+    by = {p.impl: p.peak_bytes for p in pts}
+    assert by["sdpa"] < by["naive"]

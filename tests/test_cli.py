@@ -1,0 +1,24 @@
+import json
+import subprocess
+import sys
+
+
+def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
+    out = tmp_path / "ladder.json"
+    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "3", "--rungs", "0,2,3,7,8",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("naive fp32", "+ bf16 autocast", "+ sdpa (flash)", "+ checkpointing", "+ chunked loss"):
+        assert name in proc.stdout
+    assert "speed-up" in proc.stdout and "peak GiB" in proc.stdout
+    payload = json.loads(out.read_text())
+    assert payload["preset"] == "tiny" and payload["torch"] and payload["device"]
+    assert [r["label"] for r in payload["results"]] == ["naive fp32", "+ bf16 autocast", "+ sdpa (flash)", "+ checkpointing", "+ chunked loss"]
+    assert all(r["status"] == "ok" and r["config"]["steps"] == 3 for r in payload["results"])
+    naive, lean = payload["results"][0], payload["results"][-1]
+    assert lean["memory"]["peak_bytes"] < naive["memory"]["peak_bytes"]
+
+
+def test_bad_arguments_are_explained():
+    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--rungs", "99"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--rungs takes indices" in proc.stderr

@@ -1,0 +1,81 @@
+import dataclasses
+
+import pytest
+import torch
+
+from course_lib import config as C
+
+
+def test_presets_are_valid_and_shaped_as_documented():
+    ref = C.reference_preset("cpu")
+    assert (ref.model.n_layer, ref.model.n_embd, ref.model.n_head, ref.context, ref.batch_size) == (4, 256, 4, 512, 32)
+    g = C.gpt2_small_preset("cpu")
+    assert (g.model.n_layer, g.model.n_embd, g.model.n_head, g.model.block_size, g.model.vocab_size) == (12, 768, 12, 1024, 50257)
+    for name in C.PRESETS:
+        assert C.preset(name, "cpu").device == "cpu"
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: C.ModelConfig(n_head=3, n_embd=64), "n_head=3 must divide n_embd=64"),
+    (lambda: C.TrainConfig(batch_size=10, grad_accum_steps=4), "does not divide"),
+    (lambda: C.TrainConfig(context=1024), "longer than the model's block_size"),
+    (lambda: C.TrainConfig(precision="fp8"), "precision='fp8' is not one of"),
+    (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps must be a positive int"),
+    (lambda: C.TrainConfig(steps=0), "steps must be a positive int"),
+    (lambda: C.TrainConfig(optimizer="sgd", fused_adamw=True), "fused_adamw applies to optimizer='adamw'"),
+    (lambda: C.ModelConfig(attention="flash"), "attention='flash' is not one of"),
+])
+def test_invalid_configs_say_what_to_change(make, words):
+    with pytest.raises(C.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        make()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_cuda_is_a_clear_error():
+    with pytest.raises(C.ConfigError, match="CUDA is not available here: use device='cpu'"):
+        C.TrainConfig(device="cuda")
+
+
+def test_compile_without_a_cxx_compiler_is_refused(monkeypatch):
+    monkeypatch.setattr(C.shutil, "which", lambda _name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(C.ConfigError, match="needs a C\\+\\+ compiler"):
+        C.TrainConfig(device="cpu", compile=True)
+
+
+def test_unsupported_precision_on_device_is_refused(monkeypatch):
+    monkeypatch.setattr(C, "device_supports", lambda p, d: (p != "bf16", "no bf16 here"))
+    with pytest.raises(C.ConfigError, match="precision='bf16' cannot run on cpu: no bf16 here"):
+        C.TrainConfig(precision="bf16")
+
+
+def test_batch_split_and_tokens():
+    cfg = C.TrainConfig(batch_size=32, grad_accum_steps=4, context=128)
+    assert cfg.micro_batch_size == 8 and cfg.tokens_per_step == 32 * 128
+
+
+def test_vocab_padding():
+    assert C.ModelConfig(vocab_size=50257, vocab_multiple=64).padded_vocab_size == 50304
+    assert C.ModelConfig(vocab_size=4097, vocab_multiple=1).padded_vocab_size == 4097
+
+
+def test_config_round_trips_through_dict():
+    cfg = C.cpu_preset("cpu").with_model(attention="sdpa")
+    assert C.TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_ladder_is_cumulative_from_naive():
+    rungs = C.ladder_configs(C.cpu_preset("cpu"))
+    cfgs = [c for _, c in rungs]
+    assert all(isinstance(c, C.TrainConfig) for c in cfgs)
+    first, last = cfgs[0], cfgs[-1]
+    assert (first.precision, first.model.attention, first.compile, first.fused_adamw) == ("fp32", "naive", False, False)
+    assert (last.precision, last.model.attention, last.compile, last.fused_adamw, last.activation_checkpointing) == ("bf16", "sdpa", True, True, True)
+    assert last.model.padded_vocab_size % 64 == 0
+
+
+def test_ladder_skips_a_rung_the_device_cannot_run(monkeypatch):
+    monkeypatch.setattr(C, "compile_supported", lambda d: (False, "no compiler"))
+    rungs = dict((r.name, c) for r, c in C.ladder_configs(C.cpu_preset("cpu")))
+    assert isinstance(rungs["+ compile"], C.ConfigError)
+    assert isinstance(rungs["+ fused AdamW"], C.TrainConfig) and not rungs["+ fused AdamW"].compile

@@ -1,0 +1,75 @@
+import socket
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from course_lib import bpe, data
+
+
+def test_corpus_comes_from_the_installed_package():
+    plays = data.load_plays()
+    assert len(plays) >= 30 and "hamlet" in plays
+    assert "To be, or not to be" in plays["hamlet"]
+    assert "**" not in plays["hamlet"]  # markdown removed
+
+
+def test_tokenizer_loads_offline_and_round_trips(monkeypatch):
+    def no_network(*a, **k):
+        raise AssertionError("the tokenizer must not touch the network")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    data.get_tokenizer.cache_clear()
+    enc = data.get_tokenizer()
+    assert enc.n_vocab == 4097
+    text = "Now is the winter of our discontent\nMade glorious summer by this sun of York;"
+    ids = enc.encode(text)
+    assert enc.decode(ids) == text
+    assert len(ids) < len(text) / 2.5  # BPE compresses English several characters per token
+    assert data.pad_id(enc) == 4096 and enc.eot_token == 4095
+
+
+def test_shipped_ranks_are_tiktoken_format_and_merge_ordered():
+    ranks = bpe.load_ranks(data.RANKS_FILE)
+    assert len(ranks) == data.N_RANKS
+    assert sorted(ranks.values()) == list(range(data.N_RANKS))
+    assert all(ranks[bytes([b])] == b for b in range(256))
+
+
+def test_bpe_trainer_merges_the_most_frequent_pair_first():
+    ranks = bpe.train_bpe("ab ab ab ab cd cd ab", 258)
+    assert ranks[b"ab"] == 256  # "ab" is the most frequent pair
+    assert ranks[b" ab"] == 257
+    assert bpe.train_bpe("ab ab ab ab cd cd ab", 258) == ranks  # deterministic
+
+
+def test_batches_are_shifted_by_one():
+    stream = torch.arange(1000)
+    x, y = data.random_windows(stream, 4, 16, torch.Generator().manual_seed(0))
+    assert x.shape == y.shape == (4, 16)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(y, x + 1)
+
+
+def test_splits_are_disjoint_and_cover_the_stream():
+    s = data.load_splits()
+    assert len(s.train) + len(s.val) == len(data.token_stream())
+    assert len(s.val) > 0.04 * len(data.token_stream())
+
+
+def test_padding_adds_nothing_to_the_loss():
+    seqs = [torch.arange(2, 12), torch.arange(3, 7)]
+    x, y = data.pad_sequences(seqs, context=12, pad=99)
+    assert (x[1, 3:] == 99).all() and (y[1, 3:] == data.IGNORE_INDEX).all()
+    assert data.count_targets(y) == 9 + 3
+    logits = torch.randn(2, 12, 100)
+    loss = F.cross_entropy(logits.view(-1, 100), y.view(-1), ignore_index=data.IGNORE_INDEX, reduction="sum")
+    logits2 = logits.clone()
+    logits2[1, 3:] = torch.randn(9, 100) * 10  # whatever the model says at padded positions
+    loss2 = F.cross_entropy(logits2.view(-1, 100), y.view(-1), ignore_index=data.IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(loss, loss2)
+
+
+def test_too_short_sequence_is_refused():
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        data.pad_sequences([torch.tensor([1])], 4, 0)

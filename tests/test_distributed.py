@@ -1,0 +1,116 @@
+"""course_lib.distributed: each strategy launched for real with torchrun, 2 CPU processes (gloo).
+
+A torchrun launch costs several seconds here, so each test launches once and checks several claims.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.distributed import launch as L
+from course_lib.distributed import pipeline as P
+from course_lib.distributed import zero
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+
+
+# ---- pure functions: no processes -------------------------------------------------------------
+
+def test_zero_calculator_reproduces_the_papers_example():
+    # ZeRO paper, figure 1: Ψ = 7.5B parameters, N = 64 devices, K = 12.
+    gb = [zero.zero_gb(7.5e9, 64, stage) for stage in (0, 1, 2, 3)]
+    assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
+    assert zero.zero_gb(7.5e9, 1, 3) == zero.zero_gb(7.5e9, 1, 0)  # one device: nothing to shard
+    with pytest.raises(ValueError):
+        zero.zero_bytes(1, 2, stage=4)
+
+
+def test_traffic_and_bubble_formulas():
+    assert zero.ring_all_reduce_bytes(100, 2) == 100 and zero.ring_all_reduce_bytes(100, 1) == 0
+    assert zero.data_parallel_traffic(1e9, 8, 3) == pytest.approx(1.5 * zero.data_parallel_traffic(1e9, 8, 0))
+    assert P.bubble_fraction(4, 1) == 0.75 and P.bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    ranges = P.split_points(8, 2, block_cost=1, head_cost=4)
+    assert ranges == [(0, 6), (6, 8)]  # 6 blocks against 2 blocks + an output layer worth 4
+    with pytest.raises(ValueError):
+        P.split_points(1, 2, 1, 1)
+
+
+def test_torchrun_command_has_the_multinode_flags():
+    cmd = L.torchrun_command("ddp", 8, "/tmp/x", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
+    assert "--nnodes=2" in cmd and "--node_rank=1" in cmd and "--master_addr=10.0.0.1" in cmd and "--master_port=29500" in cmd
+    assert cmd[cmd.index("-m", 2) + 1] == "course_lib.distributed.ddp"
+    with pytest.raises(ValueError):
+        L.torchrun_command("nope", 2, "/tmp/x")
+
+
+# ---- real launches ----------------------------------------------------------------------------
+
+def test_ddp_equals_one_process_and_no_sync_halves_the_all_reduces(tmp_path):
+    r = L.launch("ddp", 2, options={"steps": 3, "accum": 2}, device="cpu", timeout_s=150, out_dir=tmp_path).raise_for_status()
+    r0, r1 = r.ranks
+    assert r0["backend"] == "gloo" and r0["world_size"] == 2
+    ref = r0["reference"]
+    # parameters after 3 steps on the same global batch: DDP == one process (up to float summation order)
+    assert ref["max_abs_param_diff"] < 1e-5, ref
+    # the mean of the ranks' losses is the one process's loss on the whole batch
+    for a, b, c in zip(r0["run"]["result"]["losses"], r1["run"]["result"]["losses"], ref["result"]["losses"]):
+        assert (a + b) / 2 == pytest.approx(c, rel=1e-5)
+    with_ns, without = r0["run"], r0["run_without_no_sync"]
+    buckets = len(with_ns["bucket_bytes_first_step"])
+    assert with_ns["allreduce_calls_per_step"] == [buckets] * 3  # one round of buckets per optimizer step
+    assert without["allreduce_calls_per_step"] == [2 * buckets] * 2  # one per micro-batch without no_sync
+    assert with_ns["allreduce_bytes_per_step"][0] == with_ns["gradient_bytes"]
+    assert with_ns["memory"]["parameters"] == r0["run"]["result"]["n_params"] * 4  # fp32, replicated
+
+
+def test_fsdp2_shards_parameters_gradients_and_optimizer_state(tmp_path):
+    r = L.launch("fsdp", 2, options={"steps": 2}, device="cpu", timeout_s=150, out_dir=tmp_path).raise_for_status()
+    for rank in r.ranks:
+        ddp, fsdp = rank["ddp"]["memory"], rank["fsdp"]["memory"]
+        for cat in ("parameters", "gradients", "optimizer state"):
+            assert fsdp[cat] < 0.6 * ddp[cat], (cat, fsdp, ddp)  # about half with 2 ranks (shards are padded)
+        coll = rank["fsdp"]["collectives_last_step"]
+        assert coll["all_gather"]["calls"] > 0 and coll["reduce_scatter"]["calls"] > 0
+    total = sum(rank["fsdp"]["memory"]["parameters"] for rank in r.ranks)
+    assert total == pytest.approx(r.ranks[0]["ddp"]["memory"]["parameters"], rel=0.02)  # the shards add up to the model
+
+
+def test_pipeline_equals_the_unsplit_model(tmp_path):
+    r = L.launch("pipeline", 2, options={"microbatches": [2, 4], "steps": 1, "n_layer": 4, "batch_size": 4}, device="cpu",
+                 timeout_s=150, out_dir=tmp_path).raise_for_status()
+    last = r.ranks[-1]
+    check = last["runs"]["gpipe/m=4"]["check"]
+    assert check["pipeline_loss"] == pytest.approx(check["unsplit_loss"], rel=1e-5)
+    for rank in r.ranks:
+        c = rank["runs"]["gpipe/m=4"]["check"]
+        assert c["max_abs_block_grad_diff"] < 1e-5 * max(1.0, c["max_abs_block_grad"])
+        assert set(rank["runs"]) == {"gpipe/m=2", "gpipe/m=4", "1f1b/m=2", "1f1b/m=4"}
+        tl = rank["runs"]["1f1b/m=4"]["timelines"][-1]
+        assert sorted((k, mb) for k, mb, *_ in tl) == sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])
+    # the same losses whatever the schedule: a schedule changes the order of work, not the maths
+    assert last["runs"]["1f1b/m=4"]["losses"][0] == pytest.approx(last["runs"]["gpipe/m=2"]["losses"][0], rel=1e-5)
+    assert 0 < P.measured_bubble(r.ranks, "gpipe/m=2") < 1
+
+
+def test_tensor_parallel_equals_the_unsharded_model(tmp_path):
+    r = L.launch("tensor_parallel", 2, options={"repeats": 1}, device="cpu", timeout_s=150, out_dir=tmp_path).raise_for_status()
+    for rank in r.ranks:
+        assert rank["max_abs_logit_diff"] < 1e-5 and rank["max_abs_grad_diff"] < 1e-6
+        n = rank["n_layer"]
+        assert rank["forward_collectives"].get("all_reduce") == 2 * n  # one after attention, one after the MLP
+        assert rank["backward_collectives"].get("all_reduce", 0) >= 2 * n
+        assert rank["parameter_bytes_sharded_local"] + rank["parameter_bytes_replicated"] < rank["parameter_bytes_full"]
+
+
+def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
+    failed = L.launch("selftest", 2, options={"mode": "fail"}, device="cpu", timeout_s=90, out_dir=tmp_path / "fail", show_errors=False)
+    assert not failed.ok and failed.returncode != 0 and not failed.timed_out
+    assert "fails on purpose" in failed.stderr and "fails on purpose" in failed.why()
+    with pytest.raises(RuntimeError, match="fails on purpose"):
+        failed.raise_for_status()
+    hung = L.launch("selftest", 2, options={"mode": "hang"}, device="cpu", timeout_s=15, out_dir=tmp_path / "hang", show_errors=False)
+    assert hung.timed_out and not hung.ok and "timeout" in hung.why()
+    assert len(L.rank_pids(hung)) == 2  # both ranks had started before the hang
+    for res in (failed, hung):
+        for pid in L.rank_pids(res) + [res.pid]:  # the workers and torchrun itself
+            assert not L.alive(pid), f"process {pid} of the {res.strategy} launch outlived it"

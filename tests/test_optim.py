@@ -1,0 +1,229 @@
+"""course_lib.optim: hand-written AdamW, schedules, clipping, state bytes, weight-decay groups (tiny, CPU)."""
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from course_lib import optim as O
+from course_lib import techniques
+from course_lib.config import tiny_preset
+from course_lib.data import load_splits, random_windows
+from course_lib.model import GPT
+from course_lib.train import train
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return GPT(tiny_preset().model).to(dtype)
+
+
+def _batch(cfg, seed=0):
+    return random_windows(load_splits().train, cfg.batch_size, cfg.context, torch.Generator().manual_seed(seed))
+
+
+# ---- AdamW ----
+
+@pytest.mark.parametrize("betas,eps,wd", [((0.9, 0.95), 1e-8, 0.1), ((0.9, 0.999), 1e-8, 0.0), ((0.8, 0.99), 1e-4, 0.01)])
+def test_hand_adamw_equals_torch(betas, eps, wd):
+    # float64, so that rounding cannot hide a real difference: the key bias's true gradient is exactly zero
+    # (softmax ignores a constant shift), and in float32 its rounding noise is amplified by Adam's 1/sqrt(v)
+    cfg = tiny_preset()
+    a, b = _model(dtype=torch.float64), _model(dtype=torch.float64)
+    groups_a = techniques.param_groups(a, wd)
+    groups_b = techniques.param_groups(b, wd)
+    opt_a = O.HandAdamW(groups_a, lr=3e-3, betas=betas, eps=eps)
+    opt_b = torch.optim.AdamW(groups_b, lr=3e-3, betas=betas, eps=eps, foreach=False)
+    for step in range(3):
+        x, y = _batch(replace(cfg, batch_size=2, context=32), step)
+        for m, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            (techniques.loss_sum(m(x), y) / y.numel()).backward()
+            opt.step()
+    moved = 0.0
+    for (name, pa), pb, p0 in zip(a.named_parameters(), b.parameters(), _model(dtype=torch.float64).parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-9, atol=1e-12, msg=name)
+        moved = max(moved, float((pa - p0).detach().abs().max()))
+    assert moved > 1e-3  # the parameters really moved
+
+
+def test_adamw_update_is_decoupled_weight_decay():
+    # zero gradient: only the decay acts, theta <- theta (1 - lr wd), whatever the moments
+    p = torch.ones(3)
+    m, v = torch.zeros(3), torch.zeros(3)
+    O.adamw_update(p, torch.zeros(3), m, v, t=1, lr=0.1, weight_decay=0.5)
+    torch.testing.assert_close(p, torch.full((3,), 0.95))
+
+
+def test_first_adam_step_is_lr_sized_for_any_gradient_scale():
+    # bias correction makes the first update lr * g / (|g| + eps): about lr per coordinate
+    for scale in (1e-4, 1.0, 1e4):
+        p = torch.zeros(4)
+        O.adamw_update(p, torch.tensor([1.0, -2.0, 3.0, -4.0]) * scale, torch.zeros(4), torch.zeros(4), t=1, lr=0.01)
+        torch.testing.assert_close(p.abs(), torch.full((4,), 0.01), rtol=1e-3, atol=0)
+
+
+# ---- schedules ----
+
+@pytest.mark.parametrize("warmup,total", [(0, 40), (1, 40), (10, 100), (5, 6), (30, 300)])
+def test_cosine_equals_torch_reference_and_the_loop(warmup, total):
+    lr = 6e-4
+    mine = O.curve(lambda s: O.warmup_cosine_lr(s, lr, warmup, total, 0.1), total)
+    ref = O.torch_scheduler_curve(lambda opt: O.torch_warmup_cosine(opt, warmup, total, 0.1), lr, total)
+    cfg = replace(tiny_preset(), lr=lr, schedule="cosine", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
+    loop = [techniques.lr_at(s, cfg) for s in range(total)]
+    for s in range(total):
+        assert mine[s] == pytest.approx(ref[s], rel=1e-9, abs=1e-15), s
+        assert mine[s] == pytest.approx(loop[s], rel=1e-12), s
+    if total - 1 > warmup:
+        assert mine[-1] == pytest.approx(0.1 * lr)  # ends at 10% of the maximum
+    assert max(mine) == pytest.approx(lr)
+    if warmup:
+        assert mine[0] == pytest.approx(lr / warmup)  # never exactly zero
+
+
+def test_loop_records_the_schedule():
+    cfg = replace(tiny_preset(), steps=6, schedule="cosine", lr_warmup_steps=2, lr=1e-3, measure_memory=False)
+    r = train(cfg)
+    assert r.lrs == pytest.approx([O.warmup_cosine_lr(s, 1e-3, 2, 6, cfg.min_lr_ratio) for s in range(6)])
+
+
+def test_step_decay_equals_torch_steplr():
+    ref = O.torch_scheduler_curve(lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5), 1e-3, 30)
+    mine = O.curve(lambda s: O.step_decay_lr(s, 1e-3, 7, 0.5), 30)
+    assert mine == pytest.approx(ref, rel=1e-12)
+
+
+def test_inverse_sqrt_and_wsd_shapes():
+    w, lr = 10, 1e-3
+    inv = O.curve(lambda s: O.inverse_sqrt_lr(s, lr, w), 100)
+    assert inv[w - 1] == pytest.approx(lr) and max(inv) == pytest.approx(lr)
+    assert inv[99] == pytest.approx(lr * math.sqrt(w / 100))  # 1/sqrt(t) after the peak
+    assert inv[39] == pytest.approx(inv[9] / 2)  # 4x the steps, half the rate
+    wsd = O.curve(lambda s: O.wsd_lr(s, lr, w, 100, decay_fraction=0.2), 100)
+    assert wsd[w - 1] == lr and wsd[79] == lr and wsd[80] < lr
+    assert wsd[-1] == pytest.approx(0.0, abs=1e-15)
+    assert all(a >= b for a, b in zip(wsd[80:], wsd[81:]))
+    with pytest.raises(ValueError):
+        O.inverse_sqrt_lr(0, lr, 0)
+
+
+# ---- clipping ----
+
+def _with_grads(seed=0):
+    cfg = tiny_preset()
+    m = _model(seed)
+    x, y = _batch(cfg, seed)
+    (techniques.loss_sum(m(x), y) / y.numel()).backward()
+    return m
+
+
+def test_global_norm_and_clipping_equal_torch():
+    a, b = _with_grads(), _with_grads()
+    expected = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in a.parameters()))
+    assert O.global_grad_norm(a.parameters()) == pytest.approx(expected, rel=1e-9)
+    max_norm = expected / 4  # make sure clipping bites
+    mine = O.clip_global_(list(a.parameters()), max_norm)
+    ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), max_norm)
+    assert mine == pytest.approx(float(ref), rel=1e-5)  # both return the norm before clipping
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa.grad, pb.grad)
+    assert O.global_grad_norm(a.parameters()) == pytest.approx(max_norm, rel=1e-4)
+
+
+def test_per_tensor_clipping_changes_the_direction_global_does_not():
+    a, b = _with_grads(), _with_grads()
+    g0 = [p.grad.clone() for p in a.parameters()]
+    norm = O.global_grad_norm(a.parameters())
+    O.clip_global_(list(a.parameters()), norm / 10)
+    per = O.clip_per_tensor_(list(b.parameters()), norm / 10)
+    assert O.cosine_similarity(g0, [p.grad for p in a.parameters()]) == pytest.approx(1.0, abs=1e-9)
+    assert O.cosine_similarity(g0, [p.grad for p in b.parameters()]) < 0.999
+    assert len(per) == len(g0)
+
+
+def test_loop_logs_the_global_norm_before_clipping():
+    cfg = replace(tiny_preset(), steps=2, timing_warmup=1, clip_norm=1e-3, measure_memory=False)
+    x, y = _batch(cfg, 7)
+    r = train(cfg, batches=lambda step: [(x, y)])
+    torch.manual_seed(cfg.seed)  # the loop builds its model right after seeding
+    m = GPT(cfg.model)
+    (techniques.loss_sum(m(x), y) / y.numel()).backward()
+    expected = O.global_grad_norm(m.parameters())
+    assert r.grad_norms[0] == pytest.approx(expected, rel=1e-4)
+    assert r.grad_norms[0] > 10 * cfg.clip_norm  # logged before clipping, so above the threshold
+
+
+def test_adam_update_size_ignores_gradient_scale_sgd_does_not():
+    m = _with_grads()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    adam = [O.update_norm(m, grads, s, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)) for s in (0.01, 1, 100)]
+    sgd = [O.update_norm(m, grads, s, lambda ps: torch.optim.SGD(ps, lr=1e-3)) for s in (0.01, 1, 100)]
+    assert max(adam) / min(adam) < 1.1
+    assert sgd[2] / sgd[0] == pytest.approx(1e4, rel=1e-3)
+    clipped = [O.update_norm(m, grads, s, lambda ps: torch.optim.SGD(ps, lr=1e-3), clip=1e-6) for s in (1, 100)]
+    assert clipped[0] == pytest.approx(clipped[1], rel=1e-3)
+
+
+# ---- optimizer state ----
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_momentum", "adafactor"])
+def test_state_bytes_match_formula(kind):
+    cfg = tiny_preset()
+    m = _model()
+    x, y = _batch(cfg)
+    assert O.measured_state_bytes(kind, m, x, y) == O.expected_state_bytes(kind, list(m.parameters()))
+
+
+def test_state_bytes_order():
+    params = list(_model().parameters())
+    n = sum(p.numel() for p in params)
+    b = {k: O.expected_state_bytes(k, params) for k in ("adamw", "sgd", "sgd_momentum", "adafactor")}
+    assert b["sgd"] == 0 and b["sgd_momentum"] == 4 * n and b["adamw"] > 8 * n
+    assert b["adafactor"] < b["sgd_momentum"]
+
+
+# ---- weight-decay groups ----
+
+def test_groups_decay_only_matrices_and_embeddings():
+    m = _model()
+    rows = O.describe_param_groups(m, 0.1)
+    assert [r["weight_decay"] for r in rows] == [0.1, 0.0]
+    decay, no_decay = rows
+    assert all(".weight" in n and ("ln" not in n) for n in decay["names"])
+    assert any(n.startswith("wte.weight") for n in decay["names"]) and any(n.startswith("wpe.weight") for n in decay["names"])
+    assert all(n.split()[0].endswith(".bias") or ".ln" in "." + n or n.startswith("ln_f") for n in no_decay["names"])
+    assert decay["parameters"] + no_decay["parameters"] == m.num_params()  # the tied weight counted once
+    assert isinstance(techniques.param_groups(m, 0.1), list)
+    one = O.describe_param_groups(m, 0.1, decay_2d_only=False)
+    assert len(one) == 1 and one[0]["parameters"] == m.num_params()
+
+
+# ---- batch sources ----
+
+def test_bad_batch_changes_only_its_step():
+    cfg = tiny_preset()
+    splits = load_splits()
+    good = O.default_batches(splits, cfg)
+    bad = O.with_bad_batch(splits, cfg, bad_steps=[2])
+    for step in range(4):
+        (xg, yg), = good(step)
+        (xb, yb), = bad(step)
+        assert torch.equal(xg, xb)
+        assert torch.equal(yg, yb) == (step != 2)
+
+
+def test_default_batches_are_the_loops():
+    cfg = replace(tiny_preset(), steps=3, measure_memory=False)
+    a = train(cfg)
+    b = train(cfg, batches=O.default_batches(load_splits(), cfg))
+    assert a.losses == b.losses
+
+
+def test_batch_ramp():
+    assert [O.ramp_batch_size(s, 2, 10, 4) for s in range(6)] == [2, 4, 6, 8, 10, 10]
+    cfg = replace(tiny_preset(), steps=3, measure_memory=False)
+    src = O.ramped_batches(load_splits(), cfg, start=1, ramp_steps=3)
+    assert [src(s)[0][0].shape[0] for s in range(4)] == [1, 2, 3, 4]

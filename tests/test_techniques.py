@@ -1,0 +1,85 @@
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from course_lib import config as C
+from course_lib import techniques as T
+from course_lib.model import GPT
+
+
+def tiny_model(**kw):
+    torch.manual_seed(0)
+    return GPT(C.ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, **kw))
+
+
+def loss_and_grads(model, loss_module, x, y):
+    model.zero_grad()
+    loss = loss_module(x, y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]  # same order with or without wrappers
+
+
+def test_param_groups_decay_only_matrices_and_embeddings():
+    m = tiny_model()
+    groups = T.param_groups(m, weight_decay=0.1)
+    assert isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
+    decay, no_decay = groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(m.parameters()))  # the tied weight once
+
+
+def test_warmup_cosine_matches_torch_schedulers_at_every_step():
+    cfg = C.TrainConfig(lr=1e-3, steps=50, lr_warmup_steps=5, schedule="cosine", min_lr_ratio=0.1)
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=cfg.lr)
+    ref = torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / 5, end_factor=1.0, total_iters=4),
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps - 1 - 5, eta_min=1e-4),
+    ], milestones=[5])
+    for step in range(cfg.steps):
+        assert T.lr_at(step, cfg) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-12), step
+        opt.step()
+        ref.step()
+    assert T.lr_at(cfg.steps - 1, cfg) == pytest.approx(1e-4)
+
+
+def test_scaler_only_for_fp16_and_autocast_only_for_16_bits():
+    assert T.make_grad_scaler(C.TrainConfig(precision="fp16")).is_enabled()
+    assert not T.make_grad_scaler(C.TrainConfig(precision="bf16")).is_enabled()
+    assert T.autocast_context(C.TrainConfig(precision="fp32")) is contextlib.nullcontext
+    with T.autocast_context(C.TrainConfig(precision="bf16"))():
+        assert (torch.randn(4, 4) @ torch.randn(4, 4)).dtype == torch.bfloat16
+
+
+def test_fused_and_for_loop_adamw():
+    m = tiny_model()
+    assert T.make_optimizer(C.TrainConfig(fused_adamw=True), m).defaults["fused"] is True
+    assert T.make_optimizer(C.TrainConfig(), m).defaults["foreach"] is False
+
+
+@pytest.mark.parametrize("change", [dict(activation_checkpointing=True), dict(loss_chunks=4)])
+def test_memory_savers_change_nothing_in_the_math(change):
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    m0 = tiny_model()
+    base = T.build(C.TrainConfig(model=m0.config, context=32), m0)
+    l0, g0 = loss_and_grads(m0, base.loss_module, x, y)
+    m1 = tiny_model()
+    setup = T.build(dataclasses.replace(C.TrainConfig(model=m1.config, context=32), **change), m1)
+    l1, g1 = loss_and_grads(m1, setup.loss_module, x, y)
+    torch.testing.assert_close(l0, l1)
+    assert len(g1) == len(g0)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_loss_equals_eager():
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    m = tiny_model(attention="sdpa")
+    setup = T.build(C.TrainConfig(model=m.config, context=32, compile=True), m)
+    eager = setup.loss_module(x, y)
+    compiled = setup.loss_fn(x, y)
+    torch.testing.assert_close(eager, compiled, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,93 @@
+import dataclasses
+
+import pytest
+import torch
+
+from course_lib import config as C
+from course_lib import train as train_mod
+from course_lib.data import load_splits
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return load_splits()
+
+
+def tiny(**kw):
+    return dataclasses.replace(C.tiny_preset("cpu"), **kw)
+
+
+def test_a_run_records_what_it_measured(splits):
+    r = train_mod.train(tiny(steps=6), "t", splits=splits)
+    assert r.ok and len(r.losses) == len(r.step_times) == len(r.lrs) == len(r.grad_norms) == 6
+    assert r.excluded_steps == [0, 5]  # warm-up and the memory-ledger step
+    assert r.tokens_per_s == pytest.approx(r.tokens_per_step / r.median_step_s)
+    assert r.provenance["torch"] == torch.__version__ and "CPU" in r.provenance["device"]
+    assert r.memory["peak_bytes"] == sum(r.memory["by_category"].values())
+    assert r.losses[0] == pytest.approx(torch.log(torch.tensor(4097.0)).item(), abs=0.3)  # starts near uniform
+    assert r.mfu is None  # no peak FLOP/s known for a CPU: "n/a", never a guess
+
+
+def test_training_reduces_the_loss(splits):
+    r = train_mod.train(tiny(steps=30, lr=3e-3, measure_memory=False), "t", splits=splits)
+    assert sum(r.losses[-5:]) / 5 < r.losses[0] - 1.0
+
+
+def test_same_seed_same_losses(splits):
+    a = train_mod.train(tiny(), "a", splits=splits)
+    b = train_mod.train(tiny(), "b", splits=splits)
+    assert a.losses == b.losses
+
+
+def test_accumulated_step_equals_the_big_batch(splits):
+    """Two micro-batches of 2 give the same training as one batch of 4 (fp32)."""
+    g = torch.Generator().manual_seed(0)
+    from course_lib.data import random_windows
+
+    batch = [random_windows(splits.train, 4, 64, g) for _ in range(3)]
+    big = train_mod.train(tiny(steps=3, timing_warmup=1, measure_memory=False), "big", splits=splits, batches=lambda s: [batch[s]])
+    split = lambda s: [(batch[s][0][:2], batch[s][1][:2]), (batch[s][0][2:], batch[s][1][2:])]  # noqa: E731
+    acc = train_mod.train(tiny(steps=3, timing_warmup=1, grad_accum_steps=2, measure_memory=False), "acc", splits=splits, batches=split)
+    assert big.losses == pytest.approx(acc.losses, rel=1e-5)
+    assert big.grad_norms == pytest.approx(acc.grad_norms, rel=1e-4)
+
+
+def test_clipping_uses_the_global_norm(splits):
+    r = train_mod.train(tiny(steps=3, clip_norm=1e-3, measure_memory=False), "clip", splits=splits)
+    assert all(n > 1e-3 for n in r.grad_norms)  # the norm before clipping is what is logged
+
+
+def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits):
+    from course_lib.model import GPT
+
+    cfg = tiny(steps=3)
+    r = train_mod.train(cfg, "t", splits=splits)
+    n = GPT(cfg.model).num_params()
+    by = r.memory["by_category"]
+    assert by["parameters"] == 4 * n
+    assert by["gradients"] == 4 * n  # set_to_none=False keeps them, and at the peak they all exist
+    assert by["optimizer state"] == 2 * 4 * n + 4 * len(list(GPT(cfg.model).parameters()))  # exp_avg, exp_avg_sq + step counters
+
+
+def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits):
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(train_mod, "train", boom)
+    r = train_mod.run(tiny(), "too big")
+    assert r.status == "oom" and "out of memory" in r.reason and not r.ok
+
+
+def test_too_few_steps_is_explained(splits):
+    with pytest.raises(C.ConfigError, match="leaves no step to time"):
+        train_mod.train(tiny(steps=2, timing_warmup=1), "t", splits=splits)
+
+
+def test_a_too_small_vocab_is_explained(splits):
+    with pytest.raises(C.ConfigError, match="smaller than the tokenizer"):
+        train_mod.train(tiny().with_model(vocab_size=100), "t", splits=splits)
+
+
+def test_fp16_records_loss_scale(splits):
+    r = train_mod.train(tiny(precision="fp16", steps=3), "fp16", splits=splits)
+    assert r.ok and len(r.loss_scales) == 3 and r.loss_scales[0] == 65536.0

@@ -1,0 +1,56 @@
+import pytest
+
+from course_lib import config as C
+from course_lib import widgets
+
+
+@pytest.fixture
+def panel():
+    return widgets.Panel(C.tiny_preset("cpu"), controls=("preset", "precision", "attention", "compile", "batch_size", "grad_accum_steps", "context", "steps"),
+                         plots=("speed", "memory", "loss", "step_times"))
+
+
+def test_controls_mirror_the_config(panel):
+    assert panel.config() == C.tiny_preset("cpu")
+    panel.set(precision="bf16", attention="sdpa", batch_size=8)
+    cfg = panel.config()
+    assert (cfg.precision, cfg.model.attention, cfg.batch_size) == ("bf16", "sdpa", 8)
+    assert panel.label(cfg) == "#1 precision=bf16, attention=sdpa, batch_size=8"
+
+
+def test_runs_accumulate_in_the_table_and_plots_redraw(panel):
+    panel.run()
+    first_figure = panel.last_figure
+    panel.set(attention="sdpa")
+    panel.run()
+    assert [r.status for r in panel.results] == ["ok", "ok"]
+    assert panel.table.value.count("<tr>") == 3  # header + two runs
+    assert panel.last_figure is not first_figure
+    panel.clear()
+    assert panel.results == [] and "No runs yet" in panel.table.value
+
+
+def test_an_invalid_choice_is_a_row_with_the_reason_not_a_crash(panel):
+    panel.set(batch_size=3, grad_accum_steps=2)
+    r = panel.run()
+    assert r.status == "skipped" and "does not divide" in r.reason
+    assert "SKIPPED" in panel.table.value
+
+
+def test_a_control_this_device_cannot_run_is_disabled_and_says_why(monkeypatch):
+    monkeypatch.setattr(C, "compile_supported", lambda d: (False, "needs a C++ compiler"))
+    p = widgets.Panel(C.tiny_preset("cpu"), controls=("compile",))
+    assert p.controls["compile"].disabled and "C++ compiler" in p.widget.children[0].value
+    with pytest.raises(C.ConfigError, match="unavailable"):
+        p.set(compile=True)
+
+
+def test_a_new_panel_has_its_own_handlers():
+    a = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",))
+    b = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",))
+    assert a.run_button is not b.run_button and len(a.run_button._click_handlers.callbacks) == 1
+
+
+def test_unknown_control_is_explained():
+    with pytest.raises(KeyError, match="no 'nonsense' control"):
+        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",)).set(nonsense=1)
