@@ -3,4 +3,3 @@ Notebook kernels started by nbval inherit the environment, so they see it too.""
 import os
 
 os.environ.setdefault("COURSE_BUDGET", "smoke")
-os.environ.setdefault("MPLBACKEND", "Agg")

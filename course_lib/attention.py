@@ -220,9 +220,14 @@ def plot_sweep(points: list[AttentionPoint], title: str = ""):
         p0 = points[0]
         xs = sorted({p.context for p in points})
         ax_m.plot(xs, [scores_bytes(p0.batch, p0.heads, s) / 2**20 for s in xs], "k:", lw=1, label="one b·a·s·s fp32 matrix")
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
+
     for ax in (ax_t, ax_m):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("context length s (tokens)")
         ax.legend(fontsize=8)
     mode = "forward + backward" if points and points[0].backward else "forward only"

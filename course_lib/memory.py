@@ -14,7 +14,7 @@ Where the bytes of one training step go, by category (the same categories as mea
 `account_step` runs one training step of a config under the CPU ledger, optionally under FakeTensorMode, so
 that a model too big for this machine (GPT-2 small at batch 32, context 1024) is accounted without allocating.
 It is one step for accounting only (no data, no timing, no results): the training loop is course_lib.train.
-Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator (course_lib.distributed).
+Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator (course_lib.distributed.zero).
 """
 from __future__ import annotations
 
@@ -222,10 +222,13 @@ class Estimate:
 def estimate(cfg: TrainConfig) -> Estimate:
     """Predict the steady-state peak of one optimizer step of `cfg` (a later step: the optimizer state exists).
 
-    Three candidates for the peak, the largest wins:
+    Candidates for the peak, the largest wins:
       start of backward: static (gradients only if zero_grad keeps them) + all activations + the logits terms;
       recompute (activation checkpointing): static + kept block inputs + one block recomputed;
-      optimizer step: parameters + gradients + state + a transient the size of the largest parameter.
+      end of backward: parameters + gradients + state + the tied embedding's gradient temporaries: the output layer
+        and the embedding each produce a (V x h) gradient, which are summed into .grad: three V x h fp32 tensors
+        when .grad already exists (set_to_none=False), two when it is None. (AdamW's own temporaries, one or two
+        tensors the size of a parameter, are smaller.)
     """
     m = cfg.model
     n = count_params(m)
@@ -234,10 +237,11 @@ def estimate(cfg: TrainConfig) -> Estimate:
     lg = sum(logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size).values())
     saved_logits = logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size)
     grads_before = 0 if (cfg.set_to_none and cfg.grad_accum_steps == 1) else st["gradients"]
-    largest = m.padded_vocab_size * m.n_embd * 4
+    emb_grad = m.padded_vocab_size * m.n_embd * 4
+    tied = (2 if grads_before == 0 else 3) * emb_grad
     phases = {
         "start of backward": st["parameters"] + grads_before + st["optimizer state"] + act["total"] + lg,
-        "optimizer step": st["parameters"] + st["gradients"] + st["optimizer state"] + largest,
+        "end of backward": st["parameters"] + st["gradients"] + st["optimizer state"] + tied,
     }
     if cfg.activation_checkpointing:
         phases["recompute in backward"] = st["parameters"] + st["gradients"] + st["optimizer state"] + act["total"] + act["recompute"]
@@ -255,7 +259,7 @@ def estimate(cfg: TrainConfig) -> Estimate:
         by["activations"] = act["total"] + act["recompute"]
     else:
         by["gradients"] = st["gradients"]
-        by["other"] = largest
+        by["other"] = tied
     notes = ["activations and logits are for one micro-batch of %d sequences" % cfg.micro_batch_size]
     if cfg.precision in ("bf16", "fp16"):
         notes.append("16-bit activations are approximate here (notebook 03 measures them); weights stay fp32 under autocast")

@@ -300,10 +300,14 @@ def default_batches(splits: data_mod.Splits, cfg, seed: int | None = None):
     return batches
 
 
-def with_bad_batch(splits: data_mod.Splits, cfg, bad_steps: Iterable[int], seed: int | None = None):
-    """The default batches, except that at `bad_steps` the targets are replaced by random tokens (a corrupted
-    batch: labels that do not follow from the text). The good steps get exactly the batches they would get
-    without it, so a run with and a run without the bad batch differ only there."""
+def with_bad_batch(splits: data_mod.Splits, cfg, bad_steps: Iterable[int], kind: str = "repeated", token: int = 0,
+                   seed: int | None = None):
+    """The default batches, except that at `bad_steps` the targets are corrupted: kind="repeated" makes every
+    target the same token (`token`, by default id 0, a byte that never occurs in the plays), like a broken document
+    of one repeated character; kind="random" draws the targets uniformly at random. The good steps get exactly the
+    batches they would get without it, so a run with and a run without the bad batch differ only there."""
+    if kind not in ("repeated", "random"):
+        raise ValueError(f"kind={kind!r}: use 'repeated' or 'random'")
     good = default_batches(splits, cfg, seed)
     bad = set(bad_steps)
     noise = torch.Generator().manual_seed(10_000 + (cfg.seed if seed is None else seed))
@@ -311,7 +315,10 @@ def with_bad_batch(splits: data_mod.Splits, cfg, bad_steps: Iterable[int], seed:
     def batches(step: int):
         micro = good(step)
         if step in bad:
-            micro = [(x, torch.randint(0, splits.vocab_size, y.shape, generator=noise)) for x, y in micro]
+            if kind == "repeated":
+                micro = [(x, torch.full_like(y, token)) for x, y in micro]
+            else:
+                micro = [(x, torch.randint(0, splits.vocab_size, y.shape, generator=noise)) for x, y in micro]
         return micro
 
     return batches

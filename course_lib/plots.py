@@ -106,3 +106,49 @@ def plot_results(results: list[RunResult], which=("speed", "memory")) -> Figure:
     for ax, name in zip(axes[0], which):
         PLOTS[name](results, ax=ax)
     return fig
+
+
+def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = None, target: float = 10.0) -> Figure:
+    """The ladder climbed: cumulative speed-up over the first ok rung (left) and peak memory by category with the
+    factor saved over that rung (right). Skipped or failed rungs keep their place, marked with their status.
+    `reference` (e.g. shipped GPU results, matched by rung label) adds its own speed-up line; `target` draws the
+    course's promise (about 10x) as a dashed line."""
+    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    labels = [r.label for r in results]
+    xs = range(len(results))
+
+    def speedups(rs: list[RunResult]) -> dict[str, float]:
+        base = next((r for r in rs if r.ok and r.tokens_per_s), None)
+        return {r.label: r.tokens_per_s / base.tokens_per_s for r in rs if base and r.ok and r.tokens_per_s}
+
+    mine = speedups(results)
+    pts = [(i, mine[r.label]) for i, r in zip(xs, results) if r.label in mine]
+    if pts:
+        ax_speed.plot(*zip(*pts), "o-", color="#4c72b0", label=f"this machine: {_devices(results)}")
+        for i, v in pts:
+            ax_speed.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    for i, r in zip(xs, results):
+        if not r.ok:
+            ax_speed.annotate(r.status.upper(), (i, 1.0), ha="center", va="bottom", fontsize=8, color="#c44e52", rotation=90)
+    if reference:
+        ref = speedups(reference)
+        rpts = [(i, ref[lab]) for i, lab in zip(xs, labels) if lab in ref]
+        if rpts:
+            ax_speed.plot(*zip(*rpts), "s--", color="#dd8452", label=f"reference: {_devices(reference)}")
+    if target:
+        ax_speed.axhline(target, ls=":", color="#888888", label=f"the course's promise (~{target:g}x)")
+    ax_speed.axhline(1.0, lw=0.8, color="#cccccc")
+    ax_speed.set_yscale("log")
+    ax_speed.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
+    ax_speed.set_ylabel("cumulative speed-up (x, tokens/s over the first rung)")
+    ax_speed.set_title("Speed, rung by rung (log scale)", fontsize=9)
+    ax_speed.legend(fontsize=7, loc="upper left")
+
+    plot_memory(results, ax=ax_mem)
+    base = next((r for r in results if r.ok and r.peak_gib), None)
+    for i, r in zip(xs, results):
+        if r.ok and base and r.peak_gib:
+            ax_mem.annotate(f"{base.peak_gib / r.peak_gib:.2f}x less" if r is not base else "baseline",
+                            (i, r.peak_gib), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    ax_mem.margins(y=0.15)
+    return fig

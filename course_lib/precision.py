@@ -351,23 +351,25 @@ def rel_error(test: torch.Tensor, ref: torch.Tensor) -> float:
 def matmul_errors(n: int = 512, device: str = "cpu", seed: int = 0) -> dict[str, float]:
     """Relative error of an (n x n) @ (n x n) matmul of N(0,1) matrices in each format against fp64.
     fp32: plain fp32. tf32 (emulated): inputs rounded to TF32, product in fp32, on any device. bf16 and fp16:
-    inputs and output in that dtype. On CUDA Ampere+, also the real TF32 tensor-core matmul."""
+    inputs and output in that dtype, sums accumulated in fp32. On CUDA Ampere+, also the real TF32 tensor-core matmul."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     a = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     b = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     ref = a @ b
-    prev = torch.backends.cuda.matmul.allow_tf32
+    m = torch.backends.cuda.matmul
+    prev = (m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
     try:
-        torch.backends.cuda.matmul.allow_tf32 = False
+        # measure the format, with fp32 accumulation: no TF32, no 16-bit partial sums in split-K kernels
+        m.allow_tf32 = m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
         out = {"fp32": rel_error(a.float() @ b.float(), ref),
                "tf32 (emulated)": rel_error(round_to_tf32(a.float()) @ round_to_tf32(b.float()), ref),
                "bf16": rel_error(a.bfloat16() @ b.bfloat16(), ref),
                "fp16": rel_error(a.half() @ b.half(), ref)}
         if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-            torch.backends.cuda.matmul.allow_tf32 = True
+            m.allow_tf32 = True
             out["tf32 (tensor cores)"] = rel_error(a.float() @ b.float(), ref)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+        m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = prev
     return out
 
 
@@ -478,7 +480,7 @@ def plot_formats(fmts: list[FloatFormat]):
     ax2.set_xlabel("binade e: values in [2^e, 2^(e+1))")
     ax2.set_ylabel("representable values per binade")
     ax2.set_title("Precision: 2^(mantissa bits) values in every normal binade", fontsize=9)
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 

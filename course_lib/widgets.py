@@ -86,6 +86,8 @@ class Panel:
         self.status = W.HTML()
         self.table = W.HTML(html_table([]))
         self.plot_out = W.Output()
+        for w, css in ((self.run_button, "course-run"), (self.clear_button, "course-clear"), (self.table, "course-table"), (self.plot_out, "course-plots")):
+            w.add_class(css)  # stable hooks for the browser test
         self.run_button.on_click(lambda _b: self._safe_run())
         self.clear_button.on_click(lambda _b: self.clear())
         header = W.HTML(f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"

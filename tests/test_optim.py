@@ -206,13 +206,17 @@ def test_groups_decay_only_matrices_and_embeddings():
 def test_bad_batch_changes_only_its_step():
     cfg = tiny_preset()
     splits = load_splits()
-    good = O.default_batches(splits, cfg)
-    bad = O.with_bad_batch(splits, cfg, bad_steps=[2])
-    for step in range(4):
-        (xg, yg), = good(step)
-        (xb, yb), = bad(step)
-        assert torch.equal(xg, xb)
-        assert torch.equal(yg, yb) == (step != 2)
+    for kind in ("repeated", "random"):
+        good = O.default_batches(splits, cfg)
+        bad = O.with_bad_batch(splits, cfg, bad_steps=[2], kind=kind)
+        for step in range(4):
+            (xg, yg), = good(step)
+            (xb, yb), = bad(step)
+            assert torch.equal(xg, xb)
+            assert torch.equal(yg, yb) == (step != 2)
+    assert int((splits.train == 0).sum()) == 0  # the repeated token (byte 0) never occurs in the text
+    with pytest.raises(ValueError):
+        O.with_bad_batch(splits, cfg, [1], kind="nonsense")
 
 
 def test_default_batches_are_the_loops():
