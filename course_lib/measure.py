@@ -269,12 +269,14 @@ class MemoryLedger(TorchDispatchMode):
                 h.remove()
 
     def reclassify(self, tensors, category: str) -> None:
-        """After the step: storages in `tensors` that were alive at the peak belong to `category`."""
+        """Storages in `tensors` belong to `category`, now and in the peak's snapshot (a gradient is made in
+        backward, where it first counts as "other")."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 sid = getattr(t.untyped_storage(), "_course_ledger_id", None)
-                if sid is not None and sid in self._peak_members:
-                    self._peak_members[sid][1] = category
+                for members in (self._info, self._peak_members):
+                    if sid is not None and sid in members:
+                        members[sid][1] = category
 
     def report(self) -> MemoryReport:
         by = dict.fromkeys(CATEGORIES, 0)

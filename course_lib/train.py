@@ -103,6 +103,8 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
             with (ledger.phase("optimizer") if measuring else contextlib.nullcontext()):
                 setup.scaler.unscale_(setup.optimizer)
                 grads = [p.grad for p in params if p.grad is not None]
+                if measuring:  # name the gradients before set_to_none may free them
+                    ledger.reclassify(grads, "gradients")
                 norm = torch.nn.utils.get_total_norm(grads)
                 if cfg.clip_norm is not None:
                     torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_norm, norm)

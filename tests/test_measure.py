@@ -77,3 +77,11 @@ def test_capabilities_describe_this_device():
     caps = measure.capabilities("cpu")
     assert caps["torch"] == torch.__version__
     assert "does nothing on a CPU" in caps["tf32"]
+
+
+def test_a_tensor_made_in_backward_can_be_named_a_gradient_at_the_peak():
+    ledger = measure.MemoryLedger()
+    with ledger, ledger.phase("backward"):
+        g = torch.empty(1000)  # born as a temporary of backward
+        ledger.reclassify([g], "gradients")
+    assert ledger.report().by_category["gradients"] == 4000 and ledger.report().by_category["other"] == 0

@@ -91,3 +91,4 @@ def test_a_too_small_vocab_is_explained(splits):
 def test_fp16_records_loss_scale(splits):
     r = train_mod.train(tiny(precision="fp16", steps=3), "fp16", splits=splits)
     assert r.ok and len(r.loss_scales) == 3 and r.loss_scales[0] == 65536.0
+
