@@ -88,7 +88,8 @@ def test_real_gradients_underflow_in_fp16_and_scaling_fixes_it():
     lost, lost_scaled = P.lost_to_zero(g32.activations, g16.activations), P.lost_to_zero(g32.activations, g16s.activations)
     assert lost > 0.0  # unscaled fp16 loses gradients to zero...
     assert lost_scaled < lost / 10  # ...scaling by 2^16 brings (nearly) all of them back
-    assert P.lost_to_zero(g32.activations, gbf.activations) == 0.0  # bf16 has fp32's range: nothing flushes
+    assert P.flush_fraction(g32.activations, torch.bfloat16) == 0.0  # bf16 has fp32's range: nothing is below it
+    assert P.lost_to_zero(g32.activations, gbf.activations) < lost / 10  # (an exact zero can still come from rounding)
     assert P.rel_error(g16s.parameters, g32.parameters) < P.rel_error(g16.parameters, g32.parameters)
 
 
