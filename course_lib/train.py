@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import warnings
 from typing import Callable
 
 import torch
@@ -113,7 +114,9 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
                 setup.scaler.step(setup.optimizer)
                 setup.scaler.update()
                 setup.optimizer.zero_grad(set_to_none=cfg.set_to_none)
-                setup.scheduler.step()
+                with warnings.catch_warnings():  # a step the fp16 scaler skipped still advances the schedule, on purpose
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+                    setup.scheduler.step()
         if step == ledger_step:
             for category, tensors in _static_tensors(model, setup.optimizer).items():
                 ledger.reclassify(tensors, category)

@@ -221,9 +221,11 @@ class Panel:
 
         result = self.runner(cfg, label, callback)
         self.progress.description = "done"
-        self.status.value = (f"<b>{label}</b>: {result.tokens_per_s:,.0f} tokens/s, peak {result.peak_gib:.4f} GiB" if result.ok
+        result = self._record(result)  # recorded first: nothing below can lose it
+        peak = f", peak {result.peak_gib:.4f} GiB" if result.peak_gib is not None else ", memory not measured"
+        self.status.value = (f"<b>{label}</b>: {result.tokens_per_s:,.0f} tokens/s{peak}" if result.ok
                              else f"<b>{label}</b>: {result.status.upper()} {result.reason}")
-        return self._record(result)
+        return result
 
     def _safe_run(self) -> None:
         """The button's handler: never lets an exception kill the panel; the error is shown instead."""

@@ -54,3 +54,11 @@ def test_a_new_panel_has_its_own_handlers():
 def test_unknown_control_is_explained():
     with pytest.raises(KeyError, match="no 'nonsense' control"):
         widgets.Panel(C.tiny_preset("cpu"), controls=("steps",)).set(nonsense=1)
+
+
+def test_a_run_without_memory_measurement_is_still_recorded():
+    import dataclasses
+
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",))
+    r = p.run()
+    assert r.ok and p.results == [r] and "memory not measured" in p.status.value
