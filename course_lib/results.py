@@ -99,14 +99,14 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
     for r in results:
         if not r.ok:
             rows.append({"run": r.label, "status": r.status.upper(), "ms/step": "", "tokens/s": "", "speed-up": "",
-                         "peak GiB": "", "memory vs base": "", "MFU": "", "note": r.reason})
+                         "peak GiB": "", "memory vs base": "", "MFU": "", "compile s": "", "note": r.reason})
             continue
         speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
         mem = r.peak_gib / base.peak_gib if base and base.peak_gib else None
         rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
                      "speed-up": fmt(speed, ".2f") + "x" if speed else "", "peak GiB": fmt(r.peak_gib, ".4f"),
                      "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": fmt(r.mfu * 100, ".1f") + "%" if r.mfu is not None else "n/a",
-                     "note": r.reason})
+                     "compile s": fmt(r.compile_s, ".1f", missing=""), "note": r.reason})
     return rows
 
 

@@ -248,7 +248,7 @@ class Panel:
 
     def redraw(self) -> None:
         self.table.value = html_table(table_rows(self.results))
-        self.plot_out.clear_output(wait=True)
+        self.plot_out.clear_output()
         if not self.results:
             self.last_figure = None
             return
