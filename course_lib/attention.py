@@ -164,6 +164,7 @@ class AttentionPoint:
     heads: int
     head_dim: int
     device: str
+    status: str = "ok"  # "oom" when the device ran out of memory at this size (ms and peak_bytes are then nan / 0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -180,9 +181,12 @@ def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int 
     from .measure import device_name
 
     name = device_name(device)
-    points = []
+    points, out_of_memory = [], set()
     for s in contexts:
         for impl in impls:
+            if impl in out_of_memory:  # a longer context will not fit either
+                points.append(AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom"))
+                continue
             fn = IMPLS[impl]
             q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=backward)
 
@@ -195,10 +199,22 @@ def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int 
                 return out
 
             ctx = torch.enable_grad() if backward else torch.no_grad()
-            with ctx:
-                ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
-                peak, method = peak_bytes(call, device=device)
-            points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
+            try:
+                with ctx:
+                    ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
+                    peak, method = peak_bytes(call, device=device)
+                points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
+            except torch.OutOfMemoryError:
+                out_of_memory.add(impl)
+                points.append(AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom"))
+            if out_of_memory:  # free what the failed call left before the next size
+                del q, k, v
+                import gc
+
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                q = k = v = None
             if progress:
                 progress(impl, s)
             del q, k, v
@@ -212,7 +228,10 @@ def plot_sweep(points: list[AttentionPoint], title: str = ""):
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10.5, 3.6), layout="constrained")
     impls = list(dict.fromkeys(p.impl for p in points))
     for impl in impls:
-        pts = [p for p in points if p.impl == impl]
+        pts = [p for p in points if p.impl == impl and p.status == "ok"]
+        for p in points:
+            if p.impl == impl and p.status == "oom":
+                ax_m.annotate(f"{impl}: OOM", (p.context, max((q.peak_bytes for q in pts), default=1) / 2**20), fontsize=7, color="#c44e52")
         xs = [p.context for p in pts]
         ax_t.plot(xs, [p.ms for p in pts], "o-", label=impl)
         ax_m.plot(xs, [p.peak_bytes / 2**20 for p in pts], "o-", label=impl)

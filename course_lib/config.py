@@ -76,7 +76,7 @@ def device_supports(precision: str, device: str) -> tuple[bool, str]:
         if not torch.cuda.is_available():
             return False, "CUDA is not available on this machine"
         major, _ = torch.cuda.get_device_capability(dev)
-        if precision == "bf16" and not torch.cuda.is_bf16_supported():
+        if precision == "bf16" and major < 8:  # is_bf16_supported() also says yes to slow emulation
             return False, f"{torch.cuda.get_device_name(dev)} has no bf16 support: use fp16 with loss scaling"
         if precision == "tf32" and major < 8:
             return False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); this one is {major}.x"

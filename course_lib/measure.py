@@ -80,7 +80,14 @@ def capabilities(device: str | torch.device) -> dict[str, str | bool]:
         caps["bf16 hardware"] = cpu_bf16_support()
     ok, why = compile_supported(str(dev))
     caps["compile"] = True if ok else why
-    caps["flash attention"] = "SDPA flash kernel" if dev.type in ("cpu", "cuda") else "math fallback"
+    if dev.type == "cpu":
+        caps["flash attention"] = "SDPA's flash kernel for CPU"
+    elif dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        caps["flash attention"] = (f"SDPA's flash kernel in fp16/bf16 (compute capability {major}.{minor}); fp32 uses the memory-efficient kernel"
+                                   if major >= 8 else f"no flash kernel before compute capability 8.0 (this is {major}.{minor}): SDPA uses the memory-efficient kernel")
+    else:
+        caps["flash attention"] = "SDPA's math fallback"
     caps["fused AdamW"] = True
     return caps
 
@@ -117,6 +124,8 @@ def tensor_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
         if isinstance(t, torch.Tensor):
+            if hasattr(t, "to_local"):  # a DTensor (FSDP2, tensor parallel): this process holds its local shard
+                t = t.to_local()
             st = t.untyped_storage()
             key = (st.data_ptr(), t.device) if t.device.type != "meta" else id(st)
             if key not in seen:
@@ -267,6 +276,8 @@ class MemoryLedger(TorchDispatchMode):
         finally:
             for h in handles:
                 h.remove()
+            if self.keep_timeline:  # what is still live when the step ends (after zero_grad freed what it frees)
+                self.timeline.append(("optimizer", self.live))
 
     def reclassify(self, tensors, category: str) -> None:
         """Storages in `tensors` belong to `category`, now and in the peak's snapshot (a gradient is made in

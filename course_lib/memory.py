@@ -327,15 +327,8 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
                         setup.scaler.scale(loss).backward()
                     del loss
                 with ph("optimizer"):
-                    setup.scaler.unscale_(setup.optimizer)
-                    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-                    if cfg.clip_norm is not None:
-                        torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_norm, norm)
-                    del norm
-                    setup.scaler.step(setup.optimizer)
-                    setup.scaler.update()
-                    setup.optimizer.zero_grad(set_to_none=cfg.set_to_none)
-                    setup.scheduler.step()
+                    techniques.optimizer_step(setup, cfg, params,
+                                              on_grads=(lambda g: ledger.reclassify(g, "gradients")) if watched else None)
         ledger.reclassify(params, "parameters")
         ledger.reclassify([p.grad for p in params if p.grad is not None], "gradients")
         ledger.reclassify(measure.optimizer_state_tensors(setup.optimizer), "optimizer state")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,10 +75,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def set_matmul_precision(precision: str) -> None:
-    """TF32 for fp32 matmuls and convolutions on CUDA Ampere+ ("high"), or exact fp32 ("highest")."""
+    """TF32 for fp32 matmuls and convolutions on CUDA Ampere+, or exact fp32. Only the CUDA flags are set:
+    torch.set_float32_matmul_precision would also change oneDNN's CPU matmuls, and TF32 is a GPU lesson."""
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
 
 
 def autocast_context(cfg: TrainConfig) -> Callable[[], contextlib.AbstractContextManager]:
@@ -188,6 +189,29 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module) -> nn.Module:
 # Called as listener(cfg, setup) at the end of build(); empty by default. The distributed modules of notebook 07
 # use it to reach the model and optimizer that train() builds (per-rank memory, final parameters).
 BUILD_LISTENERS: list[Callable[[TrainConfig, "Setup"], None]] = []
+
+
+def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
+                   on_grads: Callable[[list[torch.Tensor]], None] | None = None) -> tuple[torch.Tensor, float, float]:
+    """The end of every training step, written once: unscale (fp16), global-norm clip, step, scaler update,
+    zero_grad, schedule. Returns (gradient norm before clipping, learning rate used, loss scale used).
+    `on_grads` sees the gradients before zero_grad may free them (the memory ledger names them)."""
+    setup.scaler.unscale_(setup.optimizer)
+    grads = [p.grad for p in params if p.grad is not None]
+    if on_grads:
+        on_grads(grads)
+    norm = torch.nn.utils.get_total_norm(grads)
+    if cfg.clip_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_norm, norm)
+    lr = setup.optimizer.param_groups[0]["lr"]
+    scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
+    setup.scaler.step(setup.optimizer)
+    setup.scaler.update()
+    setup.optimizer.zero_grad(set_to_none=cfg.set_to_none)
+    with warnings.catch_warnings():  # a step the fp16 scaler skipped still advances the schedule, on purpose
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+        setup.scheduler.step()
+    return norm, lr, scale
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import warnings
 from typing import Callable
 
 import torch
@@ -102,21 +101,8 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
                 step_loss += loss.detach()
                 del loss
             with (ledger.phase("optimizer") if measuring else contextlib.nullcontext()):
-                setup.scaler.unscale_(setup.optimizer)
-                grads = [p.grad for p in params if p.grad is not None]
-                if measuring:  # name the gradients before set_to_none may free them
-                    ledger.reclassify(grads, "gradients")
-                norm = torch.nn.utils.get_total_norm(grads)
-                if cfg.clip_norm is not None:
-                    torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_norm, norm)
-                lr = setup.optimizer.param_groups[0]["lr"]
-                scale_before = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
-                setup.scaler.step(setup.optimizer)
-                setup.scaler.update()
-                setup.optimizer.zero_grad(set_to_none=cfg.set_to_none)
-                with warnings.catch_warnings():  # a step the fp16 scaler skipped still advances the schedule, on purpose
-                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
-                    setup.scheduler.step()
+                norm, lr, scale_before = techniques.optimizer_step(
+                    setup, cfg, params, on_grads=(lambda g: ledger.reclassify(g, "gradients")) if measuring else None)
         if step == ledger_step:
             for category, tensors in _static_tensors(model, setup.optimizer).items():
                 ledger.reclassify(tensors, category)
@@ -155,13 +141,22 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def _chain(e: BaseException):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
 def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
     """train(), but an out-of-memory error becomes a result with status "oom": the memory is freed and the
     caller (a notebook, the ladder) carries on."""
     try:
         return train(cfg, label, **kwargs)
-    except torch.OutOfMemoryError as e:
-        reason = "out of memory: " + str(e).splitlines()[0][:200]
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; anything else is re-raised
+        oom = next((x for x in _chain(e) if isinstance(x, torch.OutOfMemoryError)), None)  # compile may wrap it
+        if oom is None:
+            raise
+        reason = "out of memory: " + str(oom).splitlines()[0][:200]
     # Leaving the except block drops the traceback, and with it the frames that held the model.
     free_memory()
     return RunResult(label=label, status="oom", config=cfg.to_dict(), provenance=provenance(measure.device_name(cfg.device)), reason=reason)

@@ -14,7 +14,7 @@ def test_compiled_and_eager_losses_equal():
     eager = run(cfg, "eager")
     compiled = run(dataclasses.replace(cfg, compile=True), "compiled")
     assert eager.ok and compiled.ok, (eager.reason, compiled.reason)
-    assert compiled.compile_s is not None and compiled.compile_s >= 0
+    assert compiled.step_times[0] > compiled.median_step_s  # the first step traced and compiled
     for a, b in zip(eager.losses, compiled.losses):
         assert abs(a - b) <= 1e-4 * abs(a), (eager.losses, compiled.losses)
     assert eager.losses[-1] < eager.losses[0]

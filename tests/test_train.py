@@ -57,6 +57,27 @@ def test_clipping_uses_the_global_norm(splits):
     assert all(n > 1e-3 for n in r.grad_norms)  # the norm before clipping is what is logged
 
 
+def test_the_loops_step_clips_the_global_norm_and_keeps_the_direction(splits):
+    """With plain SGD, a clipped step moves the parameters by exactly lr * clip_norm, along the gradient."""
+    from course_lib import techniques
+    from course_lib.model import GPT
+
+    cfg = tiny(optimizer="sgd", lr=0.1, clip_norm=1e-3)
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    setup = techniques.build(cfg, model)
+    params = list(model.parameters())
+    x, y = splits.train[:64].view(1, 64), splits.train[1:65].view(1, 64)
+    (setup.loss_fn(x, y) / 64).backward()
+    grads = torch.cat([p.grad.flatten() for p in params])
+    before = torch.cat([p.detach().flatten() for p in params])
+    norm, lr, _ = techniques.optimizer_step(setup, cfg, params)
+    delta = torch.cat([p.detach().flatten() for p in params]) - before
+    assert norm.item() == pytest.approx(grads.norm().item(), rel=1e-5) and norm.item() > 1e-3
+    assert delta.norm().item() == pytest.approx(0.1 * 1e-3, rel=1e-3)
+    assert torch.nn.functional.cosine_similarity(delta, -grads, dim=0).item() == pytest.approx(1.0, abs=1e-4)
+
+
 def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits):
     from course_lib.model import GPT
 

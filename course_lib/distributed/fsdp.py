@@ -26,19 +26,26 @@ COUNTS = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}  # calls, bytes of the
 
 
 def _install_counters() -> None:
-    ag, rs = dist.all_gather_single, dist.reduce_scatter_single
+    """Count FSDP2's collectives by wrapping the functions it calls. torch 2.13 calls all_gather_single /
+    reduce_scatter_single; older versions (2.11, 2.12) call all_gather_into_tensor / reduce_scatter_tensor.
+    Each name that exists is wrapped; a deprecated one that forwards to the other does so inside
+    distributed_c10d, not through these attributes, so nothing is counted twice."""
+    names = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+             "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
 
-    def all_gather_single(output, input, *args, **kwargs):
-        COUNTS["all_gather"][0] += 1
-        COUNTS["all_gather"][1] += output.numel() * output.element_size()
-        return ag(output, input, *args, **kwargs)
+    def counting(kind: str, original):
+        def wrapper(output, input, *args, **kwargs):
+            full = output if kind == "all_gather" else input  # the unsharded side
+            COUNTS[kind][0] += 1
+            COUNTS[kind][1] += full.numel() * full.element_size()
+            return original(output, input, *args, **kwargs)
 
-    def reduce_scatter_single(output, input, *args, **kwargs):
-        COUNTS["reduce_scatter"][0] += 1
-        COUNTS["reduce_scatter"][1] += input.numel() * input.element_size()
-        return rs(output, input, *args, **kwargs)
+        return wrapper
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    for kind, candidates in names.items():
+        for name in candidates:
+            if hasattr(dist, name):
+                setattr(dist, name, counting(kind, getattr(dist, name)))
 
 
 def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:

@@ -11,6 +11,9 @@ forward (F) and backward (B) of each micro-batch; the peak bytes allocated durin
 peak); parameter bytes of the stage; and (step 0) the pipeline's loss and gradients against the unsplit model.
 
 Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8, "batch_size": 8, "steps": 3}
+
+Its steps are not course_lib.train: a PipelineSchedule owns forward and backward across the stages, so
+this module runs its own short AdamW loop (no clipping, schedule or mixed precision) to time the stages.
 """
 from __future__ import annotations
 
