@@ -1,0 +1,18 @@
+import pytest
+
+from course_lib import budget
+
+
+def test_pick_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("COURSE_BUDGET", "smoke")
+    assert budget.pick(full=100, smoke=3) == 3 and budget.is_smoke()
+    monkeypatch.setenv("COURSE_BUDGET", "full")
+    assert budget.pick(full=100, smoke=3) == 100
+    monkeypatch.delenv("COURSE_BUDGET")
+    assert budget.budget() == "full"  # a learner gets the full size
+
+
+def test_an_unknown_budget_says_what_to_use(monkeypatch):
+    monkeypatch.setenv("COURSE_BUDGET", "tiny")
+    with pytest.raises(ValueError, match="use 'smoke'"):
+        budget.pick(1, 2)
