@@ -12,6 +12,8 @@ times naive against SDPA attention and measures their peak memory (`context_swee
 """
 from __future__ import annotations
 
+import gc
+
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -190,7 +192,7 @@ def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int 
             fn = IMPLS[impl]
             q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=backward)
 
-            def call():
+            def call(q=q, k=k, v=v):
                 out = fn(q, k, v)
                 if backward:
                     out.backward(torch.ones_like(out))
@@ -207,17 +209,13 @@ def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int 
             except torch.OutOfMemoryError:
                 out_of_memory.add(impl)
                 points.append(AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom"))
-            if out_of_memory:  # free what the failed call left before the next size
-                del q, k, v
-                import gc
-
+            if progress:
+                progress(impl, s)
+            del q, k, v, call
+            if impl in out_of_memory:  # free what the failed call left before the next size
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-                q = k = v = None
-            if progress:
-                progress(impl, s)
-            del q, k, v
     return points
 
 

@@ -96,8 +96,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_bytes(tensors) -> int:
-    """Bytes this rank holds for `tensors` (DTensor shards counted locally; each storage once)."""
-    return measure.tensor_bytes([local_tensor(t) for t in tensors if isinstance(t, torch.Tensor)])
+    """Bytes this rank holds for `tensors` (measure.tensor_bytes counts a DTensor's local shard; each storage once)."""
+    return measure.tensor_bytes(list(tensors))
 
 
 def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -137,3 +137,23 @@ def shard(batch, rank: int, world: int):
     x, y = batch
     n = x.size(0) // world
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+
+
+def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback):
+    """This rank's run of the course's one loop on its shard of the global batches. `on_build(setup)` sees the
+    objects train() builds (through techniques.BUILD_LISTENERS) before the first step. Returns (result, setup)."""
+    from .. import techniques
+    from ..train import train
+
+    captured: dict = {}
+
+    def listener(_cfg, setup):
+        on_build(setup)
+        captured["setup"] = setup
+
+    techniques.BUILD_LISTENERS.append(listener)
+    try:
+        result = train(cfg, label, callback=callback, batches=lambda step: [shard(b, ctx.rank, ctx.world) for b in at(step)])
+    finally:
+        techniques.BUILD_LISTENERS.remove(listener)
+    return result, captured["setup"]

@@ -37,23 +37,16 @@ def run_ddp(ctx: _common.Ctx, cfg, at, no_sync: bool, label: str) -> dict:
     """One DDP training run; returns what this rank measured."""
     stats = {"calls": 0, "bytes": 0, "bucket_bytes": []}
     per_step: list[dict] = []
-    captured: dict = {}
 
-    def listener(_cfg, setup):
+    def on_build(setup):
         wrapper = setup.loss_module.model  # techniques.SyncOnLastMicroBatch around the DDP module
         wrapper.enabled = no_sync
         wrapper.wrapped.register_comm_hook(None, _counting_hook(stats))
-        captured["setup"] = setup
 
     def callback(step, _result):
         per_step.append({"calls": stats["calls"], "bytes": stats["bytes"]})
 
-    techniques.BUILD_LISTENERS.append(listener)
-    try:
-        result = train(cfg, label, callback=callback, batches=lambda step: [_common.shard(b, ctx.rank, ctx.world) for b in at(step)])
-    finally:
-        techniques.BUILD_LISTENERS.remove(listener)
-    setup = captured["setup"]
+    result, setup = _common.train_rank(ctx, cfg, at, label, on_build, callback)
     calls = [b["calls"] - a["calls"] for a, b in zip([{"calls": 0, "bytes": 0}] + per_step, per_step)]
     nbytes = [b["bytes"] - a["bytes"] for a, b in zip([{"calls": 0, "bytes": 0}] + per_step, per_step)]
     grad_bytes = _common.local_bytes([p for p in setup.model.parameters()])  # gradients have the parameters' size

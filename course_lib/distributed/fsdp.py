@@ -18,8 +18,6 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
-from .. import techniques
-from ..train import train
 from . import _common
 
 COUNTS = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}  # calls, bytes of the full (unsharded) tensor
@@ -51,9 +49,7 @@ def _install_counters() -> None:
 def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
     import torch
 
-    captured: dict = {}
     snapshots: list[dict] = []
-    listener = lambda _c, setup: captured.__setitem__("setup", setup)  # noqa: E731
 
     def callback(step, _r):
         snapshots.append({k: list(v) for k, v in COUNTS.items()})
@@ -62,12 +58,7 @@ def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
         v[:] = [0, 0]
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    techniques.BUILD_LISTENERS.append(listener)
-    try:
-        result = train(cfg, label, callback=callback, batches=lambda step: [_common.shard(b, ctx.rank, ctx.world) for b in at(step)])
-    finally:
-        techniques.BUILD_LISTENERS.remove(listener)
-    setup = captured["setup"]
+    result, setup = _common.train_rank(ctx, cfg, at, label, on_build=lambda _setup: None, callback=callback)
     last, prev = snapshots[-1], snapshots[-2] if len(snapshots) > 1 else {k: [0, 0] for k in COUNTS}
     per_step = {k: {"calls": last[k][0] - prev[k][0], "bytes": last[k][1] - prev[k][1]} for k in COUNTS}
     params = list({id(p): p for p in setup.model.parameters()}.values())
