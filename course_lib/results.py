@@ -47,7 +47,8 @@ class RunResult:
     memory: dict | None = None  # MemoryReport.to_dict()
     n_params: int | None = None
     flops_per_token: int | None = None
-    mfu: float | None = None
+    mfu: float | None = None  # model FLOP/s over the device's peak (see mfu_basis); None where no peak is known
+    mfu_basis: str = ""  # "data-sheet peak" (a known GPU: MFU proper) or "measured matmul peak" (any other device)
     skipped_optimizer_steps: int = 0  # fp16: steps the GradScaler skipped for inf/nan gradients
     loss_scales: list[float] = field(default_factory=list)
 
@@ -59,10 +60,11 @@ class RunResult:
     def peak_gib(self) -> float | None:
         return self.memory["peak_bytes"] / GiB if self.memory else None
 
-    def memory_gib(self) -> dict[str, float]:
+    def memory_gib(self) -> dict[str, float | None]:
+        """GiB by category; None for a category this device could not measure (CUDA: activations, logits)."""
         if not self.memory:
-            return dict.fromkeys(CATEGORIES, 0.0)
-        return {k: v / GiB for k, v in self.memory["by_category"].items()}
+            return dict.fromkeys(CATEGORIES, None)
+        return {k: None if v is None else v / GiB for k, v in self.memory["by_category"].items()}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,9 +107,16 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
         mem = r.peak_gib / base.peak_gib if base and base.peak_gib else None
         rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
                      "speed-up": fmt(speed, ".2f") + "x" if speed else "", "peak GiB": fmt(r.peak_gib, ".4f"),
-                     "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": fmt(r.mfu * 100, ".1f") + "%" if r.mfu is not None else "n/a",
+                     "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": efficiency_text(r),
                      "compile s": fmt(r.compile_s, ".1f", missing=""), "note": r.reason})
     return rows
+
+
+def efficiency_text(r: RunResult) -> str:
+    """MFU against a data sheet, or efficiency against this machine's measured matmul peak, labelled as such."""
+    if r.mfu is None:
+        return "n/a"
+    return f"{r.mfu * 100:.1f}%" + (" of measured matmul peak" if r.mfu_basis == "measured matmul peak" else "")
 
 
 def text_table(rows: list[dict[str, str]]) -> str:

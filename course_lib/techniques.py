@@ -74,11 +74,28 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     model.blocks = nn.ModuleList(b if isinstance(b, CheckpointedBlock) else CheckpointedBlock(b) for b in model.blocks)
 
 
-def set_matmul_precision(precision: str) -> None:
-    """TF32 for fp32 matmuls and convolutions on CUDA Ampere+, or exact fp32. Only the CUDA flags are set:
-    torch.set_float32_matmul_precision would also change oneDNN's CPU matmuls, and TF32 is a GPU lesson."""
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    torch.backends.cudnn.allow_tf32 = precision == "tf32"
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """While inside: TF32 for fp32 matmuls and cuDNN convolutions on CUDA when `precision` is "tf32", exact
+    fp32 otherwise; the previous settings come back on exit. Set through torch's `fp32_precision` API (mixing it
+    with the legacy `allow_tf32` flags raises). Only CUDA's backends are touched: TF32 is a GPU lesson, and
+    oneDNN's CPU matmuls keep full fp32."""
+    mode = "tf32" if precision == "tf32" else "ieee"
+    matmul, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
+    if not hasattr(matmul, "fp32_precision") or conv is None:  # torch before 2.9: the legacy flags
+        before = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
+        try:
+            yield
+        finally:
+            matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+        return
+    before = (matmul.fp32_precision, conv.fp32_precision)
+    matmul.fp32_precision = conv.fp32_precision = mode
+    try:
+        yield
+    finally:
+        matmul.fp32_precision, conv.fp32_precision = before
 
 
 def autocast_context(cfg: TrainConfig) -> Callable[[], contextlib.AbstractContextManager]:
@@ -229,7 +246,6 @@ class Setup:
 
 def build(cfg: TrainConfig, model: nn.Module) -> Setup:
     """Apply the config's techniques to `model` (already on cfg.device) in the one correct order."""
-    set_matmul_precision(cfg.precision)
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     loss_module = LossModule(wrap_data_parallel(cfg, model), cfg.loss_chunks)

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from . import capabilities as caps_mod
 from . import data as data_mod
 from . import measure, techniques
 from .config import ConfigError, TrainConfig
@@ -52,6 +53,14 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
     `batches(step)` may supply the micro-batches of a step (a list of (x, y)); by default they are random
     windows of the training text. `callback(step, result)` is called after every step (progress bars).
     """
+    caps = caps_mod.capabilities(cfg.device)
+    caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
+    # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
+    # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
+    # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
+    free_memory()
+    if cfg.compile:
+        torch._dynamo.reset()
     torch.manual_seed(cfg.seed)
     splits = splits or data_mod.load_splits()
     if cfg.model.vocab_size < splits.vocab_size:
@@ -62,9 +71,11 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
         def batches(step: int):
             return [data_mod.random_windows(splits.train, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
 
+    # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors) is not this run's.
+    cuda_baseline = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
     model = GPT(cfg.model).to(dev)
     setup = techniques.build(cfg, model)
-    name = measure.device_name(dev)
+    name = caps.name
     result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(name),
                        n_params=model.num_params(), tokens_per_step=cfg.tokens_per_step,
                        flops_per_token=measure.flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context))
@@ -75,8 +86,26 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
         raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
                           f"{' and the memory-ledger step' if ledger_step is not None else ''}: raise steps to at least {len(excluded) + 1}")
     params = [p for p in model.parameters()]
-    ledger = None
+    with techniques.matmul_precision(cfg.precision):
+        _loop(cfg, setup, model, params, splits, batches, dev, timer, ledger_step, result, callback)
+    result.excluded_steps = sorted(excluded)
+    result.median_step_s = measure.median_excluding(timer.times, excluded)
+    result.tokens_per_s = cfg.tokens_per_step / result.median_step_s
+    if cfg.compile:
+        result.compile_s = max(0.0, timer.times[0] - result.median_step_s)
+    result.mfu, result.mfu_basis = caps_mod.efficiency(result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision)
+    if dev.type == "cuda":
+        static = {k: measure.tensor_bytes(v) for k, v in _static_tensors(model, setup.optimizer).items()}
+        # With set_to_none=False the gradients live through the whole step, so they are at the peak at full
+        # size. With set_to_none=True they exist only from backward on, and the allocator cannot say whether
+        # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
+        static["gradients"] = None if cfg.set_to_none else measure.tensor_bytes(params)
+        result.memory = measure.cuda_memory_report(dev, static, baseline=cuda_baseline).to_dict()
+    return result
 
+
+def _loop(cfg, setup, model, params, splits, batches, dev, timer, ledger_step, result, callback) -> None:
+    ledger = None
     for step in range(cfg.steps):
         micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in batches(step)]
         # Normalise by the count of real target tokens in the whole accumulated batch, not per micro-batch:
@@ -120,19 +149,8 @@ def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResu
         if callback:
             callback(step, result)
 
-    result.excluded_steps = sorted(excluded)
-    result.median_step_s = measure.median_excluding(timer.times, excluded)
-    result.tokens_per_s = cfg.tokens_per_step / result.median_step_s
-    if cfg.compile:
-        result.compile_s = max(0.0, timer.times[0] - result.median_step_s)
-    result.mfu = measure.mfu(result.tokens_per_s, result.flops_per_token, name, cfg.precision)
     if ledger is not None:
         result.memory = ledger.report().to_dict()
-    elif dev.type == "cuda":
-        static = {k: measure.tensor_bytes(v) for k, v in _static_tensors(model, setup.optimizer).items()}
-        static["gradients"] = measure.tensor_bytes(params)  # gradients have the parameters' sizes at the peak
-        result.memory = measure.cuda_memory_report(dev, static).to_dict()
-    return result
 
 
 def free_memory() -> None:

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 
 from . import config as C
-from .measure import capabilities
+from .capabilities import capabilities
 from .plots import plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
 from .measure import device_name
@@ -52,16 +52,8 @@ def _current(cfg: C.TrainConfig, name: str):
 
 
 def unsupported_reasons(device: str) -> dict[str, str]:
-    """Technique -> why this device cannot run it (empty when it can)."""
-    reasons = {}
-    for p in ("bf16", "fp16", "tf32"):
-        ok, why = C.device_supports(p, device)
-        if not ok:
-            reasons[p] = why
-    ok, why = C.compile_supported(device)
-    if not ok:
-        reasons["compile"] = why
-    return reasons
+    """Technique -> why this device cannot run it (empty when it can): course_lib.capabilities decides."""
+    return capabilities(device).unavailable()
 
 
 class Panel:
@@ -173,7 +165,8 @@ class Panel:
         if "context" in values:
             values["context"] = min(values["context"], base.model.block_size) if "preset" in self.controls else values["context"]
         cfg = dataclasses.replace(base, **values)
-        return cfg.with_model(**model_changes) if model_changes else cfg
+        cfg = cfg.with_model(**model_changes) if model_changes else cfg
+        return capabilities(cfg.device).require(cfg)
 
     def set(self, **values) -> "Panel":
         """Set controls from code, e.g. panel.set(precision="bf16", compile=True)."""
@@ -263,9 +256,9 @@ class Panel:
 
 
 def show_environment(device: str) -> None:
-    """The environment cell: device, torch version and what this device supports."""
+    """The environment cell: device, torch version and what this device supports (course_lib.capabilities)."""
     import html
 
-    rows = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{'yes' if v is True else html.escape(str(v))}</td></tr>"
-                   for k, v in capabilities(device).items())
+    rows = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:left'>{html.escape(v)}</td></tr>"
+                   for k, v in capabilities(device).rows())
     display(W.HTML(f"<table>{rows}</table>"))

@@ -4,11 +4,14 @@ import dataclasses
 
 import pytest
 
-from course_lib.config import compile_supported, tiny_preset
+from course_lib.capabilities import capabilities
+from course_lib.config import tiny_preset
 from course_lib.train import run
 
+COMPILE = capabilities("cpu").compile
 
-@pytest.mark.skipif(not compile_supported("cpu")[0], reason=compile_supported("cpu")[1] or "compile unsupported")
+
+@pytest.mark.skipif(not COMPILE.ok, reason=COMPILE.note)
 def test_compiled_and_eager_losses_equal():
     cfg = dataclasses.replace(tiny_preset("cpu"), steps=3, timing_warmup=1, measure_memory=False).with_model(attention="sdpa")
     eager = run(cfg, "eager")

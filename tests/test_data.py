@@ -1,10 +1,14 @@
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import course_lib
 from course_lib import bpe, data
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_corpus_comes_from_the_installed_package():
@@ -27,6 +31,15 @@ def test_tokenizer_loads_offline_and_round_trips(monkeypatch):
     assert enc.decode(ids) == text
     assert len(ids) < len(text) / 2.5  # BPE compresses English several characters per token
     assert data.pad_id(enc) == 4096 and enc.eot_token == 4095
+
+
+def test_shipped_data_is_the_repository_data_folder_in_a_checkout():
+    """Editable install (or the bare source tree): the package data `course_lib._data` is the top-level data/ itself,
+    so `python -m course_lib bpe` rewrites the repository's file. Installed copies: tests/test_packaging.py."""
+    if Path(course_lib.__file__).resolve().parent.parent != ROOT:
+        pytest.skip("course_lib is not imported from this checkout")
+    assert data.DATA_DIR.resolve() == ROOT / "data"
+    assert data.RANKS_FILE.is_file() and data.MEASURED_DIR.is_dir()
 
 
 def test_shipped_ranks_are_tiktoken_format_and_merge_ordered():

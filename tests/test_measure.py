@@ -17,13 +17,6 @@ def test_flops_formula_agrees_with_the_flop_counter():
     assert counted == pytest.approx(formula, rel=0.03)
 
 
-def test_mfu_uses_the_device_table_and_says_na_otherwise():
-    assert measure.mfu(1e5, 1e9, "CPU (something)", "bf16") is None
-    assert measure.mfu(1e5, 1e9, "NVIDIA H100 80GB HBM3", "bf16") == pytest.approx(1e14 / 989.4e12)
-    assert measure.peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
-    assert measure.peak_tflops("Tesla T4", "bf16") is None  # T4 has no bf16 tensor cores
-
-
 def test_ledger_follows_births_and_deaths_exactly():
     ledger = measure.MemoryLedger()
     with ledger:
@@ -73,10 +66,13 @@ def test_median_excludes_warmup():
         measure.median_excluding([1.0], {0})
 
 
-def test_capabilities_describe_this_device():
-    caps = measure.capabilities("cpu")
-    assert caps["torch"] == torch.__version__
-    assert "does nothing on a CPU" in caps["tf32"]
+def test_cuda_report_subtracts_what_was_there_before_and_does_not_guess(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 8000)
+    rep = measure.cuda_memory_report("cuda", {"parameters": 1000, "gradients": None, "optimizer state": 2000}, baseline=1500)
+    assert rep.peak_bytes == 3500 and rep.reserved_bytes == 8000
+    assert rep.by_category["activations"] is None and rep.by_category["logits"] is None and rep.by_category["gradients"] is None
+    assert rep.by_category["other"] == 3500 - 1000 - 2000
 
 
 def test_a_tensor_made_in_backward_can_be_named_a_gradient_at_the_peak():

@@ -1,3 +1,7 @@
+import re
+import shlex
+from pathlib import Path
+
 from course_lib import config as C
 from course_lib import reference
 from course_lib.results import RunResult, save_results
@@ -16,5 +20,16 @@ def test_shipped_results_are_read_with_their_provenance(tmp_path, monkeypatch):
     assert len(reference.load_reference()) == 2
 
 
-def test_missing_results_are_said_plainly():
-    assert "None are invented" in reference.describe_missing()
+def test_missing_results_name_a_command_that_writes_where_they_are_read(monkeypatch):
+    # The message tells a learner with a GPU how to produce the missing results: the command it quotes must be one
+    # the CLI accepts, for a preset that exists, writing a JSON file into the folder load_reference reads.
+    from course_lib import __main__ as cli
+
+    quoted = re.search(r"`(python -m course_lib [^`]+)`", reference.describe_missing())
+    assert quoted, reference.describe_missing()
+    argv = shlex.split(quoted.group(1).replace("<device>", "H100"))[3:]
+    seen = {}
+    monkeypatch.setattr(cli, "cmd_ladder", lambda args: seen.update(vars(args)) or 0)  # parse, do not train
+    assert cli.main(argv) == 0 and seen["command"] == "ladder"
+    assert seen["preset"] in C.PRESETS and seen["json"].endswith(".json")
+    assert Path(seen["json"]).parent.parts[-2:] == reference.REFERENCE_DIR.parts[-2:]

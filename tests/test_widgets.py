@@ -38,8 +38,12 @@ def test_an_invalid_choice_is_a_row_with_the_reason_not_a_crash(panel):
 
 
 def test_a_control_this_device_cannot_run_is_disabled_and_says_why(monkeypatch):
-    monkeypatch.setattr(C, "compile_supported", lambda d: (False, "needs a C++ compiler"))
+    from course_lib import capabilities as K
+
+    monkeypatch.setattr(K, "_compile_support", lambda dev: K.Support(False, "needs a C++ compiler"))
+    K.capabilities.cache_clear()
     p = widgets.Panel(C.tiny_preset("cpu"), controls=("compile",))
+    K.capabilities.cache_clear()
     assert p.controls["compile"].disabled and "C++ compiler" in p.widget.children[0].value
     with pytest.raises(C.ConfigError, match="unavailable"):
         p.set(compile=True)

@@ -1,0 +1,482 @@
+"""What this device can run, and how fast: the one place the course asks.
+
+Config checks (`require`), the panel's disabled controls (`unavailable`), every notebook's environment cell
+and `python -m course_lib info` (`rows`), and MFU (`peak_tflops`) all read from here, so a decision such as
+"bf16 needs compute capability 8.0" is written once.
+
+A config is plain data and loads anywhere; whether *this* device can run it is asked here, when a run, a
+ladder or a panel starts.
+
+Speed: a known GPU's peak comes from its data sheet. Any other device (every CPU, an unknown GPU) gets its
+peak *measured* with a matmul benchmark per precision, cached per machine, and efficiency is then labelled
+"of measured matmul peak", so a CPU learner sees how far a run is from what their hardware can do.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import PRECISIONS, ConfigError, TrainConfig
+
+# ---- the device's name --------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name(device: str | torch.device) -> str:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    if dev.type == "cpu":
+        return f"CPU ({cpu_model()}, {torch.get_num_threads()} threads)"
+    return str(dev)
+
+
+# ---- a CPU's instruction sets -------------------------------------------------------------------
+
+# oneDNN's ISA levels, lowest first; ONEDNN_MAX_CPU_ISA caps the kernels at one of them (names that are
+# aliases share a level). A feature above the cap is present in the silicon but not used by the matmuls.
+_ONEDNN_LEVELS = {"SSE41": 1, "AVX": 2, "AVX2": 3, "AVX2_VNNI": 4, "AVX2_VNNI_2": 5, "AVX512_CORE": 6,
+                  "AVX512_CORE_VNNI": 7, "AVX512_CORE_BF16": 8, "AVX512_CORE_FP16": 9, "AVX10_1_512": 9,
+                  "AVX512_CORE_AMX": 10, "AVX10_1_512_AMX": 10, "AVX512_CORE_AMX_FP16": 11,
+                  "AVX10_1_512_AMX_FP16": 11, "AVX10_2_512": 12, "AVX10_2_512_AMX_2": 13}
+_FEATURE_LEVEL = {"avx2": 3, "avx512": 6, "avx512_bf16": 8, "avx512_fp16": 9, "amx_bf16": 10, "amx_fp16": 11}
+
+
+def _cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@dataclass(frozen=True)
+class CpuFeatures:
+    """The matmul-relevant instruction sets of this CPU, and oneDNN's cap on using them."""
+
+    avx2: bool
+    avx512: bool
+    avx512_bf16: bool
+    avx512_fp16: bool
+    amx_bf16: bool
+    amx_fp16: bool
+    onednn_cap: str | None  # ONEDNN_MAX_CPU_ISA, when set
+
+    @classmethod
+    def detect(cls) -> "CpuFeatures":
+        probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
+        return cls(avx2=probe("_is_avx2_supported"), avx512=probe("_is_avx512_supported"),
+                   avx512_bf16=probe("_is_avx512_bf16_supported"),
+                   avx512_fp16="avx512_fp16" in _cpuinfo_flags(),  # torch has no probe for it
+                   amx_bf16=probe("_is_amx_tile_supported"), amx_fp16=probe("_is_amx_fp16_supported"),
+                   onednn_cap=(os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None))
+
+    def usable(self, feature: str) -> bool:
+        """Present in the CPU and not above ONEDNN_MAX_CPU_ISA."""
+        if not getattr(self, feature):
+            return False
+        cap = (self.onednn_cap or "").upper()
+        return cap in ("", "ALL", "DEFAULT") or _ONEDNN_LEVELS.get(cap, 99) >= _FEATURE_LEVEL[feature]
+
+    def summary(self) -> str:
+        names = [f.replace("_", "-").upper() for f in _FEATURE_LEVEL if getattr(self, f)]
+        capped = [f.replace("_", "-").upper() for f in _FEATURE_LEVEL if getattr(self, f) and not self.usable(f)]
+        text = ", ".join(names) or "none of AVX2, AVX-512, AVX512-BF16/FP16, AMX"
+        if self.onednn_cap:
+            text += f"; ONEDNN_MAX_CPU_ISA={self.onednn_cap}" + (f" (not used: {', '.join(capped)})" if capped else "")
+        return text
+
+
+# ---- support for each thing the course can switch on -------------------------------------------
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool  # the course can run it on this device
+    note: str = ""  # what it means here, or why it cannot run
+    native: bool | None = None  # done in hardware (False: converted or emulated in software; None: not applicable)
+
+    def __str__(self) -> str:
+        word = ("yes" if self.native is not False else "yes, without hardware support") if self.ok else "no"
+        return f"{word}: {self.note}" if self.note else word
+
+
+def _precisions(dev: torch.device, cpu: CpuFeatures | None) -> dict[str, Support]:
+    out = {"fp32": Support(True, "", True)}
+    if dev.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(dev)
+        cc = f"compute capability {major}.{minor}"
+        ampere = major >= 8
+        out["tf32"] = (Support(True, f"tensor-core TF32 for fp32 matmuls ({cc})", True) if ampere
+                       else Support(False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); this one is {major}.{minor}"))
+        # torch.cuda.is_bf16_supported() also says yes to slow emulation, so the capability decides.
+        out["bf16"] = (Support(True, f"bf16 tensor cores ({cc})", True) if ampere
+                       else Support(False, f"{torch.cuda.get_device_name(dev)} has no bf16 tensor cores ({cc}): use fp16 with loss scaling"))
+        out["fp16"] = Support(True, f"fp16 tensor cores ({cc})" if major >= 7 else f"no tensor cores before 7.0 ({cc})", major >= 7)
+    elif dev.type == "cpu":
+        out["tf32"] = Support(True, "accepted but does nothing on a CPU (TF32 is a CUDA tensor-core mode)", False)
+        if not torch.amp.autocast_mode.is_autocast_available("cpu"):
+            out["bf16"] = out["fp16"] = Support(False, "this torch build has no CPU autocast")
+        else:
+            if cpu.usable("amx_bf16"):
+                out["bf16"] = Support(True, "AMX bf16 matrix tiles", True)
+            elif cpu.usable("avx512_bf16"):
+                out["bf16"] = Support(True, "AVX512-BF16 dot-product instructions", True)
+            else:
+                why = " (present but capped by ONEDNN_MAX_CPU_ISA)" if (cpu.amx_bf16 or cpu.avx512_bf16) else ""
+                out["bf16"] = Support(True, f"no bf16 instructions in use{why}: converted in software, often slower than fp32", False)
+            if cpu.usable("amx_fp16"):
+                out["fp16"] = Support(True, "AMX-FP16 matrix tiles", True)
+            elif cpu.usable("avx512_fp16"):
+                out["fp16"] = Support(True, "AVX512-FP16 instructions", True)
+            else:
+                out["fp16"] = Support(True, "no fp16 arithmetic instructions in use: a slow software path (fp16 is a GPU format)", False)
+    elif dev.type == "mps":
+        out["tf32"] = Support(False, "TF32 is an NVIDIA tensor-core format; MPS has no such mode")
+        out["bf16"] = Support(True, "bf16 on Apple GPU (macOS 14+)", True)
+        out["fp16"] = Support(True, "fp16 on Apple GPU", True)
+    else:
+        for p in ("tf32", "bf16", "fp16"):
+            out[p] = Support(False, f"the course does not know {dev.type!r} devices")
+    return out
+
+
+def _compile_support(dev: torch.device) -> Support:
+    if not hasattr(torch, "compile"):
+        return Support(False, "this torch has no torch.compile")
+    if dev.type == "cpu":
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        return (Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}") if cxx
+                else Support(False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"))
+    if dev.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return Support(False, "torch.compile on CUDA needs Triton (pip install triton), or turn compile off")
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major < 7:
+            return Support(False, f"Triton needs compute capability 7.0+; this GPU is {major}.{minor}")
+        return Support(True, "Inductor generates Triton kernels")
+    return Support(False, f"the course does not offer torch.compile on {dev.type!r}")
+
+
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "memory-efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+
+
+def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
+    """Run each SDPA backend on a tiny causal problem: what runs is what is supported (in `dtype`)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    q = torch.randn(1, 2, 8, 16, device=dev, dtype=dtype)
+    for name, member in _SDPA_BACKENDS.items():
+        backend = getattr(SDPBackend, member, None)
+        if backend is None:
+            out[name] = Support(False, "not in this torch")
+            continue
+        try:
+            with sdpa_kernel([backend]):
+                torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+            out[name] = Support(True, f"runs in {str(dtype).removeprefix('torch.')}")
+        except (RuntimeError, NotImplementedError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            why = "" if "No viable backend" in first else f" ({first[:120]})"
+            out[name] = Support(False, f"no such kernel on {dev.type} in {str(dtype).removeprefix('torch.')}{why}")
+    return out
+
+
+def _fused_adamw_support(dev: torch.device) -> Support:
+    p = torch.zeros(4, device=dev, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    try:
+        torch.optim.AdamW([p], fused=True).step()
+    except (RuntimeError, ValueError) as e:
+        return Support(False, f"torch's fused AdamW does not run here: {str(e).splitlines()[0][:120]}")
+    return Support(True, "one fused kernel for every tensor")
+
+
+# ---- peak FLOP/s --------------------------------------------------------------------------------
+
+# Dense (no sparsity) peak TFLOP/s from the vendors' data sheets. A key matches the device name as whole
+# words (so "L4" is not found in "L40S"), and more specific keys come first ("H100 PCIe" before "H100").
+DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "A10G": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.0, "fp16": 181.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "RTX 4090": {"bf16": 165.2, "fp16": 165.2, "tf32": 82.6, "fp32": 82.6},
+    "RTX 3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "T4": {"fp16": 65.0, "fp32": 8.1},
+}
+
+
+def datasheet_tflops(name: str) -> dict[str, float] | None:
+    """The data-sheet peaks of a GPU by its name, or None for a device not in the table (every CPU)."""
+    for key, peaks in DATASHEET_TFLOPS.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", name):
+            return peaks
+    return None
+
+
+_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COURSE_CACHE_DIR") or Path.home() / ".cache" / "course_lib")
+
+
+def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20) -> float:
+    """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed
+    repeats after a warm-up, the device synchronised around each."""
+    from .techniques import matmul_precision
+
+    dev = torch.device(device)
+    dtype = _DTYPES[precision]
+    a = torch.randn(m, k, device=dev, dtype=dtype)
+    b = torch.randn(k, n, device=dev, dtype=dtype)
+    with matmul_precision(precision), torch.no_grad():
+        synchronize(dev)
+        a @ b  # warm-up: kernel selection, first-touch of the output
+        times, start = [], time.perf_counter()
+        while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < min_time_s):
+            synchronize(dev)
+            t0 = time.perf_counter()
+            a @ b
+            synchronize(dev)
+            times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(times) / 1e12
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read afterwards times it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def _cache_key(device: str, precision: str, shape: tuple[int, int, int]) -> str:
+    caps = capabilities(device)
+    isa = caps.cpu.onednn_cap if caps.cpu else None
+    return f"{caps.name}|torch {torch.__version__}|{precision}|{'x'.join(map(str, shape))}|isa cap {isa or 'none'}"
+
+
+def _read_cache() -> dict:
+    try:
+        return json.loads((cache_dir() / "matmul_peaks.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(entries: dict) -> None:
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir() / f"matmul_peaks.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+        tmp.replace(cache_dir() / "matmul_peaks.json")
+    except OSError:
+        pass  # a read-only home: measure again next time
+
+
+def measured_tflops(device: str, precision: str, shape: tuple[int, int, int] | None = None, refresh: bool = False) -> float:
+    """This machine's matmul speed in `precision`, cached per machine (device name with thread count, torch
+    version, oneDNN cap). Without `shape`: the peak over square sizes, growing until a matmul takes long
+    enough to be a fair measure (2048 on a CPU, 8192 on a GPU). With `shape` (m, k, n): that shape only.
+    `refresh` measures again (a cached value taken while the machine was busy is low)."""
+    dev_type = torch.device(device).type
+    if dev_type == "cpu" and precision == "tf32":
+        precision = "fp32"  # TF32 changes nothing on a CPU
+    key_shape = shape or (0, 0, 0)
+    key = _cache_key(device, precision, key_shape)
+    cache = _read_cache()
+    if key in cache and not refresh:
+        return cache[key]
+    if shape:
+        value = matmul_tflops(device, precision, *shape)
+    else:
+        value, size = 0.0, 256
+        biggest = 8192 if dev_type == "cuda" else 2048
+        while size <= biggest:
+            t0 = time.perf_counter()
+            value = max(value, matmul_tflops(device, precision, size, size, size))
+            if time.perf_counter() - t0 > 2.0:  # a slow path (fp16 without hardware): larger sizes add nothing but time
+                break
+            size *= 2
+    cache = _read_cache()
+    cache[key] = value
+    _write_cache(cache)
+    return value
+
+
+def model_matmul_shapes(cfg: TrainConfig) -> dict[str, tuple[int, int, int]]:
+    """The largest matmuls of one micro-batch's forward: (tokens x width) @ (width x 4·width) in the MLP and
+    (tokens x width) @ (width x vocab) in the output layer."""
+    tokens, width = cfg.micro_batch_size * cfg.context, cfg.model.n_embd
+    return {"MLP up-projection": (tokens, width, 4 * width), "output layer": (tokens, width, cfg.model.padded_vocab_size)}
+
+
+# ---- the answer ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Capabilities:
+    device: str
+    type: str
+    name: str
+    torch_version: str
+    precisions: dict[str, Support]
+    compile: Support
+    sdpa: dict[str, Support]
+    fused_adamw: Support
+    cpu: CpuFeatures | None = None
+    compute_capability: tuple[int, int] | None = None
+    datasheet: dict[str, float] | None = field(default=None)
+
+    def supports(self, precision: str) -> Support:
+        if precision not in self.precisions:
+            raise ConfigError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+        return self.precisions[precision]
+
+    def problems(self, cfg: TrainConfig) -> list[str]:
+        """Why this device cannot run `cfg` (empty when it can)."""
+        out = []
+        if torch.device(cfg.device).type != self.type:
+            out.append(f"device={cfg.device!r} but this check is for {self.device}")
+        p = self.supports(cfg.precision)
+        if not p.ok:
+            out.append(f"precision={cfg.precision!r} cannot run on {self.device}: {p.note}")
+        if cfg.compile and not self.compile.ok:
+            out.append(self.compile.note)
+        if cfg.compile and cfg.data_parallel != "none":
+            out.append(f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "
+                       "turn compile off in notebook 07's strategies")
+        if cfg.fused_adamw and not self.fused_adamw.ok:
+            out.append(f"fused_adamw: {self.fused_adamw.note}")
+        return out
+
+    def require(self, cfg: TrainConfig) -> TrainConfig:
+        """`cfg` itself when this device can run it, else a ConfigError that says what to change."""
+        problems = self.problems(cfg)
+        if problems:
+            raise ConfigError("; ".join(problems))
+        return cfg
+
+    def unavailable(self) -> dict[str, str]:
+        """Technique (a TrainConfig field or a precision) -> why this device cannot run it."""
+        out = {p: s.note for p, s in self.precisions.items() if not s.ok}
+        if not self.compile.ok:
+            out["compile"] = self.compile.note
+        if not self.fused_adamw.ok:
+            out["fused_adamw"] = self.fused_adamw.note
+        return out
+
+    def peak_tflops(self, precision: str, measure: bool = True) -> tuple[float | None, str]:
+        """(peak TFLOP/s, where it comes from): the data sheet for a known GPU; otherwise this machine's
+        measured matmul peak (measured once and cached), or (None, "") when `measure` is False."""
+        if self.datasheet is not None:
+            value = self.datasheet.get(precision)
+            return value, "data-sheet peak" if value else ""
+        if not measure or not self.supports(precision).ok:
+            return None, ""
+        return measured_tflops(self.device, precision), "measured matmul peak"
+
+    def rows(self) -> list[tuple[str, str]]:
+        """What the environment cell and `info` show, one (what, answer) per line."""
+        rows = [("device", self.name), ("torch", self.torch_version)]
+        if self.cpu:
+            rows.append(("CPU instruction sets", self.cpu.summary()))
+            rows.append(("ATen vector code", torch.backends.cpu.get_cpu_capability()))
+        if self.compute_capability:
+            rows.append(("compute capability", "%d.%d" % self.compute_capability))
+        rows += [(p, str(s)) for p, s in self.precisions.items() if p != "fp32"]
+        rows.append(("compile", str(self.compile)))
+        rows += [(f"SDPA {name}", str(s)) for name, s in self.sdpa.items()]
+        rows.append(("fused AdamW", str(self.fused_adamw)))
+        if self.datasheet:
+            rows.append(("peak (data sheet)", ", ".join(f"{k} {v:g} TFLOP/s" for k, v in self.datasheet.items())))
+        else:
+            rows.append(("peak", "not in the data-sheet table: measured with a matmul benchmark when first needed"))
+        return rows
+
+    def items(self):
+        return self.rows()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _normalise(device: str | torch.device | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(torch.device(device))
+
+
+def capabilities(device: str | torch.device | None = None) -> Capabilities:
+    """What `device` (default: CUDA when available, else the CPU) can run. Raises ConfigError with what to do
+    when the device itself is not there (CUDA on a CPU-only torch)."""
+    return _capabilities(_normalise(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _capabilities(device: str) -> Capabilities:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+        raise ConfigError(f"device={device!r} but CUDA is not available here: {build}. Use device='cpu', or on a machine "
+                          "with an NVIDIA GPU install torch's CUDA build (see the README, 'On a GPU')")
+    if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"device={device!r} but MPS is not available here: use device='cpu'")
+    cpu = CpuFeatures.detect() if dev.type == "cpu" else None
+    cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    name = device_name(dev)
+    sdpa_dtype = torch.bfloat16 if cc and cc[0] >= 8 else torch.float16 if dev.type == "cuda" else torch.float32
+    return Capabilities(device=device, type=dev.type, name=name, torch_version=torch.__version__,
+                        precisions=_precisions(dev, cpu), compile=_compile_support(dev), sdpa=_sdpa_support(dev, sdpa_dtype),
+                        fused_adamw=_fused_adamw_support(dev), cpu=cpu, compute_capability=cc,
+                        datasheet=datasheet_tflops(name) if dev.type == "cuda" else None)
+
+
+capabilities.cache_clear = _capabilities.cache_clear  # tests change the environment and ask again
+
+
+def require(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` when its device can run it, else a ConfigError that says what to change."""
+    return capabilities(cfg.device).require(cfg)
+
+
+def efficiency(tokens_per_s: float, flops_per_token: int, device: str, precision: str, measure: bool = True) -> tuple[float | None, str]:
+    """(model FLOP/s over the device's peak, what the peak is): MFU against the data sheet on a known GPU,
+    or against this machine's measured matmul peak elsewhere."""
+    peak, basis = capabilities(device).peak_tflops(precision, measure=measure)
+    if not peak:
+        return None, ""
+    return tokens_per_s * flops_per_token / (peak * 1e12), basis

@@ -1,0 +1,289 @@
+"""`python -m course_lib doctor`: exercise every device-specific path of the course on this device.
+
+Each check runs the real code path (a training step, the compiler, an SDPA kernel, the memory report, a
+2-process collective, and on a GPU an out-of-memory, TF32 and a memory snapshot) and says pass, fail,
+n/a (this device has no such path, and why) or skipped (left out on request). Nothing is reported as passing
+that did not run. The table goes to the terminal and, with --json, to a file with the device, the CPU's
+instruction sets and torch's version beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import config as C
+from .capabilities import Capabilities, capabilities
+from .results import provenance
+
+PASS, FAIL, NA, SKIPPED = "pass", "fail", "n/a", "skipped"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    seconds: float = 0.0
+
+
+@dataclass
+class DoctorReport:
+    device: str
+    checks: list[Check] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+    capabilities: dict = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    def status(self, name: str) -> str:
+        return next(c.status for c in self.checks if c.name == name)
+
+    def table(self) -> str:
+        width = max(len(c.name) for c in self.checks)
+        lines = [f"doctor on {self.device}, torch {self.provenance.get('torch')}", ""]
+        lines += [f"{c.name:<{width}}  {c.status.upper():<7}  {c.seconds:5.1f} s  {c.detail}" for c in self.checks]
+        counts = {s: sum(c.status == s for c in self.checks) for s in (PASS, FAIL, NA, SKIPPED)}
+        lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items())]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _NotApplicable(Exception):
+    """Raised inside a check: this device has no such path (the message says why)."""
+
+
+def _tiny(device: str, **changes) -> C.TrainConfig:
+    return dataclasses.replace(C.tiny_preset(device), steps=3, timing_warmup=1, measure_memory=False, **changes)
+
+
+def _first_loss(cfg: C.TrainConfig) -> tuple[float, object]:
+    from .train import run
+
+    result = run(cfg, f"doctor {cfg.precision}")
+    if not result.ok:
+        raise AssertionError(f"{result.status}: {result.reason}")
+    if not all(math.isfinite(x) for x in result.losses + result.grad_norms):
+        raise AssertionError(f"non-finite loss or gradient norm: losses {result.losses}, norms {result.grad_norms}")
+    return result.losses[0], result
+
+
+# ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError -----------------
+
+def check_precision(caps: Capabilities, precision: str) -> str:
+    support = caps.supports(precision)
+    if not support.ok:
+        raise _NotApplicable(support.note)
+    if precision == "tf32" and caps.type == "cpu":
+        raise _NotApplicable(support.note)
+    fp32_loss, _ = _first_loss(_tiny(caps.device))
+    loss, result = _first_loss(_tiny(caps.device, precision=precision))
+    # The first step's loss is computed from the same weights and batch: a lower precision may round, not wander.
+    tol = {"fp32": 0.0, "tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
+    rel = abs(loss - fp32_loss) / abs(fp32_loss)
+    assert rel <= tol, f"first-step loss {loss:.5f} differs from fp32's {fp32_loss:.5f} by {rel:.2e} (> {tol:g})"
+    hw = "" if support.native is not False else ", without hardware support"
+    return f"{result.tokens_per_s:,.0f} tokens/s, first loss within {rel:.1e} of fp32's{hw} ({support.note or 'fp32'})"
+
+
+def check_compile(caps: Capabilities) -> str:
+    if not caps.compile.ok:
+        raise _NotApplicable(caps.compile.note)
+    eager, _ = _first_loss(_tiny(caps.device))
+    t0 = time.perf_counter()
+    compiled, result = _first_loss(_tiny(caps.device, compile=True))
+    rel = abs(compiled - eager) / abs(eager)
+    assert rel <= 1e-4, f"compiled first-step loss {compiled:.6f} differs from eager's {eager:.6f} by {rel:.1e}"
+    return f"compiled step agrees with eager ({rel:.1e}); first step {result.step_times[0]:.1f} s, whole check {time.perf_counter() - t0:.0f} s"
+
+
+def check_sdpa(caps: Capabilities, backend: str) -> str:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from .capabilities import _SDPA_BACKENDS
+    from .model import naive_attention
+
+    support = caps.sdpa[backend]
+    if not support.ok:
+        raise _NotApplicable(support.note)
+    dtype = torch.bfloat16 if caps.precisions["bf16"].ok and caps.type == "cuda" else torch.float16 if caps.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 32, generator=gen).to(caps.device, dtype) for _ in range(3))
+    with sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[backend])]):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = naive_attention(q.float(), k.float(), v.float())
+    err = (out.float() - ref).abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert err <= tol, f"differs from naive attention by {err:.2e} (> {tol:g})"
+    return f"equals naive attention within {err:.1e} in {str(dtype).removeprefix('torch.')}"
+
+
+def check_memory_report(caps: Capabilities) -> str:
+    from .measure import GiB, tensor_bytes
+    from .model import GPT
+    from .train import run
+
+    cfg = dataclasses.replace(_tiny(caps.device), steps=3, timing_warmup=1, measure_memory=True)
+    result = run(cfg, "doctor memory")
+    assert result.ok and result.memory, f"no memory report: {result.status} {result.reason}"
+    by = result.memory["by_category"]
+    params = tensor_bytes(GPT(cfg.model).parameters())
+    assert by["parameters"] == params, f"parameters {by['parameters']} bytes, expected {params}"
+    assert by["optimizer state"] >= 2 * params, f"AdamW state {by['optimizer state']} bytes < 2 x parameters"
+    known = sum(v for v in by.values() if v)
+    assert known <= result.memory["peak_bytes"] + 1, f"categories sum to {known} > peak {result.memory['peak_bytes']}"
+    if caps.type == "cuda":
+        assert result.memory["reserved_bytes"] >= result.memory["peak_bytes"], "reserved below allocated"
+    return f"peak {result.memory['peak_bytes'] / GiB * 1024:.1f} MiB; parameters exact; {result.memory['method']}"
+
+
+def check_all_reduce(caps: Capabilities, backend: str) -> str:
+    from .distributed.launch import launch
+
+    if backend == "nccl":
+        n = torch.cuda.device_count() if caps.type == "cuda" else 0
+        if n < 2:
+            raise _NotApplicable(f"NCCL between processes needs 2 GPUs; this machine has {n}")
+    r = launch("selftest", 2, device="cuda" if backend == "nccl" else "cpu", timeout_s=120, show_errors=False)
+    assert r.ok, r.why()
+    sums = [rank["sum_of_ranks"] for rank in r.ranks]
+    backends = {rank["backend"] for rank in r.ranks}
+    assert backends == {backend}, f"ran on {backends}, not {backend}"
+    assert sums == [1.0, 1.0], f"all-reduce of ranks 0 and 1 gave {sums}, not [1.0, 1.0]"
+    return f"2 processes, {backend}: 0 + 1 = 1 on both ranks; {r.wall_s:.1f} s with start-up"
+
+
+def check_matmul_peak(caps: Capabilities) -> str:
+    from .capabilities import measured_tflops
+
+    parts = []
+    for p in ("fp32", "bf16"):
+        if caps.supports(p).ok:
+            measured = measured_tflops(caps.device, p, refresh=True)
+            sheet = f" (data sheet {caps.datasheet[p]:g})" if caps.datasheet and p in caps.datasheet else ""
+            parts.append(f"{p} {measured * 1e3:,.0f} GFLOP/s{sheet}")
+            assert measured > 0
+    return "measured matmul peak: " + ", ".join(parts)
+
+
+def _cuda_only(caps: Capabilities) -> None:
+    if caps.type != "cuda":
+        raise _NotApplicable("CUDA only")
+
+
+def check_reserved(caps: Capabilities) -> str:
+    _cuda_only(caps)
+    from .train import run
+
+    run(_tiny(caps.device), "doctor reserved")
+    alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    assert reserved >= alloc, f"reserved {reserved} < allocated {alloc}"
+    return f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB (the caching allocator keeps blocks)"
+
+
+def check_oom(caps: Capabilities) -> str:
+    _cuda_only(caps)
+    from .train import run
+
+    before = torch.cuda.memory_allocated()
+    total = torch.cuda.get_device_properties(0).total_memory
+    base = _tiny(caps.device)
+    # The logits alone (batch x context x vocab in fp32) are twice the GPU's memory.
+    batch = math.ceil(2 * total / (base.context * base.model.vocab_size * 4))
+    result = run(dataclasses.replace(base, batch_size=batch), "doctor oom")
+    assert result.status == "oom", f"a batch of {batch} was expected to run out of memory, got {result.status}"
+    after = torch.cuda.memory_allocated()
+    assert after <= before + 2**20, f"{(after - before) / 2**20:.1f} MiB still allocated after the OOM"
+    again = run(base, "doctor after oom")
+    assert again.ok, f"the next run failed: {again.status} {again.reason}"
+    return f"batch {batch} reported as OOM, memory back to {after / 2**20:.1f} MiB, the next run succeeded"
+
+
+def check_tf32(caps: Capabilities) -> str:
+    _cuda_only(caps)
+    if not caps.precisions["tf32"].ok:
+        raise _NotApplicable(caps.precisions["tf32"].note)
+    from .techniques import matmul_precision
+
+    a = torch.randn(1024, 1024, device=caps.device, dtype=torch.float64)
+    b = torch.randn(1024, 1024, device=caps.device, dtype=torch.float64)
+    exact = a @ b
+    errors = {}
+    for mode in ("fp32", "tf32"):
+        with matmul_precision(mode):
+            errors[mode] = ((a.float() @ b.float()).double() - exact).norm().item() / exact.norm().item()
+    assert errors["tf32"] > 10 * errors["fp32"], f"TF32 error {errors['tf32']:.1e} is not above fp32's {errors['fp32']:.1e}: TF32 did not switch on"
+    return f"fp32_precision API: relative error fp32 {errors['fp32']:.1e}, tf32 {errors['tf32']:.1e}; the setting is restored afterwards"
+
+
+def check_snapshot(caps: Capabilities) -> str:
+    _cuda_only(caps)
+    from .train import run
+
+    path = Path(tempfile.mkdtemp(prefix="course_snapshot_")) / "snapshot.pickle"
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        run(_tiny(caps.device), "doctor snapshot")
+        torch.cuda.memory._dump_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    assert path.stat().st_size > 0
+    return f"{path} ({path.stat().st_size / 1024:.0f} KiB): open it at pytorch.org/memory_viz"
+
+
+def _checks(caps: Capabilities, quick: bool) -> list[tuple[str, Callable[[], str], bool]]:
+    """(name, check, slow) in the order they run."""
+    out = [(f"train step {p}", (lambda p=p: check_precision(caps, p)), False) for p in C.PRECISIONS]
+    out.append(("compile", lambda: check_compile(caps), True))
+    out += [(f"SDPA {b}", (lambda b=b: check_sdpa(caps, b)), False) for b in caps.sdpa]
+    out.append(("memory report", lambda: check_memory_report(caps), False))
+    out.append(("all-reduce gloo", lambda: check_all_reduce(caps, "gloo"), True))
+    out.append(("all-reduce nccl", lambda: check_all_reduce(caps, "nccl"), True))
+    out.append(("matmul peak", lambda: check_matmul_peak(caps), False))
+    out.append(("reserved vs allocated", lambda: check_reserved(caps), False))
+    out.append(("out of memory", lambda: check_oom(caps), False))
+    out.append(("TF32", lambda: check_tf32(caps), False))
+    out.append(("memory snapshot", lambda: check_snapshot(caps), False))
+    return out
+
+
+def run_doctor(device: str | None = None, quick: bool = False, json_path: str | Path | None = None,
+               only: list[str] | None = None, progress: Callable[[str], None] | None = None) -> DoctorReport:
+    """Run every check (or those named in `only`) on `device` and return the report (written to `json_path`)."""
+    caps = capabilities(device)
+    report = DoctorReport(device=caps.name, provenance=provenance(caps.name), capabilities=dict(caps.rows()))
+    for name, fn, slow in _checks(caps, quick):
+        if only is not None and name not in only:
+            continue
+        if progress:
+            progress(name)
+        t0 = time.perf_counter()
+        if quick and slow:
+            report.checks.append(Check(name, SKIPPED, "left out by --quick", 0.0))
+            continue
+        try:
+            status, detail = PASS, fn()
+        except _NotApplicable as e:
+            status, detail = NA, str(e)
+        except Exception as e:  # noqa: BLE001 - a failing path is the doctor's finding, not its crash
+            status = FAIL
+            detail = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+            if not isinstance(e, AssertionError):
+                detail += " | " + traceback.format_exc().strip().splitlines()[-3][:200]
+        report.checks.append(Check(name, status, detail, time.perf_counter() - t0))
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=1))
+    return report

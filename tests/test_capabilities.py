@@ -1,0 +1,167 @@
+"""course_lib.capabilities: the one answer to "what can this device run, and how fast"."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from course_lib import capabilities as K
+from course_lib import config as C
+from course_lib.results import RunResult, table_rows
+
+
+@pytest.fixture(autouse=True)
+def fresh_capabilities():
+    K.capabilities.cache_clear()
+    yield
+    K.capabilities.cache_clear()
+
+
+@pytest.mark.parametrize("name, key", [
+    ("NVIDIA L40", "L40"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),  # "L4" must not be found inside "L40"
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A10G", "A10G"), ("NVIDIA A10", "A10"), ("Tesla T4", "T4"),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+])
+def test_datasheet_matches_whole_names(name, key):
+    assert K.datasheet_tflops(name) is K.DATASHEET_TFLOPS[key]
+
+
+@pytest.mark.parametrize("name", ["NVIDIA L400X", "NVIDIA A1000", "NVIDIA GeForce RTX 3060", "CPU (AMD EPYC, 2 threads)"])
+def test_an_unknown_device_has_no_datasheet_peak(name):
+    assert K.datasheet_tflops(name) is None
+
+
+def _cpu(**flags):
+    base = dict(avx2=True, avx512=True, avx512_bf16=False, avx512_fp16=False, amx_bf16=False, amx_fp16=False, onednn_cap=None)
+    return K.CpuFeatures(**{**base, **flags})
+
+
+@pytest.mark.parametrize("cap, usable", [(None, True), ("AVX512_CORE_BF16", True), ("avx512_core_amx", True), ("ALL", True),
+                                         ("AVX512_CORE", False), ("AVX2", False)])
+def test_onednn_cap_hides_bf16_instructions(cap, usable):
+    assert _cpu(avx512_bf16=True, onednn_cap=cap).usable("avx512_bf16") is usable
+
+
+def test_bf16_on_a_cpu_says_whether_hardware_does_it():
+    cpu = torch.device("cpu")
+    plain = K._precisions(cpu, _cpu())
+    assert plain["bf16"].ok and plain["bf16"].native is False and "converted in software" in plain["bf16"].note
+    amx = K._precisions(cpu, _cpu(amx_bf16=True, avx512_bf16=True))
+    assert amx["bf16"].native is True and "AMX" in amx["bf16"].note
+    capped = K._precisions(cpu, _cpu(avx512_bf16=True, onednn_cap="AVX2"))
+    assert capped["bf16"].native is False and "capped by ONEDNN_MAX_CPU_ISA" in capped["bf16"].note
+    fp16 = K._precisions(cpu, _cpu(avx512_fp16=True))
+    assert fp16["fp16"].native is True and plain["fp16"].native is False
+    assert plain["tf32"].ok and plain["tf32"].native is False  # runs, changes nothing
+
+
+def test_this_cpu_is_described_from_its_own_flags():
+    caps = K.capabilities("cpu")
+    flags = K._cpuinfo_flags()
+    if flags:  # Linux: /proc/cpuinfo is the ground truth torch's probes must agree with
+        assert caps.cpu.avx512_bf16 == ("avx512_bf16" in flags)
+        assert caps.cpu.amx_bf16 == ("amx_bf16" in flags)
+        assert caps.cpu.avx512_fp16 == ("avx512_fp16" in flags)
+    rows = dict(caps.rows())
+    assert rows["torch"] == torch.__version__ and "CPU" in rows["device"]
+    assert caps.sdpa["math"].ok and caps.fused_adamw.ok
+
+
+def test_a_config_is_data_and_loads_anywhere():
+    """A GPU run's config constructs and round-trips on a CPU-only machine; running it is what is refused."""
+    cfg = dataclasses.replace(C.gpt2_small_preset("cpu"), device="cuda", precision="bf16", compile=True)
+    assert C.TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    if not torch.cuda.is_available():
+        with pytest.raises(C.ConfigError, match="CUDA is not available here"):
+            K.require(cfg)
+
+
+def test_compile_without_a_cxx_compiler_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setattr(K.shutil, "which", lambda _name: None)
+    monkeypatch.delenv("CXX", raising=False)
+    caps = K.capabilities("cpu")
+    assert not caps.compile.ok and caps.unavailable()["compile"] == caps.compile.note
+    with pytest.raises(C.ConfigError, match=r"needs a C\+\+ compiler"):
+        caps.require(dataclasses.replace(C.tiny_preset("cpu"), compile=True))
+    rungs = dict((r.name, c) for r, c in C.ladder_configs(C.cpu_preset("cpu")))
+    assert isinstance(rungs["+ compile"], C.ConfigError)
+    assert isinstance(rungs["+ fused AdamW"], C.TrainConfig) and not rungs["+ fused AdamW"].compile
+
+
+def test_a_precision_the_device_cannot_run_is_refused_when_the_run_starts(monkeypatch):
+    real = K._precisions
+    monkeypatch.setattr(K, "_precisions", lambda dev, cpu: {**real(dev, cpu), "bf16": K.Support(False, "no bf16 here")})
+    cfg = dataclasses.replace(C.tiny_preset("cpu"), precision="bf16")  # constructing it is fine: it is data
+    from course_lib.train import train
+    with pytest.raises(C.ConfigError, match="precision='bf16' cannot run on cpu: no bf16 here"):
+        train(cfg)
+
+
+def test_compile_with_data_parallel_is_refused_with_a_reason():
+    cfg = dataclasses.replace(C.tiny_preset("cpu"), compile=True, data_parallel="ddp")
+    with pytest.raises(C.ConfigError, match="compile with data_parallel='ddp' is not offered"):
+        K.require(cfg)
+
+
+def test_measured_peak_is_cached_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(K, "matmul_tflops", lambda *a, **k: calls.append(a) or 0.5)
+    first = K.measured_tflops("cpu", "fp32", shape=(64, 64, 64))
+    second = K.measured_tflops("cpu", "fp32", shape=(64, 64, 64))
+    assert first == second == 0.5 and len(calls) == 1
+    assert K.measured_tflops("cpu", "fp32", shape=(64, 64, 64), refresh=True) == 0.5 and len(calls) == 2
+    (key,) = json.loads((tmp_path / "matmul_peaks.json").read_text())
+    assert K.device_name("cpu") in key and torch.__version__ in key
+
+
+def test_matmul_speed_counts_2mkn_flops(monkeypatch):
+    """A matmul that takes exactly 1 ms (a fake clock) at 100 x 200 x 300 is 2*100*200*300 / 1e-3 FLOP/s."""
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(K.time, "perf_counter", lambda: next(ticks) * 1e-3)
+    tflops = K.matmul_tflops("cpu", "fp32", 100, 200, 300, min_time_s=0.0, max_reps=3)
+    assert tflops == pytest.approx(2 * 100 * 200 * 300 / 1e-3 / 1e12)
+
+
+def test_efficiency_is_against_the_measured_peak_off_the_datasheet(monkeypatch):
+    monkeypatch.setattr(K, "measured_tflops", lambda device, precision, shape=None, refresh=False: 0.2)
+    frac, basis = K.efficiency(1000.0, 10**8, "cpu", "fp32")
+    assert basis == "measured matmul peak" and frac == pytest.approx(1000 * 10**8 / 0.2e12)
+    r = RunResult("x", "ok", {}, {}, median_step_s=1.0, tokens_per_s=1000.0, mfu=frac, mfu_basis=basis)
+    assert table_rows([r])[0]["MFU"] == "50.0% of measured matmul peak"
+    gpu = RunResult("y", "ok", {}, {}, median_step_s=1.0, tokens_per_s=1000.0, mfu=0.31, mfu_basis="data-sheet peak")
+    assert table_rows([gpu])[0]["MFU"] == "31.0%"
+
+
+def test_a_cpu_run_reports_efficiency_of_the_measured_peak(monkeypatch, tmp_path):
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    from course_lib.train import train
+    r = train(dataclasses.replace(C.tiny_preset("cpu"), steps=3, measure_memory=False))
+    peak = json.loads((tmp_path / "matmul_peaks.json").read_text())
+    (measured,) = peak.values()
+    assert r.mfu_basis == "measured matmul peak"
+    assert r.mfu == pytest.approx(r.tokens_per_s * r.flops_per_token / (measured * 1e12))
+
+
+def test_tf32_is_set_through_the_current_api_and_restored():
+    from course_lib.techniques import matmul_precision
+    m = torch.backends.cuda.matmul
+    if not hasattr(m, "fp32_precision"):
+        pytest.skip(f"torch {torch.__version__} has no fp32_precision API (the legacy flags are used)")
+    before = (m.fp32_precision, torch.backends.cudnn.conv.fp32_precision)
+    with matmul_precision("tf32"):
+        assert m.fp32_precision == "tf32" and torch.backends.cudnn.conv.fp32_precision == "tf32"
+    with matmul_precision("fp32"):
+        assert m.fp32_precision == "ieee"
+    assert (m.fp32_precision, torch.backends.cudnn.conv.fp32_precision) == before
+    assert torch.get_float32_matmul_precision() == "highest"  # the CPU's oneDNN matmuls were never switched
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_info_on_cuda_without_cuda_is_a_message_not_a_traceback():
+    proc = subprocess.run([sys.executable, "-m", "course_lib", "info", "--device", "cuda"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "CUDA is not available here" in proc.stderr and "device='cpu'" in proc.stderr

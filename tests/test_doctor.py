@@ -1,0 +1,48 @@
+"""`python -m course_lib doctor` runs every device-specific path of this device, for real."""
+import json
+import subprocess
+import sys
+
+import torch
+
+from course_lib import capabilities as K
+from course_lib.doctor import FAIL, NA, PASS, SKIPPED, run_doctor
+
+
+def test_doctor_runs_every_path_on_this_device(tmp_path):
+    report = run_doctor("cpu", json_path=tmp_path / "doctor.json")
+    by = {c.name: c for c in report.checks}
+    assert not report.failed, report.table()
+    caps = K.capabilities("cpu")
+    for p in ("fp32", "bf16", "fp16"):
+        assert by[f"train step {p}"].status == (PASS if caps.supports(p).ok else NA), by[f"train step {p}"]
+    assert by["train step tf32"].status == NA  # TF32 does nothing on a CPU: not passed off as tested
+    assert by["compile"].status == (PASS if caps.compile.ok else NA)
+    assert by["SDPA math"].status == PASS and by["SDPA flash"].status == (PASS if caps.sdpa["flash"].ok else NA)
+    assert by["memory report"].status == PASS and by["all-reduce gloo"].status == PASS
+    cuda_only = ("reserved vs allocated", "out of memory", "TF32", "memory snapshot")
+    assert all(by[n].status == NA and by[n].detail == "CUDA only" for n in cuda_only)
+    saved = json.loads((tmp_path / "doctor.json").read_text())
+    assert [c["name"] for c in saved["checks"]] == [c.name for c in report.checks]
+    assert saved["provenance"]["torch"] == torch.__version__ and "CPU instruction sets" in saved["capabilities"]
+
+
+def test_a_failing_path_is_reported_as_a_failure_not_a_crash(monkeypatch):
+    import course_lib.doctor as D
+
+    def broken(caps):
+        raise RuntimeError("the memory report is broken")
+
+    monkeypatch.setattr(D, "check_memory_report", broken)
+    report = run_doctor("cpu", only=["memory report"])
+    assert [c.status for c in report.checks] == [FAIL] and "is broken" in report.checks[0].detail
+
+
+def test_doctor_command_quick_says_what_it_left_out(tmp_path):
+    out = tmp_path / "d.json"
+    proc = subprocess.run([sys.executable, "-m", "course_lib", "doctor", "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    statuses = {c["name"]: c["status"] for c in json.loads(out.read_text())["checks"]}
+    assert statuses["compile"] == SKIPPED and statuses["all-reduce gloo"] == SKIPPED
+    assert statuses["train step fp32"] == PASS and "SKIPPED" in proc.stdout
