@@ -226,7 +226,8 @@ LADDER: tuple[Rung, ...] = (
     Rung("+ sdpa (flash)", "scaled_dot_product_attention: no s x s matrix in memory", lambda c: c.with_model(attention="sdpa")),
     Rung("+ compile", "torch.compile fuses the element-wise work into generated kernels", lambda c: replace(c, compile=True)),
     Rung("+ vocab to x64", "embedding padded to a multiple of 64", lambda c: c.with_model(vocab_multiple=64)),
-    Rung("+ fused AdamW", "one fused optimizer kernel, gradients freed with set_to_none", lambda c: replace(c, fused_adamw=True, set_to_none=True)),
+    Rung("+ fused AdamW", "one fused optimizer kernel for every tensor", lambda c: replace(c, fused_adamw=True)),
+    Rung("+ set_to_none", "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place", lambda c: replace(c, set_to_none=True)),
     Rung("+ checkpointing", "activation checkpointing per block: recompute in backward, less memory", lambda c: replace(c, activation_checkpointing=True)),
     Rung("+ chunked loss", "output layer and loss in 8 token slices: one slice of logits at a time", lambda c: replace(c, loss_chunks=8)),
 )

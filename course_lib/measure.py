@@ -13,13 +13,14 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from .capabilities import device_name, synchronize  # noqa: F401 - re-exported: the notebooks use measure.device_name
@@ -113,13 +114,41 @@ class MemoryReport:
                 "reserved_bytes": self.reserved_bytes, "method": self.method}
 
 
+_LEDGER_IDS = itertools.count()  # one sequence for every ledger: an id an earlier ledger left on a storage never matches
+
+
+def plain_tensors(t: torch.Tensor):
+    """The plain tensors that hold `t`'s bytes: `t` itself, or the inner tensors of a wrapper subclass (a DTensor's
+    local shard), whose own storage is a placeholder that raises when asked for."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        for a in attrs:
+            inner = getattr(t, a)
+            if isinstance(inner, torch.Tensor):
+                yield from plain_tensors(inner)
+    else:
+        yield t
+
+
+def _aliasing_returns(func, out) -> list[bool]:
+    """For each tensor `func` returned: does it alias an input (a view, an in-place or out= result)? Such a result
+    allocates nothing: its storage is an input's, counted where that was made (or before the ledger started)."""
+    returns = func._schema.returns
+    flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if len(returns) == len(flat):
+        return [r.alias_info is not None for r in returns]
+    return [any(r.alias_info is not None for r in returns)] * len(flat)
+
+
 class MemoryLedger(TorchDispatchMode):
     """Follows every tensor storage created while active; knows the live total, its peak and what it holds.
 
     Use `phase("forward" | "loss" | "backward" | "optimizer")` around the parts of a step so that new storages
     get a category; call `register(...)` first for what exists before the step (parameters, gradients,
-    optimizer state). Storages still alive when the ledger closes are re-examined, so a gradient made in
-    backward is counted as a gradient, not as a temporary.
+    optimizer state). A storage's size is read again whenever an operation touches it (resize_, and FSDP2's
+    resize to 0 and back), a view of a storage made before the ledger allocates nothing, and a tensor subclass
+    (DTensor) is counted by its local tensors. Storages still alive when the ledger closes are re-examined, so a
+    gradient made in backward is counted as a gradient, not as a temporary.
     """
 
     PHASE_CATEGORY = {"forward": "activations", "loss": "logits", "backward": "other", "optimizer": "other", "other": "other"}
@@ -128,7 +157,6 @@ class MemoryLedger(TorchDispatchMode):
         super().__init__()
         self._info: dict[int, list] = {}  # storage id -> [nbytes, category]
         self._refs: dict[int, weakref.ref] = {}
-        self._next = 0
         self.live = 0
         self.peak = 0
         self._peak_members: dict[int, list] = {}
@@ -136,29 +164,48 @@ class MemoryLedger(TorchDispatchMode):
         self.keep_timeline = keep_timeline
         self.timeline: list[tuple[str, int]] = []
         self.saved_bytes = 0
-        self._saved_seen: set[int] = set()
 
-    # storages are identified by a counter stored on the Python storage object, which PyTorch keeps
-    # alive (and the same object) as long as the storage lives
-    def _track(self, t: torch.Tensor, category: str) -> int | None:
-        st = t.untyped_storage()
+    # A storage is identified by an id stored on its Python object, which PyTorch keeps alive (and the same
+    # object) as long as the storage lives; a weak reference tells the ledger when it dies.
+    def _sid(self, st) -> int | None:
         sid = getattr(st, "_course_ledger_id", None)
-        if sid is not None and sid in self._info:
-            return sid
-        sid = self._next
-        self._next += 1
-        try:
-            st._course_ledger_id = sid
-        except AttributeError:
-            return None
-        nbytes = st.nbytes()
-        self._info[sid] = [nbytes, category]
-        self._refs[sid] = weakref.ref(st, lambda _r, sid=sid: self._free(sid))
-        self.live += nbytes
+        return sid if sid in self._info else None
+
+    def _track(self, t: torch.Tensor, category: str) -> None:
+        for plain in plain_tensors(t):
+            st = plain.untyped_storage()
+            sid = self._sid(st)
+            if sid is not None:
+                self._resize(sid, st.nbytes())
+                continue
+            sid = next(_LEDGER_IDS)
+            try:
+                st._course_ledger_id = sid
+            except AttributeError:
+                continue
+            self._info[sid] = [0, category]
+            self._refs[sid] = weakref.ref(st, lambda _r, sid=sid: self._free(sid))
+            self._resize(sid, st.nbytes())
+
+    def _resize(self, sid: int, nbytes: int) -> None:
+        info = self._info[sid]
+        if nbytes == info[0]:
+            return
+        self.live += nbytes - info[0]
+        info[0] = nbytes
         if self.live > self.peak:
             self.peak = self.live
             self._peak_members = {k: v[:] for k, v in self._info.items()}
-        return sid
+
+    def _refresh(self, tensors) -> None:
+        """Read again the sizes of tracked storages among `tensors` (they may have been resized)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                for plain in plain_tensors(t):
+                    st = plain.untyped_storage()
+                    sid = self._sid(st)
+                    if sid is not None:
+                        self._resize(sid, st.nbytes())
 
     def _free(self, sid: int) -> None:
         info = self._info.pop(sid, None)
@@ -170,9 +217,16 @@ class MemoryLedger(TorchDispatchMode):
         """Count tensors that already exist (parameters, gradients, optimizer state) under `category`."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                sid = self._track(t, category)
-                if sid is not None:
-                    self._info[sid][1] = category
+                self._track(t, category)
+                self.reclassify([t], category)
+
+    def category_of(self, t: torch.Tensor) -> str | None:
+        """The category a tensor's bytes are counted in, or None when the ledger does not follow them."""
+        for plain in plain_tensors(t):
+            sid = self._sid(plain.untyped_storage())
+            if sid is not None:
+                return self._info[sid][1]
+        return None
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -185,34 +239,41 @@ class MemoryLedger(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         category = self.PHASE_CATEGORY.get(self._phase, "other")
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+        self._refresh(tree_flatten((args, kwargs))[0])  # resize_ and friends change an input's storage
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        for t, aliases in zip(outs, _aliasing_returns(func, out)):
+            if aliases:
+                self._refresh([t])
+            else:
                 self._track(t, category)
         if self.keep_timeline:
             self.timeline.append((self._phase, self.live))
         return out
 
     @contextlib.contextmanager
-    def watch(self, model: torch.nn.Module):
-        """Follow one training step of a GPT. Inside `phase("forward")`, new storages are "activations" until
-        the output layer runs; its result and everything after it (the loss) are "logits". The bytes autograd
-        saves for backward during the forward are also counted, once per storage. Usage:
+    def watch(self, output_layer: torch.nn.Module | None = None):
+        """Follow one training step. Inside `phase("forward")`, new storages are "activations" until
+        `output_layer` runs (the module that makes the logits); its result and everything after it (the loss) are
+        "logits". The bytes autograd saves for backward during the forward are counted too, once per storage and
+        without the parameters themselves (a matmul saves its weight, which is no activation). Usage:
 
-            with ledger.watch(model):
+            with ledger.watch(model.lm_head):
                 with ledger.phase("forward"): loss = loss_fn(x, y)
                 with ledger.phase("backward"): loss.backward()
                 with ledger.phase("optimizer"): opt.step()
         """
         def pack(t: torch.Tensor):
-            st = t.untyped_storage()
-            # Mark the storage itself (its Python object lives as long as it does) rather than holding it by
-            # id(): holding it would keep every micro-batch's activations alive until the step ends.
-            if self._phase == "forward" and getattr(st, "_course_saved_by", None) is not saved_token:
-                try:
-                    st._course_saved_by = saved_token
-                except AttributeError:
-                    pass
-                self.saved_bytes += st.nbytes()
+            if self._phase in ("forward", "loss") and self.category_of(t) != "parameters":
+                for plain in plain_tensors(t):
+                    st = plain.untyped_storage()
+                    # Mark the storage itself (its Python object lives as long as it does) rather than holding it:
+                    # holding it would keep every micro-batch's activations alive until the step ends.
+                    if getattr(st, "_course_saved_by", None) is not saved_token:
+                        try:
+                            st._course_saved_by = saved_token
+                        except AttributeError:
+                            pass
+                        self.saved_bytes += st.nbytes()
             return t
 
         def into_loss(_module, _inputs):
@@ -223,8 +284,8 @@ class MemoryLedger(TorchDispatchMode):
             self.register([output], "logits")
 
         saved_token = object()  # this watch's mark on the storages it has counted
-        handles = [model.lm_head.register_forward_pre_hook(into_loss),
-                   model.lm_head.register_forward_hook(logits_out)]
+        handles = ([output_layer.register_forward_pre_hook(into_loss), output_layer.register_forward_hook(logits_out)]
+                   if output_layer is not None else [])
         try:
             with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
@@ -239,10 +300,11 @@ class MemoryLedger(TorchDispatchMode):
         backward, where it first counts as "other")."""
         for t in tensors:
             if isinstance(t, torch.Tensor):
-                sid = getattr(t.untyped_storage(), "_course_ledger_id", None)
-                for members in (self._info, self._peak_members):
-                    if sid is not None and sid in members:
-                        members[sid][1] = category
+                for plain in plain_tensors(t):
+                    sid = self._sid(plain.untyped_storage())
+                    for members in (self._info, self._peak_members):
+                        if sid is not None and sid in members:
+                            members[sid][1] = category
 
     def report(self) -> MemoryReport:
         by = dict.fromkeys(CATEGORIES, 0)

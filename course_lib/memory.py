@@ -319,7 +319,7 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
                 ledger.register([p.grad for p in params if p.grad is not None], "gradients")
                 ledger.register(measure.optimizer_state_tensors(setup.optimizer), "optimizer state")
             ph = ledger.phase if watched else (lambda _name: contextlib.nullcontext())
-            with (ledger.watch(model) if watched else contextlib.nullcontext()):
+            with (ledger.watch(model.lm_head) if watched else contextlib.nullcontext()):
                 for x, y in micro:
                     with setup.autocast(), ph("forward"):
                         loss = setup.loss_module(x, y) / n_targets

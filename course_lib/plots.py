@@ -1,8 +1,15 @@
-"""Plots of results: speed, memory by category, loss curves, step times. Each names its units and device."""
+"""Plots of results: speed, memory by category, loss curves, step times. Each names its units and device.
+
+Every figure here is a `matplotlib.figure.Figure` built with the object API, never through pyplot: nothing is
+registered with pyplot's global figure manager, so nothing accumulates there (no plt.close needed) and a figure
+built in a widget's callback (widgets.Panel) is never shown a second time by the inline backend. In a cell,
+show one with `display(fig)` or by leaving `fig` as the cell's last expression (`plt.show()` shows only pyplot's
+own figures, not these)."""
 from __future__ import annotations
 
+import io
 
-import matplotlib.pyplot as plt
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from .measure import CATEGORIES
@@ -17,11 +24,47 @@ def _devices(results: list[RunResult]) -> str:
     return f"{' / '.join(names)}, torch {' / '.join(torch_versions)}"
 
 
+def new_figure(figsize, layout="constrained") -> Figure:
+    """A figure outside pyplot, with an Agg canvas (renders to PNG: savefig, display in a notebook)."""
+    _displayable_in_ipython()
+    fig = Figure(figsize=figsize, layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def figure_png(fig: Figure) -> bytes:
+    """The figure as PNG bytes, drawn as a notebook's inline backend draws it (tight box: legends outside the axes
+    stay in), for an ipywidgets.Image: how widgets.Panel shows its figure from a button's callback."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight", facecolor="white")
+    return buf.getvalue()
+
+
+def _displayable_in_ipython() -> None:
+    """Make `display(fig)` show a PNG in a notebook even before pyplot has made a figure there: IPython only
+    knows how to render a Figure once pyplot's inline backend has been activated (which registers the same kind
+    of PNG formatter, and replaces this one when it does)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None or not hasattr(ip, "display_formatter"):
+        return
+    png = ip.display_formatter.formatters["image/png"]
+    try:
+        png.lookup_by_type(Figure)
+    except KeyError:
+        from IPython.core.pylabtools import print_figure
+
+        png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+
+
 def _new_axes(ax, figsize=(7, 3.2)):
     if ax is not None:
         return ax.figure, ax
-    fig, ax = plt.subplots(figsize=figsize, layout="constrained")
-    return fig, ax
+    fig = new_figure(figsize)
+    return fig, fig.subplots()
 
 
 def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = None) -> Figure:
@@ -103,7 +146,8 @@ PLOTS = {"speed": plot_speed, "memory": plot_memory, "loss": plot_losses, "step_
 
 def plot_results(results: list[RunResult], which=("speed", "memory")) -> Figure:
     """Several plots side by side in one figure."""
-    fig, axes = plt.subplots(1, len(which), figsize=(5.2 * len(which), 3.6), layout="constrained", squeeze=False)
+    fig = new_figure((5.2 * len(which), 3.6))
+    axes = fig.subplots(1, len(which), squeeze=False)
     for ax, name in zip(axes[0], which):
         PLOTS[name](results, ax=ax)
     return fig
@@ -114,7 +158,8 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
     factor saved over that rung (right). Skipped or failed rungs keep their place, marked with their status.
     `reference` (e.g. shipped GPU results, matched by rung label) adds its own speed-up line; `target` draws the
     course's promise (about 10x) as a dashed line."""
-    fig, (ax_speed, ax_mem) = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    fig = new_figure((12, 4))
+    ax_speed, ax_mem = fig.subplots(1, 2)
     labels = [r.label for r in results]
     xs = range(len(results))
 

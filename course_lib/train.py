@@ -121,7 +121,7 @@ def _loop(cfg, setup, model, params, splits, batches, dev, timer, ledger_step, r
         # The ledger follows eager ops; a compiled graph would hide its inside, so that one step runs eager.
         loss_fn = setup.loss_module if measuring else setup.loss_fn
         step_loss = torch.zeros((), device=dev)
-        with timer.step(), (ledger.watch(model) if measuring else contextlib.nullcontext()):
+        with timer.step(), (ledger.watch(model.lm_head) if measuring else contextlib.nullcontext()):
             for x, y in micro:
                 with setup.autocast(), (ledger.phase("forward") if measuring else contextlib.nullcontext()):
                     loss = loss_fn(x, y) / n_targets

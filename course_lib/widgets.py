@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import ipywidgets as W
-import matplotlib.pyplot as plt
 from IPython.display import display
 
 from . import config as C
 from .capabilities import capabilities
-from .plots import plot_results
+from .plots import figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
 from .measure import device_name
 
@@ -77,8 +76,10 @@ class Panel:
         self.progress = W.IntProgress(value=0, min=0, max=1, description="idle", layout=W.Layout(width="320px"))
         self.status = W.HTML()
         self.table = W.HTML(html_table([]))
-        self.plot_out = W.Output()
-        for w, css in ((self.run_button, "course-run"), (self.clear_button, "course-clear"), (self.table, "course-table"), (self.plot_out, "course-plots")):
+        # The figure is PNG bytes in one persistent Image widget, replaced on every redraw: a figure displayed into an
+        # Output widget from the Run button's callback came out blank or half drawn in JupyterLab (tests/test_browser.py).
+        self.plot_image = W.Image(format="png", layout=W.Layout(display="none", align_self="flex-start", max_width="100%", height="auto"))
+        for w, css in ((self.run_button, "course-run"), (self.clear_button, "course-clear"), (self.table, "course-table"), (self.plot_image, "course-plots")):
             w.add_class(css)  # stable hooks for the browser test
         self.run_button.on_click(lambda _b: self._safe_run())
         self.clear_button.on_click(lambda _b: self.clear())
@@ -86,7 +87,7 @@ class Panel:
                         + "".join(f"<br><small>&#9888; {n}</small>" for n in notes))
         grid = W.GridBox(list(self.controls.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
         self.widget = W.VBox([header, grid, W.HBox([self.run_button, self.clear_button, self.progress]), self.status,
-                              self.plot_out, self.table])
+                              self.plot_image, self.table])
 
     # ---- building controls ----------------------------------------------------------------------
     def _make_control(self, name: str, notes: list[str]) -> W.Widget:
@@ -241,15 +242,14 @@ class Panel:
 
     def redraw(self) -> None:
         self.table.value = html_table(table_rows(self.results))
-        self.plot_out.clear_output()
         if not self.results:
             self.last_figure = None
+            self.plot_image.layout.display = "none"
             return
-        fig = plot_results(self.results, self.plot_names)
+        fig = plot_results(self.results, self.plot_names)  # a Figure outside pyplot: nothing to close
         self.last_figure = fig
-        with self.plot_out:
-            display(fig)
-        plt.close(fig)
+        self.plot_image.value = figure_png(fig)
+        self.plot_image.layout.display = None
 
     def _ipython_display_(self):
         display(self.widget)

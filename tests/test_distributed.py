@@ -89,7 +89,10 @@ def test_pipeline_equals_the_unsplit_model(tmp_path):
         assert sorted((k, mb) for k, mb, *_ in tl) == sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])
     # the same losses whatever the schedule: a schedule changes the order of work, not the maths
     assert last["runs"]["1f1b/m=4"]["losses"][0] == pytest.approx(last["runs"]["gpipe/m=2"]["losses"][0], rel=1e-5)
-    assert 0 < P.measured_bubble(r.ranks, "gpipe/m=2") < 1
+    # the measured idle share is at least the formula's: the least 2 equal stages with free communication can have
+    # (CPU processes: a timeline entry is the work itself; uneven stages and the messages only add idle time)
+    for m in (2, 4):
+        assert P.bubble_fraction(2, m) - 0.05 <= P.measured_bubble(r.ranks, f"gpipe/m={m}") < 1
 
 
 def test_tensor_parallel_equals_the_unsharded_model(tmp_path):

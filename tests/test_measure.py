@@ -47,7 +47,7 @@ def test_saved_for_backward_counts_each_storage_once():
     m = torch.nn.Module()
     m.lm_head = torch.nn.Identity()
     ledger = measure.MemoryLedger()
-    with ledger.watch(m), ledger.phase("forward"):
+    with ledger.watch(m.lm_head), ledger.phase("forward"):
         x = torch.randn(8, 64)
         h = torch.tanh(x @ w)  # mm saves x (w only if x needed a gradient); tanh saves its output h
         h2 = h * h  # mul saves h twice: the same storage, counted once
@@ -81,3 +81,70 @@ def test_a_tensor_made_in_backward_can_be_named_a_gradient_at_the_peak():
         g = torch.empty(1000)  # born as a temporary of backward
         ledger.reclassify([g], "gradients")
     assert ledger.report().by_category["gradients"] == 4000 and ledger.report().by_category["other"] == 0
+
+
+def test_ids_left_by_an_earlier_ledger_do_not_collide():
+    first = measure.MemoryLedger()
+    with first:
+        old = torch.empty(1000)  # the first ledger marks its storage with an id
+    second = measure.MemoryLedger()
+    with second:
+        new = torch.empty(250)  # the second ledger's first storage: its id must differ from old's
+        second.register([old], "parameters")  # old is a different storage, counted on its own
+    rep = second.report()
+    assert second.live == 4000 + 1000 and rep.by_category["parameters"] == 4000 and rep.by_category["other"] == 1000
+    assert new.numel() == 250
+
+
+def test_a_view_of_a_storage_made_before_the_ledger_allocates_nothing():
+    w = torch.randn(64, 32)  # made before, not registered (a parameter the caller forgot, a cached buffer)
+    ledger = measure.MemoryLedger()
+    with ledger:
+        t = w.t()  # a view: the same storage
+        col = w[:, 0]
+        w.mul_(2.0)  # in place: no new storage either
+    assert ledger.peak == 0 and t.shape == (32, 64) and col.numel() == 64
+
+
+def test_resize_is_followed_both_ways():
+    ledger = measure.MemoryLedger()
+    with ledger:
+        t = torch.empty(1000)
+        t.resize_(3000)  # grows in place
+        assert ledger.live == 12_000
+        t.untyped_storage().resize_(0)  # what FSDP2 does to a parameter's unsharded storage between uses
+        t.resize_(0)  # the next operation that touches the storage reads its size again
+        assert ledger.live == 0
+    assert ledger.peak == 12_000
+
+
+def test_a_dtensor_is_counted_by_its_local_shard():
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(__import__("course_lib.distributed.launch", fromlist=["free_port"]).free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        ledger = measure.MemoryLedger()
+        with ledger:
+            d = distribute_tensor(torch.ones(256, 4), mesh, [Shard(0)])
+            e = d * 2.0  # an op on a DTensor: its output's bytes are its local tensor's
+        assert ledger.category_of(e) == "other" and ledger.live >= e.to_local().nbytes == 4096
+    finally:
+        dist.destroy_process_group()
+
+
+def test_saved_for_backward_leaves_out_the_parameters():
+    lin = torch.nn.Linear(64, 64)
+    ledger = measure.MemoryLedger()
+    ledger.register(list(lin.parameters()), "parameters")
+    head = torch.nn.Identity()
+    x = torch.randn(8, 64, requires_grad=True)
+    with ledger.watch(head), ledger.phase("forward"):
+        y = lin(x)  # addmm saves x and weight.t(): only x is an activation
+    assert ledger.saved_bytes == x.nbytes and y.shape == (8, 64)
