@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .config import PRECISIONS, ConfigError, TrainConfig
+from .config import PRECISIONS, TECHNIQUES, ConfigError, TrainConfig
 
 # ---- the device's name --------------------------------------------------------------------------
 
@@ -366,21 +366,29 @@ class Capabilities:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
         return self.precisions[precision]
 
+    def unavailable(self) -> dict[str, str]:
+        """"field=value" -> why this device cannot run that value of a technique (course_lib.config.TECHNIQUES):
+        what the panel disables and the ladder skips."""
+        out = {f"precision={p}": s.note for p, s in self.precisions.items() if not s.ok}
+        if not self.compile.ok:
+            out["compile=True"] = self.compile.note
+        if not self.fused_adamw.ok:
+            out["fused_adamw=True"] = self.fused_adamw.note
+        return out
+
     def problems(self, cfg: TrainConfig) -> list[str]:
         """Why this device cannot run `cfg` (empty when it can)."""
         out = []
         if torch.device(cfg.device).type != self.type:
             out.append(f"device={cfg.device!r} but this check is for {self.device}")
-        p = self.supports(cfg.precision)
-        if not p.ok:
-            out.append(f"precision={cfg.precision!r} cannot run on {self.device}: {p.note}")
-        if cfg.compile and not self.compile.ok:
-            out.append(self.compile.note)
+        unavailable = self.unavailable()
+        for t in TECHNIQUES:
+            why = unavailable.get(f"{t.name}={t.value(cfg)}")
+            if why:
+                out.append(f"{t.name}={t.value(cfg)!r} cannot run on {self.device}: {why}")
         if cfg.compile and cfg.data_parallel != "none":
             out.append(f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "
                        "turn compile off in notebook 07's strategies")
-        if cfg.fused_adamw and not self.fused_adamw.ok:
-            out.append(f"fused_adamw: {self.fused_adamw.note}")
         return out
 
     def require(self, cfg: TrainConfig) -> TrainConfig:
@@ -389,15 +397,6 @@ class Capabilities:
         if problems:
             raise ConfigError("; ".join(problems))
         return cfg
-
-    def unavailable(self) -> dict[str, str]:
-        """Technique (a TrainConfig field or a precision) -> why this device cannot run it."""
-        out = {p: s.note for p, s in self.precisions.items() if not s.ok}
-        if not self.compile.ok:
-            out["compile"] = self.compile.note
-        if not self.fused_adamw.ok:
-            out["fused_adamw"] = self.fused_adamw.note
-        return out
 
     def peak_tflops(self, precision: str, measure: bool = True) -> tuple[float | None, str]:
         """(peak TFLOP/s, where it comes from): the data sheet for a known GPU; otherwise this machine's

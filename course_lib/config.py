@@ -16,6 +16,7 @@ Attention = Literal["naive", "sdpa"]
 Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
 Schedule = Literal["constant", "cosine"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+Checkpointing = Literal["none", "selective", "full"]
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 ATTENTIONS = ("naive", "sdpa")
@@ -83,7 +84,9 @@ class TrainConfig:
     compile: bool = False
     compile_mode: CompileMode = "default"
     fused_adamw: bool = False
-    activation_checkpointing: bool = False
+    # "full": each block keeps only its input and recomputes the rest in backward; "selective": it also keeps the
+    # outputs of its matmuls (and attention) and recomputes only the cheap element-wise work (Korthikanti et al.).
+    activation_checkpointing: Checkpointing = "none"
     loss_chunks: int = 1  # >1: output layer + loss in this many token slices, recomputed in backward
     set_to_none: bool = False  # zero_grad(set_to_none=...): True frees gradients between steps
     # Optimisation (notebook 05): optimiser, schedule, clipping, weight decay.
@@ -112,6 +115,8 @@ class TrainConfig:
     def __post_init__(self):
         if isinstance(self.betas, list):
             object.__setattr__(self, "betas", tuple(self.betas))
+        if isinstance(self.activation_checkpointing, bool):  # configs saved before "selective" existed
+            object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         for name in ("batch_size", "grad_accum_steps", "context", "steps", "loss_chunks"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive int, got {v!r}")
@@ -126,6 +131,7 @@ class TrainConfig:
         _choice("schedule", self.schedule, ("constant", "cosine"))
         _choice("compile_mode", self.compile_mode, ("default", "reduce-overhead", "max-autotune"))
         _choice("data_parallel", self.data_parallel, ("none", "ddp", "fsdp"))
+        _choice("activation_checkpointing", self.activation_checkpointing, ("none", "selective", "full"))
         _check(self.eval_every >= 0 and self.eval_batches >= 1, "eval_every must be >= 0 and eval_batches >= 1")
         _check(self.lr > 0, f"lr must be positive, got {self.lr}")
         _check(self.clip_norm is None or self.clip_norm > 0, f"clip_norm must be positive or None (off), got {self.clip_norm}")
@@ -210,7 +216,48 @@ def preset(name: str, device: str | None = None) -> TrainConfig:
     return PRESETS[name](device)
 
 
-# ---- The ladder: naive fp32 to everything on, one change per rung --------------------------------
+# ---- The techniques, each declared once ----------------------------------------------------------
+# A technique is one config field: what the naive loop has there, what the panel calls it and offers, and the
+# ladder rungs that switch it on. naive(), the LADDER and the panel's controls are derived from these
+# declarations; whether a device can run a value is course_lib.capabilities' answer, keyed "field=value"; how a
+# technique is applied to a model is course_lib.techniques.build (in its one documented order).
+
+@dataclass(frozen=True)
+class Technique:
+    field: str  # a TrainConfig field, or "model.<field>" for a ModelConfig field
+    label: str  # the panel's name for it
+    off: object  # its value in the naive loop
+    rungs: tuple[tuple[str, object, str], ...] = ()  # the ladder's rungs: (name, value, what it changes), in order
+    choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
+
+    @property
+    def name(self) -> str:
+        return self.field.removeprefix("model.")
+
+    def value(self, cfg: TrainConfig):
+        return getattr(cfg.model, self.name) if self.field.startswith("model.") else getattr(cfg, self.field)
+
+    def set(self, cfg: TrainConfig, value) -> TrainConfig:
+        return cfg.with_model(**{self.name: value}) if self.field.startswith("model.") else replace(cfg, **{self.field: value})
+
+
+TECHNIQUES: tuple[Technique, ...] = (
+    Technique("precision", "precision", "fp32", (
+        ("+ tf32", "tf32", "TF32 tensor-core matmuls (CUDA Ampere+; no effect on a CPU)"),
+        ("+ bf16 autocast", "bf16", "matmuls in bf16 under autocast, fp32 weights"))),
+    Technique("model.attention", "attention", "naive", (("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),)),
+    Technique("compile", "compile", False, (("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),)),
+    Technique("model.vocab_multiple", "pad vocab to x", 1, (("+ vocab to x64", 64, "embedding padded to a multiple of 64"),), choices=(1, 8, 64, 128)),
+    Technique("fused_adamw", "fused AdamW", False, (("+ fused AdamW", True, "one fused optimizer kernel for every tensor"),)),
+    Technique("set_to_none", "zero_grad(set_to_none)", False,
+              (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),)),
+    Technique("activation_checkpointing", "activation checkpointing", "none",
+              (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),)),
+    Technique("loss_chunks", "loss chunks", 1, (("+ chunked loss", 8, "output layer and loss in 8 token slices: one slice of logits at a time"),),
+              choices=(1, 2, 4, 8, 16)),
+)
+TECHNIQUE = {t.name: t for t in TECHNIQUES}
+
 
 @dataclass(frozen=True)
 class Rung:
@@ -219,24 +266,20 @@ class Rung:
     apply: Callable[[TrainConfig], TrainConfig]
 
 
-LADDER: tuple[Rung, ...] = (
-    Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place", lambda c: c),
-    Rung("+ tf32", "TF32 tensor-core matmuls (CUDA Ampere+; no effect on a CPU)", lambda c: replace(c, precision="tf32")),
-    Rung("+ bf16 autocast", "matmuls in bf16 under autocast, fp32 weights", lambda c: replace(c, precision="bf16")),
-    Rung("+ sdpa (flash)", "scaled_dot_product_attention: no s x s matrix in memory", lambda c: c.with_model(attention="sdpa")),
-    Rung("+ compile", "torch.compile fuses the element-wise work into generated kernels", lambda c: replace(c, compile=True)),
-    Rung("+ vocab to x64", "embedding padded to a multiple of 64", lambda c: c.with_model(vocab_multiple=64)),
-    Rung("+ fused AdamW", "one fused optimizer kernel for every tensor", lambda c: replace(c, fused_adamw=True)),
-    Rung("+ set_to_none", "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place", lambda c: replace(c, set_to_none=True)),
-    Rung("+ checkpointing", "activation checkpointing per block: recompute in backward, less memory", lambda c: replace(c, activation_checkpointing=True)),
-    Rung("+ chunked loss", "output layer and loss in 8 token slices: one slice of logits at a time", lambda c: replace(c, loss_chunks=8)),
-)
+def _rung(t: Technique, name: str, value, what: str) -> Rung:
+    return Rung(name, what, lambda c: t.set(c, value))
+
+
+# The ladder: naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
+LADDER: tuple[Rung, ...] = (Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place", lambda c: c),
+                            *(_rung(t, *r) for t in TECHNIQUES for r in t.rungs))
 
 
 def naive(cfg: TrainConfig) -> TrainConfig:
-    """The naive baseline of any config: every technique of the ladder off."""
-    return replace(cfg, precision="fp32", compile=False, fused_adamw=False, set_to_none=False,
-                   activation_checkpointing=False, loss_chunks=1, model=replace(cfg.model, attention="naive", vocab_multiple=1))
+    """The naive baseline of any config: every technique off."""
+    for t in TECHNIQUES:
+        cfg = t.set(cfg, t.off)
+    return cfg
 
 
 def ladder_configs(base: TrainConfig) -> list[tuple[Rung, TrainConfig | ConfigError]]:

@@ -314,6 +314,66 @@ class MemoryLedger(TorchDispatchMode):
                             method="CPU ledger: every tensor storage followed through one training step", timeline=list(self.timeline))
 
 
+# ---- how one step is watched: the same step body either way ------------------------------------------
+
+class NotMeasured:
+    """The step runs as it is: every hook of the step body is a no-op. The ledger's twin below has the same
+    methods, so the loop (and memory.account_step) has no measurement branch."""
+
+    def watching(self, setup):
+        return contextlib.nullcontext()
+
+    def phase(self, name: str):
+        return contextlib.nullcontext()
+
+    def loss_fn(self, setup):
+        return setup.loss_fn
+
+    def on_grads(self, grads) -> None:
+        pass
+
+
+NOT_MEASURED = NotMeasured()
+
+
+def static_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """What a model and its optimizer hold between steps: parameters, gradients (when they exist), optimizer state."""
+    params = list(model.parameters())
+    return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None],
+            "optimizer state": optimizer_state_tensors(optimizer)}
+
+
+class LedgerMeasurement(NotMeasured):
+    """The step under the CPU memory ledger: what exists before it is registered by category, every storage the
+    step makes is followed, the gradients are named as such when the optimizer sees them, and afterwards what
+    remains is classified again. The step runs the eager loss module: a compiled graph would hide its inside."""
+
+    def __init__(self, output_layer: torch.nn.Module | None = None, ledger: MemoryLedger | None = None):
+        self.ledger = ledger or MemoryLedger()
+        self.output_layer = output_layer
+
+    @contextlib.contextmanager
+    def watching(self, setup):
+        for category, tensors in static_tensors(setup.model, setup.optimizer).items():
+            self.ledger.register(tensors, category)
+        with self.ledger.watch(self.output_layer):
+            yield
+        for category, tensors in static_tensors(setup.model, setup.optimizer).items():
+            self.ledger.reclassify(tensors, category)
+
+    def phase(self, name: str):
+        return self.ledger.phase(name)
+
+    def loss_fn(self, setup):
+        return setup.loss_module
+
+    def on_grads(self, grads) -> None:
+        self.ledger.reclassify(grads, "gradients")
+
+    def report(self) -> MemoryReport:
+        return self.ledger.report()
+
+
 def cuda_memory_report(device, static: dict[str, int | None], baseline: int = 0) -> MemoryReport:
     """CUDA: the allocator's peak since the last reset, less `baseline` (what was allocated before the run: an
     earlier run's leftovers must not inflate this one). Parameters, gradients and optimizer state come from the
@@ -337,11 +397,12 @@ def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, cont
     return 6 * n_params_non_embedding + 12 * n_layer * n_embd * context
 
 
-def counted_flops_per_token(model: torch.nn.Module, idx: torch.Tensor, loss_fn) -> int:
-    """The same quantity counted by torch's FlopCounterMode over one forward and backward."""
+def counted_flops_per_token(model: torch.nn.Module, idx: torch.Tensor, loss_fn, tokens: int | None = None) -> int:
+    """The same quantity counted by torch's FlopCounterMode over one forward and backward, per token (per
+    element of `idx`, or per `tokens` when an input is not one token per element, e.g. a sample of features)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
     with counter:
         loss_fn(model(idx)).backward()
-    return counter.get_total_flops() // idx.numel()
+    return counter.get_total_flops() // (tokens or idx.numel())

@@ -26,7 +26,7 @@ import torch
 
 from . import measure, techniques
 from .config import ModelConfig, TrainConfig
-from .measure import CATEGORIES, GiB, MemoryLedger, MemoryReport
+from .measure import CATEGORIES, GiB, MemoryReport
 
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
 BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -185,7 +185,7 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     outside = sum(outside_activation_terms(s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask).values())
     if autocast:  # 16-bit copies of the matmul weights, saved for backward
         outside += 2 * (count_params(m) - m.block_size * h)
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing == "full":
         kept = m.n_layer * s * b * h * (4 if autocast else vb)
         return {"per layer": layer, "layers": kept, "outside layers": outside, "total": kept + outside, "recompute": layer}
     return {"per layer": layer, "layers": m.n_layer * layer, "outside layers": outside, "total": m.n_layer * layer + outside, "recompute": 0}
@@ -243,7 +243,7 @@ def estimate(cfg: TrainConfig) -> Estimate:
         "start of backward": st["parameters"] + grads_before + st["optimizer state"] + act["total"] + lg,
         "end of backward": st["parameters"] + st["gradients"] + st["optimizer state"] + tied,
     }
-    if cfg.activation_checkpointing:
+    if cfg.activation_checkpointing == "full":
         phases["recompute in backward"] = st["parameters"] + st["gradients"] + st["optimizer state"] + act["total"] + act["recompute"]
     when = max(phases, key=phases.get)
     by = dict.fromkeys(CATEGORIES, 0)
@@ -298,6 +298,7 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .model import GPT
+    from .train import run_step
 
     cfg = dataclasses.replace(cfg, compile=False, device="cpu")
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
@@ -309,30 +310,12 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
         V = cfg.model.vocab_size
         micro = [(torch.randint(0, V, (cfg.micro_batch_size, cfg.context)), torch.randint(0, V, (cfg.micro_batch_size, cfg.context)))
                  for _ in range(cfg.grad_accum_steps)]
-        n_targets = cfg.batch_size * cfg.context
-        ledger = None
-        for step in range(warm_steps + 1):
-            watched = step == warm_steps
-            if watched:
-                ledger = MemoryLedger()
-                ledger.register(params, "parameters")
-                ledger.register([p.grad for p in params if p.grad is not None], "gradients")
-                ledger.register(measure.optimizer_state_tensors(setup.optimizer), "optimizer state")
-            ph = ledger.phase if watched else (lambda _name: contextlib.nullcontext())
-            with (ledger.watch(model.lm_head) if watched else contextlib.nullcontext()):
-                for x, y in micro:
-                    with setup.autocast(), ph("forward"):
-                        loss = setup.loss_module(x, y) / n_targets
-                    with ph("backward"):
-                        setup.scaler.scale(loss).backward()
-                    del loss
-                with ph("optimizer"):
-                    techniques.optimizer_step(setup, cfg, params,
-                                              on_grads=(lambda g: ledger.reclassify(g, "gradients")) if watched else None)
-        ledger.reclassify(params, "parameters")
-        ledger.reclassify([p.grad for p in params if p.grad is not None], "gradients")
-        ledger.reclassify(measure.optimizer_state_tensors(setup.optimizer), "optimizer state")
-        report = ledger.report()
+        n_targets = cfg.batch_size * cfg.context  # random ids: no padding
+        for _ in range(warm_steps):  # so that the optimizer state exists, as in a steady-state step
+            run_step(setup, cfg, params, micro, n_targets=n_targets)
+        meter = measure.LedgerMeasurement(setup.parts.head)
+        run_step(setup, cfg, params, micro, meter, n_targets=n_targets)  # the loop's own step body, watched by the ledger
+        report = meter.report()
     report.method = ("CPU ledger under FakeTensorMode: shapes only, nothing allocated" if fake
                      else "CPU ledger: every tensor storage followed through one training step")
     return report

@@ -374,6 +374,55 @@ def matmul_errors(n: int = 512, device: str = "cpu", seed: int = 0) -> dict[str,
     return out
 
 
+@dataclass
+class StepError:
+    precision: str
+    loss: float
+    loss_rel_error: float
+    grad_rel_error: float
+    loss_scale: float = 1.0
+    note: str = ""
+
+
+def one_step_errors(cfg: TrainConfig, precisions=("fp32", "bf16", "fp16"), fp16_loss_scale: float = 2.0**16) -> list[StepError]:
+    """One step's loss and parameter gradients in each precision against the same step in fp64 (same initial
+    weights, same batch). fp16 runs with and without `fp16_loss_scale`. TF32 is measured on CUDA Ampere+ only."""
+    from .capabilities import capabilities
+
+    model = fresh_model(cfg)
+    batch = _batch(cfg, cfg.seed)
+    ref64 = gradient_sample_with_grads(model.double(), batch, "fp32", 1.0)
+    model = model.float()
+    out = []
+    for p in precisions:
+        runs = [(p, 1.0)] + ([("fp16", fp16_loss_scale)] if p == "fp16" and fp16_loss_scale != 1.0 else [])
+        for prec, scale in runs:
+            if prec == "tf32" and not (torch.device(cfg.device).type == "cuda" and capabilities(cfg.device).precisions["tf32"].ok):
+                out.append(StepError("tf32", float("nan"), float("nan"), float("nan"), note="skipped: TF32 needs CUDA on Ampere or newer"))
+                continue
+            loss, grads = gradient_sample_with_grads(model, batch, prec, scale)
+            out.append(StepError(prec, loss, abs(loss - ref64[0]) / abs(ref64[0]), rel_error(grads, ref64[1]), scale))
+    return out
+
+
+def gradient_sample_with_grads(model: nn.Module, batch, precision: str, loss_scale: float) -> tuple[float, torch.Tensor]:
+    """(loss, all parameter gradients as one flat fp64 vector, unscaled) of one forward + backward on a copy of `model`."""
+    from .data import count_targets
+    from .techniques import autocast_context, loss_sum, matmul_precision
+
+    m = copy.deepcopy(model)
+    x, y = batch
+    device = next(m.parameters()).device
+    with matmul_precision(precision):
+        with autocast_context(type("C", (), {"precision": precision, "device": str(device)}))():
+            loss = loss_sum(m(x), y) / count_targets(y)
+        (loss * loss_scale).backward()
+    params = {id(p): p for p in m.parameters()}.values()
+    return loss.item(), torch.cat([p.grad.flatten().to(torch.float64).cpu() / loss_scale for p in params])
+
+
+# ---- speed of one matmul ------------------------------------------------------------------------
+
 def matmul_tflops(n: int, precision: str, device: str = "cpu", min_time_s: float = 0.3, max_reps: int = 50) -> tuple[float | None, str]:
     """Achieved TFLOP/s of an n x n matmul in `precision` on `device` (course_lib.capabilities.matmul_tflops),
     or (None, why) where it would not mean anything (TF32 off CUDA Ampere+)."""

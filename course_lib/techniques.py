@@ -1,15 +1,20 @@
-"""Turn a TrainConfig into the objects the training loop uses.
+"""Turn a TrainConfig into the objects the training loop uses: `build(cfg, model, parts)`.
 
 A technique that is off becomes a no-op object (nullcontext, a disabled GradScaler, clip_norm=None), so
-the loop in train.py has one code path. The order of wrapping is fixed here, once:
+the loop in train.py has one code path. Each technique is declared once, as a config field with its metadata
+(course_lib.config.TECHNIQUES), and applied here, in one fixed order (as torchtitan's parallelize.py does):
   1. activation checkpointing wraps each block (it must see the eager blocks),
-  2. the model and its loss become one module (LossModule), optionally with the loss in chunks,
-  3. torch.compile wraps that module (it then traces through the checkpointed blocks and the loss),
-and the optimizer always holds the original parameters.
+  2. data parallelism wraps the model (DDP, or FSDP2 sharding each block and then the root),
+  3. the model and its loss become one module (LossModule), optionally with the loss in chunks,
+  4. torch.compile wraps that module (it then traces through the checkpointed blocks and the loss),
+  5. the optimizer (fused or not), its schedule, autocast and the GradScaler,
+and the optimizer always holds the original parameters. What a technique needs to know about the model (its
+blocks, its body and its output layer) is given explicitly as `ModelParts`: no attribute name is assumed.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -20,22 +25,59 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class CheckpointedBlock(nn.Module):
-    """Keeps only the block's input in forward; recomputes the inside in backward (non-reentrant)."""
+@dataclass
+class ModelParts:
+    """What the techniques need to know about a model, given explicitly."""
 
-    def __init__(self, block: nn.Module):
+    blocks: nn.ModuleList | None = None  # the repeated layers: checkpointing wraps each one, FSDP2 shards each one
+    body: Callable[[torch.Tensor], torch.Tensor] | None = None  # inputs -> final hidden states (the chunked loss)
+    head: nn.Module | None = None  # hidden states -> logits (the chunked loss; the memory ledger's "logits" start here)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelParts":
+        """The course's GPT names its parts; any other model has none unless the caller says."""
+        from .model import GPT
+
+        if isinstance(model, GPT):
+            return cls(blocks=model.blocks, body=model.hidden, head=model.lm_head)
+        return cls()
+
+
+# Selective checkpointing keeps what is expensive to recompute (the matmuls and attention) and recomputes the
+# cheap element-wise work (LayerNorm, GELU, dropout, residual adds), as Korthikanti et al. propose.
+_SAVED_BY_SELECTIVE = tuple(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name))
+
+
+def _selective_policy(_ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointedBlock(nn.Module):
+    """mode "full": keeps only the block's input in forward and recomputes the inside in backward (non-reentrant).
+    mode "selective": also keeps the matmul and attention outputs, and recomputes only the element-wise ops."""
+
+    def __init__(self, block: nn.Module, mode: str = "full"):
         super().__init__()
-        self.block = block
+        self.block, self.mode = block, mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return self.block(x)
+        if self.mode == "selective":
+            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+            return checkpoint(self.block, x, use_reentrant=False,
+                              context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy))
         return checkpoint(self.block, x, use_reentrant=False)
 
 
@@ -49,29 +91,38 @@ def _head_and_loss(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tens
 
 
 class LossModule(nn.Module):
-    """Model and loss as one module: token ids and targets in, summed loss out.
+    """Model and loss as one module: inputs and targets in, summed loss out.
 
     Compiling this (not just the model) lets the compiler fuse the cross-entropy too. With loss_chunks > 1
     the output layer and the loss run on slices of the tokens, each under checkpoint, so only one slice of
-    the (tokens x vocab) logits exists at a time, in forward and again in backward.
+    the (tokens x vocab) logits exists at a time, in forward and again in backward; that needs the model's
+    body and output layer (`ModelParts`).
     """
 
-    def __init__(self, model: nn.Module, loss_chunks: int = 1):
+    def __init__(self, model: nn.Module, loss_chunks: int = 1, parts: ModelParts | None = None):
         super().__init__()
         self.model, self.loss_chunks = model, loss_chunks
+        self._body, self.head = (parts.body, parts.head) if parts else (None, None)
+        if loss_chunks > 1 and (self._body is None or self.head is None):
+            raise ConfigError("loss_chunks > 1 needs the model's body and output layer: pass ModelParts(body=..., head=...) "
+                              "or set loss_chunks=1")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.loss_chunks == 1:
             return loss_sum(self.model(idx), targets)
-        hidden = self.model.hidden(idx).reshape(-1, self.model.config.n_embd)
+        hidden = self._body(idx)
+        hidden = hidden.reshape(-1, hidden.size(-1))  # (tokens, width)
         total = hidden.new_zeros((), dtype=torch.float32)
         for h, t in zip(hidden.chunk(self.loss_chunks), targets.reshape(-1).chunk(self.loss_chunks)):
-            total = total + checkpoint(_head_and_loss, self.model.lm_head, h, t, use_reentrant=False)
+            total = total + checkpoint(_head_and_loss, self.head, h, t, use_reentrant=False)
         return total
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    model.blocks = nn.ModuleList(b if isinstance(b, CheckpointedBlock) else CheckpointedBlock(b) for b in model.blocks)
+def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
+    """Wrap every block in place (the ModuleList is the model's own, so the model sees the wrapped blocks)."""
+    for i, block in enumerate(blocks):
+        if not isinstance(block, CheckpointedBlock):
+            blocks[i] = CheckpointedBlock(block, mode)
 
 
 @contextlib.contextmanager
@@ -172,20 +223,18 @@ class SyncOnLastMicroBatch(nn.Module):
         return self.wrapped(idx)
 
 
-def wrap_data_parallel(cfg: TrainConfig, model: nn.Module) -> nn.Module:
+def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -> nn.Module:
     """The module the loss calls: `model` itself ("none"), or wrapped for DDP / FSDP2 inside an initialised
     process group (torchrun; see course_lib.distributed). The optimizer keeps `model`'s parameters."""
     if cfg.data_parallel == "none":
         return model
     import torch.distributed as dist
 
-    from .config import ConfigError
-
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
                           "(course_lib.distributed.launch) or set data_parallel='none'")
     if cfg.loss_chunks != 1:
-        raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls model.hidden, which the wrapper hides)")
+        raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)")
     dev = torch.device(cfg.device)
     if cfg.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -196,16 +245,11 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-        for block in model.blocks:
+        for block in parts.blocks if parts.blocks is not None else ():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         wrapped = model
     return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
-
-
-# Called as listener(cfg, setup) at the end of build(); empty by default. The distributed modules of notebook 07
-# use it to reach the model and optimizer that train() builds (per-rank memory, final parameters).
-BUILD_LISTENERS: list[Callable[[TrainConfig, "Setup"], None]] = []
 
 
 def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
@@ -242,17 +286,18 @@ class Setup:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     autocast: Callable[[], contextlib.AbstractContextManager]
     scaler: torch.amp.GradScaler
+    parts: ModelParts
 
 
-def build(cfg: TrainConfig, model: nn.Module) -> Setup:
-    """Apply the config's techniques to `model` (already on cfg.device) in the one correct order."""
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    loss_module = LossModule(wrap_data_parallel(cfg, model), cfg.loss_chunks)
+def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:
+    """Apply the config's techniques to `model` (already on cfg.device) in the one correct order (module docstring)."""
+    parts = parts if parts is not None else ModelParts.of(model)
+    if cfg.activation_checkpointing != "none":
+        if parts.blocks is None:
+            raise ConfigError("activation checkpointing needs the model's blocks: pass ModelParts(blocks=...) or turn it off")
+        apply_activation_checkpointing(parts.blocks, cfg.activation_checkpointing)
+    loss_module = LossModule(wrap_data_parallel(cfg, model, parts), cfg.loss_chunks, parts)
     loss_fn = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if cfg.compile else loss_module
     optimizer = make_optimizer(cfg, model)
-    setup = Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
-                  autocast=autocast_context(cfg), scaler=make_grad_scaler(cfg))
-    for listener in BUILD_LISTENERS:
-        listener(cfg, setup)
-    return setup
+    return Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
+                 autocast=autocast_context(cfg), scaler=make_grad_scaler(cfg), parts=parts)

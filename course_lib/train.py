@@ -1,14 +1,19 @@
-"""The one training loop. Every technique reaches it through techniques.build(), so there is one code path.
+"""The one training loop. Every technique reaches it through techniques.build(), and every measurement through
+a measurement object with a no-op twin, so there is one code path:
 
     for each optimizer step:
         for each micro-batch:        (gradient accumulation; 1 micro-batch when it is off)
             forward + loss under autocast (a no-op context in fp32)
             backward of loss scaled by the GradScaler (a no-op scaler unless fp16)
         unscale, global-norm clip, optimizer step, scaler update, zero_grad, LR schedule step
+
+`Trainer(cfg, model)` builds (the course's GPT by default, or any module that maps inputs to logits) and
+exposes what it built (`.setup`) before `fit()` trains; `train(cfg, ...)` is the two in one call, and `run`
+turns an out-of-memory error into a result.
 """
 from __future__ import annotations
 
-import contextlib
+import copy
 import gc
 from typing import Callable
 
@@ -20,6 +25,8 @@ from . import measure, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
+
+Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
 @torch.no_grad()
@@ -40,117 +47,137 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_b
     return total / count
 
 
-def _static_tensors(model, optimizer) -> dict[str, list[torch.Tensor]]:
-    return {"parameters": list(model.parameters()),
-            "gradients": [p.grad for p in model.parameters() if p.grad is not None],
-            "optimizer state": measure.optimizer_state_tensors(optimizer)}
+def run_step(setup: techniques.Setup, cfg: TrainConfig, params: list[torch.Tensor], micro: list[tuple[torch.Tensor, torch.Tensor]],
+             meter: measure.NotMeasured = measure.NOT_MEASURED, n_targets: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """One optimizer step over its micro-batches, watched by `meter` (a no-op unless it measures).
+    Returns (loss per target token, gradient norm before clipping, learning rate used, loss scale used).
+    `n_targets` defaults to the count of non-padding targets (give it where tensors hold no values: FakeTensorMode)."""
+    # Normalise by the count of real target tokens in the whole accumulated batch, not per micro-batch:
+    # a mean of micro-batch means is wrong when micro-batches hold different numbers of padding tokens.
+    if n_targets is None:
+        n_targets = sum(data_mod.count_targets(y) for _, y in micro)
+    loss_fn = meter.loss_fn(setup)
+    step_loss = torch.zeros((), device=micro[0][1].device)
+    with meter.watching(setup):
+        for x, y in micro:
+            with setup.autocast(), meter.phase("forward"):
+                loss = loss_fn(x, y) / n_targets
+            with meter.phase("backward"):
+                setup.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+            del loss  # the graph and its activations go now, not when the next micro-batch reassigns it
+        with meter.phase("optimizer"):
+            norm, lr, scale = techniques.optimizer_step(setup, cfg, params, on_grads=meter.on_grads)
+    return step_loss, norm, lr, scale
+
+
+class Trainer:
+    """The one training loop, built for one config.
+
+    model: the course's GPT of cfg.model by default; any module mapping inputs to logits works (notebook 08
+      trains an MLP), with `parts` saying what the techniques may need (its blocks, body and output layer).
+    batches(step) -> [(x, y), ...]: the micro-batches of a step; by default random windows of the course's text.
+    flops_per_token: by default the GPT formula for a GPT, else counted once with FlopCounterMode.
+    After construction `.setup` holds what was built (model, loss module, optimizer, ...), so a caller can look
+    at it or hook into it (DDP's communication hook) before `fit()`.
+    """
+
+    def __init__(self, cfg: TrainConfig, model: torch.nn.Module | None = None, *, parts: techniques.ModelParts | None = None,
+                 batches: Batches | None = None, splits: data_mod.Splits | None = None, flops_per_token: int | None = None):
+        self.caps = caps_mod.capabilities(cfg.device)
+        self.caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
+        # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
+        # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
+        # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
+        free_memory()
+        if cfg.compile:
+            torch._dynamo.reset()
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.dev = cfg, torch.device(cfg.device)
+        if splits is None and (batches is None or cfg.eval_every):
+            splits = data_mod.load_splits()
+        if model is None and splits is not None and cfg.model.vocab_size < splits.vocab_size:
+            raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} tokens: raise vocab_size")
+        self.splits = splits
+        if batches is None:
+            gen = torch.Generator().manual_seed(cfg.seed)
+
+            def batches(step: int):
+                return [data_mod.random_windows(splits.train, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
+        self.batches = batches
+        # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors) is not this run's.
+        self.cuda_baseline = torch.cuda.memory_allocated(self.dev) if self.dev.type == "cuda" else 0
+        model = (model if model is not None else GPT(cfg.model)).to(self.dev)
+        self.setup = techniques.build(cfg, model, parts)
+        self.flops_per_token = flops_per_token or self._flops_per_token(model)
+
+    def _flops_per_token(self, model: torch.nn.Module) -> int:
+        if isinstance(model, GPT):
+            return measure.flops_per_token(model.num_params(non_embedding=True), self.cfg.model.n_layer, self.cfg.model.n_embd, self.cfg.context)
+        x, y = self.batches(0)[0]  # counted on a copy, so the model's gradients stay untouched
+        return measure.counted_flops_per_token(copy.deepcopy(model), x.to(self.dev),
+                                               lambda out: techniques.loss_sum(out, y.to(self.dev)), tokens=y.numel())
+
+    def fit(self, label: str = "run", callback: Callable[[int, RunResult], None] | None = None) -> RunResult:
+        """Train `cfg.steps` optimizer steps and return what was measured. `callback(step, result)` is called after
+        every step (progress bars)."""
+        cfg, dev, setup = self.cfg, self.dev, self.setup
+        model, params = setup.model, list(setup.model.parameters())
+        result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(self.caps.name),
+                           n_params=sum(p.numel() for p in {id(p): p for p in params}.values()), flops_per_token=self.flops_per_token)
+        timer = measure.StepTimer(dev)
+        ledger_step = cfg.steps - 1 if (dev.type == "cpu" and cfg.measure_memory) else None
+        excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | ({ledger_step} if ledger_step is not None else set())
+        if len(excluded) >= cfg.steps:
+            raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
+                              f"{' and the memory-ledger step' if ledger_step is not None else ''}: raise steps to at least {len(excluded) + 1}")
+        ledger = measure.LedgerMeasurement(setup.parts.head) if ledger_step is not None else None
+        with techniques.matmul_precision(cfg.precision):
+            for step in range(cfg.steps):
+                micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
+                if step == 0:
+                    result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
+                if dev.type == "cuda" and step == min(cfg.timing_warmup, cfg.steps - 1):
+                    torch.cuda.reset_peak_memory_stats(dev)
+                meter = ledger if step == ledger_step else measure.NOT_MEASURED
+                with timer.step():
+                    step_loss, norm, lr, scale_before = run_step(setup, cfg, params, micro, meter)
+                # Read values back only after the timed region.
+                result.losses.append(step_loss.item())
+                result.grad_norms.append(norm.item())
+                result.lrs.append(lr)
+                if setup.scaler.is_enabled():
+                    result.loss_scales.append(scale_before)
+                    if setup.scaler.get_scale() < scale_before:
+                        result.skipped_optimizer_steps += 1
+                if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+                    result.val_losses.append((step, evaluate(model, self.splits.val, cfg, cfg.eval_batches)))
+                result.step_times = list(timer.times)
+                if callback:
+                    callback(step, result)
+        result.excluded_steps = sorted(excluded)
+        result.median_step_s = measure.median_excluding(timer.times, excluded)
+        result.tokens_per_s = result.tokens_per_step / result.median_step_s
+        if cfg.compile:
+            result.compile_s = max(0.0, timer.times[0] - result.median_step_s)
+        result.mfu, result.mfu_basis = caps_mod.efficiency(result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision)
+        if ledger is not None:
+            result.memory = ledger.report().to_dict()
+        elif dev.type == "cuda":
+            static = {k: measure.tensor_bytes(v) for k, v in measure.static_tensors(model, setup.optimizer).items()}
+            # With set_to_none=False the gradients live through the whole step, so they are at the peak at full
+            # size. With set_to_none=True they exist only from backward on, and the allocator cannot say whether
+            # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
+            static["gradients"] = None if cfg.set_to_none else measure.tensor_bytes(params)
+            result.memory = measure.cuda_memory_report(dev, static, baseline=self.cuda_baseline).to_dict()
+        return result
 
 
 def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResult], None] | None = None,
-          splits: data_mod.Splits | None = None, batches: Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]] | None = None) -> RunResult:
-    """Train `cfg.steps` optimizer steps and return what was measured.
-
-    `batches(step)` may supply the micro-batches of a step (a list of (x, y)); by default they are random
-    windows of the training text. `callback(step, result)` is called after every step (progress bars).
-    """
-    caps = caps_mod.capabilities(cfg.device)
-    caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
-    # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
-    # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
-    # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
-    free_memory()
-    if cfg.compile:
-        torch._dynamo.reset()
-    torch.manual_seed(cfg.seed)
-    splits = splits or data_mod.load_splits()
-    if cfg.model.vocab_size < splits.vocab_size:
-        raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} tokens: raise vocab_size")
-    dev = torch.device(cfg.device)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    if batches is None:
-        def batches(step: int):
-            return [data_mod.random_windows(splits.train, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
-
-    # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors) is not this run's.
-    cuda_baseline = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
-    model = GPT(cfg.model).to(dev)
-    setup = techniques.build(cfg, model)
-    name = caps.name
-    result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(name),
-                       n_params=model.num_params(), tokens_per_step=cfg.tokens_per_step,
-                       flops_per_token=measure.flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context))
-    timer = measure.StepTimer(dev)
-    ledger_step = cfg.steps - 1 if (dev.type == "cpu" and cfg.measure_memory) else None
-    excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | ({ledger_step} if ledger_step is not None else set())
-    if len(excluded) >= cfg.steps:
-        raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
-                          f"{' and the memory-ledger step' if ledger_step is not None else ''}: raise steps to at least {len(excluded) + 1}")
-    params = [p for p in model.parameters()]
-    with techniques.matmul_precision(cfg.precision):
-        _loop(cfg, setup, model, params, splits, batches, dev, timer, ledger_step, result, callback)
-    result.excluded_steps = sorted(excluded)
-    result.median_step_s = measure.median_excluding(timer.times, excluded)
-    result.tokens_per_s = cfg.tokens_per_step / result.median_step_s
-    if cfg.compile:
-        result.compile_s = max(0.0, timer.times[0] - result.median_step_s)
-    result.mfu, result.mfu_basis = caps_mod.efficiency(result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision)
-    if dev.type == "cuda":
-        static = {k: measure.tensor_bytes(v) for k, v in _static_tensors(model, setup.optimizer).items()}
-        # With set_to_none=False the gradients live through the whole step, so they are at the peak at full
-        # size. With set_to_none=True they exist only from backward on, and the allocator cannot say whether
-        # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
-        static["gradients"] = None if cfg.set_to_none else measure.tensor_bytes(params)
-        result.memory = measure.cuda_memory_report(dev, static, baseline=cuda_baseline).to_dict()
-    return result
-
-
-def _loop(cfg, setup, model, params, splits, batches, dev, timer, ledger_step, result, callback) -> None:
-    ledger = None
-    for step in range(cfg.steps):
-        micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in batches(step)]
-        # Normalise by the count of real target tokens in the whole accumulated batch, not per micro-batch:
-        # a mean of micro-batch means is wrong when micro-batches hold different numbers of padding tokens.
-        n_targets = sum(data_mod.count_targets(y) for _, y in micro)
-        if dev.type == "cuda" and step == min(cfg.timing_warmup, cfg.steps - 1):
-            torch.cuda.reset_peak_memory_stats(dev)
-        if step == ledger_step:
-            ledger = measure.MemoryLedger()
-            for category, tensors in _static_tensors(model, setup.optimizer).items():
-                ledger.register(tensors, category)
-        measuring = step == ledger_step
-        # The ledger follows eager ops; a compiled graph would hide its inside, so that one step runs eager.
-        loss_fn = setup.loss_module if measuring else setup.loss_fn
-        step_loss = torch.zeros((), device=dev)
-        with timer.step(), (ledger.watch(model.lm_head) if measuring else contextlib.nullcontext()):
-            for x, y in micro:
-                with setup.autocast(), (ledger.phase("forward") if measuring else contextlib.nullcontext()):
-                    loss = loss_fn(x, y) / n_targets
-                with (ledger.phase("backward") if measuring else contextlib.nullcontext()):
-                    setup.scaler.scale(loss).backward()
-                step_loss += loss.detach()
-                del loss
-            with (ledger.phase("optimizer") if measuring else contextlib.nullcontext()):
-                norm, lr, scale_before = techniques.optimizer_step(
-                    setup, cfg, params, on_grads=(lambda g: ledger.reclassify(g, "gradients")) if measuring else None)
-        if step == ledger_step:
-            for category, tensors in _static_tensors(model, setup.optimizer).items():
-                ledger.reclassify(tensors, category)
-        # Read values back only after the timed region.
-        result.losses.append(step_loss.item())
-        result.grad_norms.append(norm.item())
-        result.lrs.append(lr)
-        if setup.scaler.is_enabled():
-            result.loss_scales.append(scale_before)
-            if setup.scaler.get_scale() < scale_before:
-                result.skipped_optimizer_steps += 1
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
-            result.val_losses.append((step, evaluate(setup.model, splits.val, cfg, cfg.eval_batches)))
-        result.step_times = list(timer.times)
-        if callback:
-            callback(step, result)
-
-    if ledger is not None:
-        result.memory = ledger.report().to_dict()
+          splits: data_mod.Splits | None = None, batches: Batches | None = None, model: torch.nn.Module | None = None,
+          **trainer_kwargs) -> RunResult:
+    """Build and train in one call: `Trainer(cfg, model, ...).fit(label, callback)`."""
+    return Trainer(cfg, model, batches=batches, splits=splits, **trainer_kwargs).fit(label, callback)
 
 
 def free_memory() -> None:

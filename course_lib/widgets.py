@@ -19,7 +19,7 @@ from .plots import figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
 from .measure import device_name
 
-MODEL_FIELDS = ("attention", "vocab_multiple")
+MODEL_FIELDS = tuple(t.name for t in C.TECHNIQUES if t.field.startswith("model."))
 ALL_CONTROLS = ("preset", "precision", "attention", "compile", "compile_mode", "fused_adamw", "activation_checkpointing",
                 "set_to_none", "loss_chunks", "vocab_multiple", "batch_size", "grad_accum_steps", "context", "steps")
 
@@ -33,11 +33,11 @@ SLIDERS: dict[str, tuple] = {
     "timing_warmup": (0, 10, 1),
     "eval_every": (0, 50, 1),
 }
-CHOICES: dict[str, tuple] = {"loss_chunks": (1, 2, 4, 8, 16), "vocab_multiple": (1, 8, 64, 128)}
-LABELS = {"fused_adamw": "fused AdamW", "activation_checkpointing": "activation checkpointing", "set_to_none": "zero_grad(set_to_none)",
-          "grad_accum_steps": "accumulation steps", "batch_size": "batch size", "loss_chunks": "loss chunks",
-          "vocab_multiple": "pad vocab to x", "compile_mode": "compile mode", "clip_norm": "clip norm (0: off)",
-          "lr_warmup_steps": "LR warm-up steps", "weight_decay": "weight decay", "decay_2d_only": "decay only >=2-D"}
+# A technique's label and choices come from its declaration (course_lib.config.TECHNIQUES); the other fields' here.
+CHOICES: dict[str, tuple] = {t.name: t.choices for t in C.TECHNIQUES if t.choices}
+LABELS = {"grad_accum_steps": "accumulation steps", "batch_size": "batch size", "compile_mode": "compile mode",
+          "clip_norm": "clip norm (0: off)", "lr_warmup_steps": "LR warm-up steps", "weight_decay": "weight decay",
+          "decay_2d_only": "decay only >=2-D", **{t.name: t.label for t in C.TECHNIQUES}}
 
 
 def _field_types() -> dict[str, object]:
@@ -51,7 +51,7 @@ def _current(cfg: C.TrainConfig, name: str):
 
 
 def unsupported_reasons(device: str) -> dict[str, str]:
-    """Technique -> why this device cannot run it (empty when it can): course_lib.capabilities decides."""
+    """"field=value" -> why this device cannot run it (empty when it can): course_lib.capabilities decides."""
     return capabilities(device).unavailable()
 
 
@@ -102,10 +102,10 @@ class Panel:
         value = _current(self.base, name)
         hint = self._types.get(f"model.{name}" if name in MODEL_FIELDS else name)
         if name == "precision":
-            options = [p for p in C.PRECISIONS if p not in self.reasons]
+            options = [p for p in C.PRECISIONS if f"precision={p}" not in self.reasons]
             for p in C.PRECISIONS:
-                if p in self.reasons:
-                    notes.append(f"{p} is not offered: {self.reasons[p]}")
+                if f"precision={p}" in self.reasons:
+                    notes.append(f"{p} is not offered: {self.reasons[f'precision={p}']}")
             if self.base.device == "cpu" or str(self.base.device).startswith("cpu"):
                 notes.append("tf32 runs on a CPU but changes nothing there (it is a CUDA tensor-core mode)")
             return W.Dropdown(options=options, value=value if value in options else "fp32", description=desc, style=style, layout=layout)
@@ -116,11 +116,12 @@ class Panel:
             return W.Dropdown(options=list(typing.get_args(hint)), value=value, description=desc, style=style, layout=layout)
         if hint is bool:
             w = W.Checkbox(value=bool(value), description=desc, indent=False, layout=layout)
-            if name in self.reasons:
+            why = self.reasons.get(f"{name}=True")
+            if why:
                 w.disabled, w.value = True, False
                 w.description = f"{desc} (unavailable)"
-                w.tooltip = self.reasons[name]
-                notes.append(f"{desc} is disabled: {self.reasons[name]}")
+                w.tooltip = why
+                notes.append(f"{desc} is disabled: {why}")
             return w
         if name in SLIDERS:
             lo, hi, step = SLIDERS[name]
@@ -176,7 +177,7 @@ class Panel:
                 raise KeyError(f"This panel has no {k!r} control; it has {', '.join(self.controls)}")
             w = self.controls[k]
             if getattr(w, "disabled", False) and v:
-                raise C.ConfigError(f"{k} is unavailable on this device: {self.reasons.get(k, 'disabled')}")
+                raise C.ConfigError(f"{k} is unavailable on this device: {self.reasons.get(f'{k}=True', 'disabled')}")
             w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
         return self
 

@@ -108,7 +108,7 @@ PANELS = [
     PanelCase("05_algorithmic_hyperparameters.ipynb", "optimizer", "sgd_momentum", "optimizer=sgd_momentum"),
 ]
 CLICKS = 2  # the second click is where a figure drawn into an Output widget from a callback went blank
-MIN_INK = 0.01  # share of the figure's pixels that are not background (a full panel figure has several %)
+MIN_INK = 0.03  # share of the figure's pixels that are not background (panel figures here: 10-30%, a blank one 0)
 MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it
 FIGURE = "img.course-plots, .course-plots img"  # the panel's figure (an Image widget; an <img> inside the hook before)
 

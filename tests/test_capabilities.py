@@ -83,7 +83,7 @@ def test_compile_without_a_cxx_compiler_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(K.shutil, "which", lambda _name: None)
     monkeypatch.delenv("CXX", raising=False)
     caps = K.capabilities("cpu")
-    assert not caps.compile.ok and caps.unavailable()["compile"] == caps.compile.note
+    assert not caps.compile.ok and caps.unavailable()["compile=True"] == caps.compile.note
     with pytest.raises(C.ConfigError, match=r"needs a C\+\+ compiler"):
         caps.require(dataclasses.replace(C.tiny_preset("cpu"), compile=True))
     rungs = dict((r.name, c) for r, c in C.ladder_configs(C.cpu_preset("cpu")))

@@ -61,7 +61,7 @@ def test_fused_and_for_loop_adamw():
     assert T.make_optimizer(C.TrainConfig(), m).defaults["foreach"] is False
 
 
-@pytest.mark.parametrize("change", [dict(activation_checkpointing=True), dict(loss_chunks=4)])
+@pytest.mark.parametrize("change", [dict(activation_checkpointing="full"), dict(activation_checkpointing="selective"), dict(loss_chunks=4)])
 def test_memory_savers_change_nothing_in_the_math(change):
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     m0 = tiny_model()

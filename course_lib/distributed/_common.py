@@ -140,20 +140,10 @@ def shard(batch, rank: int, world: int):
 
 
 def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback):
-    """This rank's run of the course's one loop on its shard of the global batches. `on_build(setup)` sees the
-    objects train() builds (through techniques.BUILD_LISTENERS) before the first step. Returns (result, setup)."""
-    from .. import techniques
-    from ..train import train
+    """This rank's run of the course's one loop on its shard of the global batches. `on_build(setup)` sees what
+    the Trainer built (model, wrapped loss module, optimizer) before the first step. Returns (result, setup)."""
+    from ..train import Trainer
 
-    captured: dict = {}
-
-    def listener(_cfg, setup):
-        on_build(setup)
-        captured["setup"] = setup
-
-    techniques.BUILD_LISTENERS.append(listener)
-    try:
-        result = train(cfg, label, callback=callback, batches=lambda step: [shard(b, ctx.rank, ctx.world) for b in at(step)])
-    finally:
-        techniques.BUILD_LISTENERS.remove(listener)
-    return result, captured["setup"]
+    trainer = Trainer(cfg, batches=lambda step: [shard(b, ctx.rank, ctx.world) for b in at(step)])
+    on_build(trainer.setup)
+    return trainer.fit(label, callback), trainer.setup

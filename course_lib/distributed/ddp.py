@@ -18,8 +18,7 @@ from dataclasses import replace
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .. import techniques
-from ..train import train
+from ..train import Trainer
 from . import _common
 
 
@@ -77,14 +76,9 @@ def main(argv=None) -> None:
     if ctx.is_first and ctx.options.get("reference", True):
         # One process, the whole global batch (all ranks' micro-batches together), the same steps.
         ref_cfg = replace(cfg, data_parallel="none", grad_accum_steps=1, batch_size=ctx.world * mb * accum)
-        captured: dict = {}
-        listener = lambda _c, setup: captured.__setitem__("setup", setup)  # noqa: E731
-        techniques.BUILD_LISTENERS.append(listener)
-        try:
-            ref = train(ref_cfg, "one process, global batch", batches=lambda step: [(torch.cat([x for x, _ in at(step)]), torch.cat([y for _, y in at(step)]))])
-        finally:
-            techniques.BUILD_LISTENERS.remove(listener)
-        ref_params = dict(captured["setup"].model.named_parameters())
+        one = Trainer(ref_cfg, batches=lambda step: [(torch.cat([x for x, _ in at(step)]), torch.cat([y for _, y in at(step)]))])
+        ref = one.fit("one process, global batch")
+        ref_params = dict(one.setup.model.named_parameters())
         diffs = {n: (p - ref_params[n].detach()).abs().max().item() for n, p in with_sync["params"].items()}
         scale = max(p.detach().abs().max().item() for p in ref_params.values())
         payload["reference"] = {"result": ref.to_dict(), "max_abs_param_diff": max(diffs.values()), "max_abs_param": scale,
