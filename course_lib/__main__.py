@@ -40,12 +40,35 @@ def cmd_ladder(args) -> int:
         except (ValueError, IndexError):
             print(f"error: --rungs takes indices 0..{len(C.LADDER) - 1} separated by commas, got {args.rungs!r}", file=sys.stderr)
             return 2
-    results = run_ladder(base, progress=lambda name: None, rungs=rungs)
+    options = {}
+    for item in args.set or []:
+        name, _, value = item.partition("=")
+        if name not in C.TECHNIQUE or not value:
+            print(f"error: --set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}", file=sys.stderr)
+            return 2
+        options[name] = _parse_value(value)
+    try:
+        results = run_ladder(base, progress=lambda name: None, rungs=rungs, options=options)
+    except C.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(ladder_table(results))
     if args.json:
         path = save_results(results, args.json, preset=args.preset, base_config=base.to_dict(), **provenance(device_name(base.device)))
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _parse_value(text: str):
+    """'8' -> 8, 'true' -> True, 'selective' -> 'selective'."""
+    import ast
+
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
 
 
 def cmd_info(args) -> int:
@@ -113,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
     p.add_argument("--rungs", default=None, help="only these rungs, by index (0 = naive fp32), e.g. 0,2,3")
+    p.add_argument("--set", action="append", metavar="TECHNIQUE=VALUE",
+                   help="what a technique's rung sets instead of its default, e.g. activation_checkpointing=selective")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--json", default=None, help="write every result, with device, torch version, date and config, here")
     p.set_defaults(func=cmd_ladder)

@@ -263,16 +263,17 @@ TECHNIQUE = {t.name: t for t in TECHNIQUES}
 class Rung:
     name: str
     what_changed: str
-    apply: Callable[[TrainConfig], TrainConfig]
+    technique: Technique | None = None  # None: the naive start
+    value: object = None  # what this rung sets the technique's field to
 
-
-def _rung(t: Technique, name: str, value, what: str) -> Rung:
-    return Rung(name, what, lambda c: t.set(c, value))
+    def apply(self, cfg: TrainConfig, value=None) -> TrainConfig:
+        """The config one rung up; `value` replaces the rung's own (a ladder option, e.g. selective checkpointing)."""
+        return cfg if self.technique is None else self.technique.set(cfg, self.value if value is None else value)
 
 
 # The ladder: naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
-LADDER: tuple[Rung, ...] = (Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place", lambda c: c),
-                            *(_rung(t, *r) for t in TECHNIQUES for r in t.rungs))
+LADDER: tuple[Rung, ...] = (Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
+                            *(Rung(name, what, t, value) for t in TECHNIQUES for name, value, what in t.rungs))
 
 
 def naive(cfg: TrainConfig) -> TrainConfig:
@@ -282,17 +283,28 @@ def naive(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def ladder_configs(base: TrainConfig) -> list[tuple[Rung, TrainConfig | ConfigError]]:
-    """Each rung's config, cumulative from the naive baseline; a rung the device cannot run gives its ConfigError."""
+def ladder_configs(base: TrainConfig, options: dict[str, object] | None = None,
+                   leave_out: dict[str, str] | None = None) -> list[tuple[Rung, TrainConfig | ConfigError]]:
+    """Each rung's config, cumulative from the naive baseline. A rung the device cannot run gives its ConfigError,
+    and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
+    `options` {technique: value} makes that technique's rung set another value (activation_checkpointing="selective")."""
     from .capabilities import capabilities  # asked here, when a ladder starts (capabilities imports this module)
 
+    options, leave_out = options or {}, leave_out or {}
+    if unknown := [k for k in options if k not in TECHNIQUE]:
+        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(TECHNIQUE)}")
+    if unknown := [n for n in leave_out if n not in [r.name for r in LADDER]]:
+        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
     caps = capabilities(base.device)
     out, cfg = [], naive(base)
     for rung in LADDER:
+        if rung.name in leave_out:
+            out.append((rung, ConfigError(leave_out[rung.name])))
+            continue
+        value = options.get(rung.technique.name) if rung.technique else None
         try:
-            nxt = caps.require(rung.apply(cfg))
-            cfg = nxt
-            out.append((rung, nxt))
+            cfg = caps.require(rung.apply(cfg, value))
+            out.append((rung, cfg))
         except ConfigError as e:  # skip this rung, keep climbing from the last valid config
             out.append((rung, e))
     return out

@@ -44,11 +44,14 @@ class CausalSelfAttention(nn.Module):
         self.attend = ATTENTION_IMPLS[cfg.attention]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.c_attn(x).split(d, dim=2)
-        q, k, v = (t.view(b, s, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Widths are read from c_attn's output and the head count from self.n_head, never from x: under tensor
+        # parallelism (course_lib.distributed.tensor_parallel) c_attn yields only this rank's heads, 3 * d / N wide,
+        # and n_head is set to n_head / N, so this same code runs on the local heads.
+        b, s, _ = x.shape
+        q, k, v = self.c_attn(x).chunk(3, dim=2)  # each (b, s, d)
+        q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (b, n_head, s, d / n_head)
         y = self.attend(q, k, v, self.dropout, self.training)
-        y = y.transpose(1, 2).contiguous().view(b, s, d)
+        y = y.transpose(1, 2).contiguous().view(b, s, -1)  # heads side by side again: (b, s, d)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -110,20 +113,38 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() if non_embedding else n
 
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, s) to the final normalised hidden states (batch, s, n_embd)."""
+    # The forward in three pieces, embed -> blocks -> head, so that a pipeline stage (course_lib.distributed.pipeline)
+    # can run a slice of this model with the model's own code: the first stage embed and some blocks, the last stage
+    # more blocks and head. hidden() and forward() are the same pieces composed.
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, s) to the residual stream entering the first block (batch, s, n_embd):
+        token + position embeddings, then dropout."""
         b, s = idx.shape
         if s > self.config.block_size:
             raise ValueError(f"sequence length {s} exceeds block_size {self.config.block_size}")
         pos = torch.arange(s, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        return self.drop(self.wte(idx) + self.wpe(pos))  # (b, s, d) + (s, d) broadcast over the batch
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream leaving the last block (batch, s, n_embd) to logits (batch, s, padded_vocab):
+        final LayerNorm, then the output layer (tied to wte)."""
+        return self.lm_head(self.ln_f(x))
+
+    def _through_blocks(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return self.ln_f(x)
+        return x  # (b, s, d), before the final LayerNorm
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (batch, s) to the final normalised hidden states (batch, s, n_embd): head() without the output
+        layer, for the chunked loss, which applies lm_head one chunk at a time."""
+        return self.ln_f(self._through_blocks(idx))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, s) to logits (batch, s, padded_vocab)."""
-        return self.lm_head(self.hidden(idx))
+        return self.head(self._through_blocks(idx))
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

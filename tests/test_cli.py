@@ -22,3 +22,14 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
 def test_bad_arguments_are_explained():
     proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--rungs", "99"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--rungs takes indices" in proc.stderr
+
+
+def test_a_ladder_option_from_the_command_line(tmp_path):
+    out = tmp_path / "l.json"
+    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "3", "--rungs", "8",
+                           "--set", "activation_checkpointing=selective", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["label"] == "+ checkpointing" and r["config"]["activation_checkpointing"] == "selective"
+    bad = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--set", "checkpointing=full"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--set takes TECHNIQUE=VALUE" in bad.stderr

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 
 from course_lib import config as C
-from course_lib.ladder import run_ladder_leaving_out
+from course_lib.ladder import run_ladder
 
 
 def tiny():
@@ -13,7 +13,7 @@ def tiny():
 
 def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_without_them():
     why = "left out under the test budget"
-    results = run_ladder_leaving_out(tiny(), {"+ compile": why, "+ checkpointing": why})
+    results = run_ladder(tiny(), leave_out={"+ compile": why, "+ checkpointing": why})
     assert [r.label for r in results] == [r.name for r in C.LADDER]
     by = {r.label: r for r in results}
     for name in ("+ compile", "+ checkpointing"):
@@ -31,5 +31,13 @@ def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_withou
 
 
 def test_a_name_that_is_not_a_rung_is_an_error():
-    with pytest.raises(ValueError, match="not rungs of the ladder"):
-        run_ladder_leaving_out(tiny(), {"+ compiel": "typo"})
+    with pytest.raises(C.ConfigError, match="not rungs of the ladder"):
+        run_ladder(tiny(), leave_out={"+ compiel": "typo"})
+
+
+def test_a_ladder_option_changes_what_a_rung_sets():
+    rungs = dict((r.name, c) for r, c in C.ladder_configs(tiny(), options={"activation_checkpointing": "selective"}))
+    assert rungs["+ checkpointing"].activation_checkpointing == "selective"
+    assert rungs["+ chunked loss"].activation_checkpointing == "selective" and rungs["+ set_to_none"].activation_checkpointing == "none"
+    with pytest.raises(C.ConfigError, match="not techniques of the ladder"):
+        C.ladder_configs(tiny(), options={"checkpointing": "selective"})

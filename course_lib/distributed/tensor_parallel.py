@@ -7,6 +7,12 @@ its n_head/N heads; the fused q|k|v weight is reordered first so that a contiguo
 attention runs on local heads, c_proj row-parallel: one all-reduce. Forward: 2 all-reduces per block;
 backward: 2 more (the gradient of a column-parallel layer's replicated input).
 
+The sharded model is the course's GPT itself, running its own forward: `parallelize_module` replaces the four
+Linear weights of each block by DTensor shards and hooks their inputs and outputs (ColwiseParallel returns
+this rank's local slice, RowwiseParallel all-reduces its partial sums). The one other change is the one
+torchtitan makes: each attention module's `n_head` is set to the local head count, n_head/N, after sharding,
+since CausalSelfAttention reads the head count from that attribute and the widths from c_attn's output.
+
 Rank results: the largest difference between the sharded and the unsharded model's logits and gradients,
 per-rank parameter bytes (sharded and replicated), collectives counted with CommDebugMode, forward+backward
 times.
@@ -16,7 +22,6 @@ Options: {"repeats": int}
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.nn as nn
@@ -25,25 +30,6 @@ from .. import measure
 from ..data import IGNORE_INDEX
 from ..model import GPT
 from . import _common
-
-
-class LocalHeadsAttention(nn.Module):
-    """CausalSelfAttention over this rank's heads: c_attn's local output is [q | k | v] of n_head/N heads."""
-
-    def __init__(self, attn: nn.Module, world: int):
-        super().__init__()
-        self.c_attn, self.c_proj, self.resid_dropout, self.attend = attn.c_attn, attn.c_proj, attn.resid_dropout, attn.attend
-        self.n_head_local, self.dropout = attn.n_head // world, attn.dropout
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.c_attn(x)  # (b, s, 3 * d / world), local
-        q, k, v = qkv.chunk(3, dim=2)
-        hd = q.size(-1) // self.n_head_local
-        q, k, v = (t.reshape(b, s, self.n_head_local, hd).transpose(1, 2) for t in (q, k, v))
-        y = self.attend(q, k, v, self.dropout, self.training)
-        y = y.transpose(1, 2).reshape(b, s, self.n_head_local * hd)
-        return self.resid_dropout(self.c_proj(y))
 
 
 def reorder_qkv(linear: nn.Linear, world: int) -> None:
@@ -64,9 +50,9 @@ def parallelize(model: GPT, mesh) -> GPT:
         raise ValueError(f"n_head={model.config.n_head} must be divisible by the {world} tensor-parallel ranks")
     for block in model.blocks:
         reorder_qkv(block.attn.c_attn, world)
-        block.attn = LocalHeadsAttention(block.attn, world)
         parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
                                          "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+        block.attn.n_head //= world  # this rank's heads: c_attn now yields [q | k | v] of n_head/N heads (as torchtitan)
     return model
 
 
@@ -118,15 +104,12 @@ def main(argv=None) -> None:
     replicated = [p for p in tp.parameters() if not hasattr(p, "to_local")]
 
     def timed(model):
-        ts = []
+        timer = measure.StepTimer(ctx.device)
         for _ in range(repeats + 1):
             model.zero_grad()
-            measure.synchronize(ctx.device)
-            t0 = time.perf_counter()
-            loss_of(model)[1].backward()
-            measure.synchronize(ctx.device)
-            ts.append(time.perf_counter() - t0)
-        return ts[1:]
+            with timer.step():
+                loss_of(model)[1].backward()
+        return timer.times[1:]  # the first is warm-up
 
     _common.write(ctx, {
         "strategy": "tensor_parallel", "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "n_embd": cfg.model.n_embd,
