@@ -343,6 +343,16 @@ def static_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
             "optimizer state": optimizer_state_tensors(optimizer)}
 
 
+def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gradients_at_parameter_size: bool = False) -> dict[str, int]:
+    """Bytes this process holds in parameters, gradients and optimizer state (each storage once, a DTensor's local
+    shard). gradients_at_parameter_size: count the gradients as they are at the end of backward, whether or not
+    zero_grad(set_to_none=True) has freed them since."""
+    tensors = static_tensors(model, optimizer)
+    if gradients_at_parameter_size:
+        tensors["gradients"] = tensors["parameters"]
+    return {k: tensor_bytes(v) for k, v in tensors.items()}
+
+
 class LedgerMeasurement(NotMeasured):
     """The step under the CPU memory ledger: what exists before it is registered by category, every storage the
     step makes is followed, the gradients are named as such when the optimizer sees them, and afterwards what

@@ -71,15 +71,6 @@ def static_bytes(n_params: int, optimizer: str = "adamw", bytes_per_value: int =
             "optimizer state": n_states * n_params * bytes_per_value + STEP_COUNTER_BYTES[optimizer] * n_param_tensors}
 
 
-def static_bytes_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """The same three numbers summed from the model's and the optimizer's own tensors (each storage once).
-    Gradients count at the parameters' size (they all exist at the end of backward, whatever zero_grad did)."""
-    params = list(model.parameters())
-    return {"parameters": measure.tensor_bytes(params),
-            "gradients": measure.tensor_bytes(params),
-            "optimizer state": measure.tensor_bytes(measure.optimizer_state_tensors(optimizer))}
-
-
 # ---- activations ---------------------------------------------------------------------------------
 
 def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:

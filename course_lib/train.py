@@ -164,11 +164,11 @@ class Trainer:
         if ledger is not None:
             result.memory = ledger.report().to_dict()
         elif dev.type == "cuda":
-            static = {k: measure.tensor_bytes(v) for k, v in measure.static_tensors(model, setup.optimizer).items()}
             # With set_to_none=False the gradients live through the whole step, so they are at the peak at full
             # size. With set_to_none=True they exist only from backward on, and the allocator cannot say whether
             # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
-            static["gradients"] = None if cfg.set_to_none else measure.tensor_bytes(params)
+            static: dict = measure.static_bytes(model, setup.optimizer, gradients_at_parameter_size=True)
+            static["gradients"] = None if cfg.set_to_none else static["gradients"]
             result.memory = measure.cuda_memory_report(dev, static, baseline=self.cuda_baseline).to_dict()
         return result
 

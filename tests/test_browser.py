@@ -3,7 +3,8 @@ one control of its panel, clicks Run twice, and checks after each click that the
 that the panel's figure is a drawn figure: its PNG, read from the page, has real content (a share of
 non-background pixels, also as the browser decodes it, and at least half the bytes of the figure before the
 click). A blank image of the right size is a change too, which is why "the image changed" is not enough: a
-figure displayed into an Output widget from a button's callback went blank on the second click in JupyterLab.
+figure displayed into an Output widget from a button's callback came out blank or half drawn in JupyterLab
+(from the first or second click).
 Screenshots of the panel after the last click go to $BROWSER_TEST_SHOTS (default /tmp).
 
 Needs Debian's `chromium` (installed by .ci/run) and the Python `playwright` package (the test extra).
@@ -107,7 +108,7 @@ PANELS = [
     PanelCase("01_naive_loop.ipynb", "attention", "sdpa", "attention=sdpa"),
     PanelCase("05_algorithmic_hyperparameters.ipynb", "optimizer", "sgd_momentum", "optimizer=sgd_momentum"),
 ]
-CLICKS = 2  # the second click is where a figure drawn into an Output widget from a callback went blank
+CLICKS = 2  # a figure drawn into an Output widget from a callback went blank after the first or the second click
 MIN_INK = 0.03  # share of the figure's pixels that are not background (panel figures here: 10-30%, a blank one 0)
 MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it
 FIGURE = "img.course-plots, .course-plots img"  # the panel's figure (an Image widget; an <img> inside the hook before)

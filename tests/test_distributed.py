@@ -4,12 +4,17 @@ A torchrun launch costs several seconds here, so each test launches once and che
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+from course_lib.config import ModelConfig
 from course_lib.distributed import launch as L
 from course_lib.distributed import pipeline as P
+from course_lib.distributed import tensor_parallel as TP
 from course_lib.distributed import zero
+from course_lib.model import GPT
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
 
@@ -41,6 +46,61 @@ def test_torchrun_command_has_the_multinode_flags():
     assert cmd[cmd.index("-m", 2) + 1] == "course_lib.distributed.ddp"
     with pytest.raises(ValueError):
         L.torchrun_command("nope", 2, "/tmp/x")
+
+
+def test_a_pipeline_stage_is_a_slice_of_the_gpt_itself():
+    # Two stages in one process, with dropout on: the stages run the GPT's own embed, Block objects and head, so in
+    # training mode, from the same random state, they draw the same dropout masks in the same order as the whole model.
+    torch.manual_seed(0)
+    gpt = GPT(ModelConfig(n_layer=4, n_head=2, n_embd=32, block_size=16, vocab_size=100, dropout=0.2))
+    a, b = copy.deepcopy(gpt), copy.deepcopy(gpt)
+    own_blocks = list(a.blocks) + list(b.blocks)
+    s0, s1 = P.StageModule(a, 0, 2, first=True, last=False), P.StageModule(b, 2, 4, first=False, last=True)
+    assert all(x is y for x, y in zip(list(s0.blocks) + list(s1.blocks), own_blocks[:2] + own_blocks[6:]))
+    # each stage holds its own part only; the tied embedding is held twice, once per end
+    assert sum(p.numel() for s in (s0, s1) for p in s.parameters()) == gpt.num_params() + gpt.wte.weight.numel()
+    idx, y = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
+    for train in (True, False):
+        for m in (gpt, s0, s1):
+            m.train(train)
+        torch.manual_seed(1)
+        split = s1(s0(idx))
+        torch.manual_seed(1)
+        whole = gpt(idx)
+        torch.testing.assert_close(split, whole, rtol=0, atol=0)
+    assert not torch.equal(gpt.train()(idx), gpt.eval()(idx))  # dropout is on: the train-mode check above means something
+    # the tie: the two ends' gradients of their copies sum to the whole model's gradient of the one weight
+    P.mean_loss(s1(s0(idx)), y).backward()
+    P.mean_loss(gpt(idx), y).backward()
+    torch.testing.assert_close(s0.tied_weight().grad + s1.tied_weight().grad, gpt.wte.weight.grad)
+    for i, block in enumerate(list(s0.blocks) + list(s1.blocks)):
+        for p, q in zip(block.parameters(), gpt.blocks[i].parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_the_models_attention_runs_on_a_ranks_share_of_the_heads():
+    # What tensor parallelism relies on, without processes: with c_attn cut to one rank's whole heads (after
+    # reorder_qkv), c_proj to the matching input columns and n_head set to the local count, the model's own
+    # CausalSelfAttention computes that rank's partial output; the ranks' partial outputs sum to the whole.
+    torch.manual_seed(0)
+    attn = GPT(ModelConfig(n_layer=1, n_head=4, n_embd=32, block_size=16, vocab_size=10)).blocks[0].attn
+    x = torch.randn(2, 16, 32)
+    whole, world = attn(x), 2
+    shards = copy.deepcopy(attn)
+    TP.reorder_qkv(shards.c_attn, world)
+    total = torch.zeros_like(whole)
+    for r in range(world):
+        part = copy.deepcopy(shards)
+        rows = slice(r * 96 // world, (r + 1) * 96 // world)
+        part.c_attn = torch.nn.Linear(32, 96 // world)
+        part.c_attn.load_state_dict({"weight": shards.c_attn.weight[rows], "bias": shards.c_attn.bias[rows]})
+        part.c_proj = torch.nn.Linear(32 // world, 32, bias=r == 0)  # the bias is added once
+        part.c_proj.weight.data.copy_(shards.c_proj.weight[:, r * 32 // world:(r + 1) * 32 // world])
+        if r == 0:
+            part.c_proj.bias.data.copy_(shards.c_proj.bias)
+        part.n_head //= world
+        total += part(x)
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-6)
 
 
 # ---- real launches ----------------------------------------------------------------------------
@@ -84,6 +144,8 @@ def test_pipeline_equals_the_unsplit_model(tmp_path):
     for rank in r.ranks:
         c = rank["runs"]["gpipe/m=4"]["check"]
         assert c["max_abs_block_grad_diff"] < 1e-5 * max(1.0, c["max_abs_block_grad"])
+        # the tied embedding: after the all-reduce between the two ends, each holds the unsplit model's gradient
+        assert c["max_abs_tied_grad_diff"] < 1e-5 * max(1.0, c["max_abs_tied_grad"])
         assert set(rank["runs"]) == {"gpipe/m=2", "gpipe/m=4", "1f1b/m=2", "1f1b/m=4"}
         tl = rank["runs"]["1f1b/m=4"]["timelines"][-1]
         assert sorted((k, mb) for k, mb, *_ in tl) == sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])

@@ -53,3 +53,18 @@ def test_too_long_sequence_is_refused():
     m = GPT(ModelConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=10))
     with pytest.raises(ValueError, match="exceeds block_size"):
         m(torch.zeros(1, 5, dtype=torch.long))
+
+
+def test_forward_is_embed_blocks_head_and_the_parameter_names_are_nanogpts():
+    torch.manual_seed(0)
+    m = GPT(ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, vocab_size=50, dropout=0.1)).eval()
+    idx = torch.randint(0, 50, (2, 8))
+    x = m.embed(idx)
+    for block in m.blocks:
+        x = block(x)
+    torch.testing.assert_close(m.head(x), m(idx), rtol=0, atol=0)
+    torch.testing.assert_close(m.lm_head(m.hidden(idx)), m(idx), rtol=0, atol=0)
+    block_keys = {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
+                  "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"}
+    assert set(m.state_dict()) == ({"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"}
+                                   | {f"blocks.{i}.{k}" for i in range(2) for k in block_keys})

@@ -95,19 +95,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def local_bytes(tensors) -> int:
-    """Bytes this rank holds for `tensors` (measure.tensor_bytes counts a DTensor's local shard; each storage once)."""
-    return measure.tensor_bytes(list(tensors))
-
-
-def static_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state held by this rank."""
-    params = list({id(p): p for p in model.parameters()}.values())
-    return {"parameters": local_bytes(params),
-            "gradients": local_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer state": local_bytes(measure.optimizer_state_tensors(optimizer))}
-
-
 def cuda_peak(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}

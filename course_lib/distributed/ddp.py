@@ -19,6 +19,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from ..train import Trainer
+from .. import measure
 from . import _common
 
 
@@ -48,10 +49,10 @@ def run_ddp(ctx: _common.Ctx, cfg, at, no_sync: bool, label: str) -> dict:
     result, setup = _common.train_rank(ctx, cfg, at, label, on_build, callback)
     calls = [b["calls"] - a["calls"] for a, b in zip([{"calls": 0, "bytes": 0}] + per_step, per_step)]
     nbytes = [b["bytes"] - a["bytes"] for a, b in zip([{"calls": 0, "bytes": 0}] + per_step, per_step)]
-    grad_bytes = _common.local_bytes([p for p in setup.model.parameters()])  # gradients have the parameters' size
+    grad_bytes = measure.tensor_bytes([p for p in setup.model.parameters()])  # gradients have the parameters' size
     return {"result": result.to_dict(), "no_sync": no_sync, "allreduce_calls_per_step": calls, "allreduce_bytes_per_step": nbytes,
             "bucket_bytes_first_step": stats["bucket_bytes"][: calls[0]] if calls else [],
-            "gradient_bytes": grad_bytes, "memory": _common.static_memory(setup.model, setup.optimizer),
+            "gradient_bytes": grad_bytes, "memory": measure.static_bytes(setup.model, setup.optimizer),
             "params": {n: p.detach().clone() for n, p in setup.model.named_parameters()}}
 
 

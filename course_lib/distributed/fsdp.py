@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 
+from .. import measure
 from . import _common
 
 COUNTS = {"all_gather": [0, 0], "reduce_scatter": [0, 0]}  # calls, bytes of the full (unsharded) tensor
@@ -62,7 +63,7 @@ def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
     last, prev = snapshots[-1], snapshots[-2] if len(snapshots) > 1 else {k: [0, 0] for k in COUNTS}
     per_step = {k: {"calls": last[k][0] - prev[k][0], "bytes": last[k][1] - prev[k][1]} for k in COUNTS}
     params = list({id(p): p for p in setup.model.parameters()}.values())
-    return {"result": result.to_dict(), "memory": _common.static_memory(setup.model, setup.optimizer),
+    return {"result": result.to_dict(), "memory": measure.static_bytes(setup.model, setup.optimizer),
             "collectives_last_step": per_step, "n_params": sum(p.numel() for p in params), **_common.cuda_peak(ctx.device)}
 
 

@@ -3,20 +3,32 @@ the batch cut into micro-batches, run with the GPipe and 1F1B schedules.
 
 Stage 0 holds the embeddings and the first blocks, the last stage the last blocks, the final LayerNorm and
 the output layer; the cut points balance an estimate of each part's work (the output layer of a small model
-costs as much as several blocks). The tied input/output embedding becomes two copies here (one per end of
-the pipeline), equal at the start; a real system all-reduces their gradients between the first and last stage.
+costs as much as several blocks). A stage is a slice of the course's GPT, not a re-implementation: it runs the
+GPT's own `embed` (first stage), its own Block objects `blocks[lo:hi]` and its own `head` (last stage), so
+dropout and everything else is the model's code (torchtitan splits its models the same way).
+
+The tied input/output embedding: every rank builds the whole GPT from the same seed, so the first stage's
+`wte.weight` and the last stage's `lm_head.weight` (on that rank the same Parameter as its own `wte.weight`) are
+two copies, one per end of the pipeline, equal at the start. Each end's backward gives only its part of the
+gradient (the embedding lookup's, or the output layer's), so after every backward the two ends all-reduce that
+gradient between them, as Megatron-LM does: both then hold the unsplit model's gradient of the tied weight, take
+the same AdamW step, and stay equal. (With one stage the tie is the model's own and nothing is sent.)
 
 Rank results: for every schedule and micro-batch count, step times and a timeline of when this stage ran the
 forward (F) and backward (B) of each micro-batch; the peak bytes allocated during a step (CPU ledger or CUDA
-peak); parameter bytes of the stage; and (step 0) the pipeline's loss and gradients against the unsplit model.
+peak); parameter bytes of the stage; and (step 0) the pipeline's loss and gradients (blocks, and the tied
+embedding on the end stages) against the unsplit model.
 
 Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8, "batch_size": 8, "steps": 3}
 
-Its steps are not course_lib.train: a PipelineSchedule owns forward and backward across the stages, so
-this module runs its own short AdamW loop (no clipping, schedule or mixed precision) to time the stages.
+Its steps are not course_lib.train: a PipelineSchedule owns forward and backward across the stages (it calls
+each stage's forward per micro-batch, receives and sends activations and gradients, and runs the backward
+itself), which course_lib.train's step cannot hand over, so this module runs its own short AdamW loop (no
+clipping, schedule or mixed precision) to time the stages. The network is still the model's own code.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from dataclasses import replace
@@ -62,26 +74,51 @@ def split_points(n_layer: int, p: int, block_cost: float, head_cost: float) -> l
 
 
 class StageModule(nn.Module):
-    """One stage of the GPT: (embeddings if first) + blocks[lo:hi] + (final LayerNorm and output layer if last)."""
+    """One stage of a GPT, cut out of the GPT itself: its `embed` if first, its Block objects blocks[lo:hi], its
+    `head` (final LayerNorm and output layer) if last. No forward code of its own beyond choosing which of the
+    model's pieces to run.
+
+    Takes `gpt` over (pass a copy to keep the whole model, as `main` does): like torchtitan's pipeline split, the
+    parts this stage does not run are dropped from it, so that the stage's parameters, and the memory it keeps,
+    are its own part only; `gpt.blocks` becomes the stage's slice (the same Block objects)."""
 
     def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool):
         super().__init__()
-        gpt = copy.deepcopy(gpt)
-        self.first, self.last = first, last
-        if first:
-            self.wte, self.wpe = gpt.wte, gpt.wpe
-        self.blocks = nn.ModuleList(gpt.blocks[lo:hi])
-        if last:
-            self.ln_f = gpt.ln_f
-            self.lm_head = nn.Linear(gpt.config.n_embd, gpt.config.padded_vocab_size, bias=False)
-            self.lm_head.weight = nn.Parameter(gpt.lm_head.weight.detach().clone())  # untied copy, equal values
+        self.first, self.last, self.lo, self.hi = first, last, lo, hi
+        gpt.blocks = nn.ModuleList(gpt.blocks[lo:hi])
+        if not first:
+            gpt.wte = gpt.wpe = gpt.drop = None  # on the last stage lm_head keeps the tied weight, as its own copy
+        if not last:
+            gpt.ln_f = gpt.lm_head = None
+        self.gpt = gpt
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.gpt.blocks
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This stage's copy of the tied input/output embedding, if it holds one (first or last stage)."""
+        return self.gpt.wte.weight if self.first else self.gpt.lm_head.weight if self.last else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
-        for block in self.blocks:
+            x = self.gpt.embed(x)  # token ids (b, s) -> (b, s, d)
+        for block in self.gpt.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x)) if self.last else x
+        return self.gpt.head(x) if self.last else x  # logits (b, s, padded_vocab) or activations (b, s, d)
+
+
+def tie_group(world: int):
+    """The process group of the first and the last stage, which share the tied embedding; None with one stage.
+    Every rank must call this (torch.distributed.new_group is collective)."""
+    return dist.new_group([0, world - 1]) if world > 1 else None
+
+
+def all_reduce_tied_grad(stage_mod: StageModule, group) -> None:
+    """Sum the two ends' gradients of the tied embedding: each then holds the unsplit model's gradient."""
+    w = stage_mod.tied_weight()
+    if group is not None and w is not None:
+        dist.all_reduce(w.grad, group=group)
 
 
 def mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -136,18 +173,20 @@ def main(argv=None) -> None:
 
     payload = {"strategy": "pipeline", "stages": ctx.world, "ranges": ranges, "batch_size": batch, "context": cfg.context,
                "n_layer": mcfg.n_layer, "runs": {}}
+    tied = tie_group(ctx.world)
     for sched_name in schedules:
         for m in ms:
             if batch % m or m < ctx.world:  # torch's schedules need at least one micro-batch per stage
                 continue
-            stage_mod = StageModule(full, lo, hi, ctx.is_first, ctx.is_last).to(ctx.device)
+            stage_mod = StageModule(copy.deepcopy(full), lo, hi, ctx.is_first, ctx.is_last).to(ctx.device)  # same start each run
             stage = PipelineStage(stage_mod, ctx.rank, ctx.world, ctx.device)
             events: list = []
             _record(stage, events)
             Sched = ScheduleGPipe if sched_name == "gpipe" else Schedule1F1B
             schedule = Sched(stage, n_microbatches=m, loss_fn=mean_loss)
             opt = torch.optim.AdamW(stage_mod.parameters(), lr=cfg.lr)
-            times, timelines, losses_out = [], [], []
+            timer = measure.StepTimer(ctx.device)
+            timelines, losses_out = [], []
             check = {}
             for step in range(steps + 1):  # the extra last step is measured for memory, not timed
                 x, y = (t.to(ctx.device) for t in at(step)[0])
@@ -157,10 +196,8 @@ def main(argv=None) -> None:
                 if step == steps and ctx.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(ctx.device)
                 dist.barrier()
-                measure.synchronize(ctx.device)
-                t0 = time.perf_counter()
                 losses: list = []
-                with (ledger if ledger is not None else _nullcontext()):
+                with timer.step(), (ledger if ledger is not None else contextlib.nullcontext()):
                     if ctx.is_first and ctx.is_last:
                         schedule.step(x, target=y, losses=losses)
                     elif ctx.is_first:
@@ -169,38 +206,30 @@ def main(argv=None) -> None:
                         schedule.step(target=y, losses=losses)
                     else:
                         schedule.step()
-                measure.synchronize(ctx.device)
+                    all_reduce_tied_grad(stage_mod, tied)
                 if step < steps:
-                    times.append(time.perf_counter() - t0)
                     timelines.append([list(e) for e in events])
                 if ctx.is_last and losses:
                     losses_out.append(float(torch.stack([l.detach() for l in losses]).mean()))
                 if step == 0 and sched_name == schedules[0] and m == max(ms):
-                    check = _compare_with_unsplit(full, stage_mod, x, y, losses, lo, hi, ctx)
+                    check = _compare_with_unsplit(full, stage_mod, x, y, losses, ctx)
                 if step == steps:
                     peak = ledger.peak if ledger is not None else torch.cuda.max_memory_allocated(ctx.device)
                 opt.step()
             payload["runs"][f"{sched_name}/m={m}"] = {
-                "schedule": sched_name, "microbatches": m, "step_times": times, "timelines": timelines, "losses": losses_out,
-                "step_peak_bytes": peak, "peak_method": "CPU ledger: storages allocated during the step" if ctx.device.type == "cpu"
+                "schedule": sched_name, "microbatches": m, "step_times": timer.times[:steps], "timelines": timelines,
+                "losses": losses_out, "step_peak_bytes": peak,
+                "peak_method": "CPU ledger: storages allocated during the step" if ctx.device.type == "cpu"
                 else "CUDA max_memory_allocated (includes parameters and optimizer state)",
-                "parameter_bytes": _common.local_bytes(stage_mod.parameters()), **({"check": check} if check else {})}
+                "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()), **({"check": check} if check else {})}
     payload["full_model_parameter_bytes"] = measure.tensor_bytes(full.parameters())
     _common.write(ctx, payload)
     _common.finish()
 
 
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, losses, lo, hi, ctx) -> dict:
-    """The unsplit model on the same batch: its loss against the pipeline's (last stage), and its block
-    gradients against this stage's."""
+def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, losses, ctx) -> dict:
+    """The unsplit model on the same batch: its loss against the pipeline's (last stage), its block gradients
+    against this stage's, and (first and last stage, after the all-reduce) its tied-embedding gradient."""
     ref = copy.deepcopy(full)
     ref.zero_grad()
     loss = mean_loss(ref(x), y)
@@ -211,10 +240,14 @@ def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, losses, lo, h
         out["unsplit_loss"] = loss.item()
     diffs = []
     for i, block in enumerate(stage_mod.blocks):
-        for (name, p), (_, q) in zip(block.named_parameters(), ref.blocks[lo + i].named_parameters()):
+        for (name, p), (_, q) in zip(block.named_parameters(), ref.blocks[stage_mod.lo + i].named_parameters()):
             diffs.append((p.grad - q.grad).abs().max().item())
     out["max_abs_block_grad_diff"] = max(diffs)
-    out["max_abs_block_grad"] = max(q.grad.abs().max().item() for b in ref.blocks[lo:hi] for q in b.parameters())
+    out["max_abs_block_grad"] = max(q.grad.abs().max().item() for b in ref.blocks[stage_mod.lo:stage_mod.hi] for q in b.parameters())
+    tied = stage_mod.tied_weight()
+    if tied is not None:
+        out["max_abs_tied_grad_diff"] = (tied.grad - ref.wte.weight.grad).abs().max().item()
+        out["max_abs_tied_grad"] = ref.wte.weight.grad.abs().max().item()
     return out
 
 

@@ -120,7 +120,7 @@ def main(argv=None) -> None:
         "forward_collectives": _counts(fwd_mode), "backward_collectives": _counts(bwd_mode),
         "activation_all_reduce_bytes_per_call": cfg.micro_batch_size * cfg.context * cfg.model.n_embd * logits_full.element_size(),
         "parameter_bytes_full": measure.tensor_bytes(full.parameters()),
-        "parameter_bytes_sharded_local": _common.local_bytes(sharded), "parameter_bytes_replicated": _common.local_bytes(replicated),
+        "parameter_bytes_sharded_local": measure.tensor_bytes(sharded), "parameter_bytes_replicated": measure.tensor_bytes(replicated),
         "fwd_bwd_s_full": timed(full), "fwd_bwd_s_tp": timed(tp)})
     _common.finish()
 
