@@ -219,8 +219,7 @@ def record_dtypes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision:
     from .techniques import autocast_context, loss_sum
 
     device = next(model.parameters()).device
-    cfg_like = type("C", (), {"precision": precision, "device": str(device)})  # autocast_context reads these two
-    autocast = autocast_context(cfg_like)
+    autocast = autocast_context(precision, str(device))
     rec = _DtypeRecorder(skip_views)
     stack: list[str] = []
     names = {m: _generic_name(n) for n, m in model.named_modules() if n}
@@ -323,7 +322,7 @@ def gradient_sample(cfg: TrainConfig, precision: str = "fp32", loss_scale: float
             out.register_hook(store)
 
     handles = [m.register_forward_hook(keep) for m in model.modules() if isinstance(m, nn.Linear)]
-    autocast = autocast_context(type("C", (), {"precision": precision, "device": cfg.device}))
+    autocast = autocast_context(precision, cfg.device)
     try:
         model.zero_grad(set_to_none=True)
         with autocast():
@@ -414,7 +413,7 @@ def gradient_sample_with_grads(model: nn.Module, batch, precision: str, loss_sca
     x, y = batch
     device = next(m.parameters()).device
     with matmul_precision(precision):
-        with autocast_context(type("C", (), {"precision": precision, "device": str(device)}))():
+        with autocast_context(precision, str(device))():
             loss = loss_sum(m(x), y) / count_targets(y)
         (loss * loss_scale).backward()
     params = {id(p): p for p in m.parameters()}.values()

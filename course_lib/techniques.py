@@ -149,11 +149,10 @@ def matmul_precision(precision: str):
         matmul.fp32_precision, conv.fp32_precision = before
 
 
-def autocast_context(cfg: TrainConfig) -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
     """A factory of the context to run forward and loss in: autocast for bf16/fp16, else nothing."""
-    if cfg.precision in AUTOCAST_DTYPES:
-        device_type = torch.device(cfg.device).type
-        dtype = AUTOCAST_DTYPES[cfg.precision]
+    if precision in AUTOCAST_DTYPES:
+        device_type, dtype = torch.device(device).type, AUTOCAST_DTYPES[precision]
         return lambda: torch.autocast(device_type=device_type, dtype=dtype)
     return contextlib.nullcontext
 
@@ -300,4 +299,4 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
     loss_fn = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if cfg.compile else loss_module
     optimizer = make_optimizer(cfg, model)
     return Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
-                 autocast=autocast_context(cfg), scaler=make_grad_scaler(cfg), parts=parts)
+                 autocast=autocast_context(cfg.precision, cfg.device), scaler=make_grad_scaler(cfg), parts=parts)

@@ -36,7 +36,7 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_b
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     total, count = 0.0, 0
-    autocast = techniques.autocast_context(cfg)
+    autocast = techniques.autocast_context(cfg.precision, cfg.device)
     for _ in range(n_batches):
         x, y = data_mod.random_windows(stream, cfg.micro_batch_size, cfg.context, gen)
         x, y = x.to(cfg.device), y.to(cfg.device)

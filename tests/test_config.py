@@ -1,7 +1,4 @@
-import dataclasses
-
 import pytest
-import torch
 
 from course_lib import config as C
 
