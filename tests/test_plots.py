@@ -31,3 +31,20 @@ def test_memory_bars_stack_to_the_peak():
     heights = [p.get_height() for p in fig.axes[0].patches]
     assert abs(sum(heights) - 3.0) < 1e-9
     plt.close(fig)
+
+
+def test_course_figures_stay_out_of_pyplot_and_render_with_content():
+    """A panel draws from a button's callback: its figures must not go through pyplot's global state, and the PNG
+    it shows must hold a drawing (the blank-figure bug gave a PNG of the right size with nothing drawn)."""
+    import io
+
+    import matplotlib.image as mpimg
+
+    before = plt.get_fignums()
+    fig = plots.plot_results([result("naive", 100.0), result("fast", 250.0)], ("speed", "memory", "loss"))
+    assert plt.get_fignums() == before  # not registered with pyplot
+    png = plots.figure_png(fig)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = mpimg.imread(io.BytesIO(png))[..., :3]
+    drawn = (pixels < 0.95).any(axis=-1).mean()
+    assert drawn > 0.03, f"only {drawn:.1%} of the pixels are drawn"
