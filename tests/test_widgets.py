@@ -66,3 +66,20 @@ def test_a_run_without_memory_measurement_is_still_recorded():
     p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",))
     r = p.run()
     assert r.ok and p.results == [r] and "memory not measured" in p.status.value
+
+
+def test_the_panel_figure_holds_a_drawing_after_every_run(panel):
+    """What the browser shows is plot_image.value: a PNG with a real drawing after each run, not only the first."""
+    import io
+
+    import matplotlib.image as mpimg
+
+    sizes = []
+    for attention in ("naive", "sdpa"):
+        panel.set(attention=attention)
+        panel.run()
+        png = panel.plot_image.value
+        drawn = (mpimg.imread(io.BytesIO(png))[..., :3] < 0.95).any(axis=-1).mean()
+        assert drawn > 0.03, f"run {len(sizes) + 1}: only {drawn:.1%} drawn"
+        sizes.append(len(png))
+    assert sizes[1] >= 0.5 * sizes[0]
