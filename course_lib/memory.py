@@ -143,12 +143,49 @@ def layer_activation_terms(s: int, b: int, h: int, a: int, value_bytes: int = 4,
     return terms
 
 
-def outside_activation_terms(s: int, b: int, h: int, value_bytes: int = 4, dropout: bool = False, mask_bytes: int = 1) -> dict[str, int]:
+def selective_activation_terms(s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive",
+                               residual_bytes: int | None = None) -> dict[str, int]:
+    """Bytes one block keeps with selective activation checkpointing (techniques._SAVED_BY_SELECTIVE): its input and
+    the outputs of its matmuls and of attention, which are what is expensive to recompute. The element-wise work
+    (LayerNorm, GELU, softmax, the causal mask, dropout, autocast's weight casts) is recomputed in backward, so none of
+    its inputs or outputs are kept. residual_bytes: bytes of the block input (the fp32 residual stream under autocast)."""
+    B, sbh = value_bytes, s * b * h
+    terms = {"block input (sbh)": sbh * (B if residual_bytes is None else residual_bytes),
+             "QKV matmul output (3 x sbh)": 3 * sbh * B}
+    if attention == "naive":
+        terms["QK^T matmul output (a s^2 b)"] = a * s * s * b * B
+        terms["softmax x V matmul output (sbh)"] = sbh * B
+    elif attention == "sdpa":
+        terms["attention output (sbh)"] = sbh * B
+        terms["softmax logsumexp (b a s, fp32)"] = b * a * s * 4
+    else:
+        raise ValueError(f"attention={attention!r} is not 'naive' or 'sdpa'")
+    terms["attention projection output (sbh)"] = sbh * B
+    terms["MLP first matmul output (4 x sbh)"] = 4 * sbh * B
+    terms["MLP second matmul output (sbh)"] = sbh * B
+    return terms
+
+
+def weight_copy_bytes(m: ModelConfig) -> int:
+    """Under autocast a matmul multiplies 16-bit copies of its fp32 weight and bias, and keeps them for backward:
+    one block's four Linear layers have 12h^2 weights and 9h biases, 2 bytes each. (The fp32 weights themselves are
+    the parameters.)"""
+    h = m.n_embd
+    return 2 * (12 * h * h + (9 * h if m.bias else 0))
+
+
+def outside_activation_terms(s: int, b: int, h: int, value_bytes: int = 4, dropout: bool = False, mask_bytes: int = 1,
+                             output_input_bytes: int | None = None) -> dict[str, int]:
     """What the model keeps outside its blocks: position ids, the final LayerNorm's input and statistics, and the
-    output layer's input. (The token ids are the batch itself: they exist before the forward pass.)"""
+    output layer's input. (The token ids are the batch itself: they exist before the forward pass.)
+    output_input_bytes: bytes per value of the output layer's input (default value_bytes); 0 where the output layer
+    keeps a copy of its own instead (under autocast: a 16-bit copy made inside it, counted with the logits)."""
     sbh = s * b * h
+    out_bytes = value_bytes if output_input_bytes is None else output_input_bytes
     terms = {"position ids (int64)": s * 8, "final LayerNorm input (sbh)": sbh * value_bytes,
-             "final LayerNorm mean and 1/std": 2 * b * s * 4, "output layer input (sbh)": sbh * value_bytes}
+             "final LayerNorm mean and 1/std": 2 * b * s * 4}
+    if out_bytes:
+        terms["output layer input (sbh)"] = sbh * out_bytes
     if dropout:
         terms["embedding dropout mask (sbh)"] = sbh * mask_bytes
     return terms
@@ -157,29 +194,221 @@ def outside_activation_terms(s: int, b: int, h: int, value_bytes: int = 4, dropo
 def logits_terms(b: int, s: int, vocab: int) -> dict[str, int]:
     """The output layer and the loss (F.cross_entropy = log_softmax + nll_loss), which the paper leaves out.
     Cross-entropy runs in fp32 (also under autocast). At the start of backward three (tokens x vocab) fp32 tensors
-    are alive: the saved log-softmax, the gradient arriving at it, and the gradient of the logits."""
+    are alive: the saved log-softmax, the gradient arriving at it, and the gradient of the logits.
+    (With the chunked loss the tokens are one chunk's: see loss_terms.)"""
     tv = b * s * vocab * 4
     return {"log-softmax output, saved (b s V fp32)": tv, "gradient of the log-softmax (b s V fp32)": tv,
             "gradient of the logits (b s V fp32)": tv}
 
 
+def _precision(cfg: TrainConfig) -> tuple[bool, int]:
+    """(autocast?, bytes of an activation): autocast makes the matmuls' outputs 16-bit; fp32 and tf32 keep 4 bytes."""
+    autocast = cfg.precision in ("bf16", "fp16")
+    return autocast, (2 if autocast else BYTES[cfg.precision])
+
+
+def _mask_bytes(cfg: TrainConfig) -> int:
+    """Bytes per dropout-mask value: 1 on CUDA (a bool mask), the values' dtype on a CPU (PyTorch's CPU dropout)."""
+    return _precision(cfg)[1] if torch.device(cfg.device).type == "cpu" else 1
+
+
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
-    """Activations of the whole model for one micro-batch: per layer, all layers, outside the layers, total.
-    With activation checkpointing each block keeps only its input (sbh) in forward; one block's activations
-    come back, recomputed, during its backward ("recompute")."""
+    """Activations of the whole model for one micro-batch: what one block saves for backward ("per layer"), what it
+    keeps through the forward pass ("kept per layer": all of it without checkpointing, its input with full
+    checkpointing, its input and matmul outputs with selective), all layers, outside the layers, total; and
+    "recompute": what one block's backward recomputes (0 without checkpointing)."""
     m = cfg.model
     s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
-    autocast = cfg.precision in ("bf16", "fp16")
-    vb = BYTES[cfg.precision]
-    mask = vb if torch.device(cfg.device).type == "cpu" else 1  # CPU dropout keeps a mask in the values' dtype
+    autocast, vb = _precision(cfg)
+    mask = _mask_bytes(cfg)
+    # LayerNorm runs in fp32 under autocast, and the residual stream stays fp32 (fp32 + 16-bit adds to fp32)
     layer = sum(layer_activation_terms(s, b, h, a, vb, m.attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask).values())
-    outside = sum(outside_activation_terms(s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask).values())
-    if autocast:  # 16-bit copies of the matmul weights, saved for backward
-        outside += 2 * (count_params(m) - m.block_size * h)
-    if cfg.activation_checkpointing == "full":
-        kept = m.n_layer * s * b * h * (4 if autocast else vb)
-        return {"per layer": layer, "layers": kept, "outside layers": outside, "total": kept + outside, "recompute": layer}
-    return {"per layer": layer, "layers": m.n_layer * layer, "outside layers": outside, "total": m.n_layer * layer + outside, "recompute": 0}
+    if autocast:  # the 16-bit copies of the block's weights, which its matmuls keep
+        layer += weight_copy_bytes(m)
+    # The output layer's input: the final LayerNorm's output (fp32). Under autocast the output layer casts it and keeps
+    # only its 16-bit copy (a logit term), unless the chunked loss keeps the whole of it for its chunks' recompute.
+    out_input = 4 if (not autocast or cfg.loss_chunks > 1) else 0
+    outside = sum(outside_activation_terms(s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask, output_input_bytes=out_input).values())
+    ck = cfg.activation_checkpointing
+    if ck == "full":
+        kept = s * b * h * (4 if autocast else vb)  # the block's input, the fp32 residual stream
+    elif ck == "selective":
+        kept = sum(selective_activation_terms(s, b, h, a, vb, m.attention, residual_bytes=4).values())
+    else:
+        kept = layer
+    recompute = 0 if ck == "none" else layer
+    return {"per layer": layer, "kept per layer": kept, "layers": m.n_layer * kept, "outside layers": outside,
+            "total": m.n_layer * kept + outside, "recompute": recompute}
+
+
+def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
+    """What the last block holds at the worst moments of its backward, term by term, as {moment: {term: (ledger
+    category, bytes)}}: the last block's own tensors and the gradients in flight. (The other blocks, the static memory
+    and the tied embedding's gradient are added by peak_candidates.) The last block is the worst: its backward comes
+    first, while every other block still holds what it kept.
+
+    - "MLP backward": the first matmul of the block's backward. All the block's saved tensors are alive (recomputed
+      first under checkpointing), with the gradient of the block's output and the gradient of the GELU output (4 sbh).
+    - "attention backward" (naive attention): softmax's backward. The MLP's tensors are gone, but three a s^2 b
+      tensors are alive: the saved probabilities, their gradient and the gradient of the scores. (SDPA's backward
+      holds 4 sbh of gradients where the MLP's backward has already freed 10: never the worst.)
+    - "attention recompute" (naive attention, checkpointing): the recompute of the forward holds both the scores and
+      the probabilities (the scores are still a local variable of naive_attention when softmax x V runs).
+    """
+    m = cfg.model
+    s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
+    autocast, B = _precision(cfg)
+    X, S2, T = s * b * h, a * s * s * b, s * b  # an sbh tensor, an a s^2 b tensor (values), tokens
+    R = 4  # the residual stream (block input) and LayerNorm inputs: fp32 under autocast too
+    ck = cfg.activation_checkpointing
+    act = activation_bytes(cfg)
+    saved = act["per layer"]  # everything the block saves for backward (its weights' 16-bit copies included)
+    # Without checkpointing the saved tensors are the forward's ("activations"); with it they are recomputed in backward
+    # ("other" for the ledger), but for what the block kept through the forward ("activations").
+    src = "activations" if ck == "none" else "other"
+    qkv_copy = (3 * h * h + (3 * h if m.bias else 0)) * 2 if autocast else 0  # the QKV matmul's 16-bit weight copy
+
+    mlp: dict[str, tuple[str, int]] = {}
+    if ck == "full":
+        mlp["block input, kept"] = ("activations", X * R)
+        mlp["the block's saved tensors, recomputed"] = ("other", saved - X * R)
+    elif ck == "selective":
+        # still cached from the forward: the block input, the MLP's first matmul output (= GELU's saved input) and, with
+        # SDPA, the QKV output and attention output (= what SDPA saves); the recompute stops before the MLP's second matmul
+        # runs, so its cached output is never taken and stays too
+        cached = X * R + 4 * X * B + (3 * X * B + X * B + b * a * s * 4 if m.attention == "sdpa" else 0)
+        mlp["kept by selective checkpointing, still cached"] = ("activations", cached + X * B)
+        mlp["the block's other saved tensors, recomputed"] = ("other", saved - cached)
+    else:
+        mlp["the block's saved tensors"] = ("activations", saved)
+    mlp["gradient of the block output (sbh, fp32)"] = ("other", X * 4)
+    if autocast:
+        mlp["its 16-bit copy for the matmul's backward (sbh)"] = ("other", X * 2)
+    mlp["gradient of the GELU output (4 sbh)"] = ("other", 4 * X * B)
+    mlp["weight gradient of the MLP's second matmul (4h^2)"] = ("other", 4 * h * h * B)
+    points = {"MLP backward": mlp}
+    if m.attention != "naive":
+        return points
+
+    # naive attention: what is left of the block at softmax's backward
+    left = {"LayerNorm input (sbh)": X * R, "LayerNorm mean and 1/std": T * 8, "QKV matmul input (sbh)": X * B,
+            "Q and K (2 sbh)": 2 * X * B, "softmax output (a s^2 b)": S2 * B, "causal mask (s x s bool)": s * s}
+    if m.dropout > 0:
+        left["attention dropout mask and output (a s^2 b)"] = S2 * (_mask_bytes(cfg) + B)
+    att: dict[str, tuple[str, int]] = {}
+    if ck == "none":
+        att["the block's saved tensors, what attention needs"] = ("activations", sum(left.values()) + qkv_copy)
+    else:
+        att["block input, kept"] = ("activations", X * R)
+        att["attention's saved tensors, recomputed"] = ("other", sum(left.values()) - X * R + qkv_copy)
+    att["gradient of the attention block's output (sbh, fp32)"] = ("other", X * 4)
+    att["gradient of V (sbh)"] = ("other", X * B)
+    att["gradient of the softmax output (a s^2 b)"] = ("other", S2 * B)
+    att["gradient of the scores (a s^2 b)"] = ("other", S2 * B)
+    points["attention backward"] = att
+    if ck == "none":
+        return points
+
+    # checkpointing, naive attention: the recompute at softmax x V
+    rec: dict[str, tuple[str, int]] = {}
+    if ck == "selective":  # cached: the block input and every matmul output not yet taken by the recompute
+        rec["kept by selective checkpointing, still cached"] = ("activations", X * R + 3 * X * B + X * B + X * B + 4 * X * B + X * B)
+    else:
+        rec["block input, kept"] = ("activations", X * R)
+        rec["QKV matmul output, recomputed (3 sbh)"] = ("other", 3 * X * B)  # alive while q, k, v are local variables
+    rec["LayerNorm output and statistics, recomputed"] = ("other", X * B + T * 8)
+    rec["Q, K and V copies, recomputed (3 sbh)"] = ("other", 3 * X * B + qkv_copy)
+    rec["scores and softmax output, recomputed (2 a s^2 b)"] = ("other", 2 * S2 * B)
+    rec["causal mask (s x s bool)"] = ("other", s * s)
+    rec["gradient of the block output (sbh, fp32)"] = ("other", X * 4)
+    points["attention recompute"] = rec
+    return points
+
+
+def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
+    """The output layer and the loss at their worst moments in backward, as {moment: {term: (category, bytes)}}.
+
+    One chunk (loss_chunks=1): "start of backward", the log-softmax backward, three (tokens x V) fp32 tensors
+    (logits_terms), and under autocast the output layer's 16-bit copies of its input and weight.
+
+    loss_chunks=k: the output layer and the loss run on slices of c = ceil(tokens / k) tokens under checkpoint, so
+    in backward one chunk at a time is recomputed. The last chunk to go is the worst: the earlier chunks have left
+    the output layer's weight gradient, summed (waiting for the embedding's), and the gradients of their inputs
+    (waiting to be joined into the gradient of the whole hidden state). Three moments of that chunk:
+    its log-softmax backward (three c x V fp32 tensors), its weight gradient (the gradient of its logits and two V x h
+    weight gradients) and the sum of the weight gradients (three V x h tensors).
+    """
+    m = cfg.model
+    T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
+    autocast, B = _precision(cfg)
+    if k == 1:
+        terms: dict[str, tuple[str, int]] = {}
+        if autocast:  # the output layer's matmul keeps the 16-bit copies it multiplied
+            terms["16-bit copy of the output layer's input (b s h)"] = ("logits", T * h * 2)
+            terms["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
+        lt = logits_terms(cfg.micro_batch_size, cfg.context, V)
+        for i, (name, nbytes) in enumerate(lt.items()):
+            terms[name] = ("logits" if i == 0 else "other", nbytes)  # the saved output is made in the loss, its gradients in backward
+        return {"start of backward": terms}
+
+    c = -(-T // k)  # tokens per chunk: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
+    earlier = T - c  # tokens of the chunks whose backward has run
+    # The output layer's weight gradient from the earlier chunks: the 16-bit copy's gradient under autocast (the
+    # forward's one cached copy collects every chunk's gradient before its cast back to fp32), fp32 otherwise.
+    earlier_terms = {"gradients of the earlier chunks' inputs (fp32)": ("other", earlier * h * 4)}
+    if earlier:
+        earlier_terms["output layer's weight gradient from the earlier chunks (V h)"] = ("other", V * h * B)
+    copies = {}
+    if autocast:  # recomputed with the chunk: the 16-bit copies its matmul keeps
+        copies = {"16-bit copy of the chunk's input (c h)": ("other", c * h * 2), "16-bit copy of the output layer's weight (V h)": ("other", V * h * 2)}
+    log_softmax = {**earlier_terms, **copies, "log-softmax output, recomputed (c V fp32)": ("other", c * V * 4),
+                   "gradient of the log-softmax (c V fp32)": ("other", c * V * 4), "gradient of the logits (c V fp32)": ("other", c * V * 4)}
+    weight_grad = {**earlier_terms, **copies, "gradient of the logits (c V)": ("other", c * V * B),
+                   "this chunk's weight gradient (V h)": ("other", V * h * B), "gradient of the chunk's input (c h)": ("other", c * h * B)}
+    summing = {**earlier_terms, "this chunk's weight gradient (V h)": ("other", V * h * B),
+               "the two weight gradients' sum (V h)": ("other", V * h * B), "gradient of the chunk's input (c h)": ("other", c * h * B)}
+    if not earlier:
+        del summing["the two weight gradients' sum (V h)"]
+    return {"last loss chunk: log-softmax backward": log_softmax, "last loss chunk: output layer's weight gradient": weight_grad,
+            "last loss chunk: summing the weight gradients": summing}
+
+
+def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
+    """Every moment of a steady-state step that can hold its peak, each as {term: (ledger category, bytes)}.
+
+    - the output layer and the loss in backward (loss_terms), with all the forward's activations still alive;
+    - the last block's backward (block_backward_terms), with the other blocks' kept activations, the position ids
+      and the tied embedding's gradient from the output layer, which waits for the embedding's (V x h fp32);
+    - the end of backward: parameters + gradients + state + the tied embedding's gradient temporaries: the output
+      layer and the embedding each produce a (V x h) gradient, which are summed into .grad: three V x h fp32 tensors
+      when .grad already exists (set_to_none=False), two when it is None. (AdamW's own temporaries, one or two
+      tensors the size of a parameter, are smaller.)
+    Gradients exist before backward unless zero_grad(set_to_none=True) freed them and this is the first micro-batch;
+    with accumulation the last micro-batch is the worst. Autocast keeps the parameters, gradients and state in fp32.
+    """
+    m = cfg.model
+    L, h, V = m.n_layer, m.n_embd, m.padded_vocab_size
+    st = static_bytes(count_params(m), cfg.optimizer, 4, count_param_tensors(m))
+    act = activation_bytes(cfg)
+    grads_before = 0 if (cfg.set_to_none and cfg.grad_accum_steps == 1) else st["gradients"]
+    static = {"parameters": ("parameters", st["parameters"]), "optimizer state": ("optimizer state", st["optimizer state"]),
+              "gradients": ("gradients", grads_before)}
+    cands: dict[str, dict[str, tuple[str, int]]] = {}
+    for moment, terms in loss_terms(cfg).items():
+        cands[moment] = {**static, "activations, all the forward kept": ("activations", act["total"]), **terms}
+
+    s, b = cfg.context, cfg.micro_batch_size
+    still = s * 8 + (s * b * h * _mask_bytes(cfg) if m.dropout > 0 else 0)  # what the embedding's backward needs
+    for moment, terms in block_backward_terms(cfg).items():
+        cands[f"last block's backward: {moment}"] = {
+            **static, f"the other {L - 1} blocks' kept activations": ("activations", (L - 1) * act["kept per layer"]),
+            "position ids (and embedding dropout mask)": ("activations", still),
+            "output layer's weight gradient, waiting for the embedding's (V h fp32)": ("other", V * h * 4), **terms}
+
+    emb_grad = V * h * 4
+    cands["end of backward"] = {**static, "gradients": ("gradients", st["gradients"]),
+                                "tied embedding's gradients, summed into .grad": ("other", (2 if grads_before == 0 else 3) * emb_grad)}
+    return cands
 
 
 # ---- the peak of a step, and "will it fit?" --------------------------------------------------------
@@ -193,6 +422,7 @@ class Estimate:
     when: str  # where in the step the peak falls
     phases: dict[str, int] = field(default_factory=dict)  # the candidates for the peak
     notes: list[str] = field(default_factory=list)
+    terms: dict[str, int] = field(default_factory=dict)  # the peak, term by term
 
     def gib(self) -> dict[str, float]:
         return {k: v / GiB for k, v in self.by_category.items()}
@@ -213,48 +443,23 @@ class Estimate:
 def estimate(cfg: TrainConfig) -> Estimate:
     """Predict the steady-state peak of one optimizer step of `cfg` (a later step: the optimizer state exists).
 
-    Candidates for the peak, the largest wins:
-      start of backward: static (gradients only if zero_grad keeps them) + all activations + the logits terms;
-      recompute (activation checkpointing): static + kept block inputs + one block recomputed;
-      end of backward: parameters + gradients + state + the tied embedding's gradient temporaries: the output layer
-        and the embedding each produce a (V x h) gradient, which are summed into .grad: three V x h fp32 tensors
-        when .grad already exists (set_to_none=False), two when it is None. (AdamW's own temporaries, one or two
-        tensors the size of a parameter, are smaller.)
+    The largest of peak_candidates wins. Every lever the ledger measures moves a term: precision (16-bit activations
+    and weight copies under autocast, fp32 LayerNorm inputs and logits), attention (the a s^2 b terms of naive attention),
+    activation checkpointing (what each block keeps, and the recompute of one block in backward), loss_chunks (one
+    chunk of logits at a time), set_to_none and accumulation (whether gradients exist before backward), the
+    micro-batch size, the optimizer (its state) and vocabulary padding (V is the padded vocabulary).
     """
-    m = cfg.model
-    n = count_params(m)
-    st = static_bytes(n, cfg.optimizer, 4, count_param_tensors(m))  # autocast keeps fp32 weights
-    act = activation_bytes(cfg)
-    lg = sum(logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size).values())
-    saved_logits = logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size)
-    grads_before = 0 if (cfg.set_to_none and cfg.grad_accum_steps == 1) else st["gradients"]
-    emb_grad = m.padded_vocab_size * m.n_embd * 4
-    tied = (2 if grads_before == 0 else 3) * emb_grad
-    phases = {
-        "start of backward": st["parameters"] + grads_before + st["optimizer state"] + act["total"] + lg,
-        "end of backward": st["parameters"] + st["gradients"] + st["optimizer state"] + tied,
-    }
-    if cfg.activation_checkpointing == "full":
-        phases["recompute in backward"] = st["parameters"] + st["gradients"] + st["optimizer state"] + act["total"] + act["recompute"]
+    cands = peak_candidates(cfg)
+    phases = {name: sum(nbytes for _, nbytes in terms.values()) for name, terms in cands.items()}
     when = max(phases, key=phases.get)
     by = dict.fromkeys(CATEGORIES, 0)
-    by["parameters"], by["optimizer state"] = st["parameters"], st["optimizer state"]
-    if when == "start of backward":
-        by["gradients"] = grads_before
-        by["activations"] = act["total"]
-        first = next(iter(saved_logits))
-        by["logits"] = saved_logits[first]
-        by["other"] = lg - saved_logits[first]
-    elif when == "recompute in backward":
-        by["gradients"] = st["gradients"]
-        by["activations"] = act["total"] + act["recompute"]
-    else:
-        by["gradients"] = st["gradients"]
-        by["other"] = tied
+    for category, nbytes in cands[when].values():
+        by[category] += nbytes
     notes = ["activations and logits are for one micro-batch of %d sequences" % cfg.micro_batch_size]
-    if cfg.precision in ("bf16", "fp16"):
-        notes.append("16-bit activations are approximate here (notebook 03 measures them); weights stay fp32 under autocast")
-    return Estimate(by_category=by, peak_bytes=phases[when], when=when, phases=phases, notes=notes)
+    if cfg.model.dropout > 0:
+        notes.append("with dropout the gradients in flight inside a block's backward are approximate")
+    return Estimate(by_category=by, peak_bytes=phases[when], when=when, phases=phases, notes=notes,
+                    terms={name: nbytes for name, (_, nbytes) in cands[when].items()})
 
 
 def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tuple[Estimate, str]:
