@@ -404,9 +404,15 @@ class Capabilities:
         if self.datasheet is not None:
             value = self.datasheet.get(precision)
             return value, "data-sheet peak" if value else ""
-        if not measure or not self.supports(precision).ok:
+        support = self.supports(precision)
+        if not measure or not support.ok:
             return None, ""
-        return measured_tflops(self.device, precision), "measured matmul peak"
+        peak = measured_tflops(self.device, precision)
+        if support.native is False and precision != "fp32":
+            # No instructions for this format here: its matmuls are converted and computed by the fp32 units, whose
+            # speed is then the hardware's limit (a big matmul in the converted format can be slower still).
+            peak = max(peak, measured_tflops(self.device, "fp32"))
+        return peak, "measured matmul peak"
 
     def rows(self) -> list[tuple[str, str]]:
         """What the environment cell and `info` show, one (what, answer) per line."""
