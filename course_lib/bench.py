@@ -6,32 +6,16 @@ Every function returns what it measured (plain numbers, with units in the names)
 from __future__ import annotations
 
 import gc
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .measure import MemoryLedger, synchronize
+from .measure import MemoryLedger, time_fn
 
 
 # ---- one call: time and memory -------------------------------------------------------------------
-
-def time_fn(fn: Callable[[], object], device="cpu", repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in seconds, after `warmup` calls, with the device synchronised around each call."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(max(1, repeats)):
-        synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
 
 def peak_bytes(fn: Callable[[], object], device="cpu") -> tuple[int, str]:
     """Peak bytes that fn() allocates on top of what already exists, and how that was measured.

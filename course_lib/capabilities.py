@@ -19,7 +19,6 @@ import os
 import platform
 import re
 import shutil
-import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -256,33 +255,16 @@ def cache_dir() -> Path:
 
 def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20) -> float:
     """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed
-    repeats after a warm-up, the device synchronised around each."""
+    repeats after a warm-up (kernel selection, first touch of the output), timed as every step is (measure.time_fn)."""
+    from .measure import time_fn
     from .techniques import matmul_precision
 
     dev = torch.device(device)
-    dtype = _DTYPES[precision]
-    a = torch.randn(m, k, device=dev, dtype=dtype)
-    b = torch.randn(k, n, device=dev, dtype=dtype)
+    a = torch.randn(m, k, device=dev, dtype=_DTYPES[precision])
+    b = torch.randn(k, n, device=dev, dtype=_DTYPES[precision])
     with matmul_precision(precision), torch.no_grad():
-        synchronize(dev)
-        a @ b  # warm-up: kernel selection, first-touch of the output
-        times, start = [], time.perf_counter()
-        while len(times) < max_reps and (len(times) < 3 or time.perf_counter() - start < min_time_s):
-            synchronize(dev)
-            t0 = time.perf_counter()
-            a @ b
-            synchronize(dev)
-            times.append(time.perf_counter() - t0)
-    return 2 * m * k * n / statistics.median(times) / 1e12
-
-
-def synchronize(device: str | torch.device) -> None:
-    """Wait for the device's queued work, so that a clock read afterwards times it."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type == "mps":
-        torch.mps.synchronize()
+        seconds = time_fn(lambda: a @ b, dev, repeats=3, warmup=1, min_time_s=min_time_s, max_repeats=max_reps)
+    return 2 * m * k * n / seconds / 1e12
 
 
 def _cache_key(device: str, precision: str, shape: tuple[int, int, int]) -> str:

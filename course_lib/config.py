@@ -14,7 +14,7 @@ import torch
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 Attention = Literal["naive", "sdpa"]
 Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
-Schedule = Literal["constant", "cosine"]
+Schedule = Literal["constant", "cosine", "wsd", "inverse_sqrt"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 Checkpointing = Literal["none", "selective", "full"]
 
@@ -97,7 +97,7 @@ class TrainConfig:
     momentum: float = 0.9  # for sgd_momentum
     schedule: Schedule = "constant"
     lr_warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine decays to this fraction of lr
+    min_lr_ratio: float = 0.1  # cosine and wsd decay to this fraction of lr
     clip_norm: float | None = None  # global-norm clipping threshold; None is off
     weight_decay: float = 0.0
     decay_2d_only: bool = True  # weight decay only on >=2-D parameters (matmuls, embeddings)
@@ -128,7 +128,9 @@ class TrainConfig:
                f"context={self.context} is longer than the model's block_size={self.model.block_size}: shorten the context or raise ModelConfig.block_size")
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, ("adamw", "sgd", "sgd_momentum"))
-        _choice("schedule", self.schedule, ("constant", "cosine"))
+        _choice("schedule", self.schedule, ("constant", "cosine", "wsd", "inverse_sqrt"))
+        _check(self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1,
+               "schedule='inverse_sqrt' peaks at the end of the warmup: set lr_warmup_steps >= 1")
         _choice("compile_mode", self.compile_mode, ("default", "reduce-overhead", "max-autotune"))
         _choice("data_parallel", self.data_parallel, ("none", "ddp", "fsdp"))
         _choice("activation_checkpointing", self.activation_checkpointing, ("none", "selective", "full"))

@@ -128,6 +128,17 @@ def random_windows(stream: torch.Tensor, batch_size: int, context: int, generato
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
+def random_batches(stream: torch.Tensor, cfg, seed: int):
+    """batches(step) -> the step's micro-batches of random windows (cfg.grad_accum_steps of cfg.micro_batch_size
+    sequences of cfg.context tokens), from one generator: the loop's default batches."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def batches(step: int):
+        return [random_windows(stream, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
+
+    return batches
+
+
 def pad_sequences(seqs: list[torch.Tensor], context: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Variable-length sequences to a (batch, context) batch.
 

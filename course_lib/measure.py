@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from .capabilities import device_name, synchronize  # noqa: F401 - re-exported: the notebooks use measure.device_name
+from .capabilities import device_name  # noqa: F401 - re-exported: the notebooks use measure.device_name
 
 GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
@@ -31,24 +31,16 @@ CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logi
 
 # ---- the device --------------------------------------------------------------------------------
 
-def capabilities(device: str | torch.device) -> dict[str, str | bool]:
-    """The old dictionary form of course_lib.capabilities, kept until every notebook reads the new one."""
-    from .capabilities import capabilities as caps
-
-    c = caps(device)
-    d: dict[str, str | bool] = {"device": c.name, "torch": c.torch_version}
-    for p in ("tf32", "bf16", "fp16"):
-        s = c.precisions[p]
-        d[p] = True if s.ok and s.native is not False else (s.note if not s.ok or p == "tf32" else True)
-    if c.cpu:
-        d["bf16 hardware"] = c.precisions["bf16"].note
-    d["compile"] = True if c.compile.ok else c.compile.note
-    d["flash attention"] = str(c.sdpa["flash"])
-    d["fused AdamW"] = True if c.fused_adamw.ok else c.fused_adamw.note
-    return d
-
-
 # ---- time --------------------------------------------------------------------------------------
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for the device's queued work, so that a clock read afterwards times it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
 
 class StepTimer:
     """Wall time of each step, with the device synchronised before the clock is read."""
@@ -64,6 +56,19 @@ class StepTimer:
         yield
         synchronize(self.device)
         self.times.append(time.perf_counter() - t0)
+
+
+def time_fn(fn, device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0,
+            max_repeats: int | None = None) -> float:
+    """Median wall time of fn() in seconds, after `warmup` calls: `repeats` timed calls, or more (up to
+    `max_repeats`) until `min_time_s` has passed, each timed by a StepTimer (the device synchronised around it)."""
+    for _ in range(warmup):
+        fn()
+    timer, start = StepTimer(device), time.perf_counter()
+    while len(timer.times) < max(1, repeats) or (time.perf_counter() - start < min_time_s and len(timer.times) < (max_repeats or repeats)):
+        with timer.step():
+            fn()
+    return statistics.median(timer.times)
 
 
 def median_excluding(times: list[float], excluded: set[int]) -> float:

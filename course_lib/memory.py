@@ -299,12 +299,15 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     if ck == "none":
         att["the block's saved tensors, what attention needs"] = ("activations", sum(left.values()) + qkv_copy)
     else:
-        att["block input, kept"] = ("activations", X * R)
+        att["block input, kept"] = ("activations", X * R + (X * B if ck == "selective" else 0))
         att["attention's saved tensors, recomputed"] = ("other", sum(left.values()) - X * R + qkv_copy)
     att["gradient of the attention block's output (sbh, fp32)"] = ("other", X * 4)
     att["gradient of V (sbh)"] = ("other", X * B)
     att["gradient of the softmax output (a s^2 b)"] = ("other", S2 * B)
     att["gradient of the scores (a s^2 b)"] = ("other", S2 * B)
+    if cfg.set_to_none and cfg.grad_accum_steps == 1:  # no .grad before: the gradients made so far stay, as .grad
+        one = 1 if m.bias else 0
+        att["gradients of the MLP, 2nd LayerNorm and projection so far"] = ("gradients", 4 * (9 * h * h + (6 * h) * one + (2 if m.bias else 1) * h * 2))
     points["attention backward"] = att
     if ck == "none":
         return points
@@ -316,11 +319,17 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     else:
         rec["block input, kept"] = ("activations", X * R)
         rec["QKV matmul output, recomputed (3 sbh)"] = ("other", 3 * X * B)  # alive while q, k, v are local variables
-    rec["LayerNorm output and statistics, recomputed"] = ("other", X * B + T * 8)
+    # LayerNorm's output is still the attention's argument (a local variable); under autocast it is fp32 and the QKV
+    # matmul keeps a 16-bit copy
+    rec["LayerNorm output and statistics, recomputed"] = ("other", X * (4 if autocast else B) + T * 8)
+    if autocast:
+        rec["16-bit copy of the LayerNorm output (sbh)"] = ("other", X * 2)
     rec["Q, K and V copies, recomputed (3 sbh)"] = ("other", 3 * X * B + qkv_copy)
     rec["scores and softmax output, recomputed (2 a s^2 b)"] = ("other", 2 * S2 * B)
-    rec["causal mask (s x s bool)"] = ("other", s * s)
+    rec["causal mask and its negation (2 s x s bool)"] = ("other", 2 * s * s)
     rec["gradient of the block output (sbh, fp32)"] = ("other", X * 4)
+    if autocast:  # cast for the MLP's second matmul before the recompute starts
+        rec["its 16-bit copy for the matmul's backward (sbh)"] = ("other", X * 2)
     points["attention recompute"] = rec
     return points
 

@@ -1,9 +1,9 @@
 """The optimiser and its hyperparameters from first principles (notebook 05).
 
 - AdamW written from its update rule (`adamw_update`, `HandAdamW`), checked equal to torch.optim.AdamW.
-- Learning-rate schedules as plain functions of the step: constant, linear warmup + cosine decay (the one
-  the training loop uses, `techniques.lr_at`), inverse square root, step decay and warmup-stable-decay;
-  and the torch.optim.lr_scheduler constructions they are checked against.
+- Learning-rate schedules as plain functions of the step (written once, in techniques, where the loop's
+  `lr_at` uses them): constant, linear warmup + cosine decay, inverse square root, step decay and
+  warmup-stable-decay; and the torch.optim.lr_scheduler constructions they are checked against.
 - Gradient clipping: the global norm over all parameters (what GPT-3 clips) beside per-tensor clipping.
 - Optimizer state bytes, measured from the tensors and from the formula.
 - Weight-decay groups listed by name, and batch sources for the loop (an injected bad batch, a batch ramp).
@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from . import data as data_mod
 from . import measure, techniques
+from .techniques import constant_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
 
 # ---- AdamW from its update rule -------------------------------------------------------------------
 
@@ -67,55 +68,7 @@ class HandAdamW(torch.optim.Optimizer):
                              group["weight_decay"])
 
 
-# ---- learning-rate schedules: lr of optimizer step `step` (0-based) ---------------------------------
-
-def _warmup(step: int, lr: float, warmup: int) -> float:
-    return lr * (step + 1) / warmup
-
-
-def constant_lr(step: int, lr: float, warmup: int = 0) -> float:
-    return _warmup(step, lr, warmup) if step < warmup else lr
-
-
-def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup to `lr` over `warmup` steps, then half a cosine down to min_lr_ratio * lr, reached at
-    the last step (total - 1). GPT-3 decays to 10% of the maximum. Same formula as techniques.lr_at."""
-    if step < warmup:
-        return _warmup(step, lr, warmup)
-    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
-    floor = min_lr_ratio * lr
-    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
-
-
-def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
-    """The original Transformer's schedule, scaled to peak at `lr`: with t = step + 1,
-    lr * min(t / warmup, sqrt(warmup / t)): linear up to t = warmup, then proportional to 1/sqrt(t)."""
-    if warmup < 1:
-        raise ValueError("inverse_sqrt_lr needs warmup >= 1 (it peaks at t = warmup)")
-    t = step + 1
-    return lr * min(t / warmup, math.sqrt(warmup / t))
-
-
-def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
-    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) / step_size)."""
-    if step < warmup:
-        return _warmup(step, lr, warmup)
-    return lr * gamma ** ((step - warmup) // step_size)
-
-
-def wsd_lr(step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0) -> float:
-    """Warmup-stable-decay: linear warmup, a long flat stretch at `lr`, then a linear cool-down over the last
-    `decay_fraction` of the steps, reaching min_lr_ratio * lr at the last step (total - 1)."""
-    if step < warmup:
-        return _warmup(step, lr, warmup)
-    decay_steps = max(1, math.ceil(decay_fraction * total))
-    start = total - decay_steps  # first step of the cool-down
-    if step < start:
-        return lr
-    progress = min(1.0, (step - start + 1) / decay_steps)
-    floor = min_lr_ratio * lr
-    return lr - (lr - floor) * progress
-
+# ---- learning-rate schedules: the functions the loop's techniques.lr_at uses, and torch's own ------------
 
 SCHEDULES: dict[str, Callable[..., float]] = {
     "constant": constant_lr, "cosine": warmup_cosine_lr, "inverse sqrt": inverse_sqrt_lr,
@@ -252,15 +205,7 @@ def expected_state_bytes(kind: str, params: list[torch.Tensor]) -> int:
 
 
 def make_named_optimizer(kind: str, params: list[torch.Tensor], lr: float = 1e-3) -> torch.optim.Optimizer:
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, foreach=False)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if kind == "sgd_momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if kind == "adafactor":
-        return torch.optim.Adafactor(params, lr=lr, foreach=False)
-    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum or adafactor")
+    return techniques.optimizer_for(kind, params, lr)
 
 
 def measured_state_bytes(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
@@ -292,12 +237,7 @@ def describe_param_groups(model: nn.Module, weight_decay: float, decay_2d_only: 
 
 def default_batches(splits: data_mod.Splits, cfg, seed: int | None = None):
     """The loop's own default batches (random windows of the training text, same generator and order)."""
-    gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
-
-    def batches(step: int):
-        return [data_mod.random_windows(splits.train, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
-
-    return batches
+    return data_mod.random_batches(splits.train, cfg, cfg.seed if seed is None else seed)
 
 
 def with_bad_batch(splits: data_mod.Splits, cfg, bad_steps: Iterable[int], kind: str = "repeated", token: int = 0,

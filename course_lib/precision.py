@@ -507,17 +507,3 @@ def plot_loss_scale(result, ax=None):
     ax.set_title(f"GradScaler over time: {result.label}\n{result.provenance.get('device', '?')}, torch {result.provenance.get('torch', '?')}", fontsize=9)
     ax.legend(fontsize=7)
     return fig
-
-
-def cpu_fp16_support() -> str:
-    """What a CPU has for fp16 arithmetic: AMX-FP16 tiles, AVX-512 FP16, or neither (then fp16 matmuls take a
-    path without dedicated fp16 instructions; the notebook measures how slow)."""
-    if getattr(torch.cpu, "_is_amx_fp16_supported", lambda: False)():
-        return "AMX-FP16 (fp16 matrix tiles)"
-    try:
-        with open("/proc/cpuinfo") as f:
-            if any(line.startswith("flags") and " avx512_fp16" in line for line in f):
-                return "AVX-512 FP16 instructions"
-    except OSError:
-        pass
-    return "none: no fp16 arithmetic instructions on this CPU (fp16 is a GPU format); its fp16 matmuls take a slower path"

@@ -174,27 +174,86 @@ def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = Tr
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def optimizer_for(kind: str, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                  momentum: float = 0.9, fused: bool = False) -> torch.optim.Optimizer:
+    """Every optimizer the course uses, made in one place. AdamW's baseline is the for-loop implementation
+    (foreach=False), the naive loop's; fused is one kernel for all tensors."""
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {"foreach": False}))
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, foreach=False)
+    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum or adafactor")
+
+
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.decay_2d_only)
-    if cfg.optimizer == "adamw":
-        # Baseline is the for-loop implementation (foreach=False); fused is one kernel for all tensors.
-        impl = {"fused": True} if cfg.fused_adamw else {"foreach": False}
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, **impl)
-    momentum = cfg.momentum if cfg.optimizer == "sgd_momentum" else 0.0
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=momentum)
+    return optimizer_for(cfg.optimizer, param_groups(model, cfg.weight_decay, cfg.decay_2d_only), cfg.lr, betas=cfg.betas,
+                         eps=cfg.eps, momentum=cfg.momentum, fused=cfg.fused_adamw)
+
+
+# ---- learning-rate schedules: the lr of optimizer step `step` (0-based), as plain functions ----------
+
+def _warmup(step: int, lr: float, warmup: int) -> float:
+    return lr * (step + 1) / warmup
+
+
+def constant_lr(step: int, lr: float, warmup: int = 0) -> float:
+    return _warmup(step, lr, warmup) if step < warmup else lr
+
+
+def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then half a cosine down to min_lr_ratio * lr, reached at
+    the last step (total - 1). GPT-3 decays to 10% of the maximum."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    floor = min_lr_ratio * lr
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
+    """The original Transformer's schedule, scaled to peak at `lr`: with t = step + 1,
+    lr * min(t / warmup, sqrt(warmup / t)): linear up to t = warmup, then proportional to 1/sqrt(t)."""
+    if warmup < 1:
+        raise ValueError("inverse_sqrt_lr needs warmup >= 1 (it peaks at t = warmup)")
+    t = step + 1
+    return lr * min(t / warmup, math.sqrt(warmup / t))
+
+
+def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
+    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) / step_size)."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    return lr * gamma ** ((step - warmup) // step_size)
+
+
+def wsd_lr(step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0) -> float:
+    """Warmup-stable-decay: linear warmup, a long flat stretch at `lr`, then a linear cool-down over the last
+    `decay_fraction` of the steps, reaching min_lr_ratio * lr at the last step (total - 1)."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    decay_steps = max(1, math.ceil(decay_fraction * total))
+    start = total - decay_steps  # first step of the cool-down
+    if step < start:
+        return lr
+    progress = min(1.0, (step - start + 1) / decay_steps)
+    floor = min_lr_ratio * lr
+    return lr - (lr - floor) * progress
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to cfg.lr, then constant or a
-    cosine decay to min_lr_ratio * lr at the last step."""
-    if step < cfg.lr_warmup_steps:
-        return cfg.lr * (step + 1) / cfg.lr_warmup_steps
+    """The learning rate of optimizer step `step` (0-based) for cfg.schedule, from the functions above."""
+    w = cfg.lr_warmup_steps
     if cfg.schedule == "constant":
-        return cfg.lr
-    decay_steps = max(1, cfg.steps - 1 - cfg.lr_warmup_steps)
-    progress = min(1.0, (step - cfg.lr_warmup_steps) / decay_steps)
-    floor = cfg.min_lr_ratio * cfg.lr
-    return floor + 0.5 * (cfg.lr - floor) * (1 + math.cos(math.pi * progress))
+        return constant_lr(step, cfg.lr, w)
+    if cfg.schedule == "cosine":
+        return warmup_cosine_lr(step, cfg.lr, w, cfg.steps, cfg.min_lr_ratio)
+    if cfg.schedule == "wsd":
+        return wsd_lr(step, cfg.lr, w, cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    return inverse_sqrt_lr(step, cfg.lr, w)
 
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:

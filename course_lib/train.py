@@ -99,12 +99,7 @@ class Trainer:
         if model is None and splits is not None and cfg.model.vocab_size < splits.vocab_size:
             raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} tokens: raise vocab_size")
         self.splits = splits
-        if batches is None:
-            gen = torch.Generator().manual_seed(cfg.seed)
-
-            def batches(step: int):
-                return [data_mod.random_windows(splits.train, cfg.micro_batch_size, cfg.context, gen) for _ in range(cfg.grad_accum_steps)]
-        self.batches = batches
+        self.batches = batches or data_mod.random_batches(splits.train, cfg, cfg.seed)
         # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors) is not this run's.
         self.cuda_baseline = torch.cuda.memory_allocated(self.dev) if self.dev.type == "cuda" else 0
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)

@@ -83,3 +83,24 @@ def test_compiled_loss_equals_eager():
     eager = setup.loss_module(x, y)
     compiled = setup.loss_fn(x, y)
     torch.testing.assert_close(eager, compiled, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("schedule, warmup", [("wsd", 2), ("inverse_sqrt", 3), ("constant", 0)])
+def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, splits):
+    """The loop logs, step by step, the schedule's curve from its plain function (shapes checked in test_optim)."""
+    from course_lib.train import train
+
+    cfg = C.TrainConfig(model=C.tiny_preset("cpu").model, context=32, batch_size=2, steps=10, timing_warmup=1,
+                        measure_memory=False, schedule=schedule, lr_warmup_steps=warmup, min_lr_ratio=0.0)
+    r = train(cfg, schedule, splits=splits)
+    expected = {"wsd": [T.wsd_lr(s, cfg.lr, warmup, 10, min_lr_ratio=0.0) for s in range(10)],
+                "inverse_sqrt": [cfg.lr * min((s + 1) / 3, (3 / (s + 1)) ** 0.5) for s in range(10)],
+                "constant": [cfg.lr] * 10}[schedule]
+    assert r.lrs == pytest.approx(expected, rel=1e-9)
+    if schedule == "wsd":
+        assert r.lrs[-1] == 0.0 and r.lrs[5] == cfg.lr  # flat, then cooled down to min_lr_ratio * lr
+
+
+def test_inverse_sqrt_without_warmup_is_refused_with_the_fix():
+    with pytest.raises(C.ConfigError, match="set lr_warmup_steps >= 1"):
+        C.TrainConfig(schedule="inverse_sqrt", lr_warmup_steps=0)
