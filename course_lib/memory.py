@@ -212,6 +212,16 @@ def _mask_bytes(cfg: TrainConfig) -> int:
     return _precision(cfg)[1] if torch.device(cfg.device).type == "cpu" else 1
 
 
+def _attention(cfg: TrainConfig) -> tuple[str, bool]:
+    """(what attention keeps, "naive" or "sdpa"; whether it keeps a bool causal mask). SDPA with dropout has no fused
+    CPU kernel: it falls back to its math path, which keeps what naive attention keeps (the probabilities, the dropout
+    mask and output) but the causal mask, which it adds as a float bias instead of keeping it."""
+    m = cfg.model
+    if m.attention == "sdpa" and m.dropout > 0 and torch.device(cfg.device).type == "cpu":
+        return "naive", False
+    return m.attention, m.attention == "naive"
+
+
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     """Activations of the whole model for one micro-batch: what one block saves for backward ("per layer"), what it
     keeps through the forward pass ("kept per layer": all of it without checkpointing, its input with full
@@ -222,7 +232,9 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     autocast, vb = _precision(cfg)
     mask = _mask_bytes(cfg)
     # LayerNorm runs in fp32 under autocast, and the residual stream stays fp32 (fp32 + 16-bit adds to fp32)
-    layer = sum(layer_activation_terms(s, b, h, a, vb, m.attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask).values())
+    attention, causal_mask = _attention(cfg)
+    terms = layer_activation_terms(s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask)
+    layer = sum(terms.values()) - (0 if causal_mask else terms.get("causal mask (s x s bool)", 0))
     if autocast:  # the 16-bit copies of the block's weights, which its matmuls keep
         layer += weight_copy_bytes(m)
     # The output layer's input: the final LayerNorm's output (fp32). Under autocast the output layer casts it and keeps
@@ -233,7 +245,7 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     if ck == "full":
         kept = s * b * h * (4 if autocast else vb)  # the block's input, the fp32 residual stream
     elif ck == "selective":
-        kept = sum(selective_activation_terms(s, b, h, a, vb, m.attention, residual_bytes=4).values())
+        kept = sum(selective_activation_terms(s, b, h, a, vb, attention, residual_bytes=4).values())
     else:
         kept = layer
     recompute = 0 if ck == "none" else layer
@@ -261,11 +273,11 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     X, S2, T = s * b * h, a * s * s * b, s * b  # an sbh tensor, an a s^2 b tensor (values), tokens
     R = 4  # the residual stream (block input) and LayerNorm inputs: fp32 under autocast too
     ck = cfg.activation_checkpointing
-    act = activation_bytes(cfg)
-    saved = act["per layer"]  # everything the block saves for backward (its weights' 16-bit copies included)
-    # Without checkpointing the saved tensors are the forward's ("activations"); with it they are recomputed in backward
-    # ("other" for the ledger), but for what the block kept through the forward ("activations").
-    src = "activations" if ck == "none" else "other"
+    attention, causal_mask = _attention(cfg)
+    # Everything the block saves for backward (its weights' 16-bit copies included). Without checkpointing these are the
+    # forward's ("activations" for the ledger); with it they are recomputed in backward ("other"), but for what the
+    # block kept through the forward ("activations").
+    saved = activation_bytes(cfg)["per layer"]
     qkv_copy = (3 * h * h + (3 * h if m.bias else 0)) * 2 if autocast else 0  # the QKV matmul's 16-bit weight copy
 
     mlp: dict[str, tuple[str, int]] = {}
@@ -276,7 +288,7 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
         # still cached from the forward: the block input, the MLP's first matmul output (= GELU's saved input) and, with
         # SDPA, the QKV output and attention output (= what SDPA saves); the recompute stops before the MLP's second matmul
         # runs, so its cached output is never taken and stays too
-        cached = X * R + 4 * X * B + (3 * X * B + X * B + b * a * s * 4 if m.attention == "sdpa" else 0)
+        cached = X * R + 4 * X * B + (3 * X * B + X * B + b * a * s * 4 if attention == "sdpa" else 0)
         mlp["kept by selective checkpointing, still cached"] = ("activations", cached + X * B)
         mlp["the block's other saved tensors, recomputed"] = ("other", saved - cached)
     else:
@@ -285,29 +297,32 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     if autocast:
         mlp["its 16-bit copy for the matmul's backward (sbh)"] = ("other", X * 2)
     mlp["gradient of the GELU output (4 sbh)"] = ("other", 4 * X * B)
-    mlp["weight gradient of the MLP's second matmul (4h^2)"] = ("other", 4 * h * h * B)
+    # a temporary added into .grad, or .grad itself where zero_grad(set_to_none=True) left none
+    fresh_grads = cfg.set_to_none and cfg.grad_accum_steps == 1
+    mlp["weight gradient of the MLP's second matmul (4h^2)"] = ("gradients" if fresh_grads else "other", 4 * h * h * B)
     points = {"MLP backward": mlp}
-    if m.attention != "naive":
+    if attention != "naive":
         return points
 
     # naive attention: what is left of the block at softmax's backward
     left = {"LayerNorm input (sbh)": X * R, "LayerNorm mean and 1/std": T * 8, "QKV matmul input (sbh)": X * B,
-            "Q and K (2 sbh)": 2 * X * B, "softmax output (a s^2 b)": S2 * B, "causal mask (s x s bool)": s * s}
+            "Q and K (2 sbh)": 2 * X * B, "softmax output (a s^2 b)": S2 * B, "causal mask (s x s bool)": s * s if causal_mask else 0}
     if m.dropout > 0:
         left["attention dropout mask and output (a s^2 b)"] = S2 * (_mask_bytes(cfg) + B)
     att: dict[str, tuple[str, int]] = {}
     if ck == "none":
         att["the block's saved tensors, what attention needs"] = ("activations", sum(left.values()) + qkv_copy)
     else:
+        # kept: the block input, and with selective checkpointing the MLP's second matmul output, still cached
         att["block input, kept"] = ("activations", X * R + (X * B if ck == "selective" else 0))
         att["attention's saved tensors, recomputed"] = ("other", sum(left.values()) - X * R + qkv_copy)
     att["gradient of the attention block's output (sbh, fp32)"] = ("other", X * 4)
     att["gradient of V (sbh)"] = ("other", X * B)
     att["gradient of the softmax output (a s^2 b)"] = ("other", S2 * B)
     att["gradient of the scores (a s^2 b)"] = ("other", S2 * B)
-    if cfg.set_to_none and cfg.grad_accum_steps == 1:  # no .grad before: the gradients made so far stay, as .grad
-        one = 1 if m.bias else 0
-        att["gradients of the MLP, 2nd LayerNorm and projection so far"] = ("gradients", 4 * (9 * h * h + (6 * h) * one + (2 if m.bias else 1) * h * 2))
+    if fresh_grads:  # no .grad before: the gradients made so far stay, as .grad
+        nb = 1 if m.bias else 0  # the MLP's and the projection's weights (9h^2) and biases (6h), two LayerNorms (2h each)
+        att["gradients made so far (MLP, projection, LayerNorms)"] = ("gradients", 4 * (9 * h * h + 6 * h * nb + 2 * h * (1 + nb)))
     points["attention backward"] = att
     if ck == "none":
         return points
@@ -505,6 +520,10 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
     from .model import GPT
     from .train import run_step
 
+    if fake and cfg.precision == "fp16":
+        raise ValueError("precision='fp16' cannot be accounted under FakeTensorMode: its GradScaler reads the loss scale with "
+                         ".item(), which a fake tensor cannot answer. Use fake=False on a config that fits, or bf16 (the same "
+                         "bytes but for the scaler's few scalars).")
     cfg = dataclasses.replace(cfg, compile=False, device="cpu")
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     torch.manual_seed(cfg.seed)

@@ -104,14 +104,13 @@ class Trainer:
         self.cuda_baseline = torch.cuda.memory_allocated(self.dev) if self.dev.type == "cuda" else 0
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)
         self.setup = techniques.build(cfg, model, parts)
-        self.flops_per_token = flops_per_token or self._flops_per_token(model)
+        self.flops_per_token = flops_per_token or (
+            measure.flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context)
+            if isinstance(model, GPT) else None)  # any other model: counted on the first batch, in fit()
 
-    def _flops_per_token(self, model: torch.nn.Module) -> int:
-        if isinstance(model, GPT):
-            return measure.flops_per_token(model.num_params(non_embedding=True), self.cfg.model.n_layer, self.cfg.model.n_embd, self.cfg.context)
-        x, y = self.batches(0)[0]  # counted on a copy, so the model's gradients stay untouched
-        return measure.counted_flops_per_token(copy.deepcopy(model), x.to(self.dev),
-                                               lambda out: techniques.loss_sum(out, y.to(self.dev)), tokens=y.numel())
+    def _count_flops_per_token(self, x: torch.Tensor, y: torch.Tensor) -> int:
+        """FlopCounterMode over one forward and backward, on a copy of the model (its gradients stay untouched)."""
+        return measure.counted_flops_per_token(copy.deepcopy(self.setup.model), x, lambda out: techniques.loss_sum(out, y), tokens=y.numel())
 
     def fit(self, label: str = "run", callback: Callable[[int, RunResult], None] | None = None) -> RunResult:
         """Train `cfg.steps` optimizer steps and return what was measured. `callback(step, result)` is called after
@@ -132,6 +131,7 @@ class Trainer:
                 micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
                 if step == 0:
                     result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
+                    result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(*micro[0])
                 if dev.type == "cuda" and step == min(cfg.timing_warmup, cfg.steps - 1):
                     torch.cuda.reset_peak_memory_stats(dev)
                 meter = ledger if step == ledger_step else measure.NOT_MEASURED
