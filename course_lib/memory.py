@@ -9,7 +9,11 @@ Where the bytes of one training step go, by category (the same categories as mea
   this course's own GPT block saves, term by term, so the two can be set side by side;
 - logits: the (tokens x vocab) output layer and cross-entropy, which the paper's formula leaves out and which
   dominate small models;
-- and the peak of a step, estimated from these, with a verdict for a device ("will it fit?").
+- and the peak of a step, estimated from these: the largest of the moments that can hold it (`peak_candidates`:
+  the loss in forward and in backward, the last block's backward, the end of backward), each term by term, for every
+  lever the ledger measures (precision, attention, checkpointing none/selective/full, loss chunks, set_to_none,
+  accumulation, optimizer, vocabulary padding); tests/test_memory_estimate.py holds it to the ledger, lever by
+  lever. With a verdict for a device ("will it fit?").
 
 `account_step` runs one training step of a config under the CPU ledger, optionally under FakeTensorMode, so
 that a model too big for this machine (GPT-2 small at batch 32, context 1024) is accounted without allocating.
@@ -231,8 +235,8 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
     autocast, vb = _precision(cfg)
     mask = _mask_bytes(cfg)
-    # LayerNorm runs in fp32 under autocast, and the residual stream stays fp32 (fp32 + 16-bit adds to fp32)
     attention, causal_mask = _attention(cfg)
+    # LayerNorm runs in fp32 under autocast, and the residual stream stays fp32 (fp32 + 16-bit adds to fp32)
     terms = layer_activation_terms(s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask)
     layer = sum(terms.values()) - (0 if causal_mask else terms.get("causal mask (s x s bool)", 0))
     if autocast:  # the 16-bit copies of the block's weights, which its matmuls keep
@@ -350,10 +354,15 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
 
 
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """The output layer and the loss at their worst moments in backward, as {moment: {term: (category, bytes)}}.
+    """The output layer and the loss at their worst moments, as {moment: {term: (category, bytes)}}.
 
-    One chunk (loss_chunks=1): "start of backward", the log-softmax backward, three (tokens x V) fp32 tensors
-    (logits_terms), and under autocast the output layer's 16-bit copies of its input and weight.
+    In forward, the loss of one chunk (of all the tokens with one chunk): the logits and the saved log-softmax; under
+    autocast also the 16-bit logits (their fp32 copy is what the loss reads), the output layer's 16-bit copies of its
+    input and weight, and autocast's cache of the blocks' 16-bit weights, which lives until the forward ends even where
+    checkpointing keeps none of them.
+
+    In backward, one chunk (loss_chunks=1): "start of backward", the log-softmax backward, three (tokens x V) fp32
+    tensors (logits_terms), and under autocast the output layer's 16-bit copies of its input and weight.
 
     loss_chunks=k: the output layer and the loss run on slices of c = ceil(tokens / k) tokens under checkpoint, so
     in backward one chunk at a time is recomputed. The last chunk to go is the worst: the earlier chunks have left
@@ -365,6 +374,19 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast, B = _precision(cfg)
+    c = T if k == 1 else -(-T // k)  # tokens per chunk: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
+
+    fwd: dict[str, tuple[str, int]] = {}
+    if autocast:
+        if cfg.activation_checkpointing != "none":  # without checkpointing the blocks keep these copies: activations
+            fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
+        fwd["16-bit copy of the output layer's input (c h)"] = ("logits", c * h * 2)
+        fwd["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
+        fwd["16-bit logits (c V)"] = ("logits", c * V * 2)
+    fwd["logits in fp32 (c V)"] = ("logits", c * V * 4)  # the output layer's, or under autocast the loss's fp32 copy
+    fwd["log-softmax output (c V fp32)"] = ("logits", c * V * 4)
+    moments = {"forward: the loss" if k == 1 else "forward: a loss chunk": fwd}
+
     if k == 1:
         terms: dict[str, tuple[str, int]] = {}
         if autocast:  # the output layer's matmul keeps the 16-bit copies it multiplied
@@ -373,9 +395,8 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
         lt = logits_terms(cfg.micro_batch_size, cfg.context, V)
         for i, (name, nbytes) in enumerate(lt.items()):
             terms[name] = ("logits" if i == 0 else "other", nbytes)  # the saved output is made in the loss, its gradients in backward
-        return {"start of backward": terms}
+        return {**moments, "start of backward": terms}
 
-    c = -(-T // k)  # tokens per chunk: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
     earlier = T - c  # tokens of the chunks whose backward has run
     # The output layer's weight gradient from the earlier chunks: the 16-bit copy's gradient under autocast (the
     # forward's one cached copy collects every chunk's gradient before its cast back to fp32), fp32 otherwise.
@@ -393,14 +414,14 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
                "the two weight gradients' sum (V h)": ("other", V * h * B), "gradient of the chunk's input (c h)": ("other", c * h * B)}
     if not earlier:
         del summing["the two weight gradients' sum (V h)"]
-    return {"last loss chunk: log-softmax backward": log_softmax, "last loss chunk: output layer's weight gradient": weight_grad,
+    return {**moments, "last loss chunk: log-softmax backward": log_softmax, "last loss chunk: output layer's weight gradient": weight_grad,
             "last loss chunk: summing the weight gradients": summing}
 
 
 def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """Every moment of a steady-state step that can hold its peak, each as {term: (ledger category, bytes)}.
 
-    - the output layer and the loss in backward (loss_terms), with all the forward's activations still alive;
+    - the output layer and the loss, in forward and in backward (loss_terms), with all the forward's activations;
     - the last block's backward (block_backward_terms), with the other blocks' kept activations, the position ids
       and the tied embedding's gradient from the output layer, which waits for the embedding's (V x h fp32);
     - the end of backward: parameters + gradients + state + the tied embedding's gradient temporaries: the output

@@ -1,6 +1,7 @@
 """The optimiser and its hyperparameters from first principles (notebook 05).
 
-- AdamW written from its update rule (`adamw_update`, `HandAdamW`), checked equal to torch.optim.AdamW.
+- AdamW written from its update rule (`adamw_update`, `HandAdamW`), checked equal to torch.optim.AdamW; what its
+  bias correction does (`bias_correction_ratio`, `adam_step_sizes`) and per-step updates of any optimizer (`step_updates`).
 - Learning-rate schedules as plain functions of the step (written once, in techniques, where the loop's
   `lr_at` uses them): constant, linear warmup + cosine decay, inverse square root, step decay and
   warmup-stable-decay; and the torch.optim.lr_scheduler constructions they are checked against.
@@ -28,21 +29,62 @@ from .techniques import constant_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosi
 
 @torch.no_grad()
 def adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, lr: float,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 bias_correction: bool = True) -> None:
     """One AdamW step for one tensor, in place. `t` is the step number, starting at 1.
 
         theta <- theta - lr * wd * theta                 (decoupled weight decay: not part of the gradient)
         m <- b1 m + (1 - b1) g,    v <- b2 v + (1 - b2) g^2
         m_hat = m / (1 - b1^t),    v_hat = v / (1 - b2^t)   (bias correction: m and v start at zero)
         theta <- theta - lr * m_hat / (sqrt(v_hat) + eps)
+
+    bias_correction=False uses m and v as they are: no optimizer does that; it is here to measure what the
+    correction does (notebook 05).
     """
     b1, b2 = betas
     p.mul_(1 - lr * weight_decay)
     m.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    m_hat = m / (1 - b1**t)
-    v_hat = v / (1 - b2**t)
+    m_hat = m / (1 - b1**t) if bias_correction else m
+    v_hat = v / (1 - b2**t) if bias_correction else v
     p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+
+
+def bias_correction_ratio(t: int, betas: tuple[float, float]) -> float:
+    """How many times larger Adam's step t would be without bias correction, for a constant gradient g (eps
+    negligible). Then m_t = (1 - b1^t) g and v_t = (1 - b2^t) g^2 exactly, so the corrected step m_hat/sqrt(v_hat)
+    is g/|g|, of size 1, and the uncorrected m/sqrt(v) is (1 - b1^t)/sqrt(1 - b2^t) times that.
+    With betas (0.9, 0.999): 0.1/sqrt(0.001) = 3.16 at t=1, at most 6.57 (t=12), 1.26 at t=1000."""
+    b1, b2 = betas
+    return (1 - b1**t) / math.sqrt(1 - b2**t)
+
+
+def adam_step_sizes(grads: Iterable[float], lr: float, betas: tuple[float, float], eps: float = 1e-8,
+                    bias_correction: bool = True) -> list[float]:
+    """|update| of `adamw_update` at each step, for one scalar parameter (float64, no weight decay) fed the
+    gradients `grads` in turn: the update rule run, to check the closed form above against."""
+    p, m, v = (torch.zeros(1, dtype=torch.float64) for _ in range(3))
+    sizes = []
+    for t, g in enumerate(grads, start=1):
+        p.zero_()  # without weight decay the update does not depend on theta: read it from zero, exactly
+        adamw_update(p, torch.full_like(p, float(g)), m, v, t, lr, betas, eps, bias_correction=bias_correction)
+        sizes.append(abs(float(p)))
+    return sizes
+
+
+def step_updates(make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The update theta_t - theta_(t-1) at each step of the optimizer `make_optimizer([param])`, for one parameter
+    that starts at zero and is fed the gradients `grads` in turn (use float64 gradients to compare optimizers)."""
+    p = nn.Parameter(torch.zeros_like(grads[0]))
+    opt = make_optimizer([p])
+    updates = []
+    for g in grads:
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        updates.append(p.detach() - before)
+    return updates
 
 
 class HandAdamW(torch.optim.Optimizer):

@@ -3,7 +3,6 @@ the classic mistakes measured as wrong, the one loop's equivalence, and the memo
 from dataclasses import replace
 
 import pytest
-import torch
 
 from course_lib import accumulation as acc
 from course_lib import config, data
@@ -11,11 +10,6 @@ from course_lib.measure import CATEGORIES
 
 CONTEXT = 32
 TOL = 1e-5  # fp32: only the order of the sums differs
-
-
-@pytest.fixture(scope="module")
-def splits():
-    return data.load_splits()
 
 
 @pytest.fixture(scope="module")

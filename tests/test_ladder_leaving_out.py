@@ -1,19 +1,17 @@
-import dataclasses
-
 import pytest
 
 from course_lib import config as C
 from course_lib.ladder import run_ladder
 
 
-def tiny():
-    return dataclasses.replace(C.tiny_preset("cpu"), steps=3, timing_warmup=1,
-                               model=dataclasses.replace(C.tiny_preset("cpu").model, n_layer=1))
+@pytest.fixture
+def one_block(tiny):
+    return tiny(steps=3, timing_warmup=1).with_model(n_layer=1)
 
 
-def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_without_them():
+def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_without_them(one_block):
     why = "left out under the test budget"
-    results = run_ladder(tiny(), leave_out={"+ compile": why, "+ checkpointing": why})
+    results = run_ladder(one_block, leave_out={"+ compile": why, "+ checkpointing": why})
     assert [r.label for r in results] == [r.name for r in C.LADDER]
     by = {r.label: r for r in results}
     for name in ("+ compile", "+ checkpointing"):
@@ -30,14 +28,14 @@ def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_withou
     assert last["precision"] == "bf16" and last["model"]["attention"] == "sdpa" and last["loss_chunks"] == 8 and last["fused_adamw"]
 
 
-def test_a_name_that_is_not_a_rung_is_an_error():
+def test_a_name_that_is_not_a_rung_is_an_error(one_block):
     with pytest.raises(C.ConfigError, match="not rungs of the ladder"):
-        run_ladder(tiny(), leave_out={"+ compiel": "typo"})
+        run_ladder(one_block, leave_out={"+ compiel": "typo"})
 
 
-def test_a_ladder_option_changes_what_a_rung_sets():
-    rungs = dict((r.name, c) for r, c in C.ladder_configs(tiny(), options={"activation_checkpointing": "selective"}))
+def test_a_ladder_option_changes_what_a_rung_sets(one_block):
+    rungs = dict((r.name, c) for r, c in C.ladder_configs(one_block, options={"activation_checkpointing": "selective"}))
     assert rungs["+ checkpointing"].activation_checkpointing == "selective"
     assert rungs["+ chunked loss"].activation_checkpointing == "selective" and rungs["+ set_to_none"].activation_checkpointing == "none"
     with pytest.raises(C.ConfigError, match="not techniques of the ladder"):
-        C.ladder_configs(tiny(), options={"checkpointing": "selective"})
+        C.ladder_configs(one_block, options={"checkpointing": "selective"})

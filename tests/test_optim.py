@@ -4,7 +4,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn as nn
 
 from course_lib import optim as O
 from course_lib import techniques
@@ -62,6 +61,41 @@ def test_first_adam_step_is_lr_sized_for_any_gradient_scale():
         p = torch.zeros(4)
         O.adamw_update(p, torch.tensor([1.0, -2.0, 3.0, -4.0]) * scale, torch.zeros(4), torch.zeros(4), t=1, lr=0.01)
         torch.testing.assert_close(p.abs(), torch.full((4,), 0.01), rtol=1e-3, atol=0)
+
+
+
+def test_bias_correction_ratio_closed_form_equals_the_update_rule():
+    # constant gradient: without correction the step is (1 - b1^t)/sqrt(1 - b2^t) times the corrected one, which
+    # is lr; with betas (0.9, 0.999) 3.16x at the first step (not sqrt(1000) = 31.6x), at most 6.57x, at step 12
+    betas, lr, steps = (0.9, 0.999), 1e-3, 3000
+    on = O.adam_step_sizes([1.0] * steps, lr, betas)  # |g| = 1: eps = 1e-8 moves the ratio by < 1e-6
+    off = O.adam_step_sizes([1.0] * steps, lr, betas, bias_correction=False)
+    closed = [O.bias_correction_ratio(t, betas) for t in range(1, steps + 1)]
+    assert all(math.isclose(a / b, c, rel_tol=1e-6) for a, b, c in zip(off, on, closed))
+    assert all(math.isclose(a, lr, rel_tol=1e-6) for a in on)
+    assert math.isclose(closed[0], 0.1 / math.sqrt(0.001)) and 3.1 < closed[0] < 3.2
+    peak = max(range(steps), key=closed.__getitem__)
+    assert peak + 1 == 12 and 6.5 < closed[peak] < 6.6
+    # the corrected rule is torch's AdamW, step by step
+    g = [torch.full((1,), 1.0, dtype=torch.float64)] * 50
+    ref = O.step_updates(lambda ps: torch.optim.AdamW(ps, lr=lr, betas=betas, eps=1e-8, weight_decay=0.0), g)
+    assert all(math.isclose(abs(float(u)), a, rel_tol=1e-9) for u, a in zip(ref, on))
+
+
+def test_huge_eps_makes_adam_momentum_sgd():
+    # eps >> sqrt(v_hat): AdamW's update is -(lr/eps) m_hat, SGD with momentum on the bias-corrected average of the
+    # gradients. torch's SGD(momentum=b1) keeps buf = m / (1 - b1), so with lr (1 - b1) lr/eps it steps -(lr/eps) m:
+    # Adam's update times (1 - b1^t)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, generator=gen, dtype=torch.float64) * 1e-2 for _ in range(30)]
+    lr, eps, (b1, b2) = 1e-3, 1e4, (0.9, 0.95)
+    adam = O.step_updates(lambda ps: torch.optim.AdamW(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=0.0), grads)
+    sgd = O.step_updates(lambda ps: torch.optim.SGD(ps, lr=lr * (1 - b1) / eps, momentum=b1), grads)
+    m = torch.zeros(64, dtype=torch.float64)
+    for t, (g, a, s) in enumerate(zip(grads, adam, sgd), start=1):
+        m = b1 * m + (1 - b1) * g
+        torch.testing.assert_close(a, -(lr / eps) * m / (1 - b1**t), rtol=1e-5, atol=0)
+        torch.testing.assert_close(a * (1 - b1**t), s, rtol=1e-5, atol=0)
 
 
 # ---- schedules ----

@@ -6,12 +6,6 @@ import torch
 
 from course_lib import config as C
 from course_lib import techniques as T
-from course_lib.model import GPT
-
-
-def tiny_model(**kw):
-    torch.manual_seed(0)
-    return GPT(C.ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, **kw))
 
 
 def loss_and_grads(model, loss_module, x, y):
@@ -21,7 +15,7 @@ def loss_and_grads(model, loss_module, x, y):
     return loss.detach(), [p.grad.clone() for p in model.parameters()]  # same order with or without wrappers
 
 
-def test_param_groups_decay_only_matrices_and_embeddings():
+def test_param_groups_decay_only_matrices_and_embeddings(tiny_model):
     m = tiny_model()
     groups = T.param_groups(m, weight_decay=0.1)
     assert isinstance(groups, list) and all(isinstance(g, dict) for g in groups)
@@ -55,14 +49,14 @@ def test_scaler_only_for_fp16_and_autocast_only_for_16_bits():
         assert (torch.randn(4, 4) @ torch.randn(4, 4)).dtype == torch.bfloat16
 
 
-def test_fused_and_for_loop_adamw():
+def test_fused_and_for_loop_adamw(tiny_model):
     m = tiny_model()
     assert T.make_optimizer(C.TrainConfig(fused_adamw=True), m).defaults["fused"] is True
     assert T.make_optimizer(C.TrainConfig(), m).defaults["foreach"] is False
 
 
 @pytest.mark.parametrize("change", [dict(activation_checkpointing="full"), dict(activation_checkpointing="selective"), dict(loss_chunks=4)])
-def test_memory_savers_change_nothing_in_the_math(change):
+def test_memory_savers_change_nothing_in_the_math(change, tiny_model):
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     m0 = tiny_model()
     base = T.build(C.TrainConfig(model=m0.config, context=32), m0)
@@ -76,7 +70,7 @@ def test_memory_savers_change_nothing_in_the_math(change):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
-def test_compiled_loss_equals_eager():
+def test_compiled_loss_equals_eager(tiny_model):
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     m = tiny_model(attention="sdpa")
     setup = T.build(C.TrainConfig(model=m.config, context=32, compile=True), m)

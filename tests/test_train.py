@@ -1,4 +1,3 @@
-import dataclasses
 import statistics
 
 import pytest
@@ -6,19 +5,9 @@ import torch
 
 from course_lib import config as C
 from course_lib import train as train_mod
-from course_lib.data import load_splits
 
 
-@pytest.fixture(scope="module")
-def splits():
-    return load_splits()
-
-
-def tiny(**kw):
-    return dataclasses.replace(C.tiny_preset("cpu"), **kw)
-
-
-def test_a_run_records_what_it_measured(splits):
+def test_a_run_records_what_it_measured(splits, tiny):
     cfg = tiny(steps=6)
     r = train_mod.train(cfg, "t", splits=splits)
     assert r.ok and len(r.losses) == len(r.step_times) == len(r.lrs) == len(r.grad_norms) == 6
@@ -36,18 +25,18 @@ def test_a_run_records_what_it_measured(splits):
     assert 0 < r.mfu <= 1, r.mfu
 
 
-def test_training_reduces_the_loss(splits):
+def test_training_reduces_the_loss(splits, tiny):
     r = train_mod.train(tiny(steps=30, lr=3e-3, measure_memory=False), "t", splits=splits)
     assert sum(r.losses[-5:]) / 5 < r.losses[0] - 1.0
 
 
-def test_same_seed_same_losses(splits):
+def test_same_seed_same_losses(splits, tiny):
     a = train_mod.train(tiny(), "a", splits=splits)
     b = train_mod.train(tiny(), "b", splits=splits)
     assert a.losses == b.losses
 
 
-def test_accumulated_step_equals_the_big_batch(splits):
+def test_accumulated_step_equals_the_big_batch(splits, tiny):
     """Two micro-batches of 2 give the same training as one batch of 4 (fp32)."""
     g = torch.Generator().manual_seed(0)
     from course_lib.data import random_windows
@@ -60,12 +49,12 @@ def test_accumulated_step_equals_the_big_batch(splits):
     assert big.grad_norms == pytest.approx(acc.grad_norms, rel=1e-4)
 
 
-def test_clipping_uses_the_global_norm(splits):
+def test_clipping_uses_the_global_norm(splits, tiny):
     r = train_mod.train(tiny(steps=3, clip_norm=1e-3, measure_memory=False), "clip", splits=splits)
     assert all(n > 1e-3 for n in r.grad_norms)  # the norm before clipping is what is logged
 
 
-def test_the_loops_step_clips_the_global_norm_and_keeps_the_direction(splits):
+def test_the_loops_step_clips_the_global_norm_and_keeps_the_direction(splits, tiny):
     """With plain SGD, a clipped step moves the parameters by exactly lr * clip_norm, along the gradient."""
     from course_lib import techniques
     from course_lib.model import GPT
@@ -86,7 +75,7 @@ def test_the_loops_step_clips_the_global_norm_and_keeps_the_direction(splits):
     assert torch.nn.functional.cosine_similarity(delta, -grads, dim=0).item() == pytest.approx(1.0, abs=1e-4)
 
 
-def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits):
+def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits, tiny):
     from course_lib.model import GPT
 
     cfg = tiny(steps=3)
@@ -98,7 +87,7 @@ def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits):
     assert by["optimizer state"] == 2 * 4 * n + 4 * len(list(GPT(cfg.model).parameters()))  # exp_avg, exp_avg_sq + step counters
 
 
-def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits):
+def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits, tiny):
     def boom(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
@@ -107,17 +96,17 @@ def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, spli
     assert r.status == "oom" and "out of memory" in r.reason and not r.ok
 
 
-def test_too_few_steps_is_explained(splits):
+def test_too_few_steps_is_explained(splits, tiny):
     with pytest.raises(C.ConfigError, match="leaves no step to time"):
         train_mod.train(tiny(steps=2, timing_warmup=1), "t", splits=splits)
 
 
-def test_a_too_small_vocab_is_explained(splits):
+def test_a_too_small_vocab_is_explained(splits, tiny):
     with pytest.raises(C.ConfigError, match="smaller than the tokenizer"):
         train_mod.train(tiny().with_model(vocab_size=100), "t", splits=splits)
 
 
-def test_fp16_records_loss_scale(splits):
+def test_fp16_records_loss_scale(splits, tiny):
     r = train_mod.train(tiny(precision="fp16", steps=3), "fp16", splits=splits)
     assert r.ok and len(r.loss_scales) == 3 and r.loss_scales[0] == 65536.0
 
