@@ -17,8 +17,10 @@ Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
 Schedule = Literal["constant", "cosine", "wsd", "inverse_sqrt"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 Checkpointing = Literal["none", "selective", "full"]
+ClipKind = Literal["global", "per_tensor"]
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+CLIP_KINDS = ("global", "per_tensor")
 ATTENTIONS = ("naive", "sdpa")
 
 
@@ -98,7 +100,10 @@ class TrainConfig:
     schedule: Schedule = "constant"
     lr_warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine and wsd decay to this fraction of lr
-    clip_norm: float | None = None  # global-norm clipping threshold; None is off
+    clip_norm: float | None = None  # clipping threshold; None is off
+    # How clip_norm applies: "global" scales every gradient by one factor from their joint norm (GPT-3; the direction is
+    # kept), "per_tensor" scales each tensor by its own norm (the direction of the whole gradient changes).
+    clip_kind: ClipKind = "global"
     weight_decay: float = 0.0
     decay_2d_only: bool = True  # weight decay only on >=2-D parameters (matmuls, embeddings)
     eval_every: int = 0  # validation loss every this many steps (0: never)
@@ -137,6 +142,7 @@ class TrainConfig:
         _check(self.eval_every >= 0 and self.eval_batches >= 1, "eval_every must be >= 0 and eval_batches >= 1")
         _check(self.lr > 0, f"lr must be positive, got {self.lr}")
         _check(self.clip_norm is None or self.clip_norm > 0, f"clip_norm must be positive or None (off), got {self.clip_norm}")
+        _choice("clip_kind", self.clip_kind, CLIP_KINDS)
         _check(0 <= self.lr_warmup_steps, f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")

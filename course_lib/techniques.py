@@ -1,6 +1,6 @@
 """Turn a TrainConfig into the objects the training loop uses: `build(cfg, model, parts)`.
 
-A technique that is off becomes a no-op object (nullcontext, a disabled GradScaler, clip_norm=None), so
+A technique that is off becomes a no-op object (nullcontext, a disabled GradScaler, a clipper that does nothing), so
 the loop in train.py has one code path. Each technique is declared once, as a config field with its metadata
 (course_lib.config.TECHNIQUES), and applied here, in one fixed order (as torchtitan's parallelize.py does):
   1. activation checkpointing wraps each block (it must see the eager blocks),
@@ -310,9 +310,38 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
     return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
 
 
+def _no_clip(params: list[torch.Tensor], total_norm: torch.Tensor) -> None:
+    """Clipping off (clip_norm=None)."""
+
+
+def clip_by_global_norm(params: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Every gradient times one factor, min(1, max_norm / ||g||) with ||g|| the norm of all of them together: the
+    direction of the whole gradient is kept (GPT-3's clipping; torch's clip_grad_norm_)."""
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+
+
+def clip_by_tensor_norm(params: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+    """Each gradient times its own factor, min(1, max_norm / (||g_i|| + 1e-6)): a tensor is clipped on its own norm,
+    so the direction of the whole gradient changes (course_lib.optim.clip_per_tensor_ is the same rule, tensor by
+    tensor). `total_norm` is not used: the signature is the clippers'. No value is read back to the host."""
+    grads = [p.grad for p in params if p.grad is not None]
+    coefs = [(max_norm / (n + 1e-6)).clamp(max=1.0) for n in torch._foreach_norm(grads)]
+    torch._foreach_mul_(grads, coefs)
+
+
+CLIPPERS: dict[str, Callable[..., None]] = {"global": clip_by_global_norm, "per_tensor": clip_by_tensor_norm}
+
+
+def make_clipper(cfg: TrainConfig) -> Callable[[list[torch.Tensor], torch.Tensor], None]:
+    """clip(params, total_norm) for cfg.clip_kind at cfg.clip_norm, or a no-op when clip_norm is None."""
+    if cfg.clip_norm is None:
+        return _no_clip
+    return functools.partial(CLIPPERS[cfg.clip_kind], max_norm=cfg.clip_norm)
+
+
 def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
                    on_grads: Callable[[list[torch.Tensor]], None] | None = None) -> tuple[torch.Tensor, float, float]:
-    """The end of every training step, written once: unscale (fp16), global-norm clip, step, scaler update,
+    """The end of every training step, written once: unscale (fp16), clip (setup.clip), step, scaler update,
     zero_grad, schedule. Returns (gradient norm before clipping, learning rate used, loss scale used).
     `on_grads` sees the gradients before zero_grad may free them (the memory ledger names them)."""
     setup.scaler.unscale_(setup.optimizer)
@@ -320,8 +349,7 @@ def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
     if on_grads:
         on_grads(grads)
     norm = torch.nn.utils.get_total_norm(grads)
-    if cfg.clip_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_norm, norm)
+    setup.clip(params, norm)
     lr = setup.optimizer.param_groups[0]["lr"]
     scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
     setup.scaler.step(setup.optimizer)
@@ -345,6 +373,7 @@ class Setup:
     autocast: Callable[[], contextlib.AbstractContextManager]
     scaler: torch.amp.GradScaler
     parts: ModelParts
+    clip: Callable[[list[torch.Tensor], torch.Tensor], None] = _no_clip  # make_clipper(cfg): global, per tensor or off
 
 
 def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:
@@ -358,4 +387,5 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
     loss_fn = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if cfg.compile else loss_module
     optimizer = make_optimizer(cfg, model)
     return Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
-                 autocast=autocast_context(cfg.precision, cfg.device), scaler=make_grad_scaler(cfg), parts=parts)
+                 autocast=autocast_context(cfg.precision, cfg.device), scaler=make_grad_scaler(cfg), parts=parts,
+                 clip=make_clipper(cfg))

@@ -98,3 +98,50 @@ def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, spl
 def test_inverse_sqrt_without_warmup_is_refused_with_the_fix():
     with pytest.raises(C.ConfigError, match="set lr_warmup_steps >= 1"):
         C.TrainConfig(schedule="inverse_sqrt", lr_warmup_steps=0)
+
+
+def _grads_of(model, x, y):
+    model.zero_grad()
+    T.loss_sum(model(x), y).backward()
+    return [p for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("kind", C.CLIP_KINDS)
+def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
+    """setup.clip applies clip_norm globally (one factor) or per tensor (each its own), as course_lib.optim writes them."""
+    from course_lib import optim
+
+    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    m, ref = tiny_model(), tiny_model()
+    setup = T.build(C.TrainConfig(model=m.config, context=32, clip_norm=0.05, clip_kind=kind), m)
+    params, ref_params = _grads_of(m, x, y), _grads_of(ref, x, y)
+    setup.clip(params, torch.nn.utils.get_total_norm([p.grad for p in params]))
+    (optim.clip_global_ if kind == "global" else optim.clip_per_tensor_)(ref_params, 0.05)
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-8)
+    norms = [float(p.grad.norm()) for p in params]
+    if kind == "per_tensor":
+        assert max(norms) <= 0.05 + 1e-6 and optim.global_grad_norm(params) > 0.05 * 1.5  # each capped, not the whole
+    else:
+        assert optim.global_grad_norm(params) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_clipping_off_is_a_no_op_and_a_bad_kind_is_refused(tiny_model):
+    m = tiny_model()
+    assert T.build(C.TrainConfig(model=m.config, context=32, clip_kind="per_tensor"), m).clip is T._no_clip  # clip_norm=None
+    with pytest.raises(C.ConfigError, match="clip_kind='layerwise' is not one of 'global', 'per_tensor'"):
+        C.TrainConfig(clip_kind="layerwise")
+
+
+def test_per_tensor_clipping_in_the_loop_changes_the_run_not_the_logged_norm(splits):
+    """The same run clipped globally and per tensor: the first step's logged norm (before clipping) is the same, the
+    weights after it are not; without a threshold the kind changes nothing."""
+    from course_lib.train import train
+
+    cfg = C.TrainConfig(model=C.tiny_preset("cpu").model, context=32, batch_size=2, steps=4, timing_warmup=1,
+                        measure_memory=False, clip_norm=0.1)
+    runs = {kind: train(dataclasses.replace(cfg, clip_kind=kind), kind, splits=splits) for kind in C.CLIP_KINDS}
+    assert runs["global"].grad_norms[0] == pytest.approx(runs["per_tensor"].grad_norms[0], rel=1e-6)
+    assert runs["global"].losses[1:] != pytest.approx(runs["per_tensor"].losses[1:], rel=1e-6)
+    off = {kind: train(dataclasses.replace(cfg, clip_norm=None, clip_kind=kind), kind, splits=splits) for kind in C.CLIP_KINDS}
+    assert off["global"].losses == off["per_tensor"].losses
