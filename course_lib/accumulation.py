@@ -197,3 +197,83 @@ def accumulation_sweep(base: TrainConfig, accum_steps: list[int], callback: Call
         cfg = replace(base, grad_accum_steps=k)
         results.append(runner(cfg, label=f"K={k} (micro-batch {cfg.micro_batch_size})", callback=callback))
     return results
+
+
+# ---- the panel (notebook 06): one accumulated batch with uneven padding, under one normalisation ------
+
+def imbalanced_lengths(context: int, k: int, imbalance: float) -> list[int]:
+    """Real tokens per sequence for each of `k` micro-batches, from `context` down to context / imbalance
+    geometrically: imbalance 1 means no padding, 8 means the last micro-batch holds 8 times fewer real tokens."""
+    if imbalance < 1:
+        raise ValueError(f"imbalance must be >= 1 (longest / shortest), got {imbalance}")
+    return [max(1, round(context / imbalance ** (i / max(1, k - 1)))) for i in range(k)]
+
+
+def normalisation_run(cfg: TrainConfig, stream: torch.Tensor, pad: int, imbalance: float, normalisation: str,
+                      label: str, callback: Callable[[int, RunResult], None] | None = None) -> tuple[RunResult, dict]:
+    """The gradient of one accumulated batch of cfg.grad_accum_steps micro-batches of cfg.micro_batch_size
+    sequences, padded unevenly (imbalanced_lengths), under `normalisation`, against the big batch's gradient.
+    The accumulated gradient is computed cfg.steps times on a fresh model of cfg (timed, the first
+    cfg.timing_warmup left out of the median); returns (the run as a RunResult, details for the plots)."""
+    from . import measure
+    from .results import provenance
+
+    k, b, s = cfg.grad_accum_steps, cfg.micro_batch_size, cfg.context
+    lengths = imbalanced_lengths(s, k, imbalance)
+    micro = padded_micro_batches(stream, lengths, b, s, pad, seed=cfg.seed)
+    model = make_model(cfg)
+    ref = big_batch_gradients(model, *concat(micro))
+    dev = torch.device(cfg.device)
+    result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(measure.device_name(dev)),
+                       n_params=model.num_params(), tokens_per_step=sum(y.numel() for _, y in micro))
+    timer = measure.StepTimer(dev)
+    for step in range(cfg.steps):
+        with timer.step():
+            grads = gradients(model, micro, normalisation)
+        result.step_times = list(timer.times)
+        if callback:
+            callback(step, result)
+    excluded = set(range(min(cfg.timing_warmup, cfg.steps - 1)))
+    result.excluded_steps = sorted(excluded)
+    result.median_step_s = measure.median_excluding(timer.times, excluded)
+    result.tokens_per_s = result.tokens_per_step / result.median_step_s
+    error, ratio = relative_error(grads, ref), norm_ratio(grads, ref)
+    result.grad_norms = [float(flat(grads).norm())]
+    result.reason = f"gradient vs big batch: relative error {error:.2e}, norm ratio {ratio:.3f}"
+    details = {"normalisation": normalisation, "imbalance": imbalance, "lengths": lengths, "target_counts": target_counts(micro),
+               "relative_error": error, "norm_ratio": ratio}
+    return result, details
+
+
+def plot_gradient_errors(results: list[RunResult], ax):
+    """Each run's relative error of the accumulated gradient against the big batch's (log scale; details from
+    normalisation_run), its norm ratio written on the bar; the dotted line is fp32 rounding (1e-6)."""
+    runs = [r for r in results if getattr(r, "details", {}).get("relative_error") is not None]
+    colors = {n: f"C{i}" for i, n in enumerate(NORMALISATIONS)}
+    for i, r in enumerate(runs):
+        d = r.details
+        bar = ax.bar(i, max(d["relative_error"], 1e-12), color=colors.get(d["normalisation"], "#888888"))[0]
+        ax.annotate(f"x{d['norm_ratio']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1e-6, ls=":", color="#888888", lw=1, label="fp32 rounding (1e-6)")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("relative error of the gradient vs big batch")
+    devices = sorted({r.provenance.get("device", "?") for r in runs})
+    ax.set_title(f"Accumulated vs big-batch gradient (x: norm ratio)\n{' / '.join(devices)}", fontsize=9)
+    ax.legend(fontsize=7)
+    return ax.figure
+
+
+def plot_target_counts(results: list[RunResult], ax):
+    """Real (non-padding) target tokens in each micro-batch of each run: the imbalance the normalisation meets."""
+    for r in results:
+        counts = getattr(r, "details", {}).get("target_counts")
+        if counts:
+            ax.plot(range(len(counts)), counts, "o-", lw=1.2, ms=4, label=r.label)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("micro-batch")
+    ax.set_ylabel("real target tokens (log2)")
+    ax.set_title("Padding: real tokens per micro-batch", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    return ax.figure

@@ -8,6 +8,8 @@ own figures, not these)."""
 from __future__ import annotations
 
 import io
+import math
+from typing import Callable, Union
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -141,15 +143,59 @@ def plot_step_times(results: list[RunResult], ax=None) -> Figure:
     return fig
 
 
-PLOTS = {"speed": plot_speed, "memory": plot_memory, "loss": plot_losses, "step_times": plot_step_times}
+def plot_grad_norms(results: list[RunResult], ax=None) -> Figure:
+    """The global gradient norm of every step (logged before clipping), log scale, one line per run; a run's
+    clipping threshold as a dashed line of its colour, a step whose norm was not finite (fp16 overflow) as an x."""
+    fig, ax = _new_axes(ax)
+    for r in results:
+        if not r.grad_norms:
+            continue
+        finite = [(i, g) for i, g in enumerate(r.grad_norms) if math.isfinite(g) and g > 0]
+        (line,) = ax.plot(*zip(*finite), lw=1.2, label=r.label) if finite else ax.plot([], [], label=r.label)
+        bad = [i for i, g in enumerate(r.grad_norms) if not math.isfinite(g)]
+        if bad:
+            ax.plot(bad, [max((g for _, g in finite), default=1.0)] * len(bad), "x", color=line.get_color(), ms=7)
+        clip = (r.config or {}).get("clip_norm")
+        if clip:
+            ax.axhline(clip, ls="--", lw=0.9, color=line.get_color())
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step (dashed: clipping threshold)")
+    ax.set_ylabel("global gradient norm, before clipping")
+    ax.set_title(f"Gradient norm\n{_devices(results)}", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    return fig
 
 
-def plot_results(results: list[RunResult], which=("speed", "memory")) -> Figure:
-    """Several plots side by side in one figure."""
+def plot_lrs(results: list[RunResult], ax=None) -> Figure:
+    """The learning rate each optimizer step used, one line per run."""
+    fig, ax = _new_axes(ax)
+    for r in results:
+        if r.lrs:
+            ax.plot(range(len(r.lrs)), r.lrs, lw=1.2, label=r.label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(f"Learning-rate schedule\n{_devices(results)}", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    return fig
+
+
+PLOTS = {"speed": plot_speed, "memory": plot_memory, "loss": plot_losses, "step_times": plot_step_times,
+         "grad_norm": plot_grad_norms, "lr": plot_lrs}
+# One panel of a figure: a name in PLOTS, or fn(results, ax) drawing every run on the Axes it is given.
+PlotSpec = Union[str, Callable[[list, object], object]]
+
+
+def plot_results(results: list[RunResult], which: tuple[PlotSpec, ...] = ("speed", "memory")) -> Figure:
+    """Several plots side by side in one figure: each entry of `which` a name in PLOTS or a callable fn(results, ax)."""
+    for spec in which:
+        if not callable(spec) and spec not in PLOTS:
+            raise KeyError(f"no plot named {spec!r}: use one of {', '.join(PLOTS)} or a function fn(results, ax)")
     fig = new_figure((5.2 * len(which), 3.6))
     axes = fig.subplots(1, len(which), squeeze=False)
-    for ax, name in zip(axes[0], which):
-        PLOTS[name](results, ax=ax)
+    for ax, spec in zip(axes[0], which):
+        (spec if callable(spec) else PLOTS[spec])(results, ax)
     return fig
 
 

@@ -507,3 +507,53 @@ def plot_loss_scale(result, ax=None):
     ax.set_title(f"GradScaler over time: {result.label}\n{result.provenance.get('device', '?')}, torch {result.provenance.get('torch', '?')}", fontsize=9)
     ax.legend(fontsize=7)
     return fig
+
+
+# ---- the panel's plots (notebook 03): every run on the Axes they are given, no pyplot ----------------
+
+FP16_MAX = 65504.0
+
+
+def plot_scaler_trace(results, ax):
+    """The GradScaler's scale per optimizer step of every fp16 run (log2 axis), each run's skipped steps (inf/nan
+    gradients: the scale halves) marked x; a run without a scaler (not fp16) is left out."""
+    for r in results:
+        if not r.loss_scales:
+            continue
+        scales = r.loss_scales
+        skipped = [i for i, g in enumerate(r.grad_norms) if not math.isfinite(g)]
+        (line,) = ax.step(range(len(scales)), scales, where="post", lw=1.3,
+                          label=f"{r.label}: {r.skipped_optimizer_steps} of {len(scales)} steps skipped")
+        ax.plot(skipped, [scales[i] for i in skipped], "x", color=line.get_color(), ms=8)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("optimizer step (x: step skipped, inf/nan gradient)")
+    ax.set_ylabel("loss scale used in the step")
+    devices = sorted({r.provenance.get("device", "?") for r in results})
+    ax.set_title(f"GradScaler over time\n{' / '.join(devices)}", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+    return ax.figure
+
+
+def plot_underflow(results, ax):
+    """Each run's histogram of log2 |activation gradient x its starting scale S| (from an fp32 step:
+    r.details["underflow"]: edges, counts, and the shares an fp16 backward at S really lost to zero or overflowed),
+    against fp16's limits: below 2^-24 a value rounds to zero, above 65504 it overflows."""
+    lo, hi = -48.0, 24.0
+    for r in results:
+        u = getattr(r, "details", {}).get("underflow")
+        if not u:
+            continue
+        ax.stairs(u["counts"], u["edges"], lw=1.3,
+                  label=f"{r.label}: S=2^{math.log2(u['scale']):g}, fp16 lost {u['lost_to_zero']:.1%} to zero, {u['overflow']:.2%} overflowed")
+        lo, hi = min(lo, u["edges"][0]), max(hi, u["edges"][-1])
+    ax.axvspan(lo, -24, color="#c44e52", alpha=0.12, label="fp16: rounds to 0 (< 2^-24)")
+    ax.axvspan(-24, -14, color="#dd8452", alpha=0.10, label="fp16 subnormal (fewer bits)")
+    ax.axvspan(math.log2(FP16_MAX), hi, color="#8172b3", alpha=0.12, label="fp16 overflow (> 65504)")
+    ax.set_xlim(lo, hi)
+    ax.set_yscale("log")
+    ax.set_xlabel("log2 |activation gradient x S|")
+    ax.set_ylabel("count of elements")
+    ax.set_title("Where one step's activation gradients land in fp16, scaled by S", fontsize=9)
+    ax.legend(fontsize=6, loc="upper left")
+    return ax.figure

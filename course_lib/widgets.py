@@ -2,10 +2,26 @@
 that keeps every run of the session. It can be driven from code (`set`, `run`), which is how tests use it.
 
 The panel holds no result that is not also in `panel.results` (a plain list), and it can save them to JSON.
+
+A notebook fits the panel to its own lesson with three arguments, and nothing else:
+
+- `runner(cfg, label, callback, **extras) -> RunResult` decides what Run does (default: course_lib.train.run);
+  it calls `callback(step, result)` for the progress bar.
+- `extras={name: widget}`: controls of the notebook's own that are not TrainConfig fields (any ipywidgets value
+  widget: a Dropdown, an IntSlider...). Their values reach the runner as keyword arguments, `set` sets them, and
+  a run's label names those that differ from their starting value.
+- `plots=(...)`: one panel of the figure per entry, a name of course_lib.plots.PLOTS ("speed", "memory", "loss",
+  "step_times", "grad_norm", "lr") or a callable `fn(results, ax)` that draws every run on the matplotlib Axes it
+  is given (no pyplot: the figure is course_lib.plots.new_figure's).
+
+What a runner measured for its own plots beyond a RunResult's fields goes in `PanelResult.details` (JSON-able
+numbers and lists), so that it is in `panel.results` too; `PanelResult.of(result, **details)` makes one.
 """
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import typing
 from pathlib import Path
 from typing import Callable, Sequence
@@ -15,7 +31,7 @@ from IPython.display import display
 
 from . import config as C
 from .capabilities import capabilities
-from .plots import figure_png, plot_results
+from .plots import PlotSpec, figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
 from .measure import device_name
 
@@ -30,14 +46,20 @@ SLIDERS: dict[str, tuple] = {
     "context": (16, lambda c: c.model.block_size, 16),
     "steps": (2, 200, 1),
     "lr_warmup_steps": (0, 100, 1),
+    "loss_scale_growth_interval": (1, 100, 1),
     "timing_warmup": (0, 10, 1),
     "eval_every": (0, 50, 1),
 }
 # A technique's label and choices come from its declaration (course_lib.config.TECHNIQUES); the other fields' here.
 CHOICES: dict[str, tuple] = {t.name: t.choices for t in C.TECHNIQUES if t.choices}
+CHOICES["loss_scale_init"] = tuple(2.0**e for e in range(0, 41, 2))
+# How a value is written in a dropdown and in a run's label (default: str).
+FORMATS: dict[str, Callable[[object], str]] = {"loss_scale_init": lambda v: f"2^{math.log2(v):g}"}
 LABELS = {"grad_accum_steps": "accumulation steps", "batch_size": "batch size", "compile_mode": "compile mode",
-          "clip_norm": "clip norm (0: off)", "lr_warmup_steps": "LR warm-up steps", "weight_decay": "weight decay",
-          "decay_2d_only": "decay only >=2-D", **{t.name: t.label for t in C.TECHNIQUES}}
+          "clip_norm": "clip threshold (0: off)", "clip_kind": "clipping", "lr_warmup_steps": "LR warm-up steps",
+          "weight_decay": "weight decay", "decay_2d_only": "decay only >=2-D", "loss_scale_init": "loss scale start",
+          "loss_scale_growth_interval": "scale growth interval", "data_parallel": "data parallel",
+          **{t.name: t.label for t in C.TECHNIQUES}}
 
 
 def _field_types() -> dict[str, object]:
@@ -50,6 +72,22 @@ def _current(cfg: C.TrainConfig, name: str):
     return getattr(cfg.model, name) if name in MODEL_FIELDS else getattr(cfg, name)
 
 
+def _text(name: str, value) -> str:
+    return FORMATS[name](value) if name in FORMATS else str(value)
+
+
+@dataclasses.dataclass
+class PanelResult(RunResult):
+    """A RunResult with what a notebook's runner measured for its own plots (JSON-able), kept in panel.results."""
+
+    details: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, result: RunResult, **details) -> "PanelResult":
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(RunResult)}
+        return cls(**fields, details={**getattr(result, "details", {}), **details})
+
+
 def unsupported_reasons(device: str) -> dict[str, str]:
     """"field=value" -> why this device cannot run it (empty when it can): course_lib.capabilities decides."""
     return capabilities(device).unavailable()
@@ -57,9 +95,19 @@ def unsupported_reasons(device: str) -> dict[str, str]:
 
 class Panel:
     def __init__(self, base: C.TrainConfig | None = None, controls: Sequence[str] = ALL_CONTROLS, *, title: str = "Technique panel",
-                 runner: Callable[[C.TrainConfig, str, Callable], RunResult] | None = None,
-                 plots: Sequence[str] = ("speed", "memory"), save_to: str | Path | None = None):
+                 runner: Callable[..., RunResult] | None = None, plots: Sequence[PlotSpec] = ("speed", "memory"),
+                 extras: dict[str, W.ValueWidget] | None = None, save_to: str | Path | None = None):
+        """base: the starting config; controls: TrainConfig/ModelConfig field names, one control each; runner, extras
+        and plots: the notebook's own Run, controls and plots (module docstring); save_to: a JSON file kept current."""
         self.base = base or C.cpu_preset()
+        self.extras: dict[str, W.ValueWidget] = dict(extras or {})
+        if self.extras and runner is None:
+            raise ValueError(f"extra controls ({', '.join(self.extras)}) need a runner that reads them: pass runner=")
+        if self.extras and runner is not None:
+            params = inspect.signature(runner).parameters
+            missing = [k for k in self.extras if k not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values())]
+            if missing:
+                raise ValueError(f"the runner takes no argument named {', '.join(missing)}: its extra controls reach it as keywords")
         self.runner = runner or self._default_runner
         self.plot_names = tuple(plots)
         self.save_to = Path(save_to) if save_to else None
@@ -71,6 +119,13 @@ class Panel:
         notes = []
         for name in controls:
             self.controls[name] = self._make_control(name, notes)
+        for name, w in self.extras.items():
+            if name in self.controls:
+                raise ValueError(f"{name!r} is both a config control and an extra control")
+            if hasattr(getattr(w, "style", None), "description_width"):
+                w.style.description_width = "150px"
+            w.layout.width = w.layout.width or "320px"
+        self._extra_start = self.extra_values()
         self.run_button = W.Button(description="Run", button_style="primary", icon="play")
         self.clear_button = W.Button(description="Clear", icon="trash")
         self.progress = W.IntProgress(value=0, min=0, max=1, description="idle", layout=W.Layout(width="320px"))
@@ -85,7 +140,7 @@ class Panel:
         self.clear_button.on_click(lambda _b: self.clear())
         header = W.HTML(f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
                         + "".join(f"<br><small>&#9888; {n}</small>" for n in notes))
-        grid = W.GridBox(list(self.controls.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
+        grid = W.GridBox(list(self.controls.values()) + list(self.extras.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
         self.widget = W.VBox([header, grid, W.HBox([self.run_button, self.clear_button, self.progress]), self.status,
                               self.plot_image, self.table])
 
@@ -111,7 +166,7 @@ class Panel:
             return W.Dropdown(options=options, value=value if value in options else "fp32", description=desc, style=style, layout=layout)
         if name in CHOICES:
             opts = sorted(set(CHOICES[name]) | {value})
-            return W.Dropdown(options=opts, value=value, description=desc, style=style, layout=layout)
+            return W.Dropdown(options=[(_text(name, v), v) for v in opts], value=value, description=desc, style=style, layout=layout)
         if typing.get_origin(hint) is typing.Literal:
             return W.Dropdown(options=list(typing.get_args(hint)), value=value, description=desc, style=style, layout=layout)
         if hint is bool:
@@ -170,12 +225,16 @@ class Panel:
         cfg = cfg.with_model(**model_changes) if model_changes else cfg
         return capabilities(cfg.device).require(cfg)
 
+    def extra_values(self) -> dict:
+        """The values of the notebook's own controls (`extras`), as the runner receives them."""
+        return {k: w.value for k, w in self.extras.items()}
+
     def set(self, **values) -> "Panel":
-        """Set controls from code, e.g. panel.set(precision="bf16", compile=True)."""
+        """Set controls from code, e.g. panel.set(precision="bf16", compile=True); extra controls too."""
         for k, v in values.items():
-            if k not in self.controls:
-                raise KeyError(f"This panel has no {k!r} control; it has {', '.join(self.controls)}")
-            w = self.controls[k]
+            if k not in self.controls and k not in self.extras:
+                raise KeyError(f"This panel has no {k!r} control; it has {', '.join([*self.controls, *self.extras])}")
+            w = self.controls[k] if k in self.controls else self.extras[k]
             if getattr(w, "disabled", False) and v:
                 raise C.ConfigError(f"{k} is unavailable on this device: {self.reasons.get(f'{k}=True', 'disabled')}")
             w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
@@ -189,6 +248,9 @@ class Panel:
                 continue
             new, old = _current(cfg, k), _current(self.base, k)
             if new != old:
+                parts.append(k if new is True else f"no {k}" if new is False else f"{k}={_text(k, new)}")
+        for k, new in self.extra_values().items():
+            if new != self._extra_start[k]:
                 parts.append(k if new is True else f"no {k}" if new is False else f"{k}={new}")
         return f"#{len(self.results) + 1} " + (", ".join(parts) if parts else "baseline")
 
@@ -214,12 +276,13 @@ class Panel:
         def callback(step: int, _result: RunResult) -> None:
             self.progress.value = step + 1
 
-        result = self.runner(cfg, label, callback)
+        result = self.runner(cfg, label, callback, **self.extra_values())
         self.progress.description = "done"
         result = self._record(result)  # recorded first: nothing below can lose it
         peak = f", peak {result.peak_gib:.4f} GiB" if result.peak_gib is not None else ", memory not measured"
-        self.status.value = (f"<b>{label}</b>: {result.tokens_per_s:,.0f} tokens/s{peak}" if result.ok
-                             else f"<b>{label}</b>: {result.status.upper()} {result.reason}")
+        speed = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None else "done"
+        self.status.value = (f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.reason})" if result.reason else "") if result.ok
+                             else f"<b>{result.label}</b>: {result.status.upper()} {result.reason}")
         return result
 
     def _safe_run(self) -> None:

@@ -49,10 +49,33 @@ def test_scaler_only_for_fp16_and_autocast_only_for_16_bits():
         assert (torch.randn(4, 4) @ torch.randn(4, 4)).dtype == torch.bfloat16
 
 
-def test_fused_and_for_loop_adamw(tiny_model):
-    m = tiny_model()
-    assert T.make_optimizer(C.TrainConfig(fused_adamw=True), m).defaults["fused"] is True
-    assert T.make_optimizer(C.TrainConfig(), m).defaults["foreach"] is False
+def test_fused_adamw_runs_one_fused_kernel_and_updates_like_the_for_loop(tiny_model):
+    """What runs, not what the constructor was told: the ops one optimizer step dispatches, and the result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    params, ops = {}, {}
+    for fused in (False, True):
+        m = tiny_model()
+        opt = T.make_optimizer(C.TrainConfig(fused_adamw=fused, lr=1e-2), m)
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.5)
+        with Ops() as seen:
+            opt.step()
+        ops[fused], params[fused], groups = seen.names, [p.detach().clone() for p in m.parameters()], len(opt.param_groups)
+    n_tensors = len(params[False])
+    assert sum("_fused_adamw" in n for n in ops[True]) == groups  # one kernel call per group, for all its tensors
+    assert not any("_fused_adamw" in n for n in ops[False]) and len(ops[False]) > 3 * n_tensors  # several ops per tensor
+    for a, b in zip(params[False], params[True]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("change", [dict(activation_checkpointing="full"), dict(activation_checkpointing="selective"), dict(loss_chunks=4)])

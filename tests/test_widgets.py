@@ -83,3 +83,20 @@ def test_the_panel_figure_holds_a_drawing_after_every_run(panel):
         assert drawn > 0.03, f"run {len(sizes) + 1}: only {drawn:.1%} drawn"
         sizes.append(len(png))
     assert sizes[1] >= 0.5 * sizes[0]
+
+
+def test_save_to_keeps_every_run_in_a_file(tmp_path):
+    """The panel writes its results as it records them: closing the notebook loses nothing."""
+    from course_lib.results import load_results
+
+    path = tmp_path / "runs" / "panel.json"
+    p = widgets.Panel(C.tiny_preset("cpu"), controls=("attention", "steps"), save_to=path)
+    first = p.run()
+    assert [r.label for r in load_results(path)[0]] == [first.label]
+    p.set(attention="sdpa")
+    p.run()
+    import json
+
+    saved, _ = load_results(path)
+    as_json = lambda rs: json.loads(json.dumps([r.to_dict() for r in rs]))  # noqa: E731 - tuples become lists in JSON
+    assert as_json(saved) == as_json(p.results)
