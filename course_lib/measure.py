@@ -138,8 +138,10 @@ def plain_tensors(t: torch.Tensor):
 def _aliasing_returns(func, out) -> list[bool]:
     """For each tensor `func` returned: does it alias an input (a view, an in-place or out= result)? Such a result
     allocates nothing: its storage is an input's, counted where that was made (or before the ledger started)."""
-    returns = func._schema.returns
     flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if func.__name__.startswith("lift"):  # torch.tensor(data): a storage born outside dispatch, shown here first
+        return [False] * len(flat)
+    returns = func._schema.returns
     if len(returns) == len(flat):
         return [r.alias_info is not None for r in returns]
     return [any(r.alias_info is not None for r in returns)] * len(flat)

@@ -1,11 +1,16 @@
-"""The course in a real browser: JupyterLab in headless Chromium runs a notebook (01, 05: see PANELS), changes
-one control of its panel, clicks Run twice, and checks after each click that the results table gains a row and
-that the panel's figure is a drawn figure: its PNG, read from the page, has real content (a share of
-non-background pixels, also as the browser decodes it, and at least half the bytes of the figure before the
-click). A blank image of the right size is a change too, which is why "the image changed" is not enough: a
-figure displayed into an Output widget from a button's callback came out blank or half drawn in JupyterLab
-(from the first or second click).
-Screenshots of the panel after the last click go to $BROWSER_TEST_SHOTS (default /tmp).
+"""The course in a real browser: for every notebook with a panel (01-08, see PANELS), JupyterLab in headless
+Chromium runs the cells that panel needs, changes that notebook's key control, clicks Run (twice where a run is
+cheap), and checks after each click that the results table gains a row naming the change and that the panel's
+figure is a new, drawn figure: its PNG, read from the page, has real content (a share of non-background pixels, also
+as the browser decodes it, and at least half the bytes of the figure before the click). A blank image of the right
+size is a change too, which is why "the image changed" is not enough: a figure displayed into an Output widget from
+a button's callback came out blank or half drawn in JupyterLab (from the first or second click).
+
+Running every cell of eight notebooks in a browser would take far too long on a small machine, so the browser gets
+a fresh copy of each notebook holding only its cells tagged "panel-setup" (the imports and environment, and what the
+panel cell uses) and "panel" (the panel itself), in their order; nbval still runs every notebook top to bottom.
+One JupyterLab serves all the copies; each notebook's kernel is shut down after its test.
+Screenshots of each panel after its last click go to $BROWSER_TEST_SHOTS (default /tmp).
 
 Needs Debian's `chromium` (installed by .ci/run) and the Python `playwright` package (the test extra).
 Skipped, with the reason in the summary, only where those cannot be had.
@@ -33,6 +38,38 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+SETUP_TAG, PANEL_TAG = "panel-setup", "panel"
+
+
+@dataclasses.dataclass(frozen=True)
+class PanelCase:
+    """One notebook's panel as the browser test drives it: choose options of its dropdowns, press Run `clicks` times."""
+    notebook: str  # file in notebooks/
+    settings: tuple[tuple[str, str], ...]  # (a dropdown's label in the panel, the option's text to choose)
+    expect: tuple[str, ...]  # text the new row of the results table holds
+    clicks: int = 2  # a figure drawn into an Output widget from a callback went blank after the first or the second click
+
+    def __str__(self) -> str:
+        return self.notebook.split("_")[0]
+
+
+# Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
+PANELS = [
+    PanelCase("01_naive_loop.ipynb", (("attention", "sdpa"),), ("attention=sdpa",)),
+    PanelCase("02_memory_accounting.ipynb", (("activation checkpointing", "selective"),), ("activation_checkpointing=selective",)),
+    PanelCase("03_mixed_precision.ipynb", (("loss scale start", "2^32"),), ("loss_scale_init=2^32",)),
+    # compile is 04's other lesson, but a compiled run costs a minute of a 2-core CPU: flash attention is cheap
+    PanelCase("04_compile_and_flash_attention.ipynb", (("attention", "sdpa"),), ("attention=sdpa",)),
+    PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
+              ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token")),
+    PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
+    PanelCase("07_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2")),
+    PanelCase("08_putting_it_together.ipynb", (("loss chunks", "8"),), ("loss_chunks=8",)),
+]
+MIN_INK = 0.03  # share of the figure's pixels that are not background (panel figures here: 10-30%, a blank one 0)
+MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it
+FIGURE = "img.course-plots, .course-plots img"  # the panel's figure (an Image widget; an <img> inside the hook before)
+RUN_ALL_S, CLICK_S = 300, 300  # limits: the tagged cells of one notebook, one run of its panel
 
 
 def chromium_path() -> str | None:
@@ -48,12 +85,41 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def lab(tmp_path, case):
-    """A JupyterLab server on 127.0.0.1 with a token, serving a fresh copy of the case's notebook; stopped afterwards."""
+def panel_cells(notebook: str) -> dict:
+    """A fresh copy of the notebook with only its cells tagged "panel-setup" or "panel", in order, outputs stripped."""
+    nb = json.loads((ROOT / "notebooks" / notebook).read_text(encoding="utf-8"))
+    keep = [c for c in nb["cells"] if {SETUP_TAG, PANEL_TAG} & set(c.get("metadata", {}).get("tags", []))]
+    for c in keep:
+        if c["cell_type"] == "code":
+            c["outputs"], c["execution_count"] = [], None
+    return {**nb, "cells": keep}
+
+
+def _has_panel(notebook: Path) -> bool:
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    return any(c["cell_type"] == "code" and re.search(r"\bPanel\(", "".join(c["source"])) for c in nb["cells"])
+
+
+def test_every_panel_is_driven_and_its_cells_are_tagged():
+    """Every notebook that builds a Panel is a case here, and its copy for the browser has a setup and a panel cell,
+    the panel cell last (it shows the panel)."""
+    with_panel = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb") if _has_panel(p))
+    assert with_panel == sorted(c.notebook for c in PANELS)
+    for case in PANELS:
+        cells = panel_cells(case.notebook)["cells"]
+        tags = [c["metadata"]["tags"] for c in cells]
+        assert SETUP_TAG in tags[0] and PANEL_TAG in tags[-1], (case.notebook, tags)
+        assert re.search(r"^panel\s*$", "".join(cells[-1]["source"]), flags=re.M), f"{case.notebook}: the panel cell should show `panel`"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on 127.0.0.1 with a token, serving the panel copies of every case's notebook; stopped afterwards."""
+    tmp_path = tmp_path_factory.mktemp("lab")
     work = tmp_path / "work"
     work.mkdir()
-    shutil.copy(ROOT / "notebooks" / case.notebook, work / case.notebook)
+    for case in PANELS:
+        (work / case.notebook).write_text(json.dumps(panel_cells(case.notebook), indent=1, ensure_ascii=False), encoding="utf-8")
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
@@ -91,27 +157,26 @@ def lab(tmp_path, case):
         log.close()
 
 
-@dataclasses.dataclass(frozen=True)
-class PanelCase:
-    """One notebook's panel as the browser test drives it: set one dropdown, press Run twice."""
-    notebook: str  # file in notebooks/
-    control: str  # the dropdown's label in the panel
-    value: str  # the option to select
-    expect: str  # text the new row of the results table holds
+@pytest.fixture(scope="module")
+def browser():
+    exe = chromium_path()
+    if exe is None:
+        pytest.skip("Debian's chromium is not installed here (.ci/run installs it: apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing: pip install -e '.[test]'")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
 
-    def __str__(self) -> str:
-        return self.notebook.split("_")[0]
 
+def shut_down_kernels(url: str, token: str) -> None:
+    """Stop every kernel of the server (the notebook just tested), so the next notebook has the CPU to itself."""
+    req = urllib.request.Request(f"{url}/api/sessions?token={token}")
+    for session in json.loads(urllib.request.urlopen(req, timeout=10).read()):
+        urllib.request.urlopen(urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE"), timeout=30)
 
-# Another notebook's panel is one more entry here.
-PANELS = [
-    PanelCase("01_naive_loop.ipynb", "attention", "sdpa", "attention=sdpa"),
-    PanelCase("05_algorithmic_hyperparameters.ipynb", "optimizer", "sgd_momentum", "optimizer=sgd_momentum"),
-]
-CLICKS = 2  # a figure drawn into an Output widget from a callback went blank after the first or the second click
-MIN_INK = 0.03  # share of the figure's pixels that are not background (panel figures here: 10-30%, a blank one 0)
-MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it
-FIGURE = "img.course-plots, .course-plots img"  # the panel's figure (an Image widget; an <img> inside the hook before)
 
 # Reads the panel figure's PNG as the page has it (data: or blob: URL) and what the browser itself decoded:
 # the share of non-background pixels drawn onto a canvas.
@@ -167,77 +232,79 @@ def describe(fig: dict | None) -> str:
 
 
 @pytest.mark.parametrize("case", PANELS, ids=str)
-def test_a_notebook_runs_in_jupyterlab_and_its_panel_redraws_a_real_figure(lab, case):
-    exe = chromium_path()
-    if exe is None:
-        pytest.skip("Debian's chromium is not installed here (.ci/run installs it: apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing: pip install -e '.[test]'")
+def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab, browser, case):
     url, token = lab
     shots = Path(os.environ.get("BROWSER_TEST_SHOTS", "/tmp"))
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{url}/lab/tree/{case.notebook}?token={token}")
-            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-            _run_all_cells(page)
+    t0 = time.time()
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(f"{url}/lab/tree/{case.notebook}?token={token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        _run_all_cells(page)
 
-            n_code = _count_code_cells(case.notebook)
-            deadline = time.time() + 420
-            while True:
-                prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-                done = sum(1 for t in prompts if re.search(r"\[\d+\]", t))
+        n_code = sum(1 for c in panel_cells(case.notebook)["cells"] if c["cell_type"] == "code")
+        deadline = time.time() + RUN_ALL_S
+        while True:
+            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+            done = sum(1 for t in prompts if re.search(r"\[\d+\]", t))
+            error = _first_error(page)
+            if error:
+                pytest.fail(f"a cell failed in JupyterLab:\n{error}")
+            if done == n_code and not any("*" in t for t in prompts):
+                break
+            if time.time() > deadline:
+                page.screenshot(path=str(shots / f"browser_test_{case}_timeout.png"))
+                pytest.fail(f"only {done} of {n_code} cells finished in time (of {len(prompts)} in the page)")
+            time.sleep(1)
+        report = [f"cells ran in {time.time() - t0:.0f} s"]
+
+        page.wait_for_selector(".course-run", timeout=30_000)
+        table_rows = page.locator(".course-table .course-results tbody tr")
+        before = read_figure(page)  # None or not decoded where no run was made from code: the panel starts empty
+        if before and before.get("decoded"):
+            assert before["ink"] >= MIN_INK, f"the figure after the cells ran: {describe(before)}"
+            report.append(f"before: {describe(before)}")
+        else:
+            before = None
+
+        for label, option in case.settings:
+            dropdown = page.locator(".widget-dropdown").filter(has=page.locator("label", has_text=re.compile(rf"^{re.escape(label)}$")))
+            assert dropdown.count() == 1, f"the panel has {dropdown.count()} dropdowns labelled {label!r}"
+            dropdown.locator("select").select_option(label=option)
+        for click in range(1, case.clicks + 1):
+            rows_before = table_rows.count()
+            t_click = time.time()
+            page.locator(".course-run").click()
+            deadline = time.time() + CLICK_S
+            while table_rows.count() == rows_before:
                 error = _first_error(page)
-                if error:
-                    pytest.fail(f"a cell failed in JupyterLab:\n{error}")
-                if done == n_code and not any("*" in t for t in prompts):
-                    break
-                if time.time() > deadline:
-                    page.screenshot(path=str(shots / f"browser_test_{case}_timeout.png"))
-                    pytest.fail(f"only {done} of {n_code} cells finished in time (of {len(prompts)} in the page)")
+                assert error is None, error
+                assert time.time() < deadline, f"click {click} on Run added no row to the results table"
                 time.sleep(1)
-
-            table_rows = page.locator(".course-table .course-results tbody tr")
-            assert table_rows.count() >= 1, "the panel's results table should hold the runs made from code"
-            page.wait_for_selector(FIGURE, timeout=30_000)
-            before = read_figure(page)
-            assert before and before.get("decoded") and before["ink"] >= MIN_INK, f"the figure after Run All: {describe(before)}"
-            report = [f"after Run All: {describe(before)}"]
-
-            dropdown = page.locator(".widget-dropdown").filter(has=page.locator("label", has_text=re.compile(rf"^{re.escape(case.control)}$")))
-            dropdown.locator("select").select_option(case.value)
-            for click in range(1, CLICKS + 1):
-                rows_before = table_rows.count()
-                page.locator(".course-run").click()
-                deadline = time.time() + 300
-                while table_rows.count() == rows_before:
-                    error = _first_error(page)
-                    assert error is None, error
-                    assert time.time() < deadline, f"click {click} on Run added no row to the results table"
-                    time.sleep(1)
-                new_row = table_rows.nth(rows_before).inner_text()
-                assert case.expect in new_row and "ok" in new_row, new_row
-                # The row comes before the figure: wait for a new image, then for it to hold a drawn figure.
-                page.wait_for_function("([sel, before]) => { const i = document.querySelector(sel); return i && i.src && i.src !== before; }",
-                                       arg=[FIGURE, before["src"]], timeout=60_000)
-                deadline = time.time() + 30
-                while True:
-                    after = read_figure(page)
-                    good = (after and after.get("decoded") and after["ink"] >= MIN_INK and after["browser_ink"] >= MIN_INK
-                            and after["bytes"] >= MIN_BYTES_RATIO * before["bytes"])
-                    if good or time.time() > deadline:
-                        break
-                    time.sleep(0.5)
-                report.append(f"after click {click}: {describe(after)}")
-                if click == CLICKS or not good:
-                    page.locator(".jp-CodeCell", has=page.locator(".course-run")).first.screenshot(
-                        path=str(shots / f"browser_test_{case}_click{click}.png"))
-                assert good, (f"the panel's figure is not a drawn figure after click {click} on Run "
-                              f"(needs >= {MIN_INK:.0%} drawn pixels and >= {MIN_BYTES_RATIO:.0%} of the bytes before):\n" + "\n".join(report))
-                before = after
-            print(f"{case.notebook}: " + "; ".join(report))
-        finally:
-            browser.close()
+            new_row = table_rows.nth(rows_before).inner_text()
+            assert all(e in new_row for e in case.expect) and "ok" in new_row.split(), new_row
+            # The row comes before the figure: wait for a new image, then for it to hold a drawn figure.
+            page.wait_for_function("([sel, before]) => { const i = document.querySelector(sel); return i && i.src && i.src !== before; }",
+                                   arg=[FIGURE, before["src"] if before else ""], timeout=60_000)
+            deadline = time.time() + 30
+            while True:
+                after = read_figure(page)
+                good = (after and after.get("decoded") and after["ink"] >= MIN_INK and after["browser_ink"] >= MIN_INK
+                        and (before is None or after["bytes"] >= MIN_BYTES_RATIO * before["bytes"]))
+                if good or time.time() > deadline:
+                    break
+                time.sleep(0.5)
+            report.append(f"click {click} ({time.time() - t_click:.0f} s): {describe(after)}")
+            if click == case.clicks or not good:
+                page.locator(".jp-CodeCell", has=page.locator(".course-run")).first.screenshot(
+                    path=str(shots / f"browser_test_{case}_click{click}.png"))
+            assert good, (f"the panel's figure is not a drawn figure after click {click} on Run "
+                          f"(needs >= {MIN_INK:.0%} drawn pixels and >= {MIN_BYTES_RATIO:.0%} of the bytes before):\n" + "\n".join(report))
+            before = after
+        print(f"\n{case.notebook} in {time.time() - t0:.0f} s: " + "; ".join(report))
+    finally:
+        page.close()
+        shut_down_kernels(url, token)
 
 
 def _run_all_cells(page) -> None:
@@ -258,11 +325,6 @@ def _run_all_cells(page) -> None:
                 return
             time.sleep(1)
     pytest.fail("Run All Cells started no cell (3 tries)")
-
-
-def _count_code_cells(notebook: str) -> int:
-    nb = json.loads((ROOT / "notebooks" / notebook).read_text())
-    return sum(1 for c in nb["cells"] if c["cell_type"] == "code")
 
 
 def _first_error(page) -> str | None:

@@ -148,3 +148,13 @@ def test_saved_for_backward_leaves_out_the_parameters():
     with ledger.watch(head), ledger.phase("forward"):
         y = lin(x)  # addmm saves x and weight.t(): only x is an activation
     assert ledger.saved_bytes == x.nbytes and y.shape == (8, 64)
+
+
+def test_a_tensor_made_from_python_data_is_counted():
+    """torch.tensor(...) creates its storage outside dispatch and shows it to the ledger through aten.lift_fresh,
+    an op that returns an alias of its input: it is a new allocation all the same (AdamW's step counters)."""
+    ledger = measure.MemoryLedger()
+    with ledger:
+        a = torch.tensor(0.0)
+        b = torch.tensor([1.0, 2.0, 3.0])
+    assert ledger.peak == a.nbytes + b.nbytes == 16

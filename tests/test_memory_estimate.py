@@ -53,7 +53,8 @@ CASES = (
     [("cpu", name) for name in LEVERS]
     + [("cpu-V64", name) for name in ("naive fp32", "bf16", "sdpa", "full checkpointing", "selective checkpointing", "set_to_none")]
     + [("cpu-V64", "bf16 + selective checkpointing"), ("cpu-V64", "sdpa + full checkpointing")]
-    + [("gpt2-b32-s1024", name) for name in ("naive fp32", "bf16", "full checkpointing", "selective checkpointing", "8 loss chunks")]
+    # GPT-2 small: the levers whose terms grow with its shape (bf16 and full checkpointing are in the issue's combinations)
+    + [("gpt2-b32-s1024", name) for name in ("naive fp32", "selective checkpointing", "8 loss chunks")]
 )
 
 
@@ -66,7 +67,7 @@ def config(shape: str, levers: str, **more):
 
 
 def check(cfg, fake=True):
-    """The estimate against one measured step: the peak and each category within TOL of the peak, in backward."""
+    """The estimate against one measured step: the peak and each category within TOL of the peak, at the same moment."""
     est, led = M.estimate(cfg), M.account_step(cfg, fake=fake)
     err = (est.peak_bytes - led.peak_bytes) / led.peak_bytes
     assert abs(err) <= TOL, (f"estimate {est.peak_gib:.4f} GiB ({est.when}) vs ledger {led.peak_bytes / GiB:.4f} GiB: "

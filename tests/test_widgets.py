@@ -1,3 +1,6 @@
+import dataclasses
+import json
+
 import pytest
 
 from course_lib import config as C
@@ -100,3 +103,97 @@ def test_save_to_keeps_every_run_in_a_file(tmp_path):
     saved, _ = load_results(path)
     as_json = lambda rs: json.loads(json.dumps([r.to_dict() for r in rs]))  # noqa: E731 - tuples become lists in JSON
     assert as_json(saved) == as_json(p.results)
+
+
+def _drawn(png: bytes) -> float:
+    import io
+
+    import matplotlib.image as mpimg
+
+    return float((mpimg.imread(io.BytesIO(png))[..., :3] < 0.95).any(axis=-1).mean())
+
+
+def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
+    """extras reach the runner as keywords and name the run; a callable in plots draws on the Axes it is given;
+    what the runner measured beyond a RunResult stays in panel.results (PanelResult.details)."""
+    import ipywidgets as W
+
+    from course_lib.train import run
+
+    seen, drawn_with = [], []
+
+    def runner(cfg, label, callback, factor):
+        seen.append(factor)
+        return widgets.PanelResult.of(run(cfg, label, callback=callback), squares=[factor * i * i for i in range(cfg.steps)])
+
+    def plot_squares(results, ax):
+        drawn_with.append(len(results))
+        for r in results:
+            ax.plot(r.details["squares"], "o-", lw=3, label=r.label)
+        ax.legend()
+
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=runner,
+                      extras={"factor": W.IntSlider(value=1, min=1, max=5, description="factor")}, plots=(plot_squares, "grad_norm", "lr"))
+    for factor in (1, 3):
+        p.set(factor=factor)
+        p.run()
+        assert _drawn(p.plot_image.value) > 0.03, f"run with factor={factor}: the figure holds no drawing"
+    assert seen == [1, 3] and drawn_with == [1, 2]
+    assert [r.label for r in p.results] == ["#1 baseline", "#2 factor=3"]
+    assert p.results[1].details["squares"] == [0, 3, 12, 27] and len(p.last_figure.axes) == 3
+    again = widgets.PanelResult.from_dict(json.loads(json.dumps(p.results[1].to_dict())))  # what save_to writes
+    assert (again.label, again.losses, again.details) == (p.results[1].label, p.results[1].losses, p.results[1].details)
+
+
+def test_extras_need_a_runner_that_takes_them_and_plots_must_exist():
+    import ipywidgets as W
+
+    extra = {"factor": W.IntSlider(value=1)}
+    with pytest.raises(ValueError, match="need a runner"):
+        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), extras=extra)
+    with pytest.raises(ValueError, match="no argument named factor"):
+        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), extras=extra, runner=lambda cfg, label, callback: None)
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), plots=("speed", "nonsense"))
+    with pytest.raises(KeyError, match="no plot named 'nonsense'"):
+        p.run()
+    assert len(p.results) == 1  # recorded before the figure failed
+
+
+def test_loss_scale_controls_read_as_powers_of_two():
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), precision="fp16"), controls=("loss_scale_init", "loss_scale_growth_interval"))
+    assert p.controls["loss_scale_init"].label == "2^16"
+    p.set(loss_scale_init=2.0**30, loss_scale_growth_interval=3)
+    cfg = p.config()
+    assert (cfg.loss_scale_init, cfg.loss_scale_growth_interval) == (2.0**30, 3)
+    assert p.label(cfg) == "#1 loss_scale_init=2^30, loss_scale_growth_interval=3"
+
+
+def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(splits):
+    """Notebook 06's runner (accumulation.normalisation_run): whole-batch normalisation matches the big batch under
+    uneven padding, the mean of means does not; both runs drawn."""
+    import ipywidgets as W
+
+    from course_lib import accumulation as acc
+
+    def runner(cfg, label, callback, imbalance, normalisation):
+        r, d = acc.normalisation_run(cfg, splits.train, splits.pad_id, imbalance, normalisation, label, callback)
+        return widgets.PanelResult.of(r, **d)
+
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), context=32, batch_size=4, grad_accum_steps=4, steps=2, timing_warmup=1),
+                      controls=("grad_accum_steps",), runner=runner, plots=(acc.plot_gradient_errors, acc.plot_target_counts),
+                      extras={"imbalance": W.Dropdown(options=[1, 8], value=8), "normalisation": W.Dropdown(options=list(acc.NORMALISATIONS))})
+    for n in ("global", "mean_of_means"):
+        p.set(normalisation=n).run()
+        assert _drawn(p.plot_image.value) > 0.03
+    good, bad = (r.details for r in p.results)
+    assert good["target_counts"] == [32, 16, 8, 4] and good["relative_error"] < 1e-5 and bad["relative_error"] > 1e-2
+    assert "relative error" in p.table.value
+
+
+def test_the_strategy_panel_refuses_what_a_strategy_cannot_run():
+    from course_lib.distributed import panel as DP
+
+    cfg = C.tiny_preset("cpu").with_model(n_layer=4, n_head=4)
+    assert DP.why_not(cfg, "ddp", 3, 1) is None and DP.why_not(cfg, "gpipe", 2, 2) is None
+    assert "at least 4 micro-batches" in DP.why_not(cfg, "1f1b", 4, 2)
+    assert "not divisible by 3" in DP.why_not(cfg, "tp", 3, 1)

