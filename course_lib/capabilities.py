@@ -294,7 +294,8 @@ def measured_tflops(device: str, precision: str, shape: tuple[int, int, int] | N
     """This machine's matmul speed in `precision`, cached per machine (device name with thread count, torch
     version, oneDNN cap). Without `shape`: the peak over square sizes, growing until a matmul takes long
     enough to be a fair measure (2048 on a CPU, 8192 on a GPU). With `shape` (m, k, n): that shape only.
-    `refresh` measures again (a cached value taken while the machine was busy is low)."""
+    `refresh` measures again, and the cache keeps the larger of the two (a value taken while the machine was busy
+    is low, never high)."""
     dev_type = torch.device(device).type
     if dev_type == "cpu" and precision == "tf32":
         precision = "fp32"  # TF32 changes nothing on a CPU
@@ -315,7 +316,8 @@ def measured_tflops(device: str, precision: str, shape: tuple[int, int, int] | N
                 break
             size *= 2
     cache = _read_cache()
-    cache[key] = value
+    # A peak is the best this machine has shown: a measurement taken while it was busy must not lower it.
+    cache[key] = value = max(value, cache.get(key, 0.0))
     _write_cache(cache)
     return value
 
