@@ -1,6 +1,7 @@
 """The course's command line.
 
     python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--json PATH]
+    python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--out train.py]
     python -m course_lib info [--device D]
     python -m course_lib doctor [--device D] [--json PATH]
     python -m course_lib bpe            (retrain the shipped tokenizer ranks from the corpus)
@@ -69,6 +70,49 @@ def _parse_value(text: str):
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text
+
+
+def cmd_export(args) -> int:
+    """One standalone training script for a config (course_lib.export): the preset, changed by --set, or the
+    ladder's cumulative config at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in
+    `ladder --set`, and other fields change the preset the ladder climbs from)."""
+    from pathlib import Path
+
+    from . import export
+
+    try:
+        base = C.preset(args.preset, args.device)
+        if args.steps is not None:
+            base = dataclasses.replace(base, steps=args.steps)
+        options = {}
+        for item in args.set or []:
+            name, _, value = item.partition("=")
+            if not name or not value:
+                print(f"error: --set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
+                      f"model.<field>), got {item!r}", file=sys.stderr)
+                return 2
+            if args.rung is not None and name in C.TECHNIQUE:
+                options[name] = _parse_value(value)
+            else:
+                base = export.with_setting(base, name, _parse_value(value))
+        rung = C.LADDER[int(args.rung)].name if args.rung is not None and args.rung.isdigit() and int(args.rung) < len(C.LADDER) else args.rung
+        cfg = export.rung_config(base, rung, options) if rung is not None else base
+        text = export.script(cfg)
+    except (C.ConfigError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out in (None, "-"):
+        sys.stdout.write(text)
+        return 0
+    out = Path(args.out)
+    try:
+        out.write_text(text)
+    except OSError as e:
+        print(f"error: could not write {out} ({e})", file=sys.stderr)
+        return 2
+    how = "torchrun --nproc_per_node=N" if cfg.data_parallel != "none" else "python"
+    print(f"wrote {out} ({len(text.splitlines())} lines): run it with `{how} {out}`", file=sys.stderr)
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -141,6 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument("--json", default=None, help="write every result, with device, torch version, date and config, here")
     p.set_defaults(func=cmd_ladder)
+    p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
+    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
+                        "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable")
+    p.add_argument("--rung", default=None, metavar="NAME",
+                   help="export the ladder's cumulative config at this rung (its name, e.g. '+ bf16 autocast', or index)")
+    p.add_argument("--out", default=None, help="the script's path (default: standard output)")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("info", help="what this machine supports")
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_info)

