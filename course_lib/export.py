@@ -12,7 +12,8 @@ How it is assembled:
   course_lib's functions too. Comments that point into course_lib are left out (the script stands alone).
 - Each setting is declared once, in SNIPPETS, keyed by its config field (the key config.TECHNIQUES uses, "model.x"
   for a ModelConfig field): a function cfg -> Code, the pieces that setting puts into the script at named places
-  (imports, constants, definitions, setup code in main, the autocast line, the backward, the optimizer step ...).
+  (imports, constants, definitions, setup code in main, the autocast line, the backward, the optimizer step ...;
+  a snippet may leave a "<place>" that another fills: fused_adamw fills the optimizer line's implementation keyword).
   They are declared in the order techniques.build applies them, and their setup code appears in that order.
   `FIELDS_READ` says which other fields a snippet reads, and `RUN_FIELDS` which fields are plain constants, so
   every config field is accounted for (tests/test_export.py checks it: a new field needs a snippet or a line here).
@@ -124,6 +125,7 @@ class Code:
     model_defs: tuple[str, ...] = ()  # module-level code before the model's classes (the attention function)
     model_edits: tuple[tuple[str, str], ...] = ()  # (old, new) text replacements in the model's source
     model_config: tuple[str, ...] = ()  # extra lines of the ModelConfig dataclass (fields, properties)
+    fills: tuple[tuple[str, str], ...] = ()  # (placeholder, text): fills a place another snippet's code leaves ("<name>")
     defs: tuple[str, ...] = ()  # module-level code after the model (techniques, loss, schedule, ...)
     init: str = ""  # first thing in main() (the process group)
     setup: str = ""  # main(), after the model is built: wrappers, optimizer, ... (declaration order = build order)
@@ -141,7 +143,7 @@ class Code:
     teardown: str = ""  # last thing in main()
 
 
-MULTI = ("imports", "constants", "model_defs", "model_edits", "model_config", "defs", "setup")
+MULTI = ("imports", "constants", "model_defs", "model_edits", "model_config", "fills", "defs", "setup")
 
 
 def _merge(parts: dict[str, Code]) -> Code:
@@ -162,6 +164,10 @@ def _merge(parts: dict[str, Code]) -> Code:
             else:
                 merged[f.name], owner[f.name] = value, key
     merged["setup"] = "\n\n".join(merged.get("setup", ()))
+    for place, text in merged.get("fills", ()):
+        merged["setup"] = merged["setup"].replace(place, text)
+    if left := re.findall(r"<[a-z_]+>", merged["setup"]):
+        raise RuntimeError(f"export: no snippet fills {left}")
     return Code(**merged)
 
 
@@ -198,8 +204,7 @@ def _device_type(cfg: TrainConfig) -> str:
 def _activation_checkpointing(cfg: TrainConfig) -> Code:
     if cfg.activation_checkpointing == "none":
         return Code()
-    wrap = ("# Activation checkpointing wraps each block first: every later wrapper (DDP, compile) must see the\n"
-            "# checkpointed blocks.\n"
+    wrap = ("# Activation checkpointing wraps each block before anything else wraps the model (it must see the blocks).\n"
             "for i, block in enumerate(model.blocks):\n"
             "    model.blocks[i] = CheckpointedBlock(block)")
     if cfg.activation_checkpointing == "full":
@@ -347,10 +352,8 @@ def _optimizer(cfg: TrainConfig) -> Code:
         wd = [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"] if cfg.optimizer == "adamw" or cfg.weight_decay > 0 else []
     if cfg.optimizer == "adamw":
         constants += [f"BETAS = {tuple(cfg.betas)!r}", f"EPS = {cfg.eps!r}"]
-        impl = "fused=True" if cfg.fused_adamw else "foreach=False"
-        line = f"optimizer = torch.optim.AdamW({', '.join([params, 'lr=LR', 'betas=BETAS', 'eps=EPS', *wd, impl])})"
-        why = ("# AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries)." if cfg.fused_adamw else
-               "# AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.")
+        line = f"optimizer = torch.optim.AdamW({', '.join([params, 'lr=LR', 'betas=BETAS', 'eps=EPS', *wd, '<adamw_impl>'])})"
+        why = "<adamw_why>"  # the fused_adamw snippet says which implementation
     elif cfg.optimizer == "sgd":
         line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
     else:
@@ -363,7 +366,12 @@ def _optimizer(cfg: TrainConfig) -> Code:
 
 @snippet("fused_adamw")
 def _fused_adamw(cfg: TrainConfig) -> Code:
-    return Code()  # a keyword of the optimizer's line (the "optimizer" snippet writes it: fused=True or foreach=False)
+    """Which AdamW implementation: a keyword of the optimizer's line (written by the "optimizer" snippet)."""
+    if cfg.fused_adamw:
+        return Code(fills=(("<adamw_impl>", "fused=True"),
+                           ("<adamw_why>", "# AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries).")))
+    return Code(fills=(("<adamw_impl>", "foreach=False"),
+                       ("<adamw_why>", "# AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.")))
 
 
 _SCHEDULES = {"constant": (T.constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
@@ -650,7 +658,7 @@ def script(cfg: TrainConfig) -> str:
     """The standalone training script of `cfg` (module docstring)."""
     _check(cfg)
     code = _merge({name: fn(cfg) for name, fn in SNIPPETS.items()})
-    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel == "ddp"
+    ddp = cfg.data_parallel == "ddp"
     pr = "print0" if ddp else "print"
     on = techniques_on(cfg)
     run = "torchrun --nproc_per_node=N train.py" if ddp else "python train.py"
@@ -666,6 +674,11 @@ def script(cfg: TrainConfig) -> str:
     imports = {"import argparse", "import base64", "import importlib.util", "import json", "import math", "import re",
                "import statistics", "import time", "from dataclasses import dataclass", "from pathlib import Path",
                "import tiktoken", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", *code.imports}
+    names: dict[str, set[str]] = {}  # from M import a, b: one line per module
+    for i in [i for i in imports if i.startswith("from ")]:
+        module, _, what = i[5:].partition(" import ")
+        names.setdefault(module, set()).update(w.strip() for w in what.split(","))
+    imports = {i for i in imports if not i.startswith("from ")} | {f"from {m} import {', '.join(sorted(n))}" for m, n in names.items()}
     third_party = sorted((i for i in imports if i.split()[1].split(".")[0] in ("torch", "tiktoken")), key=lambda i: (i.startswith("from"), i))
     std = sorted((i for i in imports if i not in third_party), key=lambda i: (i.startswith("from"), i))
     import_block = "\n".join(std + [""] + third_party)
@@ -739,10 +752,24 @@ def diff(cfg_a: TrainConfig, cfg_b: TrainConfig, name_a: str = "a/train.py", nam
 
 
 def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> TrainConfig:
-    """The ladder's cumulative config at the rung named (config.ladder_configs: what `ladder` runs there)."""
+    """The ladder's cumulative config at the rung named: config.ladder_configs, what `ladder` runs there (a rung this
+    device cannot run is skipped). For a device this machine does not have (a GPU config written on a laptop), every
+    rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
+    from .capabilities import capabilities
+
+    options = options or {}
     names = [r.name for r in C.LADDER]
     if rung not in names:
         raise ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
+    if unknown := [k for k in options if k not in C.TECHNIQUE]:
+        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(C.TECHNIQUE)}")
+    try:
+        capabilities(base.device)
+    except ConfigError:  # not on this machine
+        cfg = C.naive(base)
+        for r in C.LADDER[: names.index(rung) + 1]:
+            cfg = r.apply(cfg, options.get(r.technique.name) if r.technique else None)
+        return cfg
     for r, cfg in C.ladder_configs(base, options):
         if r.name == rung:
             if isinstance(cfg, ConfigError):

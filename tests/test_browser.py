@@ -232,7 +232,7 @@ def describe(fig: dict | None) -> str:
 
 
 @pytest.mark.parametrize("case", PANELS, ids=str)
-def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab, browser, case):
+def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser, lab, case):
     url, token = lab
     shots = Path(os.environ.get("BROWSER_TEST_SHOTS", "/tmp"))
     t0 = time.time()

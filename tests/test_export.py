@@ -1,0 +1,301 @@
+"""course_lib.export: the standalone script of a config trains exactly like the course's loop.
+
+Each case exports a script, runs it (a subprocess), and trains the same config with course_lib.train.train on the same
+seed and batches; the per-step losses must be equal bit for bit, except where the arithmetic may differ (torch.compile
+may fuse and reorder fp32 sums differently in two processes: a stated tolerance). To stay fast, the single-process
+scripts run one after another in one subprocess (each imported and its main() called, as `python train.py` would; the
+corpus is tokenized once, by the first script's own code), and DDP runs the script as torchrun runs it, then the
+course's loop, in one launch of 2 gloo processes. Every config here has measure_memory=False: the course's memory-ledger step is a measurement the script
+does not have (and it runs a compiled step eagerly).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from course_lib import config as C
+from course_lib import data, export, train
+from course_lib.__main__ import main as cli
+
+BASE = dataclasses.replace(C.tiny_preset("cpu"), steps=3, timing_warmup=1, measure_memory=False)
+COMPILE_RTOL = 1e-5  # compiled kernels may sum in another order: |loss_script - loss_course| <= 1e-5 * |loss_course|
+
+
+def everything_on(cfg: C.TrainConfig) -> C.TrainConfig:
+    """The ladder's top rung without asking the device (every rung's value, in order)."""
+    cfg = C.naive(cfg)
+    for t in C.TECHNIQUES:
+        for _, value, _ in t.rungs:
+            cfg = t.set(cfg, value)
+    return cfg
+
+
+# name -> (config, the batches are the test's padded ones, tolerance or None for bit for bit)
+CASES = {
+    "naive fp32": (BASE, False, None),
+    "tf32 (no effect on a CPU)": (dataclasses.replace(BASE, precision="tf32"), False, None),
+    "bf16 autocast": (dataclasses.replace(BASE, precision="bf16"), False, None),
+    "fp16 + GradScaler + clipping": (dataclasses.replace(BASE, precision="fp16", clip_norm=0.5), False, None),
+    "sdpa": (BASE.with_model(attention="sdpa"), False, None),
+    "vocab x64": (BASE.with_model(vocab_multiple=64), False, None),
+    "fused AdamW": (dataclasses.replace(BASE, fused_adamw=True), False, None),
+    "set_to_none": (dataclasses.replace(BASE, set_to_none=True), False, None),
+    "checkpointing full": (dataclasses.replace(BASE, activation_checkpointing="full"), False, None),
+    "checkpointing selective": (dataclasses.replace(BASE, activation_checkpointing="selective"), False, None),
+    "chunked loss": (dataclasses.replace(BASE, loss_chunks=8), False, None),
+    "everything on but compile": (dataclasses.replace(everything_on(BASE), compile=False), False, None),
+    "accumulation with uneven padding": (dataclasses.replace(BASE, grad_accum_steps=2), True, None),
+    "AdamW decay 2-D, global clip, cosine, validation": (
+        dataclasses.replace(BASE, weight_decay=0.1, clip_norm=0.5, schedule="cosine", lr_warmup_steps=1, eval_every=2), False, None),
+    "SGD momentum, per-tensor clip, wsd": (
+        dataclasses.replace(BASE, optimizer="sgd_momentum", lr=0.05, clip_norm=0.5, clip_kind="per_tensor", schedule="wsd",
+                            weight_decay=0.01, decay_2d_only=False), False, None),
+    "compile": (dataclasses.replace(BASE, compile=True), False, COMPILE_RTOL),  # the one compile case, last
+}
+
+DRIVER = textwrap.dedent('''
+    import importlib.util, json, sys
+    import torch
+
+    stream = []  # the corpus, tokenized by the first script's own token_stream and handed to the others (it is the same code)
+    for case in json.load(open(sys.argv[1])):
+        spec = importlib.util.spec_from_file_location("exported_train", case["script"])
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        own = module.token_stream
+        module.token_stream = lambda enc, own=own: stream[0] if stream else stream.append(own(enc)) or stream[0]
+        if case["batches"]:  # the test's batches in place of the script's own (make_batches is where a learner puts theirs)
+            steps = torch.load(case["batches"])
+            module.make_batches = lambda *args, steps=steps: (lambda step: steps[step])
+        sys.argv = [case["script"], "--losses", case["losses"]]
+        module.main()  # what `python train.py --losses ...` runs
+''')
+
+
+def padded_batches(stream: torch.Tensor, cfg: C.TrainConfig, pad: int) -> list:
+    """Each step's two micro-batches of two sequences padded to the context, unevenly: the first micro-batch almost
+    full, the second mostly padding (a mean of micro-batch means would weight its few tokens up)."""
+    gen = torch.Generator().manual_seed(7)
+    lengths = ((cfg.context + 1, 50), (20, 9))  # tokens per sequence, for micro-batches 0 and 1
+    steps = []
+    for _ in range(cfg.steps):
+        micro = []
+        for lens in lengths:
+            starts = torch.randint(0, len(stream) - 2 * cfg.context, (len(lens),), generator=gen).tolist()
+            micro.append(data.pad_sequences([stream[s:s + n] for s, n in zip(starts, lens)], cfg.context, pad))
+        steps.append(micro)
+    return steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, splits):
+    """Every case's script run once (one subprocess): name -> (script losses, the padded batches or None)."""
+    tmp = tmp_path_factory.mktemp("export")
+    cases, batches = [], {}
+    for i, (name, (cfg, padded, _)) in enumerate(CASES.items()):
+        script = tmp / f"train_{i}.py"
+        script.write_text(export.script(cfg))
+        case = {"script": str(script), "losses": str(tmp / f"losses_{i}.json"), "batches": None}
+        if padded:
+            batches[name] = padded_batches(splits.train, cfg, splits.pad_id)
+            case["batches"] = str(tmp / f"batches_{i}.pt")
+            torch.save(batches[name], case["batches"])
+        cases.append(case)
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    (tmp / "driver.py").write_text(DRIVER)
+    proc = subprocess.run([sys.executable, str(tmp / "driver.py"), str(tmp / "cases.json")], capture_output=True, text=True,
+                          timeout=600, cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: (json.loads(Path(c["losses"]).read_text()), batches.get(name)) for name, c in zip(CASES, cases)}, proc.stdout
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_script_trains_like_the_course_loop(name, runs, splits):
+    cfg, padded, rtol = CASES[name]
+    script_losses, batches = runs[0][name]
+    course = train.train(cfg, splits=splits, batches=(lambda step: batches[step]) if padded else None)
+    assert len(script_losses) == cfg.steps
+    if rtol is None:
+        assert script_losses == course.losses, f"{name}: not bit for bit: {script_losses} against {course.losses}"
+    else:
+        for a, b in zip(script_losses, course.losses):
+            assert abs(a - b) <= rtol * abs(b), f"{name}: {script_losses} against {course.losses} (rtol {rtol})"
+        if script_losses != course.losses:
+            print(f"{name}: within rtol {rtol}, not bit for bit: {script_losses} against {course.losses}")
+
+
+def test_the_script_prints_its_timing(runs):
+    out = runs[1]
+    assert "parameters;" in out and "tokens/s" in out and "median step" in out
+    assert "validation loss" in out  # the case with eval_every
+
+
+def test_padding_is_uneven_across_micro_batches(runs):
+    (_, batches) = runs[0]["accumulation with uneven padding"]
+    counts = [[data.count_targets(y) for _, y in step] for step in batches]
+    assert all(a > 2 * b for a, b in counts), counts
+
+
+DDP_DRIVER = textwrap.dedent('''
+    """Under torchrun: the exported script (as `torchrun train.py` runs it), then the course's loop on the same shards."""
+    import json, os, runpy, sys
+    import torch, torch.distributed as dist
+    from course_lib import config as C, data, train
+
+    script, cfg_file, out = sys.argv[1:4]
+    sys.argv = [script, "--losses", os.path.join(out, "script.json")]
+    runpy.run_path(script, run_name="__main__")  # it joins the process group and leaves it
+    cfg = C.TrainConfig.from_dict(json.load(open(cfg_file)))
+    # A second group in the same processes: a file store (torchrun's store was the script's).
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "store"),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    rank, world, mb = dist.get_rank(), dist.get_world_size(), cfg.micro_batch_size
+    splits = data.load_splits()
+    gen = torch.Generator().manual_seed(cfg.seed)  # the script's batches: one global batch per micro-batch, sliced by rank
+    steps = [[tuple(t[rank * mb:(rank + 1) * mb] for t in data.random_windows(splits.train, world * mb, cfg.context, gen))
+              for _ in range(cfg.grad_accum_steps)] for _ in range(cfg.steps)]
+    result = train.train(cfg, batches=lambda step: steps[step], splits=splits)
+    with open(os.path.join(out, f"course_rank{rank}.json"), "w") as f:
+        json.dump(result.losses, f)
+    dist.destroy_process_group()
+''')
+
+
+def test_ddp_script_trains_like_the_course_loop(tmp_path):
+    """DDP on 2 gloo processes with gradient accumulation (no_sync on the first micro-batch): rank 0's losses."""
+    from course_lib.distributed.launch import free_port
+
+    cfg = dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2)
+    (tmp_path / "train.py").write_text(export.script(cfg))
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp_path / "driver.py").write_text(DDP_DRIVER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(tmp_path / "driver.py"), str(tmp_path / "train.py"), str(tmp_path / "cfg.json"), str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:  # torchrun and its workers are one process group: none is left behind, even after a timeout
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-4000:]
+    script_losses = json.loads((tmp_path / "script.json").read_text())
+    course = json.loads((tmp_path / "course_rank0.json").read_text())
+    assert script_losses == course, f"DDP: {script_losses} against {course}"
+    assert "tokens/s" in stdout and stdout.count("step 1/3") == 1  # only rank 0 prints
+
+
+# ---- what the script holds -------------------------------------------------------------------------------------
+
+def test_every_config_field_is_declared_once():
+    """Each field has one snippet, is read by one, is a plain constant of the run, or is said not to be exported."""
+    names = [f"model.{f.name}" for f in dataclasses.fields(C.ModelConfig)]
+    names += [f.name for f in dataclasses.fields(C.TrainConfig) if f.name != "model"]
+    declared = list(export.SNIPPETS) + [r for reads in export.FIELDS_READ.values() for r in reads]
+    declared += list(export.RUN_FIELDS) + list(export.NOT_EXPORTED)
+    assert sorted(declared) == sorted(names)
+    assert {t.field for t in C.TECHNIQUES} <= set(export.SNIPPETS)
+
+
+# What each technique's rung puts into the script; none of these is in the naive script.
+MARKERS = {"precision": {"tf32": 'fp32_precision = "tf32"', "bf16": "torch.autocast("}, "model.attention": "scaled_dot_product_attention",
+           "compile": "torch.compile(", "model.vocab_multiple": "padded_vocab_size", "fused_adamw": "fused=True",
+           "set_to_none": "set_to_none=True", "activation_checkpointing": "checkpoint(", "loss_chunks": "LOSS_CHUNKS"}
+OFF_WORDS = ("autocast", "compile", "checkpoint", "fused", "GradScaler", "scaler", "no_sync", "scaled_dot_product", "padded_vocab",
+             "vocab_multiple", "LOSS_CHUNKS", "GRAD_ACCUM", "MICRO_BATCH", "scheduler", "clip", "distributed", "fp32_precision",
+             "set_to_none=True", "evaluate", "WEIGHT_DECAY", "dist.", "world", "hidden(")
+
+
+def test_the_naive_script_holds_no_technique():
+    text = export.script(C.naive(BASE))
+    assert [w for w in OFF_WORDS if w in text] == []
+
+
+@pytest.mark.parametrize("rung", [r for r in C.LADDER if r.technique], ids=lambda r: r.name)
+def test_each_rung_adds_its_technique(rung):
+    t = rung.technique
+    marker = MARKERS[t.field][rung.value] if isinstance(MARKERS[t.field], dict) else MARKERS[t.field]
+    naive, on = C.naive(BASE), rung.apply(C.naive(BASE))
+    assert marker not in export.script(naive) and marker in export.script(on)
+    changed = export.diff(naive, on)
+    assert marker in changed and changed.startswith("--- a/train.py\n+++ b/train.py\n")
+
+
+def test_the_accumulation_loop_is_written_only_when_on():
+    one, two = export.script(BASE), export.script(dataclasses.replace(BASE, grad_accum_steps=2))
+    assert "for x, y in micro:" not in one and "GRAD_ACCUM_STEPS" not in one
+    assert "for x, y in micro:" in two and "step_loss += loss.detach()" in two
+    ddp = export.script(dataclasses.replace(BASE, grad_accum_steps=2, data_parallel="ddp"))
+    assert "ddp_model.no_sync()" in ddp and "init_process_group" in ddp
+    assert "no_sync" not in export.script(dataclasses.replace(BASE, data_parallel="ddp"))
+
+
+def test_exported_scripts_pass_pyflakes(tmp_path):
+    top = everything_on(BASE)
+    cfgs = [cfg for cfg, _, _ in CASES.values()] + [
+        top, dataclasses.replace(top, activation_checkpointing="selective", compile_mode="max-autotune"),
+        dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2, eval_every=1, precision="fp16", clip_norm=1.0),
+        dataclasses.replace(top, device="cuda", data_parallel="ddp", loss_chunks=1, grad_accum_steps=2, schedule="inverse_sqrt",
+                            lr_warmup_steps=2, optimizer="sgd", fused_adamw=False, weight_decay=0.1),
+        dataclasses.replace(BASE, schedule="constant", lr_warmup_steps=2, optimizer="sgd", clip_norm=1.0, clip_kind="per_tensor")]
+    paths = []
+    for i, cfg in enumerate(cfgs):
+        paths.append(tmp_path / f"train_{i}.py")
+        paths[-1].write_text(export.script(cfg))
+    proc = subprocess.run([sys.executable, "-m", "pyflakes", *map(str, paths)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_what_cannot_be_exported_is_explained():
+    with pytest.raises(C.ConfigError, match="FSDP2"):
+        export.script(dataclasses.replace(BASE, data_parallel="fsdp"))
+    with pytest.raises(C.ConfigError, match="loss_chunks=1"):
+        export.script(dataclasses.replace(BASE, data_parallel="ddp", loss_chunks=8))
+    with pytest.raises(C.ConfigError, match="raise steps"):
+        export.script(dataclasses.replace(BASE, steps=1))
+
+
+# ---- the command line ------------------------------------------------------------------------------------------
+
+def test_export_command_writes_a_rung(tmp_path, capsys):
+    out = tmp_path / "train.py"
+    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--steps", "3", "--rung", "+ bf16 autocast", "--out", str(out)]) == 0
+    expected = export.rung_config(dataclasses.replace(C.tiny_preset("cpu"), steps=3), "+ bf16 autocast")
+    assert expected.precision == "bf16" and out.read_text() == export.script(expected)
+    assert "wrote" in capsys.readouterr().err
+    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--rung", "+ checkpointing", "--set", "activation_checkpointing=selective",
+                "--set", "grad_accum_steps=2", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "create_selective_checkpoint_contexts" in text and "GRAD_ACCUM_STEPS = 2" in text and "torch.compile(" in text
+    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--set", "data_parallel=ddp", "--set", "model.n_layer=3",
+                "--out", str(out)]) == 0
+    assert "DistributedDataParallel(model)" in out.read_text() and "n_layer: int = 3" in out.read_text()
+
+
+@pytest.mark.parametrize("args, says", [(["--set", "checkpointing=full"], "is neither a technique"),
+                                        (["--set", "precision"], "--set takes FIELD=VALUE"),
+                                        (["--set", "precision=fp8"], "precision='fp8' is not one of"),
+                                        (["--rung", "+ warp drive"], "is not a rung of the ladder")])
+def test_export_command_explains_bad_arguments(args, says, capsys):
+    assert cli(["export", "--preset", "tiny", "--device", "cpu", *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_the_script_finds_the_ranks_file_as_course_lib_data_does(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(export.script(BASE))
+    spec = importlib.util.spec_from_file_location("exported_train", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.course_ranks_file().resolve() == data.RANKS_FILE.resolve()
+    assert module.tokenizer(module.course_ranks_file()).n_vocab == data.get_tokenizer().n_vocab
