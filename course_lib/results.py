@@ -51,6 +51,12 @@ class RunResult:
     mfu_basis: str = ""  # "data-sheet peak" (a known GPU: MFU proper) or "measured matmul peak" (any other device)
     skipped_optimizer_steps: int = 0  # fp16: steps the GradScaler skipped for inf/nan gradients
     loss_scales: list[float] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # what a notebook's own runner measured for its plots (JSON-able)
+
+    def with_details(self, **details) -> "RunResult":
+        """This result with more of what a notebook's runner measured (kept in panel.results and saved with it)."""
+        self.details = {**self.details, **details}
+        return self
 
     @property
     def ok(self) -> bool:

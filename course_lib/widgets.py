@@ -14,8 +14,8 @@ A notebook fits the panel to its own lesson with three arguments, and nothing el
   "step_times", "grad_norm", "lr") or a callable `fn(results, ax)` that draws every run on the matplotlib Axes it
   is given (no pyplot: the figure is course_lib.plots.new_figure's).
 
-What a runner measured for its own plots beyond a RunResult's fields goes in `PanelResult.details` (JSON-able
-numbers and lists), so that it is in `panel.results` too; `PanelResult.of(result, **details)` makes one.
+What a runner measured for its own plots beyond a RunResult's fields goes in `RunResult.details` (JSON-able
+numbers and lists), so that it is in `panel.results` and its saved file too: `result.with_details(**details)`.
 """
 from __future__ import annotations
 
@@ -74,18 +74,6 @@ def _current(cfg: C.TrainConfig, name: str):
 
 def _text(name: str, value) -> str:
     return FORMATS[name](value) if name in FORMATS else str(value)
-
-
-@dataclasses.dataclass
-class PanelResult(RunResult):
-    """A RunResult with what a notebook's runner measured for its own plots (JSON-able), kept in panel.results."""
-
-    details: dict = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, result: RunResult, **details) -> "PanelResult":
-        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(RunResult)}
-        return cls(**fields, details={**getattr(result, "details", {}), **details})
 
 
 def unsupported_reasons(device: str) -> dict[str, str]:

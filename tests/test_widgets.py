@@ -5,6 +5,7 @@ import pytest
 
 from course_lib import config as C
 from course_lib import widgets
+from course_lib.results import RunResult
 
 
 @pytest.fixture
@@ -115,7 +116,7 @@ def _drawn(png: bytes) -> float:
 
 def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
     """extras reach the runner as keywords and name the run; a callable in plots draws on the Axes it is given;
-    what the runner measured beyond a RunResult stays in panel.results (PanelResult.details)."""
+    what the runner measured beyond a RunResult stays in panel.results (RunResult.details)."""
     import ipywidgets as W
 
     from course_lib.train import run
@@ -124,7 +125,7 @@ def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
 
     def runner(cfg, label, callback, factor):
         seen.append(factor)
-        return widgets.PanelResult.of(run(cfg, label, callback=callback), squares=[factor * i * i for i in range(cfg.steps)])
+        return run(cfg, label, callback=callback).with_details(squares=[factor * i * i for i in range(cfg.steps)])
 
     def plot_squares(results, ax):
         drawn_with.append(len(results))
@@ -141,7 +142,7 @@ def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
     assert seen == [1, 3] and drawn_with == [1, 2]
     assert [r.label for r in p.results] == ["#1 baseline", "#2 factor=3"]
     assert p.results[1].details["squares"] == [0, 3, 12, 27] and len(p.last_figure.axes) == 3
-    again = widgets.PanelResult.from_dict(json.loads(json.dumps(p.results[1].to_dict())))  # what save_to writes
+    again = RunResult.from_dict(json.loads(json.dumps(p.results[1].to_dict())))  # what save_to writes
     assert (again.label, again.losses, again.details) == (p.results[1].label, p.results[1].losses, p.results[1].details)
 
 
@@ -177,7 +178,7 @@ def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(spl
 
     def runner(cfg, label, callback, imbalance, normalisation):
         r, d = acc.normalisation_run(cfg, splits.train, splits.pad_id, imbalance, normalisation, label, callback)
-        return widgets.PanelResult.of(r, **d)
+        return r.with_details(**d)
 
     p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), context=32, batch_size=4, grad_accum_steps=4, steps=2, timing_warmup=1),
                       controls=("grad_accum_steps",), runner=runner, plots=(acc.plot_gradient_errors, acc.plot_target_counts),

@@ -10,7 +10,7 @@
     "tp"               every block's matmuls split across the processes, all on the same batch (tensor_parallel.py;
                        forward + backward timed, no optimizer)
 
-and turns what every rank wrote into one row: a widgets.PanelResult whose details["ranks"] holds, per rank, the
+and turns what every rank wrote into one row: a RunResult whose details["ranks"] holds, per rank, the
 bytes it measured by category and its median step time (what `plot_rank_memory` and `plot_rank_step_times`
 draw). A config the strategy cannot run (pipeline: fewer micro-batches than stages; tensor parallel: heads not
 divisible by the processes) is a "skipped" row with the reason, a failed launch an "error" row with the ranks'
@@ -89,7 +89,6 @@ def launch_strategy(cfg: TrainConfig, strategy: str, processes: int, microbatche
 def strategy_runner(timeout_s: float = 300) -> Callable[..., RunResult]:
     """runner(cfg, label, callback, strategy, processes, microbatches) for widgets.Panel (module docstring)."""
     from ..measure import device_name
-    from ..widgets import PanelResult
 
     def runner(cfg: TrainConfig, label: str, callback, strategy: str = "ddp", processes: int = 2, microbatches: int = 2) -> RunResult:
         label = f"{label} ({STRATEGIES.get(strategy, strategy)} x{processes})"
@@ -126,7 +125,7 @@ def strategy_runner(timeout_s: float = 300) -> Callable[..., RunResult]:
         else:
             result.reason = f"global batch {processes} x {cfg.batch_size} sequences"
         callback(cfg.steps - 1, result)
-        return PanelResult.of(result, **details)
+        return result.with_details(**details)
 
     return runner
 
