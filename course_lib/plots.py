@@ -106,6 +106,15 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
     return fig
 
 
+def _label(ax, xlabel: str, ylabel: str, title: str, results: list[RunResult]) -> None:
+    """Axis labels with units, the title with the devices the results came from, a legend when there are lines."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\n{_devices(results)}", fontsize=9)
+    if ax.lines:
+        ax.legend(fontsize=7)
+
+
 def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> Figure:
     """Training loss per optimizer step (and validation loss where measured), one line per run."""
     fig, ax = _new_axes(ax)
@@ -116,11 +125,7 @@ def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> F
         if validation and r.val_losses:
             steps, vals = zip(*r.val_losses)
             ax.plot(steps, vals, "o--", color=line.get_color(), label=f"{r.label} (val)", ms=3, lw=1)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title(f"Loss curves\n{_devices(results)}", fontsize=9)
-    if ax.lines:
-        ax.legend(fontsize=7)
+    _label(ax, "optimizer step", "cross-entropy (nats/token)", "Loss curves", results)
     return fig
 
 
@@ -135,11 +140,7 @@ def plot_step_times(results: list[RunResult], ax=None) -> Figure:
         ex = [i for i in r.excluded_steps if i < len(ms)]
         ax.plot(ex, [ms[i] for i in ex], "o", mfc="none", color=line.get_color(), ms=6)
     ax.set_yscale("log")
-    ax.set_xlabel("step (hollow: warm-up / compile or memory-ledger steps, left out of the median)")
-    ax.set_ylabel("step time (ms)")
-    ax.set_title(f"Step times\n{_devices(results)}", fontsize=9)
-    if ax.lines:
-        ax.legend(fontsize=7)
+    _label(ax, "step (hollow: warm-up / compile or memory-ledger steps, left out of the median)", "step time (ms)", "Step times", results)
     return fig
 
 
@@ -159,11 +160,7 @@ def plot_grad_norms(results: list[RunResult], ax=None) -> Figure:
         if clip:
             ax.axhline(clip, ls="--", lw=0.9, color=line.get_color())
     ax.set_yscale("log")
-    ax.set_xlabel("optimizer step (dashed: clipping threshold)")
-    ax.set_ylabel("global gradient norm, before clipping")
-    ax.set_title(f"Gradient norm\n{_devices(results)}", fontsize=9)
-    if ax.lines:
-        ax.legend(fontsize=7)
+    _label(ax, "optimizer step (dashed: clipping threshold)", "global gradient norm, before clipping", "Gradient norm", results)
     return fig
 
 
@@ -173,11 +170,7 @@ def plot_lrs(results: list[RunResult], ax=None) -> Figure:
     for r in results:
         if r.lrs:
             ax.plot(range(len(r.lrs)), r.lrs, lw=1.2, label=r.label)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("learning rate")
-    ax.set_title(f"Learning-rate schedule\n{_devices(results)}", fontsize=9)
-    if ax.lines:
-        ax.legend(fontsize=7)
+    _label(ax, "optimizer step", "learning rate", "Learning-rate schedule", results)
     return fig
 
 
