@@ -416,9 +416,6 @@ class Capabilities:
             rows.append(("peak", "not in the data-sheet table: measured with a matmul benchmark when first needed"))
         return rows
 
-    def items(self):
-        return self.rows()
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -83,10 +83,10 @@ def median_excluding(times: list[float], excluded: set[int]) -> float:
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (a view or a tied weight is counted once)."""
     seen, total = set(), 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            if hasattr(t, "to_local"):  # a DTensor (FSDP2, tensor parallel): this process holds its local shard
-                t = t.to_local()
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        for t in plain_tensors(tensor):  # a DTensor (FSDP2, tensor parallel): the local shard this process holds
             st = t.untyped_storage()
             key = (st.data_ptr(), t.device) if t.device.type != "meta" else id(st)
             if key not in seen:

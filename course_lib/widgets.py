@@ -76,11 +76,6 @@ def _text(name: str, value) -> str:
     return FORMATS[name](value) if name in FORMATS else str(value)
 
 
-def unsupported_reasons(device: str) -> dict[str, str]:
-    """"field=value" -> why this device cannot run it (empty when it can): course_lib.capabilities decides."""
-    return capabilities(device).unavailable()
-
-
 class Panel:
     def __init__(self, base: C.TrainConfig | None = None, controls: Sequence[str] = ALL_CONTROLS, *, title: str = "Technique panel",
                  runner: Callable[..., RunResult] | None = None, plots: Sequence[PlotSpec] = ("speed", "memory"),
@@ -102,7 +97,7 @@ class Panel:
         self.results: list[RunResult] = []
         self.last_figure = None
         self._types = _field_types()
-        self.reasons = unsupported_reasons(self.base.device)
+        self.reasons = capabilities(self.base.device).unavailable()  # "field=value" -> why this device cannot
         self.controls: dict[str, W.Widget] = {}
         notes = []
         for name in controls:
