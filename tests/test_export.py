@@ -299,3 +299,19 @@ def test_the_script_finds_the_ranks_file_as_course_lib_data_does(tmp_path):
     spec.loader.exec_module(module)
     assert module.course_ranks_file().resolve() == data.RANKS_FILE.resolve()
     assert module.tokenizer(module.course_ranks_file()).n_vocab == data.get_tokenizer().n_vocab
+
+
+@pytest.mark.unit
+def test_diff_html_shows_exactly_the_lines_a_technique_adds():
+    import html as html_mod
+
+    naive = C.naive(C.tiny_preset("cpu"))
+    bf16 = replace(naive, precision="bf16")
+    text = export.diff(naive, bf16)
+    added = [l for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
+    removed = [l for l in text.splitlines() if l.startswith("-") and not l.startswith("---")]
+    page = export.diff_html(naive, bf16, "bf16")
+    assert f"{len(added)} lines added, {len(removed)} removed" in page
+    assert all(html_mod.escape(l) in page for l in added + removed)
+    assert "torch.autocast" in page
+    assert "the two scripts are the same" in export.diff_html(naive, naive)
