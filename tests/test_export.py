@@ -306,7 +306,7 @@ def test_diff_html_shows_exactly_the_lines_a_technique_adds():
     import html as html_mod
 
     naive = C.naive(C.tiny_preset("cpu"))
-    bf16 = replace(naive, precision="bf16")
+    bf16 = dataclasses.replace(naive, precision="bf16")
     text = export.diff(naive, bf16)
     added = [l for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
     removed = [l for l in text.splitlines() if l.startswith("-") and not l.startswith("---")]
