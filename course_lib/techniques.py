@@ -184,9 +184,13 @@ def optimizer_for(kind: str, params, lr: float, *, betas: tuple[float, float] = 
         return torch.optim.SGD(params, lr=lr)
     if kind == "sgd_momentum":
         return torch.optim.SGD(params, lr=lr, momentum=momentum)
+    if kind == "adagrad":  # eps in the denominator, as AdamW's (torch's default for AdaGrad is 1e-10)
+        return torch.optim.Adagrad(params, lr=lr, eps=eps, foreach=False)
+    if kind == "rmsprop":  # torch's defaults otherwise: alpha 0.99, no momentum, not centered
+        return torch.optim.RMSprop(params, lr=lr, eps=eps, foreach=False)
     if kind == "adafactor":
         return torch.optim.Adafactor(params, lr=lr, foreach=False)
-    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum or adafactor")
+    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum, adagrad, rmsprop or adafactor")
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -244,6 +248,20 @@ def wsd_lr(step: int, lr: float, warmup: int, total: int, decay_fraction: float 
     return lr - (lr - floor) * progress
 
 
+def exponential_gamma(warmup: int, total: int, min_lr_ratio: float) -> float:
+    """The per-step factor of exponential_lr: min_lr_ratio reached at the last step, total - 1."""
+    return min_lr_ratio ** (1 / max(1, total - 1 - warmup))
+
+
+def exponential_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup, then multiply the rate by the same factor gamma at every step: lr * gamma^(step - warmup)
+    (torch.optim.lr_scheduler.ExponentialLR after the warmup). gamma is chosen so that the last step (total - 1)
+    reaches min_lr_ratio * lr, as the cosine does: gamma = min_lr_ratio^(1 / (total - 1 - warmup))."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    return lr * exponential_gamma(warmup, total, min_lr_ratio) ** (step - warmup)
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """The learning rate of optimizer step `step` (0-based) for cfg.schedule, from the functions above."""
     w = cfg.lr_warmup_steps
@@ -253,6 +271,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return warmup_cosine_lr(step, cfg.lr, w, cfg.steps, cfg.min_lr_ratio)
     if cfg.schedule == "wsd":
         return wsd_lr(step, cfg.lr, w, cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    if cfg.schedule == "exponential":
+        return exponential_lr(step, cfg.lr, w, cfg.steps, cfg.min_lr_ratio)
     return inverse_sqrt_lr(step, cfg.lr, w)
 
 
@@ -348,7 +368,7 @@ def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
     grads = [p.grad for p in params if p.grad is not None]
     if on_grads:
         on_grads(grads)
-    norm = torch.nn.utils.get_total_norm(grads)
+    norm = setup.grad_norm(grads)
     setup.clip(params, norm)
     lr = setup.optimizer.param_groups[0]["lr"]
     scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
@@ -361,9 +381,26 @@ def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
     return norm, lr, scale
 
 
+def accumulate_micro_batches(setup: "Setup", micro: list[tuple[torch.Tensor, torch.Tensor]], n_targets: int, meter) -> torch.Tensor:
+    """Forward and backward of a step's micro-batches (one when accumulation is off), their gradients summing in
+    .grad; returns the step's loss per target token. `meter` names the phases (a no-op unless it measures)."""
+    loss_fn = meter.loss_fn(setup)
+    step_loss = torch.zeros((), device=micro[0][1].device)
+    for x, y in micro:
+        with setup.autocast(), meter.phase("forward"):
+            loss = loss_fn(x, y) / n_targets
+        with meter.phase("backward"):
+            setup.scaler.scale(loss).backward()
+        step_loss += loss.detach()
+        del loss  # the graph and its activations go now, not when the next micro-batch reassigns it
+    return step_loss
+
+
 @dataclass
 class Setup:
-    """Everything the loop needs, built from one TrainConfig."""
+    """Everything the loop needs, built from one TrainConfig. The last two fields are the step's two pieces that a
+    parallelism may own: pipeline parallelism runs forward and backward through its schedule, and its gradient
+    norm must be summed over the stages (course_lib.distributed.pipeline sets both)."""
 
     model: nn.Module  # the module the optimizer updates (eager, maybe with checkpointed blocks)
     loss_module: LossModule  # eager: (x, y) -> summed loss
@@ -374,6 +411,9 @@ class Setup:
     scaler: torch.amp.GradScaler
     parts: ModelParts
     clip: Callable[[list[torch.Tensor], torch.Tensor], None] = _no_clip  # make_clipper(cfg): global, per tensor or off
+    # (setup, micro-batches, n_targets, meter) -> the step's loss, gradients left in .grad
+    forward_backward: Callable[..., torch.Tensor] = accumulate_micro_batches
+    grad_norm: Callable[[list[torch.Tensor]], torch.Tensor] = torch.nn.utils.get_total_norm  # of all gradients together
 
 
 def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:

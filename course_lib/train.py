@@ -7,6 +7,9 @@ a measurement object with a no-op twin, so there is one code path:
             backward of loss scaled by the GradScaler (a no-op scaler unless fp16)
         unscale, global-norm clip, optimizer step, scaler update, zero_grad, LR schedule step
 
+(The micro-batch loop is `setup.forward_backward`, techniques.accumulate_micro_batches; pipeline parallelism
+replaces it with its schedule, which runs the micro-batches' forwards and backwards across the stages.)
+
 `Trainer(cfg, model)` builds (the course's GPT by default, or any module that maps inputs to logits) and
 exposes what it built (`.setup`) before `fit()` trains; `train(cfg, ...)` is the two in one call, and `run`
 turns an out-of-memory error into a result.
@@ -56,16 +59,8 @@ def run_step(setup: techniques.Setup, cfg: TrainConfig, params: list[torch.Tenso
     # a mean of micro-batch means is wrong when micro-batches hold different numbers of padding tokens.
     if n_targets is None:
         n_targets = sum(data_mod.count_targets(y) for _, y in micro)
-    loss_fn = meter.loss_fn(setup)
-    step_loss = torch.zeros((), device=micro[0][1].device)
     with meter.watching(setup):
-        for x, y in micro:
-            with setup.autocast(), meter.phase("forward"):
-                loss = loss_fn(x, y) / n_targets
-            with meter.phase("backward"):
-                setup.scaler.scale(loss).backward()
-            step_loss += loss.detach()
-            del loss  # the graph and its activations go now, not when the next micro-batch reassigns it
+        step_loss = setup.forward_backward(setup, micro, n_targets, meter)  # techniques.accumulate_micro_batches
         with meter.phase("optimizer"):
             norm, lr, scale = techniques.optimizer_step(setup, cfg, params, on_grads=meter.on_grads)
     return step_loss, norm, lr, scale

@@ -5,11 +5,15 @@ A torchrun launch costs several seconds here, so each test launches once and che
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from course_lib import config as C
+from course_lib import techniques, train
 from course_lib.config import ModelConfig
+from course_lib.distributed import _common
 from course_lib.distributed import launch as L
 from course_lib.distributed import pipeline as P
 from course_lib.distributed import tensor_parallel as TP
@@ -60,9 +64,9 @@ def test_a_pipeline_stage_is_a_slice_of_the_gpt_itself():
     # each stage holds its own part only; the tied embedding is held twice, once per end
     assert sum(p.numel() for s in (s0, s1) for p in s.parameters()) == gpt.num_params() + gpt.wte.weight.numel()
     idx, y = torch.randint(0, 100, (3, 16)), torch.randint(0, 100, (3, 16))
-    for train in (True, False):
+    for training in (True, False):
         for m in (gpt, s0, s1):
-            m.train(train)
+            m.train(training)
         torch.manual_seed(1)
         split = s1(s0(idx))
         torch.manual_seed(1)
@@ -70,8 +74,8 @@ def test_a_pipeline_stage_is_a_slice_of_the_gpt_itself():
         torch.testing.assert_close(split, whole, rtol=0, atol=0)
     assert not torch.equal(gpt.train()(idx), gpt.eval()(idx))  # dropout is on: the train-mode check above means something
     # the tie: the two ends' gradients of their copies sum to the whole model's gradient of the one weight
-    P.mean_loss(s1(s0(idx)), y).backward()
-    P.mean_loss(gpt(idx), y).backward()
+    techniques.loss_sum(s1(s0(idx)), y).backward()
+    techniques.loss_sum(gpt(idx), y).backward()
     torch.testing.assert_close(s0.tied_weight().grad + s1.tied_weight().grad, gpt.wte.weight.grad)
     for i, block in enumerate(list(s0.blocks) + list(s1.blocks)):
         for p, q in zip(block.parameters(), gpt.blocks[i].parameters()):
@@ -136,7 +140,8 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(tmp_path):
 
 
 def test_pipeline_equals_the_unsplit_model(tmp_path):
-    r = L.launch("pipeline", 2, options={"microbatches": [2, 4], "steps": 1, "n_layer": 4, "batch_size": 4}, device="cpu",
+    clipped = dataclasses.replace(C.tiny_preset("cpu"), clip_norm=0.05)  # small enough that every step clips
+    r = L.launch("pipeline", 2, cfg=clipped, options={"microbatches": [2, 4], "steps": 2, "n_layer": 4, "batch_size": 4}, device="cpu",
                  timeout_s=150, out_dir=tmp_path).raise_for_status()
     last = r.ranks[-1]
     check = last["runs"]["gpipe/m=4"]["check"]
@@ -151,6 +156,15 @@ def test_pipeline_equals_the_unsplit_model(tmp_path):
         assert sorted((k, mb) for k, mb, *_ in tl) == sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])
     # the same losses whatever the schedule: a schedule changes the order of work, not the maths
     assert last["runs"]["1f1b/m=4"]["losses"][0] == pytest.approx(last["runs"]["gpipe/m=2"]["losses"][0], rel=1e-5)
+    # the pipeline trains with the course's one loop: global-norm clipping over all stages, AdamW, the schedule. Its
+    # losses step after step equal one process training the unsplit model on the same batches.
+    cfg = C.TrainConfig.from_dict(last["config"])
+    _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
+    one = train.train(dataclasses.replace(cfg, measure_memory=False), batches=at)
+    assert len(last["runs"]["gpipe/m=4"]["losses"]) == 2 and min(one.grad_norms) > cfg.clip_norm
+    assert last["runs"]["gpipe/m=4"]["losses"] == pytest.approx(one.losses[:2], rel=1e-5)
+    for rank in r.ranks:  # every stage clipped with the norm of the whole model's gradient, not of its own part
+        assert rank["runs"]["gpipe/m=4"]["grad_norms"] == pytest.approx(one.grad_norms[:2], rel=1e-5)
     # the measured idle share is at least the formula's: the least 2 equal stages with free communication can have
     # (CPU processes: a timeline entry is the work itself; uneven stages and the messages only add idle time)
     for m in (2, 4):

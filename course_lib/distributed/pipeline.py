@@ -21,25 +21,25 @@ embedding on the end stages) against the unsplit model.
 
 Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8, "batch_size": 8, "steps": 3}
 
-Its steps are not course_lib.train: a PipelineSchedule owns forward and backward across the stages (it calls
-each stage's forward per micro-batch, receives and sends activations and gradients, and runs the backward
-itself), which course_lib.train's step cannot hand over, so this module runs its own short AdamW loop (no
-clipping, schedule or mixed precision) to time the stages. The network is still the model's own code.
+Its steps are course_lib.train's one loop (Trainer): a PipelineSchedule owns forward and backward across the stages (it
+calls each stage's forward per micro-batch, sends and receives activations and gradients, and runs the backward
+itself), so the pipeline hands the loop that piece (`Setup.forward_backward`) and the gradient norm over all stages
+(`Setup.grad_norm`, for global-norm clipping); clipping, AdamW, the learning-rate schedule, timing and the memory
+ledger are the loop's, as for every other run.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import time
 from dataclasses import replace
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .. import measure
-from ..data import IGNORE_INDEX
+from .. import measure, techniques
+from ..config import ConfigError
 from ..model import GPT
 from . import _common
 
@@ -121,10 +121,6 @@ def all_reduce_tied_grad(stage_mod: StageModule, group) -> None:
         dist.all_reduce(w.grad, group=group)
 
 
-def mean_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX)
-
-
 def _record(stage, events: list):
     """Wrap the stage's per-micro-batch forward and backward to log (kind, micro-batch, start, end)."""
     fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
@@ -153,8 +149,81 @@ def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
     return 1 - busy / (len(timelines) * (end - start))
 
 
+class PipelineStep:
+    """The step's forward and backward for the course's one loop (`Setup.forward_backward`): the micro-batches of a
+    step go, as one batch, to the pipeline schedule, which cuts it into its own micro-batches and runs their
+    forwards and backwards across the stages; then the two ends sum their tied-embedding gradients. Everything else
+    of the step (clipping, the optimizer, the schedule, timing, the memory ledger) is the loop's.
+
+    Each micro-batch's loss is its summed cross-entropy over the count of target tokens of the whole step (as in the
+    loop), so the schedule must not scale the gradients again (scale_grads=False): their sum is the step's gradient.
+    `events` holds this step's timeline, (kind, micro-batch, start, end); `after_backward`, if set, sees the step's
+    batch once backward is done (the check against the unsplit model)."""
+
+    def __init__(self, stage_mod: StageModule, ctx: _common.Ctx, schedule_name: str, n_microbatches: int, tied_group):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        self.stage_mod, self.ctx, self.tied_group = stage_mod, ctx, tied_group
+        stage = PipelineStage(stage_mod, ctx.rank, ctx.world, ctx.device)
+        self.events: list = []
+        _record(stage, self.events)
+        schedule_cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
+        self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.after_backward: Callable | None = None
+        self._n_targets, self._scaler = 1, None
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self._scaler.scale(techniques.loss_sum(logits, targets) / self._n_targets)
+
+    def __call__(self, setup: techniques.Setup, micro, n_targets: int, meter) -> torch.Tensor:
+        ctx = self.ctx
+        x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+        self._n_targets, self._scaler = n_targets, setup.scaler
+        self.events.clear()
+        losses: list = []
+        dist.barrier()  # every stage starts the step together, so the timelines line up
+        # Forward and backward interleave inside the schedule: the ledger counts the step's storages as one phase.
+        with setup.autocast(), meter.phase("pipeline"):
+            if ctx.is_first and ctx.is_last:
+                self.schedule.step(x, target=y, losses=losses)
+            elif ctx.is_first:
+                self.schedule.step(x)
+            elif ctx.is_last:
+                self.schedule.step(target=y, losses=losses)
+            else:
+                self.schedule.step()
+        all_reduce_tied_grad(self.stage_mod, self.tied_group)
+        scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
+        step_loss = torch.stack([l.detach() for l in losses]).sum() / scale if losses else torch.zeros((), device=y.device)
+        if self.after_backward:
+            self.after_backward(x, y, n_targets, step_loss)
+        return step_loss
+
+
+def stage_grad_norm(stage_mod: StageModule) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The gradient norm of the whole model from the stages' parts: each stage's sum of squares, summed over all
+    ranks. The tied embedding's gradient is on both ends after their all-reduce: it counts once (the first stage's)."""
+
+    def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+        tied = stage_mod.tied_weight()
+        twin = tied.grad if tied is not None and not stage_mod.first else None
+        own = [g for g in grads if g is not twin]
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in own]).sum() if own else torch.zeros(())
+        dist.all_reduce(sq)
+        return sq.sqrt()
+
+    return grad_norm
+
+
+def stage_flops_per_token(stage_mod: StageModule, context: int) -> int:
+    """This stage's share of the PaLM count (measure.flops_per_token): 6 x its weights that multiply (its blocks, and
+    the output layer on the last stage) + 12 x its layers x width x context."""
+    n_weights = sum(p.numel() for p in stage_mod.blocks.parameters()) + (stage_mod.gpt.lm_head.weight.numel() if stage_mod.last else 0)
+    return 6 * n_weights + 12 * len(stage_mod.blocks) * stage_mod.gpt.config.n_embd * context
+
+
 def main(argv=None) -> None:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from ..train import Trainer
 
     ctx = _common.start(argv)
     o = ctx.options
@@ -162,8 +231,13 @@ def main(argv=None) -> None:
     schedules = o.get("schedules", list(SCHEDULES))
     steps = int(o.get("steps", 3))
     batch = int(o.get("batch_size", max(ms)))
+    if ctx.cfg.compile:
+        raise ConfigError("the pipeline's stages run eager: set compile=False")
     mcfg = replace(ctx.cfg.model, n_layer=int(o.get("n_layer", 8)))
-    cfg = replace(ctx.cfg, model=mcfg, batch_size=batch, grad_accum_steps=1)
+    # One extra step at the end is the memory step (the CPU ledger watches it; on CUDA the run's peak is read): the
+    # timed steps are the first `steps`.
+    cfg = replace(ctx.cfg, model=mcfg, batch_size=batch, grad_accum_steps=1, steps=steps + 1, eval_every=0,
+                  measure_memory=ctx.device.type == "cpu")
     torch.manual_seed(cfg.seed)
     full = GPT(mcfg).to(ctx.device)
     d, s, v = mcfg.n_embd, cfg.context, mcfg.padded_vocab_size
@@ -172,71 +246,55 @@ def main(argv=None) -> None:
     _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
 
     payload = {"strategy": "pipeline", "stages": ctx.world, "ranges": ranges, "batch_size": batch, "context": cfg.context,
-               "n_layer": mcfg.n_layer, "runs": {}}
+               "n_layer": mcfg.n_layer, "config": cfg.to_dict(), "runs": {}}
     tied = tie_group(ctx.world)
     for sched_name in schedules:
         for m in ms:
             if batch % m or m < ctx.world:  # torch's schedules need at least one micro-batch per stage
                 continue
             stage_mod = StageModule(copy.deepcopy(full), lo, hi, ctx.is_first, ctx.is_last).to(ctx.device)  # same start each run
-            stage = PipelineStage(stage_mod, ctx.rank, ctx.world, ctx.device)
-            events: list = []
-            _record(stage, events)
-            Sched = ScheduleGPipe if sched_name == "gpipe" else Schedule1F1B
-            schedule = Sched(stage, n_microbatches=m, loss_fn=mean_loss)
-            opt = torch.optim.AdamW(stage_mod.parameters(), lr=cfg.lr)
-            timer = measure.StepTimer(ctx.device)
-            timelines, losses_out = [], []
-            check = {}
-            for step in range(steps + 1):  # the extra last step is measured for memory, not timed
-                x, y = (t.to(ctx.device) for t in at(step)[0])
-                opt.zero_grad(set_to_none=False)
-                events.clear()
-                ledger = measure.MemoryLedger(keep_timeline=False) if (step == steps and ctx.device.type == "cpu") else None
-                if step == steps and ctx.device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(ctx.device)
-                dist.barrier()
-                losses: list = []
-                with timer.step(), (ledger if ledger is not None else contextlib.nullcontext()):
-                    if ctx.is_first and ctx.is_last:
-                        schedule.step(x, target=y, losses=losses)
-                    elif ctx.is_first:
-                        schedule.step(x)
-                    elif ctx.is_last:
-                        schedule.step(target=y, losses=losses)
-                    else:
-                        schedule.step()
-                    all_reduce_tied_grad(stage_mod, tied)
+            # The course's one loop, with the pipeline's forward-backward and the norm over all stages plugged in.
+            trainer = Trainer(cfg, stage_mod, parts=techniques.ModelParts(blocks=stage_mod.blocks, head=stage_mod.gpt.lm_head),
+                              batches=at, flops_per_token=stage_flops_per_token(stage_mod, cfg.context))
+            step_fn = PipelineStep(stage_mod, ctx, sched_name, m, tied)
+            trainer.setup.forward_backward, trainer.setup.grad_norm = step_fn, stage_grad_norm(stage_mod)
+            check: dict = {}
+            if sched_name == schedules[0] and m == max(ms):
+                def compare_once(x, y, n_targets, step_loss, check=check, stage_mod=stage_mod):
+                    if not check:  # the first step, from the same weights as `full`
+                        check.update(_compare_with_unsplit(full, stage_mod, x, y, n_targets, step_loss, ctx))
+                step_fn.after_backward = compare_once
+            timelines: list = []
+
+            def keep_timeline(step, _result, timelines=timelines, step_fn=step_fn):
                 if step < steps:
-                    timelines.append([list(e) for e in events])
-                if ctx.is_last and losses:
-                    losses_out.append(float(torch.stack([l.detach() for l in losses]).mean()))
-                if step == 0 and sched_name == schedules[0] and m == max(ms):
-                    check = _compare_with_unsplit(full, stage_mod, x, y, losses, ctx)
-                if step == steps:
-                    peak = ledger.peak if ledger is not None else torch.cuda.max_memory_allocated(ctx.device)
-                opt.step()
+                    timelines.append([list(e) for e in step_fn.events])
+
+            result = trainer.fit(f"{sched_name}/m={m}", callback=keep_timeline)
+            held_before = sum(measure.static_bytes(stage_mod, trainer.setup.optimizer).values())
             payload["runs"][f"{sched_name}/m={m}"] = {
-                "schedule": sched_name, "microbatches": m, "step_times": timer.times[:steps], "timelines": timelines,
-                "losses": losses_out, "step_peak_bytes": peak,
-                "peak_method": "CPU ledger: storages allocated during the step" if ctx.device.type == "cpu"
-                else "CUDA max_memory_allocated (includes parameters and optimizer state)",
+                "schedule": sched_name, "microbatches": m, "step_times": result.step_times[:steps], "timelines": timelines,
+                "losses": result.losses[:steps] if ctx.is_last else [], "grad_norms": result.grad_norms[:steps],
+                "step_peak_bytes": result.memory["peak_bytes"] - held_before,
+                "peak_method": ("CPU ledger: the memory step's peak less what the stage held before it (parameters, optimizer state"
+                                + (")" if cfg.set_to_none else ", gradients)") if ctx.device.type == "cpu" else
+                                "CUDA max_memory_allocated over the run less the stage's parameters, gradients and optimizer state"),
                 "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()), **({"check": check} if check else {})}
     payload["full_model_parameter_bytes"] = measure.tensor_bytes(full.parameters())
     _common.write(ctx, payload)
     _common.finish()
 
 
-def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, losses, ctx) -> dict:
+def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, n_targets: int, step_loss: torch.Tensor, ctx) -> dict:
     """The unsplit model on the same batch: its loss against the pipeline's (last stage), its block gradients
     against this stage's, and (first and last stage, after the all-reduce) its tied-embedding gradient."""
     ref = copy.deepcopy(full)
     ref.zero_grad()
-    loss = mean_loss(ref(x), y)
+    loss = techniques.loss_sum(ref(x), y) / n_targets
     loss.backward()
     out = {}
-    if ctx.is_last and losses:
-        out["pipeline_loss"] = float(torch.stack([l.detach() for l in losses]).mean())
+    if ctx.is_last:
+        out["pipeline_loss"] = step_loss.item()
         out["unsplit_loss"] = loss.item()
     diffs = []
     for i, block in enumerate(stage_mod.blocks):
