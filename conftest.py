@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker("browser")
         elif os.path.basename(path) in DISTRIBUTED_FILES:
             item.add_marker("distributed")
-        elif "cuda" not in item.keywords:
+        elif "cuda" not in item.keywords and "distributed" not in item.keywords:  # a test may mark itself distributed
             item.add_marker("unit")
 
 

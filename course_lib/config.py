@@ -13,8 +13,8 @@ import torch
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
 Attention = Literal["naive", "sdpa"]
-Optimizer = Literal["adamw", "sgd", "sgd_momentum"]
-Schedule = Literal["constant", "cosine", "wsd", "inverse_sqrt"]
+Optimizer = Literal["adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop"]
+Schedule = Literal["constant", "cosine", "wsd", "inverse_sqrt", "exponential"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 Checkpointing = Literal["none", "selective", "full"]
 ClipKind = Literal["global", "per_tensor"]
@@ -99,7 +99,7 @@ class TrainConfig:
     momentum: float = 0.9  # for sgd_momentum
     schedule: Schedule = "constant"
     lr_warmup_steps: int = 0
-    min_lr_ratio: float = 0.1  # cosine and wsd decay to this fraction of lr
+    min_lr_ratio: float = 0.1  # cosine, wsd and exponential decay to this fraction of lr
     clip_norm: float | None = None  # clipping threshold; None is off
     # How clip_norm applies: "global" scales every gradient by one factor from their joint norm (GPT-3; the direction is
     # kept), "per_tensor" scales each tensor by its own norm (the direction of the whole gradient changes).
@@ -132,8 +132,8 @@ class TrainConfig:
         _check(self.context <= self.model.block_size,
                f"context={self.context} is longer than the model's block_size={self.model.block_size}: shorten the context or raise ModelConfig.block_size")
         _choice("precision", self.precision, PRECISIONS)
-        _choice("optimizer", self.optimizer, ("adamw", "sgd", "sgd_momentum"))
-        _choice("schedule", self.schedule, ("constant", "cosine", "wsd", "inverse_sqrt"))
+        _choice("optimizer", self.optimizer, ("adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop"))
+        _choice("schedule", self.schedule, ("constant", "cosine", "wsd", "inverse_sqrt", "exponential"))
         _check(self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1,
                "schedule='inverse_sqrt' peaks at the end of the warmup: set lr_warmup_steps >= 1")
         _choice("compile_mode", self.compile_mode, ("default", "reduce-overhead", "max-autotune"))

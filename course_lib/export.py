@@ -25,13 +25,17 @@ Gradient accumulation: the micro-batch loop is written only when grad_accum_step
 as the plain nanoGPT step (one batch, forward, backward, step), and accumulation, when on, is then visible in a
 diff as exactly what it adds: the loop over micro-batches, the summed step loss and, under DDP, no_sync.
 
-Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training; FSDP2
-(data_parallel="fsdp") is not written yet (export raises ConfigError saying so).
+Data parallelism (data_parallel="ddp" or "fsdp") writes a torchrun script: every process draws the same global batch
+and trains on its slice; DDP wraps the model in DistributedDataParallel, FSDP2 shards it with fully_shard (each block,
+then the root), as techniques.wrap_data_parallel does.
+
+Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training.
 """
 from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -132,6 +136,7 @@ class Code:
     loss_model: str = ""  # what the loss calls (default "model"; "ddp_model" under DDP)
     loss_fn: str = ""  # the loss function the loop calls (default "compute_loss"; "compiled_loss" with compile)
     micro_sync: str = ""  # the context each micro-batch's forward and backward run in (DDP's no_sync)
+    micro_start: str = ""  # a line before each micro-batch's forward (FSDP2's gradient-sync switch)
     autocast: str = ""  # the `with` line around forward and loss
     backward: str = ""  # default "loss.backward()"
     unscale: str = ""  # before clipping (fp16)
@@ -266,6 +271,9 @@ def _data_parallel(cfg: TrainConfig) -> Code:
                 'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
                 "rank, world = dist.get_rank(), dist.get_world_size()")
         wrap_args = "model"
+    imports = ["import torch.distributed as dist"] + (["import os"] if cuda else [])
+    if cfg.data_parallel == "fsdp":
+        return _fsdp(cfg, init, imports)
     setup = ("# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
              "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
              "# step. Its parameters are the model's own: the optimizer below holds them.\n"
@@ -275,11 +283,26 @@ def _data_parallel(cfg: TrainConfig) -> Code:
         micro = ("# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
                  "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
                  "with sync:")
-    imports = ["import torch.distributed as dist", "from torch.nn.parallel import DistributedDataParallel"]
-    imports += ["import os"] if cuda else []
-    imports += ["import contextlib"] if micro else []
+    imports += ["from torch.nn.parallel import DistributedDataParallel"] + (["import contextlib"] if micro else [])
     return Code(imports=tuple(imports), init=init, setup=setup, loss_model="ddp_model", micro_sync=micro,
                 teardown="dist.destroy_process_group()")
+
+
+def _fsdp(cfg: TrainConfig, init: str, imports: list[str]) -> Code:
+    """FSDP2 (data_parallel="fsdp"), as techniques.wrap_data_parallel applies it: fully_shard on every block, then on
+    the root. The model keeps its name: fully_shard turns its parameters into shards in place."""
+    setup = ("# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
+             "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"
+             "# are all-gathered, and freed after it; backward reduce-scatters the gradients, so each process receives\n"
+             "# its own shard's. The parameters are now shards (DTensors): the optimizer below is built on them.\n"
+             f'mesh = init_device_mesh("{_device_type(cfg)}", (world,))\n'
+             "for block in model.blocks:\n"
+             "    fully_shard(block, mesh=mesh)\n"
+             "fully_shard(model, mesh=mesh)")
+    micro = ("# Only the last micro-batch's backward reduce-scatters; the others accumulate unsharded gradients locally.\n"
+             "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)") if cfg.grad_accum_steps > 1 else ""
+    imports = imports + ["from torch.distributed.device_mesh import init_device_mesh", "from torch.distributed.fsdp import fully_shard"]
+    return Code(imports=tuple(imports), init=init, setup=setup, micro_start=micro, teardown="dist.destroy_process_group()")
 
 
 @snippet("model.attention")
@@ -356,6 +379,11 @@ def _optimizer(cfg: TrainConfig) -> Code:
         why = "<adamw_why>"  # the fused_adamw snippet says which implementation
     elif cfg.optimizer == "sgd":
         line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
+    elif cfg.optimizer in ("adagrad", "rmsprop"):  # as techniques.optimizer_for makes them
+        constants.append(f"EPS = {cfg.eps!r}")
+        cls, why = {"adagrad": ("Adagrad", "# AdaGrad: each coordinate's step divided by the root of its summed squared gradients."),
+                    "rmsprop": ("RMSprop", "# RMSProp: each coordinate's step divided by the root of a running average of g^2.")}[cfg.optimizer]
+        line = f"optimizer = torch.optim.{cls}({', '.join([params, 'lr=LR', 'eps=EPS', *wd, 'foreach=False'])})"
     else:
         constants.append(f"MOMENTUM = {cfg.momentum!r}")
         line, why = (f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
@@ -377,7 +405,10 @@ def _fused_adamw(cfg: TrainConfig) -> Code:
 _SCHEDULES = {"constant": (T.constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
               "cosine": (T.warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
               "wsd": (T.wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
-              "inverse_sqrt": (T.inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)")}
+              "inverse_sqrt": (T.inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)"),
+              "exponential": (T.exponential_lr, "exponential_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)")}
+# helpers a schedule function calls, written before it when its source names them (by their exported names)
+_SCHEDULE_HELPERS = {"linear_warmup": T._warmup, "exponential_gamma": T.exponential_gamma}
 
 
 @snippet("schedule", reads=("lr_warmup_steps", "min_lr_ratio"))
@@ -386,7 +417,7 @@ def _schedule(cfg: TrainConfig) -> Code:
         return Code()
     fn, call = _SCHEDULES[cfg.schedule]
     src = _source(fn, rename={"_warmup": "linear_warmup"})
-    defs = ((_source(T._warmup, rename={"_warmup": "linear_warmup"}),) if "linear_warmup" in src else ()) + (src,)
+    defs = tuple(_source(h, rename={"_warmup": "linear_warmup"}) for name, h in _SCHEDULE_HELPERS.items() if f"{name}(" in src) + (src,)
     constants = [f"LR_WARMUP_STEPS = {cfg.lr_warmup_steps}"]
     if "MIN_LR_RATIO" in call:
         constants.append(f"MIN_LR_RATIO = {cfg.min_lr_ratio!r}")
@@ -487,9 +518,6 @@ def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed:
 # ---- the script ----------------------------------------------------------------------------------------------------
 
 def _check(cfg: TrainConfig) -> None:
-    if cfg.data_parallel == "fsdp":
-        raise ConfigError("export writes single-process and DDP scripts; FSDP2 (data_parallel='fsdp') is not exported yet: "
-                          "use data_parallel='ddp' or 'none'")
     if cfg.data_parallel != "none" and cfg.loss_chunks != 1:
         raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)")
     if cfg.steps <= cfg.timing_warmup:
@@ -509,6 +537,8 @@ def techniques_on(cfg: TrainConfig) -> list[str]:
         on.append(f"gradient accumulation over {cfg.grad_accum_steps} micro-batches")
     if cfg.data_parallel == "ddp":
         on.append("DistributedDataParallel (torchrun)")
+    if cfg.data_parallel == "fsdp":
+        on.append("FSDP2: fully_shard on every block and the root, ZeRO-3 (torchrun)")
     return on
 
 
@@ -577,7 +607,7 @@ def token_stream(enc: tiktoken.Encoding) -> torch.Tensor:
 
 
 def _batches(cfg: TrainConfig) -> str:
-    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel == "ddp"
+    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel != "none"  # DDP or FSDP2: each process its slice
     size = "MICRO_BATCH_SIZE" if accum else "BATCH_SIZE"
     if not ddp:
         args, draw, doc = "stream: torch.Tensor, seed: int", f"random_windows(stream, {size}, CONTEXT, gen)", ""
@@ -615,7 +645,7 @@ def _indent(text: str, level: int) -> str:
 
 def _loop(cfg: TrainConfig, code: Code) -> str:
     """The training loop: the course loop's arithmetic (train.run_step, techniques.optimizer_step)."""
-    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel == "ddp"
+    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel != "none"
     pr = "print0" if ddp else "print"
     call = f"{code.loss_fn or 'compute_loss'}({code.loss_model or 'model'}, x, y)"
     forward = f"loss = {call} / n_targets"
@@ -638,8 +668,10 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
         body = forward + "\n" + backward
         if code.micro_sync:
             body = code.micro_sync + "\n" + _indent(body, 1)
+        if code.micro_start:
+            body = code.micro_start + "\n" + body
         lines += ["step_loss = torch.zeros((), device=device)",
-                  "for i, (x, y) in enumerate(micro):" if code.micro_sync else "for x, y in micro:",
+                  "for i, (x, y) in enumerate(micro):" if code.micro_sync or code.micro_start else "for x, y in micro:",
                   _indent(body + "\nstep_loss += loss.detach()", 1)]
     else:
         lines += [forward, backward]
@@ -654,11 +686,12 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
     return "for step in range(STEPS):\n" + _indent("\n".join(lines), 1)
 
 
+@functools.lru_cache(maxsize=64)  # a config is frozen and its script a pure function of it: the panel and the ladder's diffs ask again
 def script(cfg: TrainConfig) -> str:
     """The standalone training script of `cfg` (module docstring)."""
     _check(cfg)
     code = _merge({name: fn(cfg) for name, fn in SNIPPETS.items()})
-    ddp = cfg.data_parallel == "ddp"
+    ddp = cfg.data_parallel != "none"  # DDP or FSDP2: torchrun, one process per device, rank 0 prints
     pr = "print0" if ddp else "print"
     on = techniques_on(cfg)
     run = "torchrun --nproc_per_node=N train.py" if ddp else "python train.py"
@@ -768,10 +801,72 @@ def diff_html(cfg_a: TrainConfig, cfg_b: TrainConfig, title: str | None = None, 
     summary = f"{added} line{'s' * (added != 1)} added, {removed} removed" if lines else "the two scripts are the same"
     body = "\n".join(f'<span style="{_DIFF_STYLE.get(line[:1], _DIFF_STYLE[" "])}">{html.escape(line) or " "}</span>'
                      for line in lines)
-    head = f"<b>{html.escape(title)}</b>: " if title else ""
+    head = f"<b>{html.escape(title, quote=False)}</b>: " if title else ""
     return (f'<div style="margin:0.5em 0"><div>{head}{summary}</div>'
             f'<pre style="font-size:12px;line-height:1.35;max-height:32em;overflow:auto;border:1px solid #d0d7de;'
             f'padding:0.4em;margin:0.3em 0">{body}</pre></div>') if lines else f"<div>{head}{summary}</div>"
+
+
+def _settings_text(settings: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in settings.items())
+
+
+def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
+    """cfg with each of `settings` {name: value} set (with_setting's names)."""
+    for name, value in settings.items():
+        cfg = with_setting(cfg, name, value)
+    return cfg
+
+
+def technique_diff(base: TrainConfig, title: str | None = None, *, without: dict | None = None, **changes):
+    """A notebook cell's view of one technique: the diff between the exported script of `base` with `without`
+    applied (the technique off; default: base as it is) and that of `base` with `changes` applied (the technique on).
+    Names as with_setting takes them; "model.<field>" in a dict: **{"model.n_layer": 2}. Returns an IPython HTML
+    object, so a cell that ends with the call shows it; several: display(technique_diff(...), technique_diff(...))."""
+    from IPython.display import HTML
+
+    if not (changes or without):
+        raise ValueError("technique_diff needs the settings the technique changes (on) or `without` (off)")
+    title = title or " and ".join(filter(None, [
+        _settings_text(changes) and f"with {_settings_text(changes)}", without and f"without {_settings_text(without)}"]))
+    return HTML(diff_html(with_settings(base, without or {}), with_settings(base, changes), title))
+
+
+def _measured(r, naive, below) -> str:
+    """A ladder result's speed and memory, as the ladder measured them, against naive and the rung below."""
+    if not r.ok:
+        return f"not run here ({r.status}): {r.reason}"
+    vs = lambda a, b: f"{a / b:.2f}x" if a and b else "n/a"  # noqa: E731
+    peak = f"peak {r.peak_gib:.4f} GiB" if r.peak_gib is not None else "memory not measured"
+    out = f"{r.tokens_per_s:,.0f} tokens/s ({vs(r.tokens_per_s, naive.tokens_per_s)} naive"
+    out += f", {vs(r.tokens_per_s, below.tokens_per_s)} the rung below), " if below is not naive and below is not r else "), "
+    return out + f"{peak} ({vs(r.peak_gib, naive.peak_gib)} naive's), on {r.provenance.get('device', '?')}"
+
+
+def ladder_diffs(results: list):
+    """The ladder as a sequence of diffs (build-nanogpt style), from the results of a climb (ladder.run_ladder, in
+    config.LADDER's order): for each rung, what it changes in the exported script against the rung below that ran
+    (its configs are the results' own), with the speed and memory measured there. A rung that did not run says why
+    and shows the code it would have added on top of the rung below (not measured)."""
+    import html
+    from IPython.display import HTML
+
+    rungs = {r.name: r for r in C.LADDER}
+    if [r.label for r in results] != list(rungs):
+        raise ValueError(f"ladder_diffs wants one result per rung, in the ladder's order ({', '.join(rungs)}); "
+                         f"got {[r.label for r in results]}")
+    naive = results[0]
+    below, below_cfg = naive, TrainConfig.from_dict(naive.config)
+    parts = [f"<p><b>{html.escape(naive.label)}</b>: {html.escape(_measured(naive, naive, naive))}</p>"]
+    for r in results[1:]:
+        rung = rungs[r.label]
+        cfg = TrainConfig.from_dict(r.config) if r.ok else rung.apply(below_cfg)
+        head = rung.what_changed + ("" if r.ok else " (the code it would add; not measured here)")
+        parts.append(f"<details open><summary><b>{html.escape(r.label)}</b>: {html.escape(_measured(r, naive, below))}</summary>"
+                     f"{diff_html(below_cfg, cfg, head)}</details>")
+        if r.ok:
+            below, below_cfg = r, cfg
+    return HTML("\n".join(parts))
 
 
 def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> TrainConfig:

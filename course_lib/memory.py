@@ -35,9 +35,9 @@ from .measure import CATEGORIES, GiB, MemoryReport
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
 BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # Optimizer states per parameter: SGD keeps none, momentum one buffer, Adam/AdamW two moments (m and v).
-OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2}
-# PyTorch's Adam/AdamW also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar tensor.
-STEP_COUNTER_BYTES = {"sgd": 0, "sgd_momentum": 0, "adamw": 4}
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}  # adagrad: sum of g^2; rmsprop: its average
+# PyTorch's Adam/AdamW (and Adagrad, RMSprop) also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar tensor.
+STEP_COUNTER_BYTES = {"sgd": 0, "sgd_momentum": 0, "adamw": 4, "adagrad": 4, "rmsprop": 4}
 GB = 10**9  # decimal gigabyte, as papers and blog posts often quote
 
 

@@ -2,9 +2,11 @@
 
 - AdamW written from its update rule (`adamw_update`, `HandAdamW`), checked equal to torch.optim.AdamW; what its
   bias correction does (`bias_correction_ratio`, `adam_step_sizes`) and per-step updates of any optimizer (`step_updates`).
+  Its ancestors AdaGrad and RMSProp the same way (`adagrad_update`, `rmsprop_update`), all on one loop (`HandOptimizer`),
+  each compared with torch's over real steps (`max_difference_after_steps`).
 - Learning-rate schedules as plain functions of the step (written once, in techniques, where the loop's
-  `lr_at` uses them): constant, linear warmup + cosine decay, inverse square root, step decay and
-  warmup-stable-decay; and the torch.optim.lr_scheduler constructions they are checked against.
+  `lr_at` uses them): constant, linear warmup + cosine decay, inverse square root, step decay,
+  warmup-stable-decay and exponential decay; and the torch.optim.lr_scheduler constructions they are checked against.
 - Gradient clipping: the global norm over all parameters (what GPT-3 clips) beside per-tensor clipping.
 - Optimizer state bytes, measured from the tensors and from the formula.
 - Weight-decay groups listed by name, and batch sources for the loop (an injected bad batch, a batch ramp).
@@ -22,7 +24,8 @@ import torch.nn as nn
 
 from . import data as data_mod
 from . import measure, techniques
-from .techniques import constant_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
+from .model import GPT
+from .techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
 
 # ---- AdamW from its update rule -------------------------------------------------------------------
 
@@ -87,12 +90,63 @@ def step_updates(make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Opti
     return updates
 
 
-class HandAdamW(torch.optim.Optimizer):
-    """AdamW built on `adamw_update`; two state tensors (m, v) per parameter, as in torch's."""
+@torch.no_grad()
+def adagrad_update(p: torch.Tensor, g: torch.Tensor, s: torch.Tensor, t: int, lr: float, eps: float = 1e-10,
+                   weight_decay: float = 0.0, lr_decay: float = 0.0) -> None:
+    """One AdaGrad step (Duchi et al., 2011) for one tensor, in place, as torch.optim.Adagrad does it:
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        g <- g + wd * theta                   (L2 weight decay: added to the gradient, not decoupled)
+        s <- s + g^2                          (the sum of every squared gradient so far: it only grows)
+        theta <- theta - lr_t * g / (sqrt(s) + eps),   lr_t = lr / (1 + (t - 1) lr_decay)
+
+    Each coordinate's step shrinks like 1/sqrt(number of steps) once its gradients settle: good for rare features
+    (a rare token's embedding row keeps large steps), too fast a decay for a long non-convex run.
+    """
+    if weight_decay:
+        g = g.add(p, alpha=weight_decay)
+    s.addcmul_(g, g)
+    p.addcdiv_(g, s.sqrt().add_(eps), value=-lr / (1 + (t - 1) * lr_decay))
+
+
+@torch.no_grad()
+def rmsprop_update(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, lr: float, alpha: float = 0.99, eps: float = 1e-8,
+                   weight_decay: float = 0.0, momentum_buffer: torch.Tensor | None = None, momentum: float = 0.0,
+                   grad_avg: torch.Tensor | None = None) -> None:
+    """One RMSProp step (Hinton's lecture notes, 2012) for one tensor, in place, as torch.optim.RMSprop does it:
+
+        g <- g + wd * theta                   (L2 weight decay, as in AdaGrad)
+        v <- alpha v + (1 - alpha) g^2        (a running average of g^2: AdaGrad's sum, made to forget)
+        d = sqrt(v) + eps                     (centered: sqrt(v - gbar^2) + eps, gbar a running average of g)
+        theta <- theta - lr * g / d           (with momentum: b <- mu b + g / d, theta <- theta - lr * b)
+
+    It is Adam with beta1 = 0 (no average of g) and no bias correction: v starts at zero, so the first steps are
+    1/sqrt(1 - alpha) = 10 times larger than lr (alpha 0.99) until v fills.
+    """
+    if weight_decay:
+        g = g.add(p, alpha=weight_decay)
+    v.mul_(alpha).addcmul_(g, g, value=1 - alpha)
+    if grad_avg is not None:
+        grad_avg.lerp_(g, 1 - alpha)
+        denom = v.addcmul(grad_avg, grad_avg, value=-1).sqrt_().add_(eps)
+    else:
+        denom = v.sqrt().add_(eps)
+    if momentum_buffer is not None:
+        momentum_buffer.mul_(momentum).addcdiv_(g, denom)
+        p.add_(momentum_buffer, alpha=-lr)
+    else:
+        p.addcdiv_(g, denom, value=-lr)
+
+
+class HandOptimizer(torch.optim.Optimizer):
+    """The loop every hand-written optimizer of the course shares: for each parameter that has a gradient, its state
+    (made at its first step, zeros like the parameter) and one call of the update rule. A subclass names its state
+    tensors (`state_names`) and its rule (`update`); nothing else."""
+
+    def state_names(self, group: dict) -> tuple[str, ...]:
+        return ()
+
+    def update(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict) -> None:
+        raise NotImplementedError
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -102,19 +156,81 @@ class HandAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["t"] = 0
-                    state["m"] = torch.zeros_like(p)
-                    state["v"] = torch.zeros_like(p)
+                    state["t"] = 0  # a Python int: no tensor, no bytes (torch keeps a 4-byte tensor per parameter tensor)
+                    state.update({name: torch.zeros_like(p) for name in self.state_names(group)})
                 state["t"] += 1
-                adamw_update(p, p.grad, state["m"], state["v"], state["t"], group["lr"], group["betas"], group["eps"],
-                             group["weight_decay"])
+                self.update(p, p.grad, state, group)
+
+
+class HandAdamW(HandOptimizer):
+    """AdamW built on `adamw_update`; two state tensors (m, v) per parameter, as in torch's."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def state_names(self, group):
+        return ("m", "v")
+
+    def update(self, p, g, state, group):
+        adamw_update(p, g, state["m"], state["v"], state["t"], group["lr"], group["betas"], group["eps"], group["weight_decay"])
+
+
+class HandAdagrad(HandOptimizer):
+    """AdaGrad built on `adagrad_update`; one state tensor (the sum of squared gradients) per parameter."""
+
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0, lr_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=lr_decay))
+
+    def state_names(self, group):
+        return ("s",)
+
+    def update(self, p, g, state, group):
+        adagrad_update(p, g, state["s"], state["t"], group["lr"], group["eps"], group["weight_decay"], group["lr_decay"])
+
+
+class HandRMSprop(HandOptimizer):
+    """RMSProp built on `rmsprop_update`; one state tensor (v) per parameter, one more for momentum, one more centered."""
+
+    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
+                 momentum: float = 0.0, centered: bool = False):
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered))
+
+    def state_names(self, group):
+        return ("v",) + (("b",) if group["momentum"] else ()) + (("gbar",) if group["centered"] else ())
+
+    def update(self, p, g, state, group):
+        rmsprop_update(p, g, state["v"], group["lr"], group["alpha"], group["eps"], group["weight_decay"],
+                       state.get("b"), group["momentum"], state.get("gbar"))
+
+
+def max_difference_after_steps(make_a: Callable[[list[dict]], torch.optim.Optimizer],
+                               make_b: Callable[[list[dict]], torch.optim.Optimizer], model_cfg, steps: int = 4,
+                               weight_decay: float = 0.0, seed: int = 0) -> float:
+    """Train two float64 copies of the course's GPT (same initial weights, same batches) `steps` steps, one with the
+    optimizer `make_a(param_groups)`, one with `make_b(param_groups)`; the largest |difference| of any parameter.
+    float64, so that rounding cannot hide a real difference between two update rules."""
+    copies = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        copies.append(GPT(model_cfg).double())
+    opts = [make(techniques.param_groups(m, weight_decay)) for make, m in zip((make_a, make_b), copies)]
+    gen = torch.Generator().manual_seed(seed + 1)
+    stream = data_mod.load_splits().train
+    for _ in range(steps):
+        x, y = data_mod.random_windows(stream, 4, min(32, model_cfg.block_size), gen)
+        for m, opt in zip(copies, opts):
+            opt.zero_grad()
+            (techniques.loss_sum(m(x), y) / y.numel()).backward()
+            opt.step()
+    return max(float((a - b).detach().abs().max()) for a, b in zip(copies[0].parameters(), copies[1].parameters()))
 
 
 # ---- learning-rate schedules: the functions the loop's techniques.lr_at uses, and torch's own ------------
 
 SCHEDULES: dict[str, Callable[..., float]] = {
     "constant": constant_lr, "cosine": warmup_cosine_lr, "inverse sqrt": inverse_sqrt_lr,
-    "step": step_decay_lr, "wsd": wsd_lr,
+    "step": step_decay_lr, "wsd": wsd_lr, "exponential": exponential_lr,
 }
 
 
@@ -224,7 +340,9 @@ def expected_state_bytes(kind: str, params: list[torch.Tensor]) -> int:
     """The formula for fp32 state. N = number of parameters, T = number of tensors.
     adamw: m and v, 2 x 4N bytes, + one 4-byte step counter per tensor.  sgd: nothing.  sgd_momentum: one
     buffer, 4N.  adafactor (torch's, no first moment): per matrix of shape (r, c) a row and a column
-    second-moment vector, 4(r + c) bytes instead of 4rc; a vector keeps its full 4n; + a step counter per tensor."""
+    second-moment vector, 4(r + c) bytes instead of 4rc; a vector keeps its full 4n; + a step counter per tensor.
+    adagrad (its sum of g^2) and rmsprop (its average of g^2; torch's defaults: no momentum, not centered): one
+    buffer, 4N, + a step counter per tensor."""
     n = sum(p.numel() for p in params)
     t = len(params)
     if kind == "adamw":
@@ -233,6 +351,8 @@ def expected_state_bytes(kind: str, params: list[torch.Tensor]) -> int:
         return 0
     if kind == "sgd_momentum":
         return 4 * n
+    if kind in ("adagrad", "rmsprop"):
+        return 4 * n + 4 * t
     if kind == "adafactor":
         total = 0
         for p in params:
@@ -243,7 +363,7 @@ def expected_state_bytes(kind: str, params: list[torch.Tensor]) -> int:
             else:
                 total += 4 * p.numel()
         return total + 4 * t
-    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum or adafactor")
+    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum, adagrad, rmsprop or adafactor")
 
 
 def make_named_optimizer(kind: str, params: list[torch.Tensor], lr: float = 1e-3) -> torch.optim.Optimizer:

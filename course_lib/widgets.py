@@ -16,12 +16,20 @@ A notebook fits the panel to its own lesson with three arguments, and nothing el
 
 What a runner measured for its own plots beyond a RunResult's fields goes in `RunResult.details` (JSON-able
 numbers and lists), so that it is in `panel.results` and its saved file too: `result.with_details(**details)`.
+
+The code: under the plots, a collapsed "Code" section shows what the current configuration changes in the exported
+training script against naive fp32 (course_lib.export.diff_html against config.naive of the panel's base), redrawn
+whenever a control changes while it is open; "Export this configuration" writes that script (export.script) next to
+the notebook. A runner whose runs are not the config as it stands (notebook 07's strategies) says what its runs train
+with an attribute `runner.export_config(cfg, **extras) -> TrainConfig` (or raises ConfigError: not exportable).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import html
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,6 +38,7 @@ import ipywidgets as W
 from IPython.display import display
 
 from . import config as C
+from . import export
 from .capabilities import capabilities
 from .plots import PlotSpec, figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
@@ -121,11 +130,64 @@ class Panel:
             w.add_class(css)  # stable hooks for the browser test
         self.run_button.on_click(lambda _b: self._safe_run())
         self.clear_button.on_click(lambda _b: self.clear())
+        self._code_section(runner)
         header = W.HTML(f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
                         + "".join(f"<br><small>&#9888; {n}</small>" for n in notes))
         grid = W.GridBox(list(self.controls.values()) + list(self.extras.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
         self.widget = W.VBox([header, grid, W.HBox([self.run_button, self.clear_button, self.progress]), self.status,
-                              self.plot_image, self.table])
+                              self.plot_image, self.table, self.code, W.HBox([self.export_button, self.export_status])])
+
+    # ---- the code: the configuration as a training script ---------------------------------------
+    def _code_section(self, runner) -> None:
+        """The collapsed diff against naive fp32, kept current while open, and the export button (module docstring)."""
+        self.export_config = getattr(runner, "export_config", None)
+        self.code_view = W.HTML()
+        self.code = W.Accordion(children=[self.code_view], titles=("Code: this configuration's training script against naive fp32",),
+                                selected_index=None)  # collapsed: the plots come first
+        self.export_button = W.Button(description="Export this configuration", icon="download", layout=W.Layout(width="240px"),
+                                      tooltip="write this configuration's standalone training script next to the notebook")
+        self.export_status = W.HTML()
+        for w, css in ((self.code, "course-code"), (self.code_view, "course-diff"), (self.export_button, "course-export"),
+                       (self.export_status, "course-export-status")):
+            w.add_class(css)
+        # Formatting a diff takes a fraction of a second: redraw it on a change only while someone is looking at it.
+        for w in [*self.controls.values(), *self.extras.values()]:
+            w.observe(lambda _change: self._refresh_code_if_open(), names="value")
+        self.code.observe(lambda _change: self._refresh_code_if_open(), names="selected_index")
+        self.export_button.on_click(lambda _b: self.export_script())
+
+    def export_target(self) -> C.TrainConfig:
+        """The config the controls describe as a training script would run it (raises ConfigError when invalid)."""
+        cfg = self.config()
+        return self.export_config(cfg, **self.extra_values()) if self.export_config else cfg
+
+    def code_diff(self) -> str:
+        """What the current configuration changes in the exported script against naive fp32, as HTML (or why not)."""
+        try:
+            return export.diff_html(C.naive(self.base), self.export_target(), "naive fp32 -> this configuration")
+        except (C.ConfigError, ValueError) as e:
+            return f"<span style='color:#c44e52'>No script for this configuration: {html.escape(str(e), quote=False)}</span>"
+
+    def _refresh_code_if_open(self) -> None:
+        if self.code.selected_index == 0:
+            self.code_view.value = self.code_diff()
+
+    def export_script(self, directory: str | Path | None = None) -> Path | None:
+        """Write the current configuration's script to train_<what changed>.py in `directory` (default: the working
+        directory, the notebook's own folder in Jupyter) and say where; a config that cannot be exported says why."""
+        try:
+            cfg = self.export_target()
+            text = export.script(cfg)
+        except (C.ConfigError, ValueError) as e:
+            self.export_status.value = f"<span style='color:#c44e52'>Not exported: {html.escape(str(e), quote=False)}</span>"
+            return None
+        what = re.sub(r"[^A-Za-z0-9]+", "_", self.label(cfg).partition(" ")[2]).strip("_")[:60]
+        path = Path(directory or Path.cwd()) / f"train_{what or 'baseline'}.py"
+        path.write_text(text, encoding="utf-8")
+        run = "torchrun --nproc_per_node=2" if cfg.data_parallel != "none" else "python"
+        self.export_status.value = (f"Wrote <code>{html.escape(str(path.resolve()))}</code> ({text.count(chr(10))} lines); "
+                                    f"run it with <code>{run} {html.escape(path.name)}</code>")
+        return path
 
     # ---- building controls ----------------------------------------------------------------------
     def _make_control(self, name: str, notes: list[str]) -> W.Widget:

@@ -48,6 +48,9 @@ class PanelCase:
     settings: tuple[tuple[str, str], ...]  # (a dropdown's label in the panel, the option's text to choose)
     expect: tuple[str, ...]  # text the new row of the results table holds
     clicks: int = 2  # a figure drawn into an Output widget from a callback went blank after the first or the second click
+    # After the clicks, the code section (one panel is enough: it is the same widget everywhere): opened, it shows the
+    # diff against naive fp32; (a dropdown's label, an option, text the diff then holds); then the export button.
+    code: tuple[str, str, str] | None = None
 
     def __str__(self) -> str:
         return self.notebook.split("_")[0]
@@ -55,7 +58,8 @@ class PanelCase:
 
 # Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
 PANELS = [
-    PanelCase("01_naive_loop.ipynb", (("attention", "sdpa"),), ("attention=sdpa",)),
+    PanelCase("01_naive_loop.ipynb", (("attention", "sdpa"),), ("attention=sdpa",),
+              code=("activation checkpointing", "full", "CheckpointedBlock(block)")),
     PanelCase("02_memory_accounting.ipynb", (("activation checkpointing", "selective"),), ("activation_checkpointing=selective",)),
     PanelCase("03_mixed_precision.ipynb", (("loss scale start", "2^32"),), ("loss_scale_init=2^32",)),
     # compile is 04's other lesson, but a compiled run costs a minute of a 2-core CPU: flash attention is cheap
@@ -269,9 +273,7 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser, 
             before = None
 
         for label, option in case.settings:
-            dropdown = page.locator(".widget-dropdown").filter(has=page.locator("label", has_text=re.compile(rf"^{re.escape(label)}$")))
-            assert dropdown.count() == 1, f"the panel has {dropdown.count()} dropdowns labelled {label!r}"
-            dropdown.locator("select").select_option(label=option)
+            _choose(page, label, option)
         for click in range(1, case.clicks + 1):
             rows_before = table_rows.count()
             t_click = time.time()
@@ -302,10 +304,44 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser, 
             assert good, (f"the panel's figure is not a drawn figure after click {click} on Run "
                           f"(needs >= {MIN_INK:.0%} drawn pixels and >= {MIN_BYTES_RATIO:.0%} of the bytes before):\n" + "\n".join(report))
             before = after
+        if case.code:
+            report.append(_check_code_and_export(page, *case.code))
         print(f"\n{case.notebook} in {time.time() - t0:.0f} s: " + "; ".join(report))
     finally:
         page.close()
         shut_down_kernels(url, token)
+
+
+def _choose(page, label: str, option: str) -> None:
+    """Choose `option` in the panel's dropdown labelled `label`."""
+    dropdown = page.locator(".widget-dropdown").filter(has=page.locator("label", has_text=re.compile(rf"^{re.escape(label)}$")))
+    assert dropdown.count() == 1, f"the panel has {dropdown.count()} dropdowns labelled {label!r}"
+    dropdown.locator("select").select_option(label=option)
+
+
+def _wait_for_text(locator, text: str, what: str, timeout_s: float = 30) -> str:
+    deadline = time.time() + timeout_s
+    while text not in (seen := locator.inner_text()):
+        assert time.time() < deadline, f"{what}: {text!r} not shown; it shows {seen[-500:]!r}"
+        time.sleep(0.5)
+    return seen
+
+
+def _check_code_and_export(page, label: str, option: str, marker: str) -> str:
+    """The panel's code section, opened, shows the diff of the configuration against naive fp32 and follows a control;
+    the export button writes that script next to the notebook and says where."""
+    t0 = time.time()
+    page.locator(".course-code").get_by_text(re.compile(r"^Code: ")).click()
+    diff = page.locator(".course-diff")
+    _wait_for_text(diff, "lines added", "the code section after it was opened")
+    assert marker not in diff.inner_text()
+    _choose(page, label, option)
+    _wait_for_text(diff, marker, f"the code section after {label} = {option}")
+    page.locator(".course-export").click()
+    status = _wait_for_text(page.locator(".course-export-status"), "Wrote", "the export button's status")
+    path = Path(re.search(r"Wrote (\S+\.py)", status).group(1))
+    assert path.is_file() and marker in path.read_text(), status
+    return f"code section follows {label}; exported {path.name} ({time.time() - t0:.1f} s)"
 
 
 def _run_all_cells(page) -> None:

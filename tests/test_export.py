@@ -4,8 +4,8 @@ Each case exports a script, runs it (a subprocess), and trains the same config w
 seed and batches; the per-step losses must be equal bit for bit, except where the arithmetic may differ (torch.compile
 may fuse and reorder fp32 sums differently in two processes: a stated tolerance). To stay fast, the single-process
 scripts run one after another in one subprocess (each imported and its main() called, as `python train.py` would; the
-corpus is tokenized once, by the first script's own code), and DDP runs the script as torchrun runs it, then the
-course's loop, in one launch of 2 gloo processes. Every config here has measure_memory=False: the course's memory-ledger step is a measurement the script
+corpus is tokenized once, by the first script's own code), and DDP and FSDP2 run each script as torchrun runs it, then
+the course's loop, in a launch of 2 gloo processes each. Every config here has measure_memory=False: the course's memory-ledger step is a measurement the script
 does not have (and it runs a compiled step eagerly).
 """
 from __future__ import annotations
@@ -60,6 +60,9 @@ CASES = {
     "SGD momentum, per-tensor clip, wsd": (
         dataclasses.replace(BASE, optimizer="sgd_momentum", lr=0.05, clip_norm=0.5, clip_kind="per_tensor", schedule="wsd",
                             weight_decay=0.01, decay_2d_only=False), False, None),
+    "RMSprop, exponential decay": (dataclasses.replace(BASE, optimizer="rmsprop", schedule="exponential", lr_warmup_steps=1), False, None),
+    "AdaGrad, L2 decay on every tensor": (dataclasses.replace(BASE, optimizer="adagrad", lr=1e-2, weight_decay=0.01, decay_2d_only=False),
+                                          False, None),
     "compile": (dataclasses.replace(BASE, compile=True), False, COMPILE_RTOL),  # the one compile case, last
 }
 
@@ -146,42 +149,49 @@ def test_padding_is_uneven_across_micro_batches(runs):
     assert all(a > 2 * b for a, b in counts), counts
 
 
-DDP_DRIVER = textwrap.dedent('''
-    """Under torchrun: the exported script (as `torchrun train.py` runs it), then the course's loop on the same shards."""
+DP_DRIVER = textwrap.dedent('''
+    """Under torchrun, for each case: the exported script (as `torchrun train.py` runs it), then the course's loop on
+    the same shards."""
     import json, os, runpy, sys
     import torch, torch.distributed as dist
     from course_lib import config as C, data, train
 
-    script, cfg_file, out = sys.argv[1:4]
-    sys.argv = [script, "--losses", os.path.join(out, "script.json")]
-    runpy.run_path(script, run_name="__main__")  # it joins the process group and leaves it
-    cfg = C.TrainConfig.from_dict(json.load(open(cfg_file)))
-    # A second group in the same processes: a file store (torchrun's store was the script's).
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(out, "store"),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    rank, world, mb = dist.get_rank(), dist.get_world_size(), cfg.micro_batch_size
+    out = sys.argv[1]
     splits = data.load_splits()
-    gen = torch.Generator().manual_seed(cfg.seed)  # the script's batches: one global batch per micro-batch, sliced by rank
-    steps = [[tuple(t[rank * mb:(rank + 1) * mb] for t in data.random_windows(splits.train, world * mb, cfg.context, gen))
-              for _ in range(cfg.grad_accum_steps)] for _ in range(cfg.steps)]
-    result = train.train(cfg, batches=lambda step: steps[step], splits=splits)
-    with open(os.path.join(out, f"course_rank{rank}.json"), "w") as f:
-        json.dump(result.losses, f)
-    dist.destroy_process_group()
+    for i, (script, cfg_file) in enumerate(json.load(open(os.path.join(out, "cases.json")))):
+        sys.argv = [script, "--losses", os.path.join(out, f"script_{i}.json")]
+        runpy.run_path(script, run_name="__main__")  # it joins the process group and leaves it
+        cfg = C.TrainConfig.from_dict(json.load(open(cfg_file)))
+        # A second group in the same processes: a file store (torchrun's store was the script's).
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store_{i}"),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        rank, world, mb = dist.get_rank(), dist.get_world_size(), cfg.micro_batch_size
+        gen = torch.Generator().manual_seed(cfg.seed)  # the script's batches: one global batch per micro-batch, sliced by rank
+        steps = [[tuple(t[rank * mb:(rank + 1) * mb] for t in data.random_windows(splits.train, world * mb, cfg.context, gen))
+                  for _ in range(cfg.grad_accum_steps)] for _ in range(cfg.steps)]
+        result = train.train(cfg, batches=lambda step: steps[step], splits=splits)
+        with open(os.path.join(out, f"course_{i}_rank{rank}.json"), "w") as f:
+            json.dump(result.losses, f)
+        dist.destroy_process_group()
 ''')
+# Data parallel on 2 gloo processes with gradient accumulation (the sync switched off on the first micro-batch: DDP's
+# no_sync, FSDP2's set_requires_gradient_sync): rank 0's losses, bit for bit. One torchrun launch per case: a script run
+# twice in the same processes would join torchrun's store twice, which can hang.
+DP_CASES = {"ddp": dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2),
+            "fsdp": dataclasses.replace(BASE, data_parallel="fsdp", grad_accum_steps=2)}
 
 
-def test_ddp_script_trains_like_the_course_loop(tmp_path):
-    """DDP on 2 gloo processes with gradient accumulation (no_sync on the first micro-batch): rank 0's losses."""
+def run_under_torchrun(tmp: Path, cfg: C.TrainConfig) -> tuple[list, list, str]:
+    """cfg's script and the course's loop under one torchrun launch: (script losses, course losses, stdout)."""
     from course_lib.distributed.launch import free_port
 
-    cfg = dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2)
-    (tmp_path / "train.py").write_text(export.script(cfg))
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-    (tmp_path / "driver.py").write_text(DDP_DRIVER)
+    (tmp / "train_0.py").write_text(export.script(cfg))
+    (tmp / "cfg_0.json").write_text(json.dumps(cfg.to_dict()))
+    (tmp / "cases.json").write_text(json.dumps([[str(tmp / "train_0.py"), str(tmp / "cfg_0.json")]]))
+    (tmp / "driver.py").write_text(DP_DRIVER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(tmp_path / "driver.py"), str(tmp_path / "train.py"), str(tmp_path / "cfg.json"), str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
+           f"--master_port={free_port()}", str(tmp / "driver.py"), str(tmp)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=300)
     finally:  # torchrun and its workers are one process group: none is left behind, even after a timeout
@@ -189,10 +199,20 @@ def test_ddp_script_trains_like_the_course_loop(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, stderr[-4000:]
-    script_losses = json.loads((tmp_path / "script.json").read_text())
-    course = json.loads((tmp_path / "course_rank0.json").read_text())
+    return json.loads((tmp / "script_0.json").read_text()), json.loads((tmp / "course_0_rank0.json").read_text()), stdout
+
+
+def test_ddp_script_trains_like_the_course_loop(tmp_path):
+    script_losses, course, stdout = run_under_torchrun(tmp_path, DP_CASES["ddp"])
     assert script_losses == course, f"DDP: {script_losses} against {course}"
     assert "tokens/s" in stdout and stdout.count("step 1/3") == 1  # only rank 0 prints
+
+
+def test_fsdp_script_trains_like_the_course_loop(tmp_path):
+    """FSDP2 (fully_shard on each block, then the root): the same losses as the course's loop, bit for bit."""
+    script_losses, course, stdout = run_under_torchrun(tmp_path, DP_CASES["fsdp"])
+    assert script_losses == course, f"FSDP2: {script_losses} against {course}"
+    assert stdout.count("step 1/3") == 1
 
 
 # ---- what the script holds -------------------------------------------------------------------------------------
@@ -257,8 +277,8 @@ def test_exported_scripts_pass_pyflakes(tmp_path):
 
 
 def test_what_cannot_be_exported_is_explained():
-    with pytest.raises(C.ConfigError, match="FSDP2"):
-        export.script(dataclasses.replace(BASE, data_parallel="fsdp"))
+    with pytest.raises(C.ConfigError, match="loss_chunks=1"):
+        export.script(dataclasses.replace(BASE, data_parallel="fsdp", loss_chunks=8))
     with pytest.raises(C.ConfigError, match="loss_chunks=1"):
         export.script(dataclasses.replace(BASE, data_parallel="ddp", loss_chunks=8))
     with pytest.raises(C.ConfigError, match="raise steps"):
@@ -315,3 +335,56 @@ def test_diff_html_shows_exactly_the_lines_a_technique_adds():
     assert all(html_mod.escape(l) in page for l in added + removed)
     assert "torch.autocast" in page
     assert "the two scripts are the same" in export.diff_html(naive, naive)
+
+
+def test_the_fsdp_script_shards_every_block_then_the_root(tmp_path):
+    """FSDP2 as techniques.wrap_data_parallel applies it, before the optimizer (which then holds the shards); on a GPU
+    one process per GPU with NCCL; with accumulation, the reduce-scatter only on the last micro-batch."""
+    cfg = dataclasses.replace(everything_on(BASE), device="cuda", data_parallel="fsdp", loss_chunks=1, grad_accum_steps=2,
+                              eval_every=1, precision="fp16", clip_norm=1.0)
+    text = export.script(cfg)
+    assert text.index("fully_shard(block, mesh=mesh)") < text.index("fully_shard(model, mesh=mesh)") < text.index("torch.optim.AdamW(")
+    assert 'init_device_mesh("cuda", (world,))' in text and 'backend="nccl"' in text and "torchrun --nproc_per_node" in text
+    assert "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)" in text and "DistributedDataParallel" not in text
+    assert "fully_shard" not in export.script(dataclasses.replace(cfg, grad_accum_steps=1, data_parallel="ddp"))
+    (tmp_path / "train.py").write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "pyflakes", str(tmp_path / "train.py")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.unit
+def test_technique_diff_shows_a_technique_on_against_off():
+    on = dataclasses.replace(BASE, clip_norm=0.5)
+    shown = export.technique_diff(BASE, activation_checkpointing="selective").data
+    assert "create_selective_checkpoint_contexts" in shown and "activation_checkpointing='selective'" in shown
+    assert export.technique_diff(on, without={"clip_norm": None}).data == export.diff_html(BASE, on, "without clip_norm=None")
+    assert "padded_vocab_size" in export.technique_diff(BASE, **{"model.vocab_multiple": 64}).data
+    with pytest.raises(ValueError, match="needs the settings"):
+        export.technique_diff(BASE)
+
+
+@pytest.mark.unit
+def test_ladder_diffs_show_each_rung_against_the_one_below_with_its_measurement():
+    """From a climb's results (made up here: the numbers are only carried through): each rung's diff is against the
+    rung below that ran; a rung that did not run says why and shows the code it would add on the rung below."""
+    from course_lib.results import RunResult
+
+    results, cfg = [], C.naive(BASE)
+    for i, rung in enumerate(C.LADDER):
+        if rung.name == "+ compile":
+            results.append(RunResult(rung.name, "skipped", {}, {"device": "test"}, reason="left out for the test"))
+            continue
+        cfg = rung.apply(cfg)
+        results.append(RunResult(rung.name, "ok", cfg.to_dict(), {"device": "test"}, tokens_per_s=1000.0 * (i + 1),
+                                 memory={"peak_bytes": 2**30 // (i + 1)}))
+    page = export.ladder_diffs(results).data
+    assert page.count("<details") == len(C.LADDER) - 1 and "left out for the test" in page
+    sdpa = page[page.index("+ sdpa (flash)</b>"):page.index("+ compile</b>")]
+    assert "4,000 tokens/s (4.00x naive, 1.33x the rung below), peak 0.2500 GiB" in sdpa
+    assert "scaled_dot_product_attention" in sdpa and "torch.autocast" not in sdpa.split("</summary>")[1].split("+ ")[0]
+    compiled = page[page.index("+ compile</b>"):page.index("+ vocab to x64</b>")]
+    assert "torch.compile(" in compiled and "not measured here" in compiled
+    vocab = page[page.index("+ vocab to x64</b>"):page.index("+ fused AdamW</b>")]
+    assert "padded_vocab_size" in vocab and "torch.compile(" not in vocab  # against the rung below that ran
+    with pytest.raises(ValueError, match="one result per rung"):
+        export.ladder_diffs(results[:3])

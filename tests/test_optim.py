@@ -267,3 +267,75 @@ def test_batch_ramp():
     cfg = replace(tiny_preset(), steps=3, measure_memory=False)
     src = O.ramped_batches(load_splits(), cfg, start=1, ramp_steps=3)
     assert [src(s)[0][0].shape[0] for s in range(4)] == [1, 2, 3, 4]
+
+
+# ---- AdaGrad and RMSProp, from their update rules ----
+
+@pytest.mark.parametrize("hand, ref", [
+    (lambda g: O.HandAdagrad(g, lr=3e-2, eps=1e-6, weight_decay=0.1, lr_decay=0.05),
+     lambda g: torch.optim.Adagrad(g, lr=3e-2, eps=1e-6, weight_decay=0.1, lr_decay=0.05, foreach=False)),
+    (lambda g: O.HandRMSprop(g, lr=3e-3, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9),
+     lambda g: torch.optim.RMSprop(g, lr=3e-3, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9, foreach=False)),
+    (lambda g: O.HandRMSprop(g, lr=1e-3, alpha=0.95, momentum=0.5, centered=True),
+     lambda g: torch.optim.RMSprop(g, lr=1e-3, alpha=0.95, momentum=0.5, centered=True, foreach=False)),
+], ids=["adagrad wd lr_decay", "rmsprop wd momentum", "rmsprop centered"])
+def test_hand_adagrad_and_rmsprop_equal_torch(hand, ref):
+    # float64, a few steps of the tiny GPT with weight decay on the 2-D group: every parameter equal to torch's
+    # (torch's defaults are checked in notebook 05)
+    diff = O.max_difference_after_steps(hand, ref, tiny_preset().model, steps=3, weight_decay=0.05)
+    assert diff < 1e-10
+
+
+def test_the_comparison_sees_one_hyperparameter():
+    # the check above can fail: one parameter fed the same gradients, alpha 0.99 against 0.9, differs at once
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    a = O.step_updates(lambda ps: O.HandRMSprop(ps, lr=1e-3, alpha=0.99), grads)
+    b = O.step_updates(lambda ps: torch.optim.RMSprop(ps, lr=1e-3, alpha=0.9), grads)
+    assert float((a[0] - b[0]).abs().max()) > 1e-4
+
+
+def test_rmsprop_is_adam_without_first_moment_and_bias_correction():
+    # RMSprop(alpha) steps -lr g / (sqrt(v) + eps); Adam with beta1 = 0 divides v by (1 - alpha^t) first, so its step is
+    # sqrt(1 - alpha^t) times RMSProp's (eps negligible): 10x smaller at the first step for alpha = 0.99
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(16, generator=gen, dtype=torch.float64) for _ in range(20)]
+    rms = O.step_updates(lambda ps: O.HandRMSprop(ps, lr=1e-3, alpha=0.99, eps=0.0), grads)
+    adam = O.step_updates(lambda ps: O.HandAdamW(ps, lr=1e-3, betas=(0.0, 0.99), eps=0.0, weight_decay=0.0), grads)
+    for t, (r, a) in enumerate(zip(rms, adam), start=1):
+        torch.testing.assert_close(a, r * math.sqrt(1 - 0.99**t), rtol=1e-9, atol=0)
+
+
+def test_adagrad_steps_shrink_like_one_over_sqrt_t():
+    # a constant gradient: s_t = t g^2, so the t-th step is lr / sqrt(t), whatever the gradient's size
+    for g in (1e-3, 1.0, 1e3):
+        sizes = [abs(float(u)) for u in O.step_updates(lambda ps: O.HandAdagrad(ps, lr=0.1, eps=0.0), [torch.full((1,), g, dtype=torch.float64)] * 16)]
+        assert sizes == pytest.approx([0.1 / math.sqrt(t) for t in range(1, 17)], rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["adagrad", "rmsprop"])
+def test_new_kinds_state_bytes_and_memory_model(kind):
+    from course_lib import memory
+    m = _model()
+    params = list(m.parameters())
+    x, y = _batch(tiny_preset())
+    assert O.measured_state_bytes(kind, m, x, y) == O.expected_state_bytes(kind, params) == 4 * m.num_params() + 4 * len(params)
+    assert memory.static_bytes(m.num_params(), kind, 4, len(params))["optimizer state"] == O.expected_state_bytes(kind, params)
+
+
+def test_exponential_schedule_equals_torch_exponentiallr_and_the_loop():
+    lr, warmup, total = 1e-3, 5, 60
+    gamma = techniques.exponential_gamma(warmup, total, 0.1)
+    mine = O.curve(lambda s: O.exponential_lr(s, lr, warmup, total, 0.1), total)
+    cfg = replace(tiny_preset(), lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
+    loop = [techniques.lr_at(s, cfg) for s in range(total)]
+    # torch's own: LinearLR over the warmup, then ExponentialLR(gamma), chained at the end of the warmup
+    ref = O.torch_scheduler_curve(lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
+        torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1),
+        torch.optim.lr_scheduler.ExponentialLR(opt, gamma=gamma)], milestones=[warmup]), lr, total)
+    assert mine == pytest.approx(ref, rel=1e-9) and mine == pytest.approx(loop, rel=1e-12)
+    assert mine[warmup] == pytest.approx(lr) and mine[-1] == pytest.approx(0.1 * lr)
+    assert all(b / a == pytest.approx(gamma) for a, b in zip(mine[warmup:], mine[warmup + 1:]))  # one factor per step
+    # without warmup it is ExponentialLR itself
+    plain = O.torch_scheduler_curve(lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9), lr, 30)
+    assert O.curve(lambda s: O.exponential_lr(s, lr, 0, 30, 0.9**29), 30) == pytest.approx(plain, rel=1e-9)

@@ -198,3 +198,59 @@ def test_the_strategy_panel_refuses_what_a_strategy_cannot_run():
     assert DP.why_not(cfg, "ddp", 3, 1) is None and DP.why_not(cfg, "gpipe", 2, 2) is None
     assert "at least 4 micro-batches" in DP.why_not(cfg, "1f1b", 4, 2)
     assert "not divisible by 3" in DP.why_not(cfg, "tp", 3, 1)
+
+
+# ---- the code: the configuration as a training script (course_lib.export) ----------------------------------------
+
+def test_the_code_view_follows_the_controls_while_open(panel):
+    from course_lib import export
+
+    assert panel.code.selected_index is None and panel.code_view.value == ""  # collapsed, nothing formatted yet
+    panel.code.selected_index = 0
+    naive_text = panel.code_view.value
+    assert "the two scripts are the same" in naive_text  # the tiny preset is naive fp32
+    panel.set(precision="bf16")
+    assert panel.code_view.value != naive_text and "torch.autocast(" in panel.code_view.value
+    assert panel.code_view.value == export.diff_html(C.naive(panel.base), panel.config(), "naive fp32 -> this configuration")
+    panel.set(attention="sdpa")
+    assert "scaled_dot_product_attention" in panel.code_view.value and "torch.autocast(" in panel.code_view.value
+    panel.set(batch_size=3, grad_accum_steps=2)  # no config: the reason, not a crash
+    assert "No script for this configuration" in panel.code_view.value and "does not divide" in panel.code_view.value
+
+
+def test_the_export_button_writes_the_current_configurations_script(panel, tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from course_lib import export
+
+    monkeypatch.chdir(tmp_path)  # the notebook's folder
+    panel.set(precision="bf16", attention="sdpa", grad_accum_steps=2)
+    panel.export_button.click()
+    written = list(tmp_path.glob("train_*.py"))
+    assert len(written) == 1 and written[0].name in panel.export_status.value and str(tmp_path) in panel.export_status.value
+    assert written[0].read_text() == export.script(panel.config())
+    proc = subprocess.run([sys.executable, "-m", "pyflakes", str(written[0])], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    panel.set(batch_size=3)  # 3 sequences do not split into 2 micro-batches
+    assert panel.export_script() is None and "Not exported" in panel.export_status.value and len(list(tmp_path.glob("*.py"))) == 1
+
+
+def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path):
+    import ipywidgets as W
+
+    from course_lib import export
+    from course_lib.distributed import panel as DP
+
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=DP.strategy_runner(),
+                      extras={"strategy": W.Dropdown(options=list(DP.STRATEGIES), value="ddp"), "processes": W.IntSlider(value=2),
+                              "microbatches": W.IntSlider(value=2)})
+    p.code.selected_index = 0
+    assert "DistributedDataParallel(model)" in p.code_view.value
+    path = p.export_script(tmp_path)
+    assert path.read_text() == export.script(dataclasses.replace(p.config(), data_parallel="ddp")) and "torchrun" in p.export_status.value
+    p.set(strategy="fsdp")
+    assert "fully_shard(model, mesh=mesh)" in p.code_view.value
+    assert "fully_shard" in p.export_script(tmp_path).read_text()
+    p.set(strategy="1f1b")
+    assert "not the course's loop" in p.code_view.value and p.export_script(tmp_path) is None

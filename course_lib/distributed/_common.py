@@ -126,11 +126,12 @@ def shard(batch, rank: int, world: int):
     return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
 
 
-def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback):
+def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback, model=None):
     """This rank's run of the course's one loop on its shard of the global batches. `on_build(setup)` sees what
-    the Trainer built (model, wrapped loss module, optimizer) before the first step. Returns (result, setup)."""
+    the Trainer built (model, wrapped loss module, optimizer) before the first step; `model`: one already prepared
+    (e.g. sharded by the caller), else the Trainer's GPT. Returns (result, setup)."""
     from ..train import Trainer
 
-    trainer = Trainer(cfg, batches=lambda step: [shard(b, ctx.rank, ctx.world) for b in at(step)])
+    trainer = Trainer(cfg, model, batches=lambda step: [shard(b, ctx.rank, ctx.world) for b in at(step)])
     on_build(trainer.setup)
     return trainer.fit(label, callback), trainer.setup

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor_parallel", "selftest")
+STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor_parallel", "selftest", "zero_stages", "resume", "expert_parallel")
 
 
 def free_port() -> int:

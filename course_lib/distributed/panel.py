@@ -14,7 +14,9 @@ and turns what every rank wrote into one row: a RunResult whose details["ranks"]
 bytes it measured by category and its median step time (what `plot_rank_memory` and `plot_rank_step_times`
 draw). A config the strategy cannot run (pipeline: fewer micro-batches than stages; tensor parallel: heads not
 divisible by the processes) is a "skipped" row with the reason, a failed launch an "error" row with the ranks'
-errors.
+errors. The runner's `export_config` tells the panel's code view and export button what a run trains: DDP and FSDP2
+are the course's loop with data_parallel set (a torchrun script); the pipeline and tensor parallel runs are
+course_lib.distributed's own programs, not exported.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import statistics
 from dataclasses import replace
 from typing import Callable
 
-from ..config import TrainConfig
+from ..config import ConfigError, TrainConfig
 from ..plots import CATEGORY_COLORS
 from ..results import RunResult, provenance
 from . import launch as L
@@ -78,12 +80,20 @@ def rank_rows(strategy: str, ranks: list[dict], microbatches: int) -> list[dict]
 def launch_strategy(cfg: TrainConfig, strategy: str, processes: int, microbatches: int, timeout_s: float = 300) -> L.LaunchResult:
     """One torchrun launch of `strategy` on cfg (see the module docstring)."""
     if strategy in ("ddp", "fsdp"):
-        return L.launch("fsdp", processes, cfg=replace(cfg, data_parallel=strategy), options={"only": strategy}, timeout_s=timeout_s)
+        return L.launch("fsdp", processes, cfg=export_config(cfg, strategy), options={"only": strategy}, timeout_s=timeout_s)
     if strategy in ("gpipe", "1f1b"):
         opts = {"microbatches": [microbatches], "schedules": [strategy], "steps": cfg.steps, "batch_size": cfg.batch_size,
                 "n_layer": cfg.model.n_layer}
         return L.launch("pipeline", processes, cfg=cfg, options=opts, timeout_s=timeout_s)
     return L.launch("tensor_parallel", processes, cfg=cfg, options={"repeats": cfg.steps}, timeout_s=timeout_s)
+
+
+def export_config(cfg: TrainConfig, strategy: str = "ddp", processes: int = 2, microbatches: int = 2) -> TrainConfig:
+    """The config a DDP or FSDP2 run of the panel trains with (what course_lib.export writes as a torchrun script)."""
+    if strategy not in ("ddp", "fsdp"):
+        raise ConfigError(f"{STRATEGIES.get(strategy, strategy)} runs course_lib.distributed's own program, not the course's loop: "
+                          "only DDP and FSDP2 are exported as training scripts")
+    return replace(cfg, data_parallel=strategy)
 
 
 def strategy_runner(timeout_s: float = 300) -> Callable[..., RunResult]:
@@ -127,6 +137,7 @@ def strategy_runner(timeout_s: float = 300) -> Callable[..., RunResult]:
         callback(cfg.steps - 1, result)
         return result.with_details(**details)
 
+    runner.export_config = export_config  # what widgets.Panel's code view and export button write
     return runner
 
 

@@ -13,15 +13,30 @@ this rank's local slice, RowwiseParallel all-reduces its partial sums). The one 
 torchtitan makes: each attention module's `n_head` is set to the local head count, n_head/N, after sharding,
 since CausalSelfAttention reads the head count from that attribute and the widths from c_attn's output.
 
+Sequence parallelism (Korthikanti et al., 2022), with {"sequence_parallel": true}: outside the four matmuls, in
+the LayerNorms, the dropouts and the residual additions, tensor parallelism leaves every rank doing the same work
+on the same (b, s, h) activations and storing them N times. Sequence parallelism cuts those regions along the
+sequence instead: the residual stream between blocks is each rank's s/N positions. Entering attention or the MLP,
+an all-gather assembles the whole sequence (DTensor's PrepareModuleInput, Shard(1) -> Replicate); leaving it, the
+row-parallel matmul's all-reduce becomes a reduce-scatter that hands each rank the sum for its own positions only
+(RowwiseParallel(output_layouts=Shard(1))). An all-reduce is a reduce-scatter followed by an all-gather, so the
+traffic stays the same while the LayerNorm and dropout activations shrink N-fold. The LayerNorms run on sequence
+shards (SequenceParallel); their weights stay replicated and their gradients are summed over the ranks. The first
+block takes its shard of the embeddings (a slice, no communication) and the output layer gets the whole sequence
+back with one all-gather, so the logits and the loss are the unsharded model's.
+
 Rank results: the largest difference between the sharded and the unsharded model's logits and gradients,
 per-rank parameter bytes (sharded and replicated), collectives counted with CommDebugMode, forward+backward
-times.
+times; with sequence parallelism, the same checks for it and the activation memory of one forward and backward
+(the CPU ledger: bytes saved for backward, peak of activations) for the unsharded model, tensor parallelism
+and tensor + sequence parallelism.
 
-Options: {"repeats": int}
+Options: {"repeats": int, "sequence_parallel": bool, "memory_dropout": float (dropout while the memory is measured)}
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -42,17 +57,32 @@ def reorder_qkv(linear: nn.Linear, world: int) -> None:
             linear.bias.copy_(linear.bias[idx])
 
 
-def parallelize(model: GPT, mesh) -> GPT:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def parallelize(model: GPT, mesh, sequence_parallel: bool = False) -> GPT:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
     world = mesh.size()
     if model.config.n_head % world:
         raise ValueError(f"n_head={model.config.n_head} must be divisible by the {world} tensor-parallel ranks")
+    # Sequence parallel: the matmuls' region starts with an all-gather of the sequence and ends with a reduce-scatter.
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    out = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks:
         reorder_qkv(block.attn.c_attn, world)
-        parallelize_module(block, mesh, {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(),
-                                         "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()})
+        plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=out),
+                "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=out)}
+        if sequence_parallel:
+            plan |= {"ln_1": SequenceParallel(), "attn": gather, "ln_2": SequenceParallel(), "mlp": gather}
+        parallelize_module(block, mesh, plan)
         block.attn.n_head //= world  # this rank's heads: c_attn now yields [q | k | v] of n_head/N heads (as torchtitan)
+    if sequence_parallel:
+        parallelize_module(model, mesh, {
+            # the embeddings are replicated: the first block takes this rank's slice of positions (no communication)
+            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
+            "ln_f": SequenceParallel(),
+            # the output layer (tied to the embedding, replicated) gets the whole sequence back: one all-gather
+            "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
     return model
 
 
@@ -60,18 +90,81 @@ def _counts(mode) -> dict[str, int]:
     return {str(getattr(k, "__name__", k)).split(".")[-1]: int(v) for k, v in mode.get_comm_counts().items()}
 
 
+def _expected_grad(name: str, g_full: torch.Tensor, p_tp: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """The part of the unsharded model's gradient that rank `rank` of the sharded model should hold for parameter `name`."""
+    from torch.distributed.tensor import Shard
+
+    placements = getattr(p_tp, "placements", ())
+    if not any(isinstance(pl, Shard) for pl in placements):
+        return g_full  # replicated: the whole gradient
+    if ".attn.c_attn." in name:  # its rows were reordered so that a shard holds whole heads
+        d = g_full.size(0) // 3
+        g_full = g_full[torch.arange(3 * d).view(3, world, d // world).transpose(0, 1).reshape(-1)]
+    return g_full.chunk(world, dim=placements[0].dim)[rank]
+
+
+def _grad_as_placed(p: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient of `p`, laid out as `p` is. Under sequence parallelism a replicated LayerNorm weight's gradient
+    comes out of backward as a partial sum (each rank's own positions); redistributing it sums the ranks' parts,
+    the all-reduce an optimizer step on a DTensor does."""
+    g = p.grad
+    if hasattr(g, "redistribute") and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(g.device_mesh, p.placements)
+    return _common.local_tensor(g)
+
+
+def activation_memory(model, x, y) -> dict:
+    """One forward and backward under the CPU ledger: bytes saved for backward, and the step's peak split by category."""
+    from ..techniques import loss_sum
+
+    ledger = measure.MemoryLedger(keep_timeline=False)
+    with ledger.watch(model.lm_head):
+        with ledger.phase("forward"):
+            loss = loss_sum(model(x), y)
+        with ledger.phase("backward"):
+            loss.backward()
+    report = ledger.report()
+    return {"saved_for_backward_bytes": report.saved_for_backward_bytes, "peak_bytes": report.peak_bytes, "by_category": report.by_category}
+
+
+def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
+    """Forward and backward of the sharded model, checked against the unsharded one's (already backward-ed)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    fwd_mode, bwd_mode = CommDebugMode(), CommDebugMode()
+    with fwd_mode:
+        logits_tp, loss_tp = loss_of(tp)
+    with bwd_mode:
+        loss_tp.backward()
+    full_params = dict(full.named_parameters())
+    grad_diffs = {name: (_grad_as_placed(p) - _expected_grad(name, full_params[name].grad, p, ctx.world, ctx.rank)).abs().max().item()
+                  for name, p in tp.named_parameters()}
+    sharded = [p for p in tp.parameters() if hasattr(p, "to_local") and p.to_local().numel() < p.numel()]
+    replicated = [p for p in tp.parameters() if not any(p is q for q in sharded)]
+    return {"max_abs_logit_diff": (_common.local_tensor(logits_tp) - logits_full).abs().max().item(),
+            "loss_full": loss_full.item(), "loss_tp": loss_tp.item(),
+            "max_abs_grad_diff": max(grad_diffs.values()), "grad_diffs": grad_diffs,
+            "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
+            "forward_collectives": _counts(fwd_mode), "backward_collectives": _counts(bwd_mode),
+            "parameter_bytes_sharded_local": measure.tensor_bytes(sharded), "parameter_bytes_replicated": measure.tensor_bytes(replicated)}
+
+
 def main(argv=None) -> None:
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
 
     ctx = _common.start(argv)
     repeats = int(ctx.options.get("repeats", 3))
+    sequence_parallel = bool(ctx.options.get("sequence_parallel", False))
     cfg = ctx.cfg
+    if sequence_parallel and cfg.context % ctx.world:
+        raise ValueError(f"sequence parallelism splits the sequence: context {cfg.context} must be divisible by {ctx.world} ranks")
     torch.manual_seed(cfg.seed)
     full = GPT(cfg.model).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
-    tp = parallelize(copy.deepcopy(full), mesh)
+    variants = {"tp": parallelize(copy.deepcopy(full), mesh)}
+    if sequence_parallel:
+        variants["tp_sp"] = parallelize(copy.deepcopy(full), mesh, sequence_parallel=True)
     _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
     x, y = (t.to(ctx.device) for t in at(0)[0])  # every rank sees the same batch: TP splits the layers, not the data
 
@@ -81,27 +174,7 @@ def main(argv=None) -> None:
 
     logits_full, loss_full = loss_of(full)
     loss_full.backward()
-    fwd_mode, bwd_mode = CommDebugMode(), CommDebugMode()
-    with fwd_mode:
-        logits_tp, loss_tp = loss_of(tp)
-    with bwd_mode:
-        loss_tp.backward()
-
-    # Gradients: each rank's shard against the matching slice of the unsharded gradient.
-    grad_diffs = {}
-    for i, (bf, bt) in enumerate(zip(full.blocks, tp.blocks)):
-        for name, dim in (("attn.c_proj.weight", 1), ("mlp.c_fc.weight", 0), ("mlp.c_proj.weight", 1), ("attn.c_attn.weight", 0)):
-            g_full = bf.get_parameter(name).grad
-            if name == "attn.c_attn.weight":
-                d = g_full.size(0) // 3
-                idx = torch.arange(3 * d).view(3, ctx.world, d // ctx.world).transpose(0, 1).reshape(-1)
-                g_full = g_full[idx]
-            g_local = _common.local_tensor(bt.get_parameter(name).grad)
-            expect = g_full.chunk(ctx.world, dim=dim)[ctx.rank]
-            grad_diffs[f"blocks.{i}.{name}"] = (g_local - expect).abs().max().item()
-
-    sharded = [p for p in tp.parameters() if hasattr(p, "to_local")]
-    replicated = [p for p in tp.parameters() if not hasattr(p, "to_local")]
+    checks = {name: compare(ctx, full, model, loss_of, logits_full, loss_full) for name, model in variants.items()}
 
     def timed(model):
         timer = measure.StepTimer(ctx.device)
@@ -111,17 +184,24 @@ def main(argv=None) -> None:
                 loss_of(model)[1].backward()
         return timer.times[1:]  # the first is warm-up
 
-    _common.write(ctx, {
+    payload = {
         "strategy": "tensor_parallel", "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "n_embd": cfg.model.n_embd,
-        "batch_size": cfg.micro_batch_size, "context": cfg.context,
-        "max_abs_logit_diff": (logits_tp - logits_full).abs().max().item(), "max_abs_logit": logits_full.abs().max().item(),
-        "loss_full": loss_full.item(), "loss_tp": loss_tp.item(),
-        "max_abs_grad_diff": max(grad_diffs.values()), "grad_diffs": grad_diffs,
-        "forward_collectives": _counts(fwd_mode), "backward_collectives": _counts(bwd_mode),
+        "batch_size": cfg.micro_batch_size, "context": cfg.context, **checks["tp"],
+        "max_abs_logit": logits_full.abs().max().item(),
         "activation_all_reduce_bytes_per_call": cfg.micro_batch_size * cfg.context * cfg.model.n_embd * logits_full.element_size(),
         "parameter_bytes_full": measure.tensor_bytes(full.parameters()),
-        "parameter_bytes_sharded_local": measure.tensor_bytes(sharded), "parameter_bytes_replicated": measure.tensor_bytes(replicated),
-        "fwd_bwd_s_full": timed(full), "fwd_bwd_s_tp": timed(tp)})
+        "fwd_bwd_s_full": timed(full), "fwd_bwd_s_tp": timed(variants["tp"])}
+    if sequence_parallel:
+        # Memory with dropout on (its masks are activations too) and in training mode: each variant a fresh copy.
+        p_drop = float(ctx.options.get("memory_dropout", 0.1))
+        torch.manual_seed(cfg.seed)
+        dropped = GPT(replace(cfg.model, dropout=p_drop)).to(ctx.device)
+        memory = {"full": activation_memory(copy.deepcopy(dropped), x, y),
+                  "tp": activation_memory(parallelize(copy.deepcopy(dropped), mesh), x, y),
+                  "tp_sp": activation_memory(parallelize(copy.deepcopy(dropped), mesh, sequence_parallel=True), x, y)}
+        payload["sequence_parallel"] = {**checks["tp_sp"], "memory": memory, "memory_dropout": p_drop,
+                                        "fwd_bwd_s_tp_sp": timed(variants["tp_sp"])}
+    _common.write(ctx, payload)
     _common.finish()
 
 

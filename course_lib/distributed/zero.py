@@ -14,6 +14,7 @@ The byte counts are parameters so the same formulas describe a pure fp32 run (4,
 from __future__ import annotations
 
 STAGES = (0, 1, 2, 3)
+FP32_ADAMW = {"k": 8, "param_bytes": 4, "grad_bytes": 4}  # the course's runs: fp32 weights and gradients, Adam's m and v
 STAGE_NAMES = {0: "baseline data parallel", 1: "ZeRO-1: optimizer state sharded", 2: "ZeRO-2: + gradients sharded",
                3: "ZeRO-3 / FSDP: + parameters sharded"}
 
@@ -57,3 +58,13 @@ def data_parallel_traffic(psi: float, n: int, stage: int, grad_bytes: float = 2,
     if stage < 3:
         return one_pass * grad_bytes + one_pass * (param_bytes if stage >= 1 else grad_bytes)
     return 2 * one_pass * param_bytes + one_pass * grad_bytes
+
+
+def offload_optimizer_bytes(psi: float, n: int, stage: int = 2, k: float = 12, param_bytes: float = 2,
+                            grad_bytes: float = 2) -> dict[str, float]:
+    """ZeRO-Offload (optimizer state and the Adam update on the CPU), per device and optimizer step, as a formula:
+    the device sends its gradients to the host and receives the updated parameters back; it no longer holds the
+    optimizer state. With stage >= 2 a device moves only its shard (1/N); below, the whole model."""
+    share = psi / (n if stage >= 2 else 1)
+    return {"device to host (gradients)": grad_bytes * share, "host to device (parameters)": param_bytes * share,
+            "saved on the device (optimizer state)": zero_parts(psi, n, stage, k, param_bytes, grad_bytes)["optimizer state"]}

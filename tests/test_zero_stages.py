@@ -1,0 +1,62 @@
+"""course_lib.distributed.zero_stages: ZeRO stages 0-3 on 2 gloo processes, one launch checked for every claim, and the
+ZeRO formulas it is set against."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_lib.distributed import launch as L
+from course_lib.distributed import zero
+from course_lib.distributed.zero_stages import CollectiveCounter
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+
+
+def test_offload_formula_moves_a_shard_each_way_and_frees_the_optimizer_state():
+    psi, n = 1e9, 8
+    fp32 = zero.offload_optimizer_bytes(psi, n, 2, **zero.FP32_ADAMW)
+    assert fp32["device to host (gradients)"] == 4 * psi / n and fp32["host to device (parameters)"] == 4 * psi / n
+    assert fp32["saved on the device (optimizer state)"] == zero.zero_parts(psi, n, 2, **zero.FP32_ADAMW)["optimizer state"] == 8 * psi / n
+    # below stage 2 every device holds (and so moves) the whole gradient
+    assert zero.offload_optimizer_bytes(psi, n, 0)["device to host (gradients)"] == 2 * psi
+
+
+def test_the_counter_sees_no_collective_in_plain_arithmetic():
+    with CollectiveCounter() as counter:
+        (torch.ones(3) * 2).sum()
+    assert dict(counter.counts) == {}
+
+
+@pytest.mark.distributed
+def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(tmp_path):
+    r = L.launch("zero_stages", 2, options={"steps": 3}, device="cpu", timeout_s=200, out_dir=tmp_path).raise_for_status()
+    ranks, n = r.ranks, 2
+    psi = ranks[0]["n_params"]
+    ref = ranks[0]["reference"]
+    for stage, diff in ref["max_abs_param_diff"].items():  # the same parameters as one process on the global batch
+        assert diff < 1e-5 * max(1.0, ref["max_abs_param"]), (stage, diff)
+
+    def mem(rank, stage):
+        return rank["runs"][str(stage)]["memory"]
+
+    def coll(stage):
+        return ranks[0]["runs"][str(stage)]["collectives_last_step"]
+
+    for rank in ranks:
+        s0, s1, s2, s3 = (mem(rank, s) for s in zero.STAGES)
+        assert s0["parameters after forward"] == s0["gradients"] == 4 * psi  # stage 0: everything whole, fp32
+        assert s1["gradients"] == 4 * psi and s1["optimizer state"] < s0["optimizer state"]  # stage 1: only the state is split
+        for cat in ("gradients", "optimizer state", "parameters between steps"):  # stages 2, 3: 1/N (shards are padded)
+            assert s2[cat] <= s0[cat] / n * 1.01 + 256 and s3[cat] <= s0[cat] / n * 1.01 + 256, cat
+        # stage 2 holds the whole model from forward to backward (and its shard); stage 3 frees each block after use
+        assert s2["parameters after forward"] >= 4 * psi > s3["parameters after forward"]
+    # ZeroRedundancyOptimizer hands out whole tensors: the ranks' states add up to the unsplit one
+    assert sum(mem(rk, 1)["optimizer state"] for rk in ranks) == mem(ranks[0], 0)["optimizer state"]
+    # the collectives of one step, counted: DDP all-reduces the gradients once; ZeRO-1 adds one broadcast per rank of
+    # its updated parameters; FSDP2 gathers parameters and reduce-scatters gradients, stage 3 gathering more than stage 2
+    assert set(coll(0)) == {"all-reduce"} and coll(0)["all-reduce"]["bytes"] == 4 * psi
+    assert coll(1)["all-reduce"] == coll(0)["all-reduce"] and coll(1)["broadcast"] == {"calls": n, "bytes": 4 * psi}
+    assert set(coll(2)) == set(coll(3)) == {"all-gather", "reduce-scatter"}
+    assert 4 * psi <= coll(2)["all-gather"]["bytes"] < coll(3)["all-gather"]["bytes"]
+    assert coll(2)["reduce-scatter"] == coll(3)["reduce-scatter"] and coll(2)["reduce-scatter"]["bytes"] >= 4 * psi
+    assert ranks[0]["formula"]["2"] == zero.zero_parts(psi, n, 2, **zero.FP32_ADAMW)
