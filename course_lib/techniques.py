@@ -50,7 +50,10 @@ class ModelParts:
 
 
 # Selective checkpointing keeps what is expensive to recompute (the matmuls and attention) and recomputes the
-# cheap element-wise work (LayerNorm, GELU, dropout, residual adds), as Korthikanti et al. propose.
+# cheap element-wise work (LayerNorm, GELU, dropout, residual adds): torch's selective-checkpoint policy as
+# torchtitan uses it. Korthikanti et al.'s own choice differs: they recompute the attention core (QK^T, softmax,
+# its dropout, the product with V), whose s x s outputs are large but cheap to redo; here the matmul outputs,
+# the s x s scores of naive attention among them, are kept (notebook 02 measures what each mode keeps).
 _SAVED_BY_SELECTIVE = tuple(getattr(torch.ops.aten, name).default for name in (
     "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name))
