@@ -134,7 +134,7 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(tmp_path):
         for cat in ("parameters", "gradients", "optimizer state"):
             assert fsdp[cat] < 0.6 * ddp[cat], (cat, fsdp, ddp)  # about half with 2 ranks (shards are padded)
         coll = rank["fsdp"]["collectives_last_step"]
-        assert coll["all_gather"]["calls"] > 0 and coll["reduce_scatter"]["calls"] > 0
+        assert coll["all-gather"]["calls"] > 0 and coll["reduce-scatter"]["calls"] > 0
     total = sum(rank["fsdp"]["memory"]["parameters"] for rank in r.ranks)
     assert total == pytest.approx(r.ranks[0]["ddp"]["memory"]["parameters"], rel=0.02)  # the shards add up to the model
 

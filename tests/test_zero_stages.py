@@ -7,7 +7,7 @@ import torch
 
 from course_lib.distributed import launch as L
 from course_lib.distributed import zero
-from course_lib.distributed.zero_stages import CollectiveCounter
+from course_lib.distributed._common import CollectiveCounter
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
 

@@ -7,14 +7,17 @@ assumes one machine, so the same module runs on a multi-GPU node or across nodes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import measure
 from ..config import TrainConfig, tiny_preset
@@ -135,3 +138,58 @@ def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback, m
     trainer = Trainer(cfg, model, batches=lambda step: [shard(b, ctx.rank, ctx.world) for b in at(step)])
     on_build(trainer.setup)
     return trainer.fit(label, callback), trainer.setup
+
+
+# ---- counting the collectives ----------------------------------------------------------------------------
+
+# The c10d operators' names, as the dispatcher sees them, and what the course calls them.
+KINDS = {"allreduce_": "all-reduce", "broadcast_": "broadcast", "_allgather_base_": "all-gather",
+         "allgather_into_tensor_coalesced_": "all-gather", "allgather_": "all-gather",
+         "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_tensor_coalesced_": "reduce-scatter",
+         "reduce_scatter_": "reduce-scatter"}
+
+
+def _tensors(arg) -> list[torch.Tensor]:
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    if isinstance(arg, (list, tuple)):
+        return [t for a in arg for t in _tensors(a)]
+    return []
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives this process issues while active: every c10d operator reaches the dispatcher, whoever
+    calls it (DDP's C++ reducer, ZeroRedundancyOptimizer, FSDP2), so one mechanism serves every stage. Bytes are those
+    of the full side of the exchange: the largest tensor argument (a list of tensors counted together), i.e. the
+    gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or a
+    broadcast. Not seen: collectives issued inside a DTensor operator (the scalar all-reduce of the gradient norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d":
+            name = func.__name__.split(".")[0]
+            sizes = [sum(t.numel() * t.element_size() for t in _tensors(a)) for a in args]
+            entry = self.counts[KINDS.get(name, name)]
+            entry["calls"] += 1
+            entry["bytes"] += max(sizes, default=0)
+        return func(*args, **(kwargs or {}))
+
+    @contextlib.contextmanager
+    def last_step_of(self, steps: int):
+        """A fit() callback that turns counting on once step steps-2 has ended, so that from there to the end of
+        the run (which this context closes) exactly the last step's collectives are counted."""
+        on: list[bool] = []
+
+        def callback(step, _result):
+            if step == steps - 2:
+                self.__enter__()
+                on.append(True)
+
+        try:
+            yield callback
+        finally:
+            if on:
+                self.__exit__(None, None, None)

@@ -22,11 +22,9 @@ CPUOffloadPolicy; measured on CUDA only: on a CPU there is nothing to offload to
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import replace
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import measure, techniques
 from ..model import GPT
@@ -34,42 +32,6 @@ from . import _common, zero
 
 STAGE_NAMES = {0: "DDP", 1: "ZeRO-1: DDP + ZeroRedundancyOptimizer", 2: "ZeRO-2: FSDP2, reshard_after_forward=False",
                3: "ZeRO-3: FSDP2"}
-# The c10d operators' names, as the dispatcher sees them, and what the course calls them.
-KINDS = {"allreduce_": "all-reduce", "broadcast_": "broadcast", "_allgather_base_": "all-gather",
-         "allgather_into_tensor_coalesced_": "all-gather", "allgather_": "all-gather",
-         "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_tensor_coalesced_": "reduce-scatter",
-         "reduce_scatter_": "reduce-scatter"}
-
-
-def _tensors(arg) -> list[torch.Tensor]:
-    if isinstance(arg, torch.Tensor):
-        return [arg]
-    if isinstance(arg, (list, tuple)):
-        return [t for a in arg for t in _tensors(a)]
-    return []
-
-
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives this process issues while active: every c10d operator reaches the dispatcher, whoever
-    calls it (DDP's C++ reducer, ZeroRedundancyOptimizer, FSDP2), so one mechanism serves every stage. Bytes are those
-    of the full side of the exchange: the largest tensor argument (a list of tensors counted together), i.e. the
-    gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or a
-    broadcast. Not seen: collectives issued inside a DTensor operator (the scalar all-reduce of the gradient norm)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            name = func.__name__.split(".")[0]
-            sizes = [sum(t.numel() * t.element_size() for t in _tensors(a)) for a in args]
-            entry = self.counts[KINDS.get(name, name)]
-            entry["calls"] += 1
-            entry["bytes"] += max(sizes, default=0)
-        return func(*args, **(kwargs or {}))
-
-
 def zero1_optimizer(cfg, model: torch.nn.Module):
     """ZeRO-1: the course's optimizer (techniques.optimizer_for) built by ZeroRedundancyOptimizer for this rank's
     share of the parameter groups only. parameters_as_bucket_view: each rank's parameters live in one flat buffer,
@@ -114,7 +76,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> tuple[dict, dict]:
     """One training run at `stage`; returns (what this rank measured, its final parameters, whole)."""
     held: dict = {}
-    counter = CollectiveCounter()
+    counter = _common.CollectiveCounter()
     model = fsdp_model(cfg, reshard_after_forward=stage == 3, offload=offload) if stage >= 2 else None
     run_cfg = replace(cfg, data_parallel="ddp" if stage <= 1 else "none")  # stages 2-3: the model comes sharded
 
@@ -136,18 +98,8 @@ def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> t
         setup.model.register_forward_hook(after_forward)
         opt.register_step_pre_hook(before_step)
 
-    counting: list[bool] = []
-
-    def callback(step, _result):
-        if step == cfg.steps - 2:  # from here to the end of fit: exactly the last step's collectives
-            counter.__enter__()
-            counting.append(True)
-
-    try:
+    with counter.last_step_of(cfg.steps) as callback:
         result, setup = _common.train_rank(ctx, run_cfg, at, STAGE_NAMES[stage], on_build, callback, model=model)
-    finally:
-        if counting:
-            counter.__exit__(None, None, None)
     at_step = held["at the optimizer step"]
     out = {"stage": stage, "name": STAGE_NAMES[stage], "offload": offload, "result": result.to_dict(),
            "memory": {"parameters between steps": at_step["parameters"], "parameters after forward": held["parameters after forward"],
