@@ -14,6 +14,14 @@ import pytest
 
 os.environ.setdefault("COURSE_BUDGET", "smoke")
 
+# pytest-xdist runs the tests in several worker processes (`pytest -n 2`, the README's command). Each worker, and
+# every notebook kernel and torchrun rank it starts (they inherit the environment), gets its share of the cores: two
+# workers each running torch on every core would oversubscribe a 2-core machine, and OpenMP threads waiting on each
+# other slow everything down.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(workers))))
+
 MARKERS = {
     "unit": "fast tests of course_lib (the default)",
     "distributed": "starts torchrun processes (gloo on a CPU)",
@@ -22,6 +30,35 @@ MARKERS = {
     "cuda": "needs an NVIDIA GPU; skipped elsewhere with the reason",
 }
 DISTRIBUTED_FILES = {"test_distributed.py", "test_doctor.py"}
+# pytest-xdist sends each of these groups whole to one worker; every other test goes alone to whichever worker is free.
+# A notebook's cells run in order in one kernel. These files build costly module-scoped fixtures once. The compile
+# tests share a worker so that torch.compile's first-use start-up is paid once.
+FILE_GROUPS = {"test_export.py": "export", "test_accumulation.py": "accumulation",
+               "test_selective_checkpointing.py": "selective checkpointing", "test_compile.py": "compile", "test_doctor.py": "compile"}
+
+
+def worker_group(nodeid: str) -> str:
+    """The unit of work pytest-xdist schedules for a test: its group, or the test alone."""
+    path = nodeid.split("::")[0]
+    if path.endswith(".ipynb"):
+        return path
+    return FILE_GROUPS.get(os.path.basename(path), nodeid)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` (xdist's default --dist load) or --dist loadgroup: schedule by the groups above. xdist's own
+    loadgroup reads xdist_group marks from rewritten node ids, which pytest 9.2 no longer reads, and plain load would
+    split a notebook's cells between workers. Other --dist modes are xdist's own."""
+    if config.getvalue("dist") not in ("load", "loadgroup"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Grouped(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return Grouped(config, log)
 
 
 def pytest_configure(config):
@@ -76,6 +113,6 @@ def tiny_model():
 
     def make(**changes):
         torch.manual_seed(0)
-        return GPT(config.ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64, **changes))
+        return GPT(config.ModelConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 64, **changes}))
 
     return make

@@ -1,6 +1,6 @@
 """The course's command line.
 
-    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--json PATH]
+    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--json PATH]
     python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--out train.py]
     python -m course_lib info [--device D]
     python -m course_lib doctor [--device D] [--json PATH]
@@ -34,13 +34,12 @@ def cmd_ladder(args) -> int:
     print(f"Ladder on {device_name(base.device)}, torch {torch.__version__}, preset {args.preset}: "
           f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
           f"batch {base.batch_size}, {base.steps} steps ({base.timing_warmup} warm-up)", file=sys.stderr)
-    rungs = None
-    if args.rungs:
-        try:
-            rungs = [C.LADDER[int(i)].name for i in args.rungs.split(",")]
-        except (ValueError, IndexError):
-            print(f"error: --rungs takes indices 0..{len(C.LADDER) - 1} separated by commas, got {args.rungs!r}", file=sys.stderr)
-            return 2
+    try:
+        rungs = _rung_names(args.rungs, "--rungs") if args.rungs else None
+        left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out else []
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     options = {}
     for item in args.set or []:
         name, _, value = item.partition("=")
@@ -49,7 +48,8 @@ def cmd_ladder(args) -> int:
             return 2
         options[name] = _parse_value(value)
     try:
-        results = run_ladder(base, progress=lambda name: None, rungs=rungs, options=options)
+        results = run_ladder(base, progress=lambda name: None, rungs=rungs, options=options,
+                             leave_out={name: "left out (--leave-out)" for name in left_out})
     except C.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -58,6 +58,14 @@ def cmd_ladder(args) -> int:
         path = save_results(results, args.json, preset=args.preset, base_config=base.to_dict(), **provenance(device_name(base.device)))
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _rung_names(indices: str, flag: str) -> list[str]:
+    """'0,2,3' -> those rungs' names."""
+    try:
+        return [C.LADDER[int(i)].name for i in indices.split(",")]
+    except (ValueError, IndexError):
+        raise ValueError(f"{flag} takes indices 0..{len(C.LADDER) - 1} separated by commas, got {indices!r}") from None
 
 
 def _parse_value(text: str):
@@ -180,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
     p.add_argument("--rungs", default=None, help="only these rungs, by index (0 = naive fp32), e.g. 0,2,3")
+    p.add_argument("--leave-out", default=None, metavar="INDICES",
+                   help="climb without these rungs, by index (e.g. 4: the ladder without compile); they are reported as skipped")
     p.add_argument("--set", action="append", metavar="TECHNIQUE=VALUE",
                    help="what a technique's rung sets instead of its default, e.g. activation_checkpointing=selective")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")

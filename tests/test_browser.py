@@ -67,7 +67,8 @@ PANELS = [
     PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
               ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token")),
     PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
-    PanelCase("07_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2")),
+    # one click: each run launches torchrun (seconds of a 2-core CPU); the other panels click twice
+    PanelCase("07_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2"), clicks=1),
     PanelCase("08_putting_it_together.ipynb", (("loss chunks", "8"),), ("loss_chunks=8",)),
 ]
 MIN_INK = 0.03  # share of the figure's pixels that are not background (panel figures here: 10-30%, a blank one 0)

@@ -7,7 +7,6 @@ import torch
 import torch.nn as nn
 
 from course_lib import techniques
-from course_lib.capabilities import capabilities
 from course_lib.train import Trainer, evaluate, run, train
 
 
@@ -67,23 +66,6 @@ def test_an_oom_wrapped_by_another_error_is_still_reported_as_oom(tiny, monkeypa
     assert r.status == "oom" and "Tried to allocate 80.00 GiB" in r.reason
     monkeypatch.undo()
     assert run(tiny(steps=3, measure_memory=False), "after").ok  # and the next run works
-
-
-@pytest.mark.skipif(not capabilities("cpu").compile.ok, reason=capabilities("cpu").compile.note)
-@pytest.mark.parametrize("checkpointing", ["full", "selective"])
-def test_compiled_gradients_equal_eager_with_checkpointing_and_chunked_loss(tiny_model, checkpointing):
-    from course_lib import config as C
-
-    x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
-    grads = {}
-    for compiled in (False, True):
-        m = tiny_model(attention="sdpa")
-        cfg = C.TrainConfig(model=m.config, context=32, compile=compiled, activation_checkpointing=checkpointing, loss_chunks=4)
-        setup = techniques.build(cfg, m)
-        setup.loss_fn(x, y).backward()
-        grads[compiled] = [p.grad.clone() for p in m.parameters()]
-    for a, b in zip(grads[False], grads[True]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_selective_checkpointing_keeps_more_than_full_and_less_than_none(tiny):
