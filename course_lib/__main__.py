@@ -103,7 +103,8 @@ def cmd_export(args) -> int:
                 options[name] = _parse_value(value)
             else:
                 base = export.with_setting(base, name, _parse_value(value))
-        rung = C.LADDER[int(args.rung)].name if args.rung is not None and args.rung.isdigit() and int(args.rung) < len(C.LADDER) else args.rung
+        by_index = args.rung is not None and args.rung.isdigit() and int(args.rung) < len(C.LADDER)
+        rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
         cfg = export.rung_config(base, rung, options) if rung is not None else base
         text = export.script(cfg)
     except (C.ConfigError, TypeError) as e:

@@ -46,7 +46,8 @@ def device_name(device: str | torch.device) -> str:
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     if dev.type == "cpu":
-        return f"CPU ({cpu_model()}, {torch.get_num_threads()} threads)"
+        n = torch.get_num_threads()
+        return f"CPU ({cpu_model()}, {n} thread{'s' if n != 1 else ''})"
     return str(dev)
 
 
