@@ -31,10 +31,16 @@ MARKERS = {
 }
 DISTRIBUTED_FILES = {"test_distributed.py", "test_doctor.py"}
 # pytest-xdist sends each of these groups whole to one worker; every other test goes alone to whichever worker is free.
-# A notebook's cells run in order in one kernel. These files build costly module-scoped fixtures once. The compile
-# tests share a worker so that torch.compile's first-use start-up is paid once.
-FILE_GROUPS = {"test_export.py": "export", "test_accumulation.py": "accumulation",
-               "test_selective_checkpointing.py": "selective checkpointing", "test_compile.py": "compile", "test_doctor.py": "compile"}
+# A notebook's cells run in order in one kernel. The browser test's cases share one JupyterLab and one Chromium. These
+# files build a costly module-scoped fixture once (test_tensor_parallel.py: one torchrun launch). The compile tests,
+# the doctor and the exporter's compile case share a worker and compile the same model: torch.compile's start-up is
+# paid once, and its kernels are compiled once and then read from its cache.
+FILE_GROUPS = {"test_browser.py": "browser", "test_export.py": "compile", "test_compile.py": "compile", "test_doctor.py": "compile",
+               "test_accumulation.py": "accumulation", "test_selective_checkpointing.py": "selective checkpointing",
+               "test_tensor_parallel.py": "tensor parallel"}
+# The longest units are handed out first (browser ~3 min, compile group ~2 min on 2 cores, then the notebooks), so
+# that no worker starts a long one while the other runs out of work.
+FIRST = ("browser", "compile", ".ipynb")
 
 
 def worker_group(nodeid: str) -> str:
@@ -54,6 +60,8 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # keep the order pytest_collection_modifyitems gives (FIRST)
+
     class Grouped(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return worker_group(nodeid)
@@ -66,8 +74,16 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
+def _start_rank(item) -> int:
+    unit = worker_group(item.nodeid)
+    return next((i for i, first in enumerate(FIRST) if unit.endswith(first)), len(FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker collects; the scheduler hands out units in this order
+        items.sort(key=_start_rank)  # stable: a file's tests and a notebook's cells keep their order
 
     no_cuda = pytest.mark.skip(reason="needs CUDA (an NVIDIA GPU): none on this machine")
     for item in items:

@@ -1,6 +1,10 @@
+"""`python -m course_lib ladder`: one run end to end as a learner types it (a subprocess); the rest call the same
+main() in this process, which saves a Python and torch start-up per command."""
 import json
 import subprocess
 import sys
+
+from course_lib.__main__ import main as cli
 
 
 def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
@@ -23,20 +27,19 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
     assert lean["memory"]["peak_bytes"] < naive["memory"]["peak_bytes"]
 
 
-def test_bad_arguments_are_explained():
-    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--rungs", "99"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--rungs takes indices" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--leave-out", "compile"], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--leave-out takes indices" in proc.stderr
+def test_bad_arguments_are_explained(capsys):
+    assert cli(["ladder", "--preset", "tiny", "--rungs", "99"]) == 2
+    assert "--rungs takes indices" in capsys.readouterr().err
+    assert cli(["ladder", "--preset", "tiny", "--leave-out", "compile"]) == 2
+    assert "--leave-out takes indices" in capsys.readouterr().err
+    assert cli(["ladder", "--set", "checkpointing=full"]) == 2
+    assert "--set takes TECHNIQUE=VALUE" in capsys.readouterr().err
 
 
 def test_a_ladder_option_from_the_command_line(tmp_path):
     out = tmp_path / "l.json"
-    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "3", "--rungs", "8", "--leave-out", "4",
-                           "--set", "activation_checkpointing=selective", "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert cli(["ladder", "--preset", "tiny", "--steps", "3", "--rungs", "8", "--leave-out", "4",
+                "--set", "activation_checkpointing=selective", "--json", str(out)]) == 0
     skipped, r = json.loads(out.read_text())["results"]
     assert skipped["label"] == "+ compile" and skipped["status"] == "skipped"
     assert r["label"] == "+ checkpointing" and r["config"]["activation_checkpointing"] == "selective"
-    bad = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--set", "checkpointing=full"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "--set takes TECHNIQUE=VALUE" in bad.stderr
