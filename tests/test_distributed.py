@@ -173,12 +173,19 @@ def test_pipeline_equals_the_unsplit_model(tmp_path):
 
 
 def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
+    import time
     from concurrent.futures import ThreadPoolExecutor
 
-    # The failing launch runs while the hung one waits out its timeout (a launch blocks its thread, not the processes).
+    def fail_once_the_hung_ranks_are_up():
+        # The failing launch runs while the hung one waits out its timeout (a launch blocks its thread, not the
+        # processes); it starts only once both hung ranks have written their pids, so it cannot delay their start.
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "hang").glob("pid_rank*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return L.launch("selftest", 2, options={"mode": "fail"}, device="cpu", timeout_s=90, out_dir=tmp_path / "fail", show_errors=False)
+
     with ThreadPoolExecutor(1) as pool:
-        failing = pool.submit(L.launch, "selftest", 2, options={"mode": "fail"}, device="cpu", timeout_s=90, out_dir=tmp_path / "fail",
-                              show_errors=False)
+        failing = pool.submit(fail_once_the_hung_ranks_are_up)
         hung = L.launch("selftest", 2, options={"mode": "hang"}, device="cpu", timeout_s=15, out_dir=tmp_path / "hang", show_errors=False)
         failed = failing.result()
     assert not failed.ok and failed.returncode != 0 and not failed.timed_out
