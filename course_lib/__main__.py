@@ -103,11 +103,11 @@ def cmd_export(args) -> int:
                 options[name] = _parse_value(value)
             else:
                 base = export.with_setting(base, name, _parse_value(value))
-        by_index = args.rung is not None and args.rung.isdigit() and int(args.rung) < len(C.LADDER)
+        by_index = args.rung is not None and args.rung.isdigit()
         rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
         cfg = export.rung_config(base, rung, options) if rung is not None else base
         text = export.script(cfg)
-    except (C.ConfigError, TypeError) as e:
+    except (C.ConfigError, TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.out in (None, "-"):

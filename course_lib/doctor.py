@@ -65,8 +65,10 @@ class _NotApplicable(Exception):
     """Raised inside a check: this device has no such path (the message says why)."""
 
 
-def _tiny(device: str, **changes) -> C.TrainConfig:
-    return dataclasses.replace(C.tiny_preset(device), steps=3, timing_warmup=1, measure_memory=False, **changes)
+def check_config(device: str, **changes) -> C.TrainConfig:
+    """The run every check trains: the tiny preset, 3 steps, no memory ledger (tests that compile use it too, so that
+    torch.compile's kernels for it are compiled once per test run)."""
+    return dataclasses.replace(C.tiny_preset(device), **{"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes})
 
 
 def _first_loss(cfg: C.TrainConfig) -> tuple[float, object]:
@@ -88,8 +90,8 @@ def check_precision(caps: Capabilities, precision: str) -> str:
         raise _NotApplicable(support.note)
     if precision == "tf32" and caps.type == "cpu":
         raise _NotApplicable(support.note)
-    fp32_loss, _ = _first_loss(_tiny(caps.device))
-    loss, result = _first_loss(_tiny(caps.device, precision=precision))
+    fp32_loss, _ = _first_loss(check_config(caps.device))
+    loss, result = _first_loss(check_config(caps.device, precision=precision))
     # The first step's loss is computed from the same weights and batch: a lower precision may round, not wander.
     tol = {"fp32": 0.0, "tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
     rel = abs(loss - fp32_loss) / abs(fp32_loss)
@@ -101,9 +103,9 @@ def check_precision(caps: Capabilities, precision: str) -> str:
 def check_compile(caps: Capabilities) -> str:
     if not caps.compile.ok:
         raise _NotApplicable(caps.compile.note)
-    eager, _ = _first_loss(_tiny(caps.device))
+    eager, _ = _first_loss(check_config(caps.device))
     t0 = time.perf_counter()
-    compiled, result = _first_loss(_tiny(caps.device, compile=True))
+    compiled, result = _first_loss(check_config(caps.device, compile=True))
     rel = abs(compiled - eager) / abs(eager)
     assert rel <= 1e-4, f"compiled first-step loss {compiled:.6f} differs from eager's {eager:.6f} by {rel:.1e}"
     return f"compiled step agrees with eager ({rel:.1e}); first step {result.step_times[0]:.1f} s, whole check {time.perf_counter() - t0:.0f} s"
@@ -135,7 +137,7 @@ def check_memory_report(caps: Capabilities) -> str:
     from .model import GPT
     from .train import run
 
-    cfg = dataclasses.replace(_tiny(caps.device), steps=3, timing_warmup=1, measure_memory=True)
+    cfg = check_config(caps.device, measure_memory=True)
     result = run(cfg, "doctor memory")
     assert result.ok and result.memory, f"no memory report: {result.status} {result.reason}"
     by = result.memory["by_category"]
@@ -187,7 +189,7 @@ def check_reserved(caps: Capabilities) -> str:
     _cuda_only(caps)
     from .train import run
 
-    run(_tiny(caps.device), "doctor reserved")
+    run(check_config(caps.device), "doctor reserved")
     alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     assert reserved >= alloc, f"reserved {reserved} < allocated {alloc}"
     return f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB (the caching allocator keeps blocks)"
@@ -199,7 +201,7 @@ def check_oom(caps: Capabilities) -> str:
 
     before = torch.cuda.memory_allocated()
     total = torch.cuda.get_device_properties(0).total_memory
-    base = _tiny(caps.device)
+    base = check_config(caps.device)
     # The logits alone (batch x context x vocab in fp32) are twice the GPU's memory.
     batch = math.ceil(2 * total / (base.context * base.model.vocab_size * 4))
     result = run(dataclasses.replace(base, batch_size=batch), "doctor oom")
@@ -235,7 +237,7 @@ def check_snapshot(caps: Capabilities) -> str:
     path = Path(tempfile.mkdtemp(prefix="course_snapshot_")) / "snapshot.pickle"
     torch.cuda.memory._record_memory_history(max_entries=100_000)
     try:
-        run(_tiny(caps.device), "doctor snapshot")
+        run(check_config(caps.device), "doctor snapshot")
         torch.cuda.memory._dump_snapshot(str(path))
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)

@@ -8,7 +8,7 @@ import torch
 
 from course_lib import techniques
 from course_lib.capabilities import capabilities
-from course_lib.config import tiny_preset
+from course_lib.doctor import check_config
 from course_lib.train import run
 
 COMPILE = capabilities("cpu").compile
@@ -16,9 +16,9 @@ COMPILE = capabilities("cpu").compile
 
 @pytest.mark.skipif(not COMPILE.ok, reason=COMPILE.note)
 def test_compiled_and_eager_losses_equal():
-    # The config of the doctor's compile check and test_export's compile case (same worker): the kernels are compiled
-    # once and read from torch.compile's cache after. SDPA under compile is the gradient test's.
-    cfg = dataclasses.replace(tiny_preset("cpu"), steps=3, timing_warmup=1, measure_memory=False)
+    # The doctor's config, as test_export's compile case (same worker): the kernels are compiled once and read from
+    # torch.compile's cache after. SDPA under compile is the gradient test's.
+    cfg = check_config("cpu")
     eager = run(cfg, "eager")
     compiled = run(dataclasses.replace(cfg, compile=True), "compiled")
     assert eager.ok and compiled.ok, (eager.reason, compiled.reason)
