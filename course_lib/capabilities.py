@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_dir, write_atomic
 from .config import PRECISIONS, TECHNIQUES, ConfigError, TrainConfig
 
 # ---- the device's name --------------------------------------------------------------------------
@@ -250,10 +251,6 @@ def datasheet_tflops(name: str) -> dict[str, float] | None:
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("COURSE_CACHE_DIR") or Path.home() / ".cache" / "course_lib")
-
-
 def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20) -> float:
     """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed
     repeats after a warm-up (kernel selection, first touch of the output), timed as every step is (measure.time_fn)."""
@@ -282,13 +279,7 @@ def _read_cache() -> dict:
 
 
 def _write_cache(entries: dict) -> None:
-    try:
-        cache_dir().mkdir(parents=True, exist_ok=True)
-        tmp = cache_dir() / f"matmul_peaks.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-        tmp.replace(cache_dir() / "matmul_peaks.json")
-    except OSError:
-        pass  # a read-only home: measure again next time
+    write_atomic(cache_dir() / "matmul_peaks.json", lambda f: f.write_text(json.dumps(entries, indent=1, sort_keys=True)))
 
 
 def measured_tflops(device: str, precision: str, shape: tuple[int, int, int] | None = None, refresh: bool = False) -> float:

@@ -6,7 +6,9 @@ package data `course_lib._data`, see `data_dir`).
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
+import inspect
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ import tiktoken
 import torch
 
 from . import bpe
+from .cache import cache_dir, write_atomic
 
 
 def data_dir() -> Path:
@@ -92,15 +95,46 @@ def pad_id(enc: tiktoken.Encoding) -> int:
     return enc.encode_single_token(PAD) if PAD in enc.special_tokens_set else enc.eot_token
 
 
-@functools.lru_cache(maxsize=2)
-def token_stream(kind: str = "shakespeare") -> torch.Tensor:
-    """All plays as one int64 stream of token ids, each play followed by <|endoftext|>."""
-    enc = get_tokenizer(kind)
+def _encode_plays(enc: tiktoken.Encoding) -> torch.Tensor:
     ids: list[int] = []
     for text in load_plays().values():
         ids.extend(enc.encode_ordinary(text))
         ids.append(enc.eot_token)
     return torch.tensor(ids, dtype=torch.long)
+
+
+def _stream_key(kind: str, enc: tiktoken.Encoding) -> str:
+    """A hash of everything the stream is computed from: the plays' text, the tokenizer (its ranks file, or tiktoken's
+    named encoding and version), its split pattern and the encoding code. Any change gives another file name."""
+    h = hashlib.sha256(f"{kind}|{enc.name}|tiktoken {tiktoken.__version__}|{enc.eot_token}".encode())
+    if kind == "shakespeare":  # the course's own BPE: its ranks and split pattern (gpt2's are tiktoken's, versioned)
+        h.update(bpe.SPLIT_PATTERN.encode())
+        h.update(RANKS_FILE.read_bytes())
+    h.update(inspect.getsource(_encode_plays).encode())
+    for name, text in load_plays().items():
+        h.update(f"\0{name}\0".encode())
+        h.update(text.encode())
+    return h.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=2)
+def token_stream(kind: str = "shakespeare") -> torch.Tensor:
+    """All plays as one int64 stream of token ids, each play followed by <|endoftext|>.
+
+    Encoding 5 MB of plays costs ~0.7 CPU-s, and every process that trains pays it (each torchrun rank, each notebook
+    kernel), so the stream is also kept in cache_dir() under a hash of everything it is computed from (_stream_key):
+    changed plays, ranks or code make a new file, never a stale read. A missing or damaged file is encoded again."""
+    enc = get_tokenizer(kind)
+    path = cache_dir() / f"tokens-{kind}-{_stream_key(kind, enc)}.pt"
+    try:
+        cached = torch.load(path, weights_only=True)
+        if isinstance(cached, torch.Tensor) and cached.dtype == torch.int32 and cached.dim() == 1 and len(cached) > 0:
+            return cached.long()
+    except Exception:  # noqa: BLE001 - missing, partly written or unreadable: encode it
+        pass
+    stream = _encode_plays(enc)
+    write_atomic(path, lambda f: torch.save(stream.to(torch.int32), f))  # int32: half the bytes (ids < 2**31)
+    return stream
 
 
 @dataclass

@@ -103,12 +103,15 @@ def check_precision(caps: Capabilities, precision: str) -> str:
 def check_compile(caps: Capabilities) -> str:
     if not caps.compile.ok:
         raise _NotApplicable(caps.compile.note)
-    eager, _ = _first_loss(check_config(caps.device))
+    _, eager = _first_loss(check_config(caps.device))
     t0 = time.perf_counter()
-    compiled, result = _first_loss(check_config(caps.device, compile=True))
-    rel = abs(compiled - eager) / abs(eager)
-    assert rel <= 1e-4, f"compiled first-step loss {compiled:.6f} differs from eager's {eager:.6f} by {rel:.1e}"
-    return f"compiled step agrees with eager ({rel:.1e}); first step {result.step_times[0]:.1f} s, whole check {time.perf_counter() - t0:.0f} s"
+    _, compiled = _first_loss(check_config(caps.device, compile=True))
+    # Every step's loss, not only the first (the compiled forward): the later steps start from the weights that the
+    # compiled backward and the optimizer made. Compiled kernels may sum in another order: a relative 1e-4.
+    rel = max(abs(c - e) / abs(e) for e, c in zip(eager.losses, compiled.losses, strict=True))
+    assert rel <= 1e-4, f"compiled losses {compiled.losses} differ from eager's {eager.losses} by up to {rel:.1e} (relative)"
+    return (f"compiled training agrees with eager over {len(eager.losses)} steps (largest difference {rel:.1e}); "
+            f"first step {compiled.step_times[0]:.1f} s, whole check {time.perf_counter() - t0:.0f} s")
 
 
 def check_sdpa(caps: Capabilities, backend: str) -> str:

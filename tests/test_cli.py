@@ -8,7 +8,7 @@ from course_lib.__main__ import main as cli
 
 
 def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
-    # compile (rung 4) left out: it is a minute of a 2-core CPU, and test_compile covers it
+    # compile (rung 4) left out: it is a minute of a 2-core CPU, and the doctor's compile check covers it (test_doctor)
     out = tmp_path / "ladder.json"
     proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "3", "--rungs", "0,2,3,8,9",
                            "--leave-out", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)

@@ -86,3 +86,50 @@ def test_padding_adds_nothing_to_the_loss():
 def test_too_short_sequence_is_refused():
     with pytest.raises(ValueError, match="at least 2 tokens"):
         data.pad_sequences([torch.tensor([1])], 4, 0)
+
+
+@pytest.fixture
+def fresh_stream(tmp_path, monkeypatch):
+    """token_stream as a new process sees it, with its cache in tmp_path; the process's own copy is forgotten after."""
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path / "cache"))
+    data.token_stream.cache_clear()
+    yield tmp_path / "cache"
+    data.token_stream.cache_clear()
+
+
+def test_the_token_stream_is_cached_on_disk_and_read_back_equal(fresh_stream, monkeypatch):
+    encoded = data.token_stream()
+    (cached,) = fresh_stream.glob("tokens-shakespeare-*.pt")
+    data.token_stream.cache_clear()
+
+    def not_again(text):
+        raise AssertionError("encoded again although the cache holds the stream")
+
+    monkeypatch.setattr(data.get_tokenizer(), "encode_ordinary", not_again)
+    again = data.token_stream()
+    assert again.dtype == torch.long and torch.equal(again, encoded)
+    assert encoded.max() < data.get_tokenizer().n_vocab
+
+
+def test_changed_plays_make_a_new_cache_entry_not_a_stale_read(fresh_stream, monkeypatch):
+    data.token_stream()
+    data.token_stream.cache_clear()
+    monkeypatch.setattr(data, "load_plays", lambda: {"sonnet": "Shall I compare thee to a summer's day?"})
+    short = data.token_stream()
+    enc = data.get_tokenizer()
+    assert short.tolist() == enc.encode_ordinary("Shall I compare thee to a summer's day?") + [enc.eot_token]
+    assert len(list(fresh_stream.glob("tokens-shakespeare-*.pt"))) == 2
+
+
+def test_a_damaged_or_unwritable_cache_is_encoded_again(fresh_stream, monkeypatch, tmp_path):
+    encoded = data.token_stream()
+    (cached,) = fresh_stream.glob("tokens-shakespeare-*.pt")
+    cached.write_bytes(cached.read_bytes()[:1000])  # a file cut short
+    data.token_stream.cache_clear()
+    assert torch.equal(data.token_stream(), encoded)
+    assert cached.stat().st_size > 1000  # written whole again
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(blocker / "cache"))  # cannot be created: no cache, the same stream
+    data.token_stream.cache_clear()
+    assert torch.equal(data.token_stream(), encoded)

@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from course_lib import capabilities as K
@@ -46,3 +47,19 @@ def test_doctor_command_quick_says_what_it_left_out(tmp_path):
     statuses = {c["name"]: c["status"] for c in json.loads(out.read_text())["checks"]}
     assert statuses["compile"] == SKIPPED and statuses["all-reduce gloo"] == SKIPPED
     assert statuses["train step fp32"] == PASS and "SKIPPED" in proc.stdout
+
+
+def test_the_compile_check_compares_every_step_not_only_the_first(monkeypatch):
+    """A compiled run whose forward agrees but whose later steps drift (a wrong compiled backward or optimizer step) fails."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import course_lib.doctor as D
+
+    caps = dataclasses.replace(K.capabilities("cpu"), compile=K.Support(True))  # the check runs even where compile cannot
+    runs = {False: [2.0, 1.5, 1.2], True: [2.0, 1.5, 1.3]}
+    monkeypatch.setattr(D, "_first_loss", lambda cfg: (runs[cfg.compile][0], SimpleNamespace(losses=runs[cfg.compile], step_times=[1.0] * 3)))
+    with pytest.raises(AssertionError, match="differ from eager's"):
+        D.check_compile(caps)
+    runs[True] = list(runs[False])
+    assert "agrees with eager over 3 steps" in D.check_compile(caps)

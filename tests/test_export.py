@@ -28,7 +28,7 @@ from course_lib import data, export, train
 from course_lib.__main__ import main as cli
 from course_lib.doctor import check_config
 
-BASE = check_config("cpu")  # the doctor's run: the compile case reads the kernels test_compile and the doctor compiled
+BASE = check_config("cpu")  # the doctor's run: the compile case reads the kernels the doctor's compile check compiled
 COMPILE_RTOL = 1e-5  # compiled kernels may sum in another order: |loss_script - loss_course| <= 1e-5 * |loss_course|
 
 
@@ -127,8 +127,8 @@ def runs(tmp_path_factory, splits):
 def test_the_script_trains_like_the_course_loop(name, runs, splits):
     cfg, padded, rtol = CASES[name]
     script_losses, batches = runs[0][name]
-    # The compiled script is held to the course's eager loop: the course's compiled loop equals its eager one
-    # (test_compile.py), and a second compile of the same model here would only cost time.
+    # The compiled script is held to the course's eager loop: the course's compiled loop equals its eager one (the
+    # doctor's compile check, test_doctor.py), and a second compile of the same model here would only cost time.
     course = train.train(dataclasses.replace(cfg, compile=False), splits=splits, batches=(lambda step: batches[step]) if padded else None)
     assert len(script_losses) == cfg.steps
     if rtol is None:

@@ -1,0 +1,31 @@
+"""The course's cache folder: what it measures or derives once per machine (matmul peaks, the tokenized corpus).
+
+Every entry is named or keyed by what it was computed from, so it is never read stale; deleting the folder is always
+safe (the next run measures or computes again)."""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Callable
+
+
+def cache_dir() -> Path:
+    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache."""
+    if chosen := os.environ.get("COURSE_CACHE_DIR"):
+        return Path(chosen)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_lib"
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """write(partial) fills a file beside `path`, which then replaces `path` in one step: a process reading at the same
+    time (another torchrun rank) sees the old state or the whole file, never half of it. A cache that cannot be
+    written (a read-only home) is skipped: the value is computed again next time."""
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(partial)
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
