@@ -20,7 +20,11 @@ os.environ.setdefault("COURSE_BUDGET", "smoke")
 # other slow everything down.
 if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(workers))))
+    share = str(max(1, cores // int(workers)))
+    os.environ.setdefault("OMP_NUM_THREADS", share)
+    # torch.compile's C++ compiles too: with more than one thread it starts a pool of processes (each importing torch,
+    # ~2 CPU-s) in every process that compiles, to compile in parallel on cores the other worker is using.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", share)
 
 MARKERS = {
     "unit": "fast tests of course_lib (the default)",
