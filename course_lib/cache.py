@@ -6,26 +6,33 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 
 def cache_dir() -> Path:
-    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache."""
+    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache (Path.home() raises where there is no home
+    folder: callers treat that as no cache)."""
     if chosen := os.environ.get("COURSE_CACHE_DIR"):
         return Path(chosen)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_lib"
 
 
 def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """write(partial) fills a file beside `path`, which then replaces `path` in one step: a process reading at the same
-    time (another torchrun rank) sees the old state or the whole file, never half of it. A cache that cannot be
-    written (a read-only home) is skipped: the value is computed again next time."""
-    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    """write(partial) fills a file of its own beside `path` (named by tempfile: no two processes share one, even on a
+    home folder several machines mount), which then replaces `path` in one step: a process reading at the same time
+    (another torchrun rank) sees the old state or the whole file, never half of it. A cache that cannot be written
+    (a read-only or full disk, no home folder) is skipped: the value is computed again next time."""
+    partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
+        os.close(fd)
+        partial = Path(name)
         write(partial)
         os.replace(partial, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            partial.unlink(missing_ok=True)
+    except Exception:  # noqa: BLE001 - OSError, or torch.save's RuntimeError: a cache is never worth a failed run
+        if partial is not None:
+            with contextlib.suppress(OSError):
+                partial.unlink(missing_ok=True)

@@ -105,12 +105,14 @@ def _encode_plays(enc: tiktoken.Encoding) -> torch.Tensor:
 
 def _stream_key(kind: str, enc: tiktoken.Encoding) -> str:
     """A hash of everything the stream is computed from: the plays' text, the tokenizer (its ranks file, or tiktoken's
-    named encoding and version), its split pattern and the encoding code. Any change gives another file name."""
+    named encoding and version), its split pattern and the code that reads the ranks and encodes. Any change gives
+    another file name."""
     h = hashlib.sha256(f"{kind}|{enc.name}|tiktoken {tiktoken.__version__}|{enc.eot_token}".encode())
     if kind == "shakespeare":  # the course's own BPE: its ranks and split pattern (gpt2's are tiktoken's, versioned)
         h.update(bpe.SPLIT_PATTERN.encode())
         h.update(RANKS_FILE.read_bytes())
-    h.update(inspect.getsource(_encode_plays).encode())
+    for code in (_encode_plays, get_tokenizer, bpe.load_ranks):  # how the ranks are read and the plays encoded
+        h.update(inspect.getsource(code).encode())
     for name, text in load_plays().items():
         h.update(f"\0{name}\0".encode())
         h.update(text.encode())
@@ -125,15 +127,17 @@ def token_stream(kind: str = "shakespeare") -> torch.Tensor:
     kernel), so the stream is also kept in cache_dir() under a hash of everything it is computed from (_stream_key):
     changed plays, ranks or code make a new file, never a stale read. A missing or damaged file is encoded again."""
     enc = get_tokenizer(kind)
-    path = cache_dir() / f"tokens-{kind}-{_stream_key(kind, enc)}.pt"
+    path = None
     try:
+        path = cache_dir() / f"tokens-{kind}-{_stream_key(kind, enc)}.pt"
         cached = torch.load(path, weights_only=True)
         if isinstance(cached, torch.Tensor) and cached.dtype == torch.int32 and cached.dim() == 1 and len(cached) > 0:
             return cached.long()
-    except Exception:  # noqa: BLE001 - missing, partly written or unreadable: encode it
+    except Exception:  # noqa: BLE001 - no home folder, no source to hash, or a file missing, cut short or unreadable
         pass
     stream = _encode_plays(enc)
-    write_atomic(path, lambda f: torch.save(stream.to(torch.int32), f))  # int32: half the bytes (ids < 2**31)
+    if path is not None:
+        write_atomic(path, lambda f: torch.save(stream.to(torch.int32), f))  # int32: half the bytes (ids < 2**31)
     return stream
 
 

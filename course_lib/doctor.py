@@ -103,9 +103,14 @@ def check_precision(caps: Capabilities, precision: str) -> str:
 def check_compile(caps: Capabilities) -> str:
     if not caps.compile.ok:
         raise _NotApplicable(caps.compile.note)
+    from torch._dynamo.utils import counters
+
     _, eager = _first_loss(check_config(caps.device))
     t0 = time.perf_counter()
+    graphs = counters["stats"]["unique_graphs"]
     _, compiled = _first_loss(check_config(caps.device, compile=True))
+    # The compiled run went through torch.compile (else eager would be compared with eager): dynamo captured a graph.
+    assert counters["stats"]["unique_graphs"] > graphs, "compile=True ran without torch.compile capturing a graph"
     # Every step's loss, not only the first (the compiled forward): the later steps start from the weights that the
     # compiled backward and the optimizer made. Compiled kernels may sum in another order: a relative 1e-4.
     rel = max(abs(c - e) / abs(e) for e, c in zip(eager.losses, compiled.losses, strict=True))

@@ -133,3 +133,15 @@ def test_a_damaged_or_unwritable_cache_is_encoded_again(fresh_stream, monkeypatc
     monkeypatch.setenv("COURSE_CACHE_DIR", str(blocker / "cache"))  # cannot be created: no cache, the same stream
     data.token_stream.cache_clear()
     assert torch.equal(data.token_stream(), encoded)
+
+
+def test_a_cache_write_that_fails_any_way_leaves_the_run_and_no_partial_file(fresh_stream, monkeypatch):
+    """torch.save reports a full or read-only disk as a RuntimeError, not an OSError: still no failed run."""
+    def full_disk(obj, f):
+        Path(f).write_bytes(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file")
+
+    monkeypatch.setattr(data.torch, "save", full_disk)
+    stream = data.token_stream()
+    assert len(stream) > 1_000_000 and stream.dtype == torch.long
+    assert list(fresh_stream.iterdir()) == []  # neither a cache file nor the partial one

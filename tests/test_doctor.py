@@ -49,17 +49,30 @@ def test_doctor_command_quick_says_what_it_left_out(tmp_path):
     assert statuses["train step fp32"] == PASS and "SKIPPED" in proc.stdout
 
 
-def test_the_compile_check_compares_every_step_not_only_the_first(monkeypatch):
-    """A compiled run whose forward agrees but whose later steps drift (a wrong compiled backward or optimizer step) fails."""
+def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkeypatch):
+    """A compiled run whose forward agrees but whose later steps drift (a wrong compiled backward or optimizer step)
+    fails; so does a "compiled" run in which torch.compile captured no graph (eager compared with eager)."""
     import dataclasses
     from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
 
     import course_lib.doctor as D
 
     caps = dataclasses.replace(K.capabilities("cpu"), compile=K.Support(True))  # the check runs even where compile cannot
     runs = {False: [2.0, 1.5, 1.2], True: [2.0, 1.5, 1.3]}
-    monkeypatch.setattr(D, "_first_loss", lambda cfg: (runs[cfg.compile][0], SimpleNamespace(losses=runs[cfg.compile], step_times=[1.0] * 3)))
+    captures = {"graph": True}
+
+    def fake_run(cfg):
+        if cfg.compile and captures["graph"]:
+            counters["stats"]["unique_graphs"] += 1
+        return runs[cfg.compile][0], SimpleNamespace(losses=runs[cfg.compile], step_times=[1.0] * 3)
+
+    monkeypatch.setattr(D, "_first_loss", fake_run)
     with pytest.raises(AssertionError, match="differ from eager's"):
         D.check_compile(caps)
     runs[True] = list(runs[False])
     assert "agrees with eager over 3 steps" in D.check_compile(caps)
+    captures["graph"] = False
+    with pytest.raises(AssertionError, match="without torch.compile capturing a graph"):
+        D.check_compile(caps)
