@@ -71,7 +71,9 @@ def check_config(device: str, **changes) -> C.TrainConfig:
     return dataclasses.replace(C.tiny_preset(device), **{"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes})
 
 
-def _first_loss(cfg: C.TrainConfig) -> tuple[float, object]:
+def _checked_run(cfg: C.TrainConfig):
+    """One run of the course's loop, as a check: its RunResult, or an AssertionError unless it ran with finite losses
+    and gradient norms."""
     from .train import run
 
     result = run(cfg, f"doctor {cfg.precision}")
@@ -79,7 +81,7 @@ def _first_loss(cfg: C.TrainConfig) -> tuple[float, object]:
         raise AssertionError(f"{result.status}: {result.reason}")
     if not all(math.isfinite(x) for x in result.losses + result.grad_norms):
         raise AssertionError(f"non-finite loss or gradient norm: losses {result.losses}, norms {result.grad_norms}")
-    return result.losses[0], result
+    return result
 
 
 # ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError -----------------
@@ -90,8 +92,9 @@ def check_precision(caps: Capabilities, precision: str) -> str:
         raise _NotApplicable(support.note)
     if precision == "tf32" and caps.type == "cpu":
         raise _NotApplicable(support.note)
-    fp32_loss, _ = _first_loss(check_config(caps.device))
-    loss, result = _first_loss(check_config(caps.device, precision=precision))
+    fp32_loss = _checked_run(check_config(caps.device)).losses[0]
+    result = _checked_run(check_config(caps.device, precision=precision))
+    loss = result.losses[0]
     # The first step's loss is computed from the same weights and batch: a lower precision may round, not wander.
     tol = {"fp32": 0.0, "tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
     rel = abs(loss - fp32_loss) / abs(fp32_loss)
@@ -105,10 +108,10 @@ def check_compile(caps: Capabilities) -> str:
         raise _NotApplicable(caps.compile.note)
     from torch._dynamo.utils import counters
 
-    _, eager = _first_loss(check_config(caps.device))
+    eager = _checked_run(check_config(caps.device))
     t0 = time.perf_counter()
     graphs = counters["stats"]["unique_graphs"]
-    _, compiled = _first_loss(check_config(caps.device, compile=True))
+    compiled = _checked_run(check_config(caps.device, compile=True))
     # The compiled run went through torch.compile (else eager would be compared with eager): dynamo captured a graph.
     assert counters["stats"]["unique_graphs"] > graphs, "compile=True ran without torch.compile capturing a graph"
     # Every step's loss, not only the first (the compiled forward): the later steps start from the weights that the

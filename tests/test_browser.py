@@ -162,7 +162,7 @@ def lab(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser_context():
     exe = chromium_path()
     if exe is None:
         pytest.skip("Debian's chromium is not installed here (.ci/run installs it: apt-get install chromium)")
@@ -238,11 +238,11 @@ def describe(fig: dict | None) -> str:
 
 
 @pytest.mark.parametrize("case", PANELS, ids=str)
-def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser, lab, case):
+def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser_context, lab, case):
     url, token = lab
     shots = Path(os.environ.get("BROWSER_TEST_SHOTS", "/tmp"))
     t0 = time.time()
-    page = browser.new_page()
+    page = browser_context.new_page()
     try:
         # A workspace of its own: JupyterLab would otherwise reopen the notebooks tested before (and start their kernels).
         page.goto(f"{url}/lab/workspaces/panel-{case}/tree/{case.notebook}?reset&token={token}")
