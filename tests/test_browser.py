@@ -74,6 +74,7 @@ MIN_INK = 0.03  # share of the figure's pixels that are not background (panel fi
 MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it
 FIGURE = "img.course-plots, .course-plots img"  # the panel's figure (an Image widget; an <img> inside the hook before)
 RUN_ALL_S, CLICK_S = 300, 300  # limits: the tagged cells of one notebook, one run of its panel
+POLL_S = 0.25  # how often the page is looked at while waiting (a whole second, eight notebooks, ~20 s of an idle core)
 
 
 def chromium_path() -> str | None:
@@ -262,7 +263,7 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser_c
             if time.time() > deadline:
                 page.screenshot(path=str(shots / f"browser_test_{case}_timeout.png"))
                 pytest.fail(f"only {done} of {n_code} cells finished in time (of {len(prompts)} in the page)")
-            time.sleep(1)
+            time.sleep(POLL_S)
         report = [f"cells ran in {time.time() - t0:.0f} s"]
 
         page.wait_for_selector(".course-run", timeout=30_000)
@@ -285,7 +286,7 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser_c
                 error = _first_error(page)
                 assert error is None, error
                 assert time.time() < deadline, f"click {click} on Run added no row to the results table"
-                time.sleep(1)
+                time.sleep(POLL_S)
             new_row = table_rows.nth(rows_before).inner_text()
             assert all(e in new_row for e in case.expect) and "ok" in new_row.split(), new_row
             # The row comes before the figure: wait for a new image, then for it to hold a drawn figure.
@@ -298,7 +299,7 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser_c
                         and (before is None or after["bytes"] >= MIN_BYTES_RATIO * before["bytes"]))
                 if good or time.time() > deadline:
                     break
-                time.sleep(0.5)
+                time.sleep(POLL_S)
             report.append(f"click {click} ({time.time() - t_click:.0f} s): {describe(after)}")
             if click == case.clicks or not good:
                 page.locator(".jp-CodeCell", has=page.locator(".course-run")).first.screenshot(
@@ -325,7 +326,7 @@ def _wait_for_text(locator, text: str, what: str, timeout_s: float = 30) -> str:
     deadline = time.time() + timeout_s
     while text not in (seen := locator.inner_text()):
         assert time.time() < deadline, f"{what}: {text!r} not shown; it shows {seen[-500:]!r}"
-        time.sleep(0.5)
+        time.sleep(POLL_S)
     return seen
 
 
@@ -355,14 +356,14 @@ def _run_all_cells(page) -> None:
                                    " || !!document.querySelector(\".jp-Notebook-ExecutionIndicator[data-status='idle']\")", timeout=90_000)
         except Exception:  # noqa: BLE001 - the status bar differs between versions: fall back to a pause
             time.sleep(5)
-        time.sleep(1)
+        time.sleep(1)  # the kernel may still be connecting: a click made now can be lost
         page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
         deadline = time.time() + 30
         while time.time() < deadline:
             if any(re.search(r"\[(\*|\d+)\]", t) for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()):
                 return
-            time.sleep(1)
+            time.sleep(POLL_S)
     pytest.fail("Run All Cells started no cell (3 tries)")
 
 

@@ -51,7 +51,8 @@ def test_doctor_command_quick_says_what_it_left_out(tmp_path):
 
 def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkeypatch):
     """A compiled run whose forward agrees but whose later steps drift (a wrong compiled backward or optimizer step)
-    fails; so does a "compiled" run in which torch.compile captured no graph (eager compared with eager)."""
+    fails, and so does one whose losses agree but whose gradient norms do not; so does a "compiled" run in which
+    torch.compile captured no graph (eager compared with eager)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -61,18 +62,24 @@ def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkey
 
     caps = dataclasses.replace(K.capabilities("cpu"), compile=K.Support(True))  # the check runs even where compile cannot
     runs = {False: [2.0, 1.5, 1.2], True: [2.0, 1.5, 1.3]}
+    norms = {False: [0.9, 0.8, 0.7], True: [0.9, 0.8, 0.7]}
     captures = {"graph": True}
 
     def fake_run(cfg):
         if cfg.compile and captures["graph"]:
             counters["stats"]["unique_graphs"] += 1
-        return SimpleNamespace(losses=runs[cfg.compile], step_times=[1.0] * 3)
+        return SimpleNamespace(losses=runs[cfg.compile], grad_norms=norms[cfg.compile], step_times=[1.0] * 3)
 
     monkeypatch.setattr(D, "_checked_run", fake_run)
-    with pytest.raises(AssertionError, match="differ from eager's"):
-        D.check_compile(caps)
+    eager = lambda: fake_run(D.check_config("cpu"))  # noqa: E731 - the doctor's fp32 run, as run_doctor hands it over
+    with pytest.raises(AssertionError, match="compiled losses .* differ from eager's"):
+        D.check_compile(caps, eager)
     runs[True] = list(runs[False])
-    assert "agrees with eager over 3 steps" in D.check_compile(caps)
+    assert "agrees with eager over 3 steps" in D.check_compile(caps, eager)
+    norms[True] = [0.9, 0.8, 0.75]  # equal losses, but a gradient norm that differs: a wrong compiled backward
+    with pytest.raises(AssertionError, match="compiled grad_norms .* differ from eager's"):
+        D.check_compile(caps, eager)
+    norms[True] = list(norms[False])
     captures["graph"] = False
     with pytest.raises(AssertionError, match="without torch.compile capturing a graph"):
-        D.check_compile(caps)
+        D.check_compile(caps, eager)
