@@ -36,9 +36,9 @@ MARKERS = {
 DISTRIBUTED_FILES = {"test_distributed.py", "test_doctor.py"}
 # pytest-xdist sends each of these groups whole to one worker; every other test goes alone to whichever worker is free.
 # A notebook's cells run in order in one kernel. The browser test's cases share one JupyterLab and one Chromium. These
-# files build a costly module-scoped fixture once (test_tensor_parallel.py: one torchrun launch). The compile tests,
-# the doctor and the exporter's compile case share a worker and compile the same model: torch.compile's start-up is
-# paid once, and its kernels are compiled once and then read from its cache.
+# files build a costly module-scoped fixture once (test_tensor_parallel.py: one torchrun launch). The compile tests
+# share a worker, so that torch.compile's start-up (importing dynamo, AOTAutograd and inductor) is paid once; the doctor
+# and the exporter's compile case compile the same model with inductor: compiled once, then read from its cache.
 FILE_GROUPS = {"test_browser.py": "browser", "test_export.py": "compile", "test_compile.py": "compile", "test_doctor.py": "compile",
                "test_accumulation.py": "accumulation", "test_selective_checkpointing.py": "selective checkpointing",
                "test_tensor_parallel.py": "tensor parallel"}

@@ -27,7 +27,7 @@ diff as exactly what it adds: the loop over micro-batches, the summed step loss 
 
 Data parallelism (data_parallel="ddp" or "fsdp") writes a torchrun script: every process draws the same global batch
 and trains on its slice; DDP wraps the model in DistributedDataParallel, FSDP2 shards it with fully_shard (each block,
-then the root), as techniques.wrap_data_parallel does.
+then the root), as techniques.shard_with_fsdp2 does.
 
 Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training.
 """
@@ -289,7 +289,7 @@ def _data_parallel(cfg: TrainConfig) -> Code:
 
 
 def _fsdp(cfg: TrainConfig, init: str, imports: list[str]) -> Code:
-    """FSDP2 (data_parallel="fsdp"), as techniques.wrap_data_parallel applies it: fully_shard on every block, then on
+    """FSDP2 (data_parallel="fsdp"), as techniques.shard_with_fsdp2 applies it: fully_shard on every block, then on
     the root. The model keeps its name: fully_shard turns its parameters into shards in place."""
     setup = ("# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
              "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"

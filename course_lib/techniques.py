@@ -322,15 +322,26 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
 
         wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     else:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
-        for block in parts.blocks if parts.blocks is not None else ():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_with_fsdp2(model, parts, dev.type)
         wrapped = model
     return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
+
+
+def shard_with_fsdp2(model: nn.Module, parts: ModelParts, device_type: str, reshard_after_forward: bool = True,
+                     offload: bool = False) -> None:
+    """FSDP2 in place, inside an initialised process group: fully_shard on every block, then on the root (embeddings,
+    final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
+    1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward=False keeps the gathered
+    parameters from forward to backward (ZeRO-2's memory, one all-gather less); offload keeps the shards in CPU memory."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    for block in parts.blocks if parts.blocks is not None else ():
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
 
 
 def _no_clip(params: list[torch.Tensor], total_norm: torch.Tensor) -> None:

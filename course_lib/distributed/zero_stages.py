@@ -47,19 +47,12 @@ def zero1_optimizer(cfg, model: torch.nn.Module):
 
 
 def fsdp_model(cfg, reshard_after_forward: bool, offload: bool = False) -> torch.nn.Module:
-    """The course's GPT sharded by FSDP2 per block and at the root (as techniques.wrap_data_parallel does for
-    data_parallel="fsdp"), with the choice stage 2 needs: keep the gathered parameters from forward to backward."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
+    """The course's GPT sharded by FSDP2 as data_parallel="fsdp" shards it (techniques.shard_with_fsdp2), with the
+    choice stage 2 needs: keep the gathered parameters from forward to backward."""
     torch.manual_seed(cfg.seed)  # the same initial weights as every other stage's (and the reference's) GPT
     model = GPT(cfg.model).to(cfg.device)
-    mesh = init_device_mesh(torch.device(cfg.device).type, (dist.get_world_size(),))
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-    for block in techniques.ModelParts.of(model).blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    techniques.shard_with_fsdp2(model, techniques.ModelParts.of(model), torch.device(cfg.device).type,
+                                reshard_after_forward=reshard_after_forward, offload=offload)
     return model
 
 
