@@ -43,7 +43,7 @@ FILE_GROUPS = {"test_browser.py": "browser", "test_export.py": "compile", "test_
                "test_accumulation.py": "accumulation", "test_selective_checkpointing.py": "selective checkpointing",
                "test_tensor_parallel.py": "tensor parallel"}
 # The longest units are handed out first (on 2 cores with a cold compile cache: the browser cases ~2.5 min, the compile
-# group ~3 min, then the notebooks, 15-80 s each), so that no worker starts a long one while the other runs out of work.
+# group ~2 min, then the notebooks, 8-70 s each), so that no worker starts a long one while the other runs out of work.
 FIRST = ("browser", "compile", ".ipynb")
 
 

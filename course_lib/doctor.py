@@ -9,7 +9,6 @@ instruction sets and torch's version beside it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import tempfile
@@ -85,6 +84,24 @@ def _checked_run(cfg: C.TrainConfig):
     return result
 
 
+def _reference_run(cfg: C.TrainConfig) -> Callable[[], RunResult]:
+    """A function giving the checked run of cfg, trained the first time it is called. A failed run is not trained
+    again: every later call raises it as the reference's failure, so each check that needs the run says so."""
+    outcome: list = []
+
+    def get() -> RunResult:
+        if not outcome:
+            try:
+                outcome.append(_checked_run(cfg))
+            except Exception as e:  # noqa: BLE001 - reported by every check that needs the reference
+                outcome.append(e)
+        if isinstance(outcome[0], Exception):
+            raise AssertionError(f"the {cfg.precision} reference run failed: {type(outcome[0]).__name__}: {outcome[0]}")
+        return outcome[0]
+
+    return get
+
+
 # ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError -----------------
 
 def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunResult]) -> str:
@@ -126,7 +143,7 @@ def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
     rel = {}
     for what in ("losses", "grad_norms"):
         e, c = getattr(reference, what), getattr(compiled, what)
-        rel[what] = max(abs(ci - ei) / abs(ei) for ei, ci in zip(e, c, strict=True))
+        rel[what] = max(abs(ci - ei) / max(abs(ei), 1e-12) for ei, ci in zip(e, c, strict=True))
         assert rel[what] <= 1e-4, f"compiled {what} {c} differ from eager's {e} by up to {rel[what]:.1e} (relative)"
     return (f"compiled training agrees with eager over {len(reference.losses)} steps (largest relative difference: losses "
             f"{rel['losses']:.1e}, gradient norms {rel['grad_norms']:.1e}); first step {compiled.step_times[0]:.1f} s, "
@@ -270,7 +287,7 @@ def check_snapshot(caps: Capabilities) -> str:
 def _checks(caps: Capabilities, quick: bool) -> list[tuple[str, Callable[[], str], bool]]:
     """(name, check, slow) in the order they run."""
     # The fp32 run of check_config is every precision's reference and compile's eager run: trained once, when first asked.
-    fp32 = functools.cache(lambda: _checked_run(check_config(caps.device)))
+    fp32 = _reference_run(check_config(caps.device))
     out = [(f"train step {p}", (lambda p=p: check_precision(caps, p, fp32)), False) for p in C.PRECISIONS]
     out.append(("compile", lambda: check_compile(caps, fp32), True))
     out += [(f"SDPA {b}", (lambda b=b: check_sdpa(caps, b)), False) for b in caps.sdpa]

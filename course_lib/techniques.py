@@ -327,21 +327,26 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
     return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
 
 
-def shard_with_fsdp2(model: nn.Module, parts: ModelParts, device_type: str, reshard_after_forward: bool = True,
+def shard_with_fsdp2(model: nn.Module, parts: ModelParts, device_type: str, reshard_after_forward: bool | None = None,
                      offload: bool = False) -> None:
     """FSDP2 in place, inside an initialised process group: fully_shard on every block, then on the root (embeddings,
     final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
-    1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward=False keeps the gathered
-    parameters from forward to backward (ZeRO-2's memory, one all-gather less); offload keeps the shards in CPU memory."""
+    1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward: None is fully_shard's own
+    default (torch 2.13: free each block's gathered parameters after its forward, keep the root's, which backward
+    needs first);
+    False keeps every gathered parameter from forward to backward (ZeRO-2's memory, one all-gather less); True frees
+    the root's too. offload keeps the shards in CPU memory."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    options = {"offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    if reshard_after_forward is not None:
+        options["reshard_after_forward"] = reshard_after_forward
     for block in parts.blocks if parts.blocks is not None else ():
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
 
 
 def _no_clip(params: list[torch.Tensor], total_norm: torch.Tensor) -> None:

@@ -74,7 +74,7 @@ MIN_INK = 0.03  # share of the figure's pixels that are not background (panel fi
 MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it
 FIGURE = "img.course-plots, .course-plots img"  # the panel's figure (an Image widget; an <img> inside the hook before)
 RUN_ALL_S, CLICK_S = 300, 300  # limits: the tagged cells of one notebook, one run of its panel
-POLL_S = 0.25  # how often the page is looked at while waiting (a whole second, eight notebooks, ~20 s of an idle core)
+POLL_S = 0.25  # how often the page is read while waiting: a wait ends at most this long after what it waits for
 
 
 def chromium_path() -> str | None:

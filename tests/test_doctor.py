@@ -83,3 +83,50 @@ def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkey
     captures["graph"] = False
     with pytest.raises(AssertionError, match="without torch.compile capturing a graph"):
         D.check_compile(caps, eager)
+
+
+def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch):
+    """fp32's own check, the lower precisions' comparisons and compile's eager run share one fp32 run of the doctor's
+    config. A failed fp32 run is not trained again, and every check that needs it says that the reference failed."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    import course_lib.doctor as D
+
+    yes = K.Support(True, "supported here (a stand-in for the test)")
+    caps = dataclasses.replace(K.capabilities("cpu"), compile=yes, precisions={"fp32": yes, "tf32": K.Support(False, "no TF32"),
+                                                                               "bf16": yes, "fp16": yes})
+    trained, broken = [], {"fp32": False}
+
+    def fake_run(cfg):
+        trained.append("compiled" if cfg.compile else cfg.precision)
+        if cfg.compile:
+            counters["stats"]["unique_graphs"] += 1
+        if broken["fp32"] and cfg.precision == "fp32" and not cfg.compile:
+            raise AssertionError("non-finite loss or gradient norm: losses [nan]")
+        return SimpleNamespace(losses=[2.0, 1.5, 1.2], grad_norms=[0.9, 0.8, 0.7], tokens_per_s=1000.0, step_times=[1.0] * 3)
+
+    monkeypatch.setattr(D, "_checked_run", fake_run)
+    wanted = ("train step fp32", "train step bf16", "train step fp16", "compile")
+
+    def run_checks() -> dict[str, str]:
+        out = {}
+        for name, check, _slow in D._checks(caps, quick=False):
+            if name in wanted:
+                try:
+                    out[name] = check()
+                except AssertionError as e:
+                    out[name] = f"FAIL {e}"
+        return out
+
+    details = run_checks()
+    assert trained == ["fp32", "bf16", "fp16", "compiled"], trained  # the fp32 run once, first
+    assert not any(d.startswith("FAIL") for d in details.values()), details
+    trained.clear()
+    broken["fp32"] = True
+    details = run_checks()
+    assert trained.count("fp32") == 1, trained
+    for name in wanted:
+        assert details[name].startswith("FAIL the fp32 reference run failed: AssertionError: non-finite loss"), (name, details[name])
