@@ -333,9 +333,8 @@ def shard_with_fsdp2(model: nn.Module, parts: ModelParts, device_type: str, resh
     final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
     1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward: None is fully_shard's own
     default (torch 2.13: free each block's gathered parameters after its forward, keep the root's, which backward
-    needs first);
-    False keeps every gathered parameter from forward to backward (ZeRO-2's memory, one all-gather less); True frees
-    the root's too. offload keeps the shards in CPU memory."""
+    needs first); False keeps every gathered parameter from forward to backward (ZeRO-2's memory, one all-gather
+    less); True frees the root's too. offload keeps the shards in CPU memory."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard

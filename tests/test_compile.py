@@ -19,7 +19,9 @@ from course_lib import techniques
 
 def saved_for_backward_bytes(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
     """loss_fn(x, y), and the bytes of the storages its forward kept for backward, the parameters left out (each
-    storage once; a compiled graph's saved tensors pass through the same hook as eager ones)."""
+    storage once; a compiled graph's saved tensors pass through the same hook as eager ones). The course's
+    measure.MemoryLedger counts the same bytes, but it is a TorchDispatchMode, and under an active dispatch mode
+    torch.compile captures no graph: the "compiled" call would run eagerly."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
 

@@ -10,6 +10,13 @@ from course_lib import capabilities as K
 from course_lib.doctor import FAIL, NA, PASS, SKIPPED, run_doctor
 
 
+def fake_result(losses=(2.0, 1.5, 1.2), grad_norms=(0.9, 0.8, 0.7)):
+    """What the doctor's checks read of a RunResult, for tests that stand in for the training runs."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(losses=list(losses), grad_norms=list(grad_norms), tokens_per_s=1000.0, step_times=[1.0] * len(losses))
+
+
 def test_doctor_runs_every_path_on_this_device(tmp_path):
     report = run_doctor("cpu", json_path=tmp_path / "doctor.json")
     by = {c.name: c for c in report.checks}
@@ -54,7 +61,6 @@ def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkey
     fails, and so does one whose losses agree but whose gradient norms do not; so does a "compiled" run in which
     torch.compile captured no graph (eager compared with eager)."""
     import dataclasses
-    from types import SimpleNamespace
 
     from torch._dynamo.utils import counters
 
@@ -68,7 +74,7 @@ def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkey
     def fake_run(cfg):
         if cfg.compile and captures["graph"]:
             counters["stats"]["unique_graphs"] += 1
-        return SimpleNamespace(losses=runs[cfg.compile], grad_norms=norms[cfg.compile], step_times=[1.0] * 3)
+        return fake_result(runs[cfg.compile], norms[cfg.compile])
 
     monkeypatch.setattr(D, "_checked_run", fake_run)
     eager = lambda: fake_run(D.check_config("cpu"))  # noqa: E731 - the doctor's fp32 run, as run_doctor hands it over
@@ -89,7 +95,6 @@ def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch
     """fp32's own check, the lower precisions' comparisons and compile's eager run share one fp32 run of the doctor's
     config. A failed fp32 run is not trained again, and every check that needs it says that the reference failed."""
     import dataclasses
-    from types import SimpleNamespace
 
     from torch._dynamo.utils import counters
 
@@ -106,7 +111,7 @@ def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch
             counters["stats"]["unique_graphs"] += 1
         if broken["fp32"] and cfg.precision == "fp32" and not cfg.compile:
             raise AssertionError("non-finite loss or gradient norm: losses [nan]")
-        return SimpleNamespace(losses=[2.0, 1.5, 1.2], grad_norms=[0.9, 0.8, 0.7], tokens_per_s=1000.0, step_times=[1.0] * 3)
+        return fake_result()
 
     monkeypatch.setattr(D, "_checked_run", fake_run)
     wanted = ("train step fp32", "train step bf16", "train step fp16", "compile")
