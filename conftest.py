@@ -124,6 +124,23 @@ def tiny():
 
 
 @pytest.fixture
+def pyflakes():
+    """pyflakes(*paths): pyflakes' findings in those files ("" when clean). Skips, saying so, where pyflakes is not
+    installed (it comes with the test extra; a GPU machine gets it as a carried wheel, see .ci/gpu)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    def check(*paths) -> str:
+        if importlib.util.find_spec("pyflakes") is None:
+            pytest.skip("pyflakes is missing: pip install -e '.[test]'")
+        proc = subprocess.run([sys.executable, "-m", "pyflakes", *map(str, paths)], capture_output=True, text=True, timeout=120)
+        return "" if proc.returncode == 0 else (proc.stdout + proc.stderr or f"pyflakes exited {proc.returncode}")
+
+    return check
+
+
+@pytest.fixture
 def tiny_model():
     """tiny_model(**model_changes): a seeded 2-block GPT of width 32 over a 64-token vocabulary."""
     import torch

@@ -2,6 +2,7 @@
 
     python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--json PATH]
     python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--out train.py]
+    python -m course_lib profile [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--trace PATH]
     python -m course_lib info [--device D]
     python -m course_lib doctor [--device D] [--json PATH]
     python -m course_lib bpe            (retrain the shipped tokenizer ranks from the corpus)
@@ -80,32 +81,38 @@ def _parse_value(text: str):
         return text
 
 
+def chosen_config(args) -> C.TrainConfig:
+    """The config that `export` and `profile` name: the preset, changed by --set, or the ladder's cumulative config
+    at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in `ladder --set`, and other
+    fields change the preset the ladder climbs from). Raises ConfigError, TypeError or ValueError saying what to change."""
+    from . import export
+
+    base = C.preset(args.preset, args.device)
+    if args.steps is not None:
+        base = dataclasses.replace(base, steps=args.steps)
+    options = {}
+    for item in args.set or []:
+        name, _, value = item.partition("=")
+        if not name or not value:
+            raise ValueError(f"--set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
+                             f"model.<field>), got {item!r}")
+        if args.rung is not None and name in C.TECHNIQUE:
+            options[name] = _parse_value(value)
+        else:
+            base = export.with_setting(base, name, _parse_value(value))
+    by_index = args.rung is not None and args.rung.isdigit()
+    rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
+    return export.rung_config(base, rung, options) if rung is not None else base
+
+
 def cmd_export(args) -> int:
-    """One standalone training script for a config (course_lib.export): the preset, changed by --set, or the
-    ladder's cumulative config at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in
-    `ladder --set`, and other fields change the preset the ladder climbs from)."""
+    """One standalone training script for a config (course_lib.export), the config `chosen_config` names."""
     from pathlib import Path
 
     from . import export
 
     try:
-        base = C.preset(args.preset, args.device)
-        if args.steps is not None:
-            base = dataclasses.replace(base, steps=args.steps)
-        options = {}
-        for item in args.set or []:
-            name, _, value = item.partition("=")
-            if not name or not value:
-                print(f"error: --set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
-                      f"model.<field>), got {item!r}", file=sys.stderr)
-                return 2
-            if args.rung is not None and name in C.TECHNIQUE:
-                options[name] = _parse_value(value)
-            else:
-                base = export.with_setting(base, name, _parse_value(value))
-        by_index = args.rung is not None and args.rung.isdigit()
-        rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
-        cfg = export.rung_config(base, rung, options) if rung is not None else base
+        cfg = chosen_config(args)
         text = export.script(cfg)
     except (C.ConfigError, TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -121,6 +128,42 @@ def cmd_export(args) -> int:
         return 2
     how = "torchrun --nproc_per_node=N" if cfg.data_parallel != "none" else "python"
     print(f"wrote {out} ({len(text.splitlines())} lines): run it with `{how} {out}`", file=sys.stderr)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    """torch.profiler over a few steps of the config `chosen_config` names, after its warm-up steps."""
+    from pathlib import Path
+
+    import torch
+
+    from .profiling import profile_run, summary
+    from .results import efficiency_text
+
+    trace = Path(args.trace) if args.trace else None
+    try:
+        cfg = chosen_config(args)
+        if args.steps is None:  # --steps counts the recorded steps here; the warm-up steps come first
+            cfg = dataclasses.replace(cfg, steps=3)
+        if trace is not None:  # before the run: the profiler would not say that it could not write there
+            trace.parent.mkdir(parents=True, exist_ok=True)
+        p = profile_run(cfg, active=cfg.steps, trace=trace)
+    except (C.ConfigError, TypeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    r = p.result
+    print(f"{r.provenance['device']}, torch {torch.__version__}; batch {cfg.batch_size} x context {cfg.context}, "
+          f"{cfg.model.n_layer} blocks, width {cfg.model.n_embd}; precision {cfg.precision}, compile {cfg.compile}, "
+          f"attention {cfg.model.attention}")
+    print(f"steps: {len(r.step_times)} ({len(p.active)} recorded after {p.active[0]} warm-up); median step "
+          f"{r.median_step_s * 1e3:.1f} ms with the profiler on; {'MFU' if r.mfu_basis == 'data-sheet peak' else 'efficiency'} "
+          f"{efficiency_text(r)}")
+    print(summary(p, rows=args.rows))
+    if trace is not None:
+        if not trace.is_file():
+            print(f"error: the profiler did not write {trace}", file=sys.stderr)
+            return 1
+        print(f"wrote {trace} (open it in https://ui.perfetto.dev)", file=sys.stderr)
     return 0
 
 
@@ -181,6 +224,18 @@ def cmd_bpe(args) -> int:
     return 0
 
 
+def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
+    """The arguments `chosen_config` reads."""
+    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--steps", type=int, default=None, help=steps)
+    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
+                        "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable")
+    p.add_argument("--rung", default=None, metavar="NAME",
+                   help="the ladder's cumulative config at this rung (its name, e.g. '+ bf16 autocast', or index)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib", description="Optimising the training loop: measurements from the command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -197,16 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write every result, with device, torch version, date and config, here")
     p.set_defaults(func=cmd_ladder)
     p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
-    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
-                        "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable")
-    p.add_argument("--rung", default=None, metavar="NAME",
-                   help="export the ladder's cumulative config at this rung (its name, e.g. '+ bf16 autocast', or index)")
+    add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.add_argument("--out", default=None, help="the script's path (default: standard output)")
     p.set_defaults(func=cmd_export)
+    p = sub.add_parser("profile", help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up")
+    add_config_arguments(p, steps="steps to record, after the config's warm-up steps (default: 3)")
+    p.add_argument("--rows", type=int, default=20, help="operators to list (default: 20)")
+    p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
+    p.set_defaults(func=cmd_profile)
     p = sub.add_parser("info", help="what this machine supports")
     p.add_argument("--device", default=None)
     p.set_defaults(func=cmd_info)

@@ -562,15 +562,18 @@ def _model(cfg: TrainConfig, code: Code) -> str:
 
 _DATA = '''
 def course_ranks_file() -> Path:
-    """The course's BPE ranks (data/shakespeare_bpe.tiktoken), installed with course_lib as the package data
-    `course_lib._data`: found, not imported."""
-    try:
-        spec = importlib.util.find_spec("course_lib._data")
-    except ModuleNotFoundError:
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("The course's tokenizer ranks were not found: pass --ranks PATH (data/shakespeare_bpe.tiktoken)")
-    return Path(next(iter(spec.submodule_search_locations))) / "shakespeare_bpe.tiktoken"
+    """The course's BPE ranks (data/shakespeare_bpe.tiktoken): installed with course_lib as the package data
+    `course_lib._data`, or, where course_lib is imported from a source tree with no install, the data/ beside it."""
+    for package, folder in (("course_lib._data", "."), ("course_lib", "../data")):
+        try:
+            spec = importlib.util.find_spec(package)  # found, not imported (only its parent package is)
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None and spec.submodule_search_locations:
+            path = Path(next(iter(spec.submodule_search_locations)), folder, "shakespeare_bpe.tiktoken")
+            if path.exists():
+                return path
+    raise FileNotFoundError("The course's tokenizer ranks were not found: pass --ranks PATH (data/shakespeare_bpe.tiktoken)")
 
 
 {load_ranks}
@@ -891,7 +894,7 @@ def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> Tr
     for r, cfg in C.ladder_configs(base, options):
         if r.name == rung:
             if isinstance(cfg, ConfigError):
-                raise ConfigError(f"the rung {rung!r} cannot be exported here: {cfg}")
+                raise ConfigError(f"the rung {rung!r} cannot run on this device: {cfg}")
             return cfg
     raise AssertionError("unreachable")
 

@@ -1,7 +1,8 @@
 """The shipped data (tokenizer ranks, measured and reference results) lives in the repository's top-level data/ and
 is installed as the package data `course_lib._data`: these tests build the project the three ways pip installs it
 (a wheel, as `pip install .` does; an editable install; a strict editable install) from a copy of the repository,
-and load the tokenizer from each in a fresh interpreter that cannot see this checkout.
+and load the tokenizer from each in a fresh interpreter that cannot see this checkout; and a source tree on sys.path
+with no install at all (how .ci/gpu runs the course on a GPU machine), where the data/ beside the package is used.
 
 Nothing reaches the network: builds run with setuptools from this environment, without build isolation or an index.
 """
@@ -38,6 +39,11 @@ text = "Now is the winter of our discontent\nMade glorious summer by this sun of
 assert enc.n_vocab == 4097 and enc.decode(enc.encode(text)) == text
 measured = sorted(p.name for p in d.MEASURED_DIR.glob("*.json"))
 assert measured, d.MEASURED_DIR
+# An exported script finds the same ranks file, the way course_lib.data does (it cannot import course_lib.data).
+from course_lib import config, export
+script = {"__name__": "exported_train"}
+exec(compile(export.script(config.tiny_preset("cpu")), "train.py", "exec"), script)
+assert script["course_ranks_file"]().resolve() == expect_ranks, script["course_ranks_file"]()
 
 from course_lib import __main__ as cli, bpe
 bpe.train_bpe = lambda text, n: {bytes([i]): i for i in range(256)}
@@ -112,6 +118,12 @@ def test_wheel_ships_the_data_and_an_installed_copy_finds_it(tmp_path):
     # Retraining the shipped ranks inside an installed package is refused, saying what to do instead.
     assert out["bpe_rc"] == 2 and "--out" in out["bpe_err"] and "pip install -e ." in out["bpe_err"]
     assert (data_dir / RANKS).read_bytes() == ranks_before
+
+
+def test_a_source_tree_with_no_install_reads_its_own_data_folder(tmp_path):
+    src = copy_of_repository(tmp_path / "src")  # on sys.path as PYTHONPATH=$PWD puts it: no course_lib._data package
+    out = run_check(tmp_path, src, src / "course_lib", src / "data", src / "data" / RANKS)
+    assert out["data_dir"] == str(src / "data") and out["bpe_rc"] == 0, out["bpe_err"]
 
 
 @pytest.mark.parametrize("mode", ["lenient", "strict"])  # lenient: what plain `pip install -e .` does

@@ -218,10 +218,7 @@ def test_the_code_view_follows_the_controls_while_open(panel):
     assert "No script for this configuration" in panel.code_view.value and "does not divide" in panel.code_view.value
 
 
-def test_the_export_button_writes_the_current_configurations_script(panel, tmp_path, monkeypatch):
-    import subprocess
-    import sys
-
+def test_the_export_button_writes_the_current_configurations_script(panel, tmp_path, monkeypatch, pyflakes):
     from course_lib import export
 
     monkeypatch.chdir(tmp_path)  # the notebook's folder
@@ -230,10 +227,9 @@ def test_the_export_button_writes_the_current_configurations_script(panel, tmp_p
     written = list(tmp_path.glob("train_*.py"))
     assert len(written) == 1 and written[0].name in panel.export_status.value and str(tmp_path) in panel.export_status.value
     assert written[0].read_text() == export.script(panel.config())
-    proc = subprocess.run([sys.executable, "-m", "pyflakes", str(written[0])], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     panel.set(batch_size=3)  # 3 sequences do not split into 2 micro-batches
     assert panel.export_script() is None and "Not exported" in panel.export_status.value and len(list(tmp_path.glob("*.py"))) == 1
+    assert pyflakes(written[0]) == ""  # last: it skips where pyflakes is missing
 
 
 def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path):

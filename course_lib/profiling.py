@@ -1,0 +1,80 @@
+"""Where a step's time goes: torch.profiler around the course's one loop.
+
+`profile_run(cfg)` trains cfg with `Trainer.fit` (the same loop every measurement uses) and steps the profiler from
+its per-step callback, so the warm-up steps (compiling, the allocator's first requests) are left out and only the
+`active` steps after them are recorded. `summary(...)` turns the record into the operators that took the most time of
+their own, on the device that did the work: the GPU's kernels on CUDA, the CPU's operators otherwise. The notebook 01
+section "Where the time goes" reads a profile by hand; this is the same reading for any config, from the command line
+(`python -m course_lib profile`)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from .config import ConfigError, TrainConfig
+from .results import RunResult
+
+
+@dataclasses.dataclass
+class Profile:
+    result: RunResult  # the run's own measurements (its profiled steps are slower: the profiler adds overhead)
+    prof: torch.profiler.profile
+    active: list[int]  # the steps recorded
+    device: str  # "cuda" or "cpu": whose time the summary counts
+
+    @property
+    def active_wall_s(self) -> float:
+        return sum(self.result.step_times[i] for i in self.active)
+
+
+def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = None) -> Profile:
+    """Train cfg for its warm-up steps and then `active` recorded steps. With `trace`, also write the record as a
+    Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev)."""
+    if active < 1:
+        raise ConfigError(f"active={active}: profile at least 1 step")
+    # At least two warm-up steps: the first compiles and fills the caches, and the profiler warms up on the last
+    # one (it starts recording there and throws that step away: starting is slow, and would be in the first step).
+    warmup = max(2, cfg.timing_warmup)
+    # No memory ledger: on a CPU it would watch one of the steps, and its bookkeeping would be in the profile.
+    cfg = dataclasses.replace(cfg, steps=warmup + active, measure_memory=False)
+    on_cuda = torch.device(cfg.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    when = schedule(skip_first=warmup - 1, wait=0, warmup=1, active=active, repeat=1)
+    from .train import Trainer  # train imports much; this module is imported by the CLI's parser
+
+    trainer = Trainer(cfg)
+    with profile(activities=activities, schedule=when) as prof:
+        result = trainer.fit("profiled", callback=lambda step, _r: prof.step())
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    return Profile(result, prof, list(range(warmup, warmup + active)), "cuda" if on_cuda else "cpu")
+
+
+def busy_s(p: Profile) -> float:
+    """Seconds of work the device did in the recorded steps. On CUDA: the GPU's kernels and copies, each counted
+    once, as torch's own "Self CUDA time total" counts them (summing the table's rows would count a kernel again in
+    the operator that launched it, and again in the device-side span of a named range such as
+    `Optimizer.step#AdamW.step`). On a CPU: the operators' own time, on all threads (named ranges and ProfilerStep#N
+    are left out: their own time is the gaps between operators)."""
+    from torch.autograd import DeviceType
+
+    kind = DeviceType.CUDA if p.device == "cuda" else DeviceType.CPU
+    attr = "self_device_time_total" if p.device == "cuda" else "self_cpu_time_total"  # microseconds
+    return sum(getattr(e, attr) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation) / 1e6
+
+
+def summary(p: Profile, rows: int = 20) -> str:
+    """The profile's table (operators, and on CUDA their kernels, by the time of their own on the device that did
+    the work) and how much of the recorded steps' wall time the device spent working."""
+    attr = "self_device_time_total" if p.device == "cuda" else "self_cpu_time_total"
+    table = p.prof.key_averages().table(sort_by=attr, row_limit=rows, max_name_column_width=60)
+    wall_s, work_s = p.active_wall_s, busy_s(p)
+    if p.device == "cuda":
+        busy = (f"the GPU's kernels and copies: {work_s * 1e3:.1f} ms = {work_s / wall_s:.0%} of it (the rest: the GPU "
+                f"idle, waiting for the CPU to launch work or for a synchronisation)")
+    else:
+        busy = f"the operators' own CPU time, all threads: {work_s * 1e3:.1f} ms"
+    return f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}"

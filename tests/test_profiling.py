@@ -1,0 +1,58 @@
+"""course_lib.profiling and `python -m course_lib profile`: torch.profiler records only the steps after the warm-up,
+around the course's one loop."""
+import json
+import re
+
+import pytest
+
+from course_lib import profiling
+from course_lib.__main__ import main as cli
+
+
+def test_only_the_steps_after_the_warm_up_are_recorded(tiny, tmp_path):
+    trace = tmp_path / "trace.json"
+    p = profiling.profile_run(tiny(timing_warmup=1), active=2, trace=trace)
+    assert len(p.result.step_times) == 4 and p.active == [2, 3]  # 2 warm-up steps at least (the profiler warms up on one)
+    by_name = {e.key: e for e in p.prof.key_averages()}
+    assert by_name["ProfilerStep*"].count == 2
+    events = json.loads(trace.read_text())["traceEvents"]  # the trace names each step (key_averages folds them)
+    steps = sorted({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")})
+    assert steps == ["ProfilerStep#2", "ProfilerStep#3"]  # the two steps after the warm-up, not the warm-up ones
+    # each recorded step did its forward's matmuls (4 per block + the head)
+    n_mm = sum(by_name[k].count for k in ("aten::mm", "aten::addmm") if k in by_name)
+    assert n_mm >= 2 * (4 * tiny().model.n_layer + 1), n_mm
+    assert 0 < p.active_wall_s < sum(p.result.step_times)
+    text = profiling.summary(p, rows=5)
+    assert "2 recorded steps" in text and "own CPU time" in text
+    # the operators' own time, without the named ranges' and the steps' (the gaps between operators)
+    assert 0 < profiling.busy_s(p) < footer_seconds(text, "Self CPU time total")
+
+
+def footer_seconds(table: str, label: str) -> float:
+    """A total from the foot of torch's profiler table, e.g. 'Self CUDA time total: 1.234ms', in seconds."""
+    value = re.search(rf"{label}: ([0-9.]+)(us|ms|s)\b", table)
+    assert value, table[-500:]
+    return float(value[1]) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[value[2]]
+
+
+def test_profile_command_and_its_errors(capsys, tmp_path):
+    trace = tmp_path / "not yet" / "trace.json"  # a folder that does not exist yet is made
+    assert cli(["profile", "--preset", "tiny", "--rung", "3", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "1 recorded after 2 warm-up" in out and "precision bf16" in out and "attention sdpa" in out
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert cli(["profile", "--preset", "tiny", "--steps", "0"]) == 2
+    assert "steps must be a positive int" in capsys.readouterr().err
+    assert cli(["profile", "--preset", "tiny", "--set", "precision"]) == 2
+    assert "--set takes FIELD=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_summary_counts_kernel_time(tiny):
+    p = profiling.profile_run(tiny(device="cuda"), active=2)
+    text = profiling.summary(p, rows=5)
+    assert "the GPU's kernels and copies" in text and "% of it" in text
+    # each kernel counted once: what torch's own table foot says, and on one stream no more than the steps' wall time
+    busy = profiling.busy_s(p)
+    assert busy == pytest.approx(footer_seconds(text, "Self CUDA time total"), rel=0.01, abs=2e-6)
+    assert 0 < busy <= p.active_wall_s
