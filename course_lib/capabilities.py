@@ -223,7 +223,8 @@ def _fused_adamw_support(dev: torch.device) -> Support:
 # Dense (no sparsity) peak TFLOP/s from the vendors' data sheets. A key matches the device name as whole
 # words (so "L4" is not found in "L40S"), and more specific keys come first ("H100 PCIe" before "H100").
 DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},
+    "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
     "H100 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
     "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM

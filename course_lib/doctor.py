@@ -238,18 +238,26 @@ def check_oom(caps: Capabilities) -> str:
     _cuda_only(caps)
     from .train import run
 
-    before = torch.cuda.memory_allocated()
-    total = torch.cuda.get_device_properties(0).total_memory
+    device = torch.device(caps.device)
+    before = torch.cuda.memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    # This process may hold only 1 GiB more than it reserves now: the allocator raises the same OutOfMemoryError at
+    # that cap as at the GPU's end, without first filling the GPU that other processes (test workers) share.
+    cap = torch.cuda.memory_reserved(device) + 2**30
     base = check_config(caps.device)
-    # The logits alone (batch x context x vocab in fp32) are twice the GPU's memory.
-    batch = math.ceil(2 * total / (base.context * base.model.vocab_size * 4))
-    result = run(dataclasses.replace(base, batch_size=batch), "doctor oom")
+    batch = math.ceil(2 * cap / (base.context * base.model.vocab_size * 4))  # the logits alone: twice the cap
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    try:
+        result = run(dataclasses.replace(base, batch_size=batch), "doctor oom")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     assert result.status == "oom", f"a batch of {batch} was expected to run out of memory, got {result.status}"
-    after = torch.cuda.memory_allocated()
+    after = torch.cuda.memory_allocated(device)
     assert after <= before + 2**20, f"{(after - before) / 2**20:.1f} MiB still allocated after the OOM"
     again = run(base, "doctor after oom")
     assert again.ok, f"the next run failed: {again.status} {again.reason}"
-    return f"batch {batch} reported as OOM, memory back to {after / 2**20:.1f} MiB, the next run succeeded"
+    return (f"batch {batch} reported as OOM at a cap of {cap / 2**30:.1f} GiB for this process, memory back to "
+            f"{after / 2**20:.1f} MiB, the next run succeeded")
 
 
 def check_tf32(caps: Capabilities) -> str:

@@ -29,6 +29,34 @@ GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
 
 
+_WARMED_GPUS: set[int] = set()
+
+
+def warm_up_cuda_libraries(device: str | torch.device) -> None:
+    """Once per process and GPU, before a run takes its memory baseline: a small matmul forward and backward in
+    fp32 (and bf16 where the GPU has it), so that cuBLAS allocates its workspaces now (on Hopper 32 MiB per handle;
+    forward and autograd's backward thread use different handles). They are the library's, kept for the whole
+    process: without this the first run of a process would count them in its "other" memory and later runs not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _WARMED_GPUS:
+        return
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    for dtype in dtypes:
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+    _WARMED_GPUS.add(index)
+
+
+def mib_text(n_bytes: int | None, digits: int = 2) -> str:
+    """A memory category for printing: '1.25 MiB', or 'not measured' where the device cannot tell it apart (on CUDA
+    activations and logits are None: the allocator knows only the total, so they are inside 'other')."""
+    return "not measured" if n_bytes is None else f"{n_bytes / 2**20:.{digits}f} MiB"
+
+
 # ---- the device --------------------------------------------------------------------------------
 
 # ---- time --------------------------------------------------------------------------------------

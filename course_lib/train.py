@@ -95,7 +95,9 @@ class Trainer:
             raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} tokens: raise vocab_size")
         self.splits = splits
         self.batches = batches or data_mod.random_batches(splits.train, cfg, cfg.seed)
-        # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors) is not this run's.
+        # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors, cuBLAS's workspaces)
+        # is not this run's.
+        measure.warm_up_cuda_libraries(self.dev)
         self.cuda_baseline = torch.cuda.memory_allocated(self.dev) if self.dev.type == "cuda" else 0
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)
         self.setup = techniques.build(cfg, model, parts)
@@ -192,6 +194,9 @@ def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
         if oom is None:
             raise
         reason = "out of memory: " + str(oom).splitlines()[0][:200]
-    # Leaving the except block drops the traceback, and with it the frames that held the model.
+        # Keep no exception past this block: its traceback holds the failed run's frames (the model, the
+        # activations), and one held here would also tie them to this frame in a cycle that outlives the return.
+        del oom
+    # Leaving the except block drops `e`, its traceback and the frames, so their memory can be freed now.
     free_memory()
     return RunResult(label=label, status="oom", config=cfg.to_dict(), provenance=provenance(measure.device_name(cfg.device)), reason=reason)

@@ -22,6 +22,7 @@ def fresh_capabilities():
 @pytest.mark.parametrize("name, key", [
     ("NVIDIA L40", "L40"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),  # "L4" must not be found inside "L40"
     ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
+    ("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200 NVL"),
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A10G", "A10G"), ("NVIDIA A10", "A10"), ("Tesla T4", "T4"),
     ("NVIDIA GeForce RTX 4090", "RTX 4090"),
 ])

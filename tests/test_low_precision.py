@@ -64,7 +64,7 @@ def test_low_precision_adamw_is_adamw():
     # on fp64 weights (computed in fp64, stored to fp64) it is exactly AdamW: the rule is optim.adamw_update's
     diff = optim.max_difference_after_steps(lambda g: L.LowPrecisionAdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
                                             lambda g: torch.optim.AdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False),
-                                            tiny_preset().model, steps=2, weight_decay=0.1)
+                                            tiny_preset("cpu").model, steps=2, weight_decay=0.1)
     assert diff < 1e-10
     with pytest.raises(ValueError):
         L.LowPrecisionAdamW([torch.nn.Parameter(torch.zeros(1))], rounding="up")
@@ -73,7 +73,7 @@ def test_low_precision_adamw_is_adamw():
 def test_pure_bf16_loses_updates_and_kahan_keeps_them(splits):
     # a short run of the tiny GPT under bf16 autocast: the weights stored in bf16 lose a share of their updates every
     # step (the LayerNorm gains at 1.0 all of theirs); with the compensation buffer almost none is lost
-    cfg = replace(tiny_preset(), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, weight_decay=0.1)
+    cfg = replace(tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, weight_decay=0.1)
     runs = {(w, r): L.train(cfg, r, w, splits=splits) for w, r in ((torch.float32, "nearest"), (BF16, "nearest"),
                                                                     (BF16, "stochastic"), (BF16, "kahan"))}
     master, pure, sr, kahan = (r.details for r in runs.values())

@@ -158,3 +158,22 @@ def test_a_tensor_made_from_python_data_is_counted():
         a = torch.tensor(0.0)
         b = torch.tensor([1.0, 2.0, 3.0])
     assert ledger.peak == a.nbytes + b.nbytes == 16
+
+
+def test_a_category_the_device_cannot_tell_apart_prints_as_not_measured():
+    assert measure.mib_text(3 * 2**20) == "3.00 MiB" and measure.mib_text(2**19, 3) == "0.500 MiB"
+    assert measure.mib_text(None) == "not measured"  # CUDA's activations and logits: inside "other"
+    assert measure.mib_text(0) == "0.00 MiB"  # measured and empty is not "not measured"
+
+
+@pytest.mark.cuda
+def test_after_the_warm_up_cublas_allocates_nothing_more_that_stays():
+    """cuBLAS's workspaces are allocated once by the warm-up, so that no run counts them in its memory."""
+    measure.warm_up_cuda_libraries("cuda")
+    before = torch.cuda.memory_allocated()
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(256, 256, device="cuda", dtype=dtype, requires_grad=True)
+        (a @ a).sum().backward()
+        del a
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before

@@ -18,7 +18,7 @@ SPLITS = Splits(train=torch.randint(0, 4000, (20_000,), generator=torch.Generato
 
 
 def _cfg(**changes):
-    return replace(tiny_preset(), steps=2, timing_warmup=0, **changes)
+    return replace(tiny_preset("cpu"), steps=2, timing_warmup=0, **changes)
 
 
 def _measured(cfg):
@@ -27,7 +27,7 @@ def _measured(cfg):
 
 # ---- hand-computed values ----
 
-@pytest.mark.parametrize("model", [tiny_preset().model, gpt2_small_preset("cpu").model, ModelConfig(n_layer=3, n_embd=48, n_head=3, bias=False),
+@pytest.mark.parametrize("model", [tiny_preset("cpu").model, gpt2_small_preset("cpu").model, ModelConfig(n_layer=3, n_embd=48, n_head=3, bias=False),
                                    ModelConfig(vocab_multiple=64)])
 def test_count_params_matches_the_model(model):
     with torch.device("meta"):
@@ -159,7 +159,7 @@ def test_gpt2_small_accounted_without_allocating():
 
 
 def test_will_it_fit():
-    est, verdict = M.will_it_fit(tiny_preset(), device_gib=1.0)
+    est, verdict = M.will_it_fit(tiny_preset("cpu"), device_gib=1.0)
     assert verdict == "fits" and est.peak_bytes < GiB
     big = replace(gpt2_small_preset("cpu"), batch_size=32)
     est, verdict = M.will_it_fit(big, device_gib=16)

@@ -126,6 +126,6 @@ def test_every_moment_of_the_peak(shape, levers, more, when):
 
 def test_fp16_measured_for_real():
     # FakeTensorMode cannot run fp16's GradScaler (it reads the scale with .item()): the tiny preset, allocated for real
-    check(replace(tiny_preset(), precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False)
+    check(replace(tiny_preset("cpu"), precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False)
     with pytest.raises(ValueError, match="fp16"):
-        M.account_step(replace(tiny_preset(), precision="fp16"), fake=True)
+        M.account_step(replace(tiny_preset("cpu"), precision="fp16"), fake=True)

@@ -15,7 +15,7 @@ from course_lib.train import train
 
 def _model(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
-    return GPT(tiny_preset().model).to(dtype)
+    return GPT(tiny_preset("cpu").model).to(dtype)
 
 
 def _batch(cfg, seed=0):
@@ -28,7 +28,7 @@ def _batch(cfg, seed=0):
 def test_hand_adamw_equals_torch(betas, eps, wd):
     # float64, so that rounding cannot hide a real difference: the key bias's true gradient is exactly zero
     # (softmax ignores a constant shift), and in float32 its rounding noise is amplified by Adam's 1/sqrt(v)
-    cfg = tiny_preset()
+    cfg = tiny_preset("cpu")
     a, b = _model(dtype=torch.float64), _model(dtype=torch.float64)
     groups_a = techniques.param_groups(a, wd)
     groups_b = techniques.param_groups(b, wd)
@@ -105,7 +105,7 @@ def test_cosine_equals_torch_reference_and_the_loop(warmup, total):
     lr = 6e-4
     mine = O.curve(lambda s: O.warmup_cosine_lr(s, lr, warmup, total, 0.1), total)
     ref = O.torch_scheduler_curve(lambda opt: O.torch_warmup_cosine(opt, warmup, total, 0.1), lr, total)
-    cfg = replace(tiny_preset(), lr=lr, schedule="cosine", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
+    cfg = replace(tiny_preset("cpu"), lr=lr, schedule="cosine", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
     loop = [techniques.lr_at(s, cfg) for s in range(total)]
     for s in range(total):
         assert mine[s] == pytest.approx(ref[s], rel=1e-9, abs=1e-15), s
@@ -118,7 +118,7 @@ def test_cosine_equals_torch_reference_and_the_loop(warmup, total):
 
 
 def test_loop_records_the_schedule():
-    cfg = replace(tiny_preset(), steps=6, schedule="cosine", lr_warmup_steps=2, lr=1e-3, measure_memory=False)
+    cfg = replace(tiny_preset("cpu"), steps=6, schedule="cosine", lr_warmup_steps=2, lr=1e-3, measure_memory=False)
     r = train(cfg)
     # against torch's own schedulers (LinearLR then CosineAnnealingLR), not against the formula the loop uses
     ref = O.torch_scheduler_curve(lambda opt: O.torch_warmup_cosine(opt, 2, 6, cfg.min_lr_ratio), 1e-3, 6)
@@ -148,7 +148,7 @@ def test_inverse_sqrt_and_wsd_shapes():
 # ---- clipping ----
 
 def _with_grads(seed=0):
-    cfg = tiny_preset()
+    cfg = tiny_preset("cpu")
     m = _model(seed)
     x, y = _batch(cfg, seed)
     (techniques.loss_sum(m(x), y) / y.numel()).backward()
@@ -180,7 +180,7 @@ def test_per_tensor_clipping_changes_the_direction_global_does_not():
 
 
 def test_loop_logs_the_global_norm_before_clipping():
-    cfg = replace(tiny_preset(), steps=2, timing_warmup=1, clip_norm=1e-3, measure_memory=False)
+    cfg = replace(tiny_preset("cpu"), steps=2, timing_warmup=1, clip_norm=1e-3, measure_memory=False)
     x, y = _batch(cfg, 7)
     r = train(cfg, batches=lambda step: [(x, y)])
     torch.manual_seed(cfg.seed)  # the loop builds its model right after seeding
@@ -207,7 +207,7 @@ def test_adam_update_size_ignores_gradient_scale_sgd_does_not():
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_momentum", "adafactor"])
 def test_state_bytes_match_formula(kind):
-    cfg = tiny_preset()
+    cfg = tiny_preset("cpu")
     m = _model()
     x, y = _batch(cfg)
     assert O.measured_state_bytes(kind, m, x, y) == O.expected_state_bytes(kind, list(m.parameters()))
@@ -240,7 +240,7 @@ def test_groups_decay_only_matrices_and_embeddings():
 # ---- batch sources ----
 
 def test_bad_batch_changes_only_its_step():
-    cfg = tiny_preset()
+    cfg = tiny_preset("cpu")
     splits = load_splits()
     for kind in ("repeated", "random"):
         good = O.default_batches(splits, cfg)
@@ -256,7 +256,7 @@ def test_bad_batch_changes_only_its_step():
 
 
 def test_default_batches_are_the_loops():
-    cfg = replace(tiny_preset(), steps=3, measure_memory=False)
+    cfg = replace(tiny_preset("cpu"), steps=3, measure_memory=False)
     a = train(cfg)
     b = train(cfg, batches=O.default_batches(load_splits(), cfg))
     assert a.losses == b.losses
@@ -264,7 +264,7 @@ def test_default_batches_are_the_loops():
 
 def test_batch_ramp():
     assert [O.ramp_batch_size(s, 2, 10, 4) for s in range(6)] == [2, 4, 6, 8, 10, 10]
-    cfg = replace(tiny_preset(), steps=3, measure_memory=False)
+    cfg = replace(tiny_preset("cpu"), steps=3, measure_memory=False)
     src = O.ramped_batches(load_splits(), cfg, start=1, ramp_steps=3)
     assert [src(s)[0][0].shape[0] for s in range(4)] == [1, 2, 3, 4]
 
@@ -282,7 +282,7 @@ def test_batch_ramp():
 def test_hand_adagrad_and_rmsprop_equal_torch(hand, ref):
     # float64, a few steps of the tiny GPT with weight decay on the 2-D group: every parameter equal to torch's
     # (torch's defaults are checked in notebook 05)
-    diff = O.max_difference_after_steps(hand, ref, tiny_preset().model, steps=3, weight_decay=0.05)
+    diff = O.max_difference_after_steps(hand, ref, tiny_preset("cpu").model, steps=3, weight_decay=0.05)
     assert diff < 1e-10
 
 
@@ -318,7 +318,7 @@ def test_new_kinds_state_bytes_and_memory_model(kind):
     from course_lib import memory
     m = _model()
     params = list(m.parameters())
-    x, y = _batch(tiny_preset())
+    x, y = _batch(tiny_preset("cpu"))
     assert O.measured_state_bytes(kind, m, x, y) == O.expected_state_bytes(kind, params) == 4 * m.num_params() + 4 * len(params)
     assert memory.static_bytes(m.num_params(), kind, 4, len(params))["optimizer state"] == O.expected_state_bytes(kind, params)
 
@@ -327,7 +327,7 @@ def test_exponential_schedule_equals_torch_exponentiallr_and_the_loop():
     lr, warmup, total = 1e-3, 5, 60
     gamma = techniques.exponential_gamma(warmup, total, 0.1)
     mine = O.curve(lambda s: O.exponential_lr(s, lr, warmup, total, 0.1), total)
-    cfg = replace(tiny_preset(), lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
+    cfg = replace(tiny_preset("cpu"), lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
     loop = [techniques.lr_at(s, cfg) for s in range(total)]
     # torch's own: LinearLR over the warmup, then ExponentialLR(gamma), chained at the end of the warmup
     ref = O.torch_scheduler_curve(lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [

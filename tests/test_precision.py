@@ -191,3 +191,13 @@ def test_tf32_on_cuda_changes_the_matmul():
     assert err["fp32"] < err["tf32 (tensor cores)"] < 2.0**-10
     v, _ = P.matmul_tflops(2048, "tf32", "cuda")
     assert v is not None and v > 0
+
+
+@pytest.mark.skipif(not HAS_AMPERE, reason="TF32 tensor cores need a CUDA GPU of compute capability 8.0+ (none here)")
+def test_tf32_with_compile_trains_on_cuda(tiny):
+    """The loop sets TF32 through torch's fp32_precision API; inside it, code that reads the legacy flags
+    (allow_tf32, get_float32_matmul_precision) raises. torch.compile's code generation must not be such code."""
+    from course_lib.train import train
+
+    r = train(dataclasses.replace(tiny(device="cuda"), precision="tf32", compile=True, steps=3, measure_memory=False), "tf32 + compile")
+    assert r.ok and all(math.isfinite(x) for x in r.losses), r.losses

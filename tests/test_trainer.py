@@ -53,6 +53,29 @@ def test_evaluate_is_repeatable_and_eval_every_logs_it(tiny, splits):
     assert first == pytest.approx(math.log(4097), abs=0.3)  # an untrained model is about uniform
 
 
+def test_after_an_oom_the_failed_runs_tensors_are_freed_before_run_returns(tiny, monkeypatch):
+    """What the failed step held (on a GPU: its activations) must be gone when run() returns, not at some later
+    garbage collection: the OOM demonstration and the doctor read the memory still allocated right after."""
+    import gc
+    import weakref
+
+    held = []
+
+    def step(*_a, **_k):
+        activations = torch.ones(1024)  # what a step holds when it runs out of memory
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+    monkeypatch.setattr("course_lib.train.run_step", step)
+    gc.disable()  # only reference counting may free it: nothing is left for a later collection to find
+    try:
+        r = run(tiny(steps=3, measure_memory=False), "oom")
+        alive = held[0]() is not None
+    finally:
+        gc.enable()
+    assert r.status == "oom" and not alive
+
+
 def test_an_oom_wrapped_by_another_error_is_still_reported_as_oom(tiny, monkeypatch):
     """torch.compile re-raises a failure inside its own exception; the OOM is found in the chain."""
     def step(*_a, **_k):
