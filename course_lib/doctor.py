@@ -238,21 +238,27 @@ def check_oom(caps: Capabilities) -> str:
     _cuda_only(caps)
     from .train import run
 
+    from .measure import warm_up_cuda_libraries
+
     device = torch.device(caps.device)
-    before = torch.cuda.memory_allocated(device)
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the memory calls want one
+    warm_up_cuda_libraries(device)  # cuBLAS's workspaces, allocated by the first run otherwise, are not the OOM's
+    before = torch.cuda.memory_allocated(index)
+    total = torch.cuda.get_device_properties(index).total_memory
     # This process may hold only 1 GiB more than it reserves now: the allocator raises the same OutOfMemoryError at
     # that cap as at the GPU's end, without first filling the GPU that other processes (test workers) share.
-    cap = torch.cuda.memory_reserved(device) + 2**30
+    cap = torch.cuda.memory_reserved(index) + 2**30
     base = check_config(caps.device)
     batch = math.ceil(2 * cap / (base.context * base.model.vocab_size * 4))  # the logits alone: twice the cap
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.9 and later
+    previous = get_fraction(index) if get_fraction else 1.0
+    torch.cuda.set_per_process_memory_fraction(min(previous, cap / total), index)
     try:
         result = run(dataclasses.replace(base, batch_size=batch), "doctor oom")
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(previous, index)
     assert result.status == "oom", f"a batch of {batch} was expected to run out of memory, got {result.status}"
-    after = torch.cuda.memory_allocated(device)
+    after = torch.cuda.memory_allocated(index)
     assert after <= before + 2**20, f"{(after - before) / 2**20:.1f} MiB still allocated after the OOM"
     again = run(base, "doctor after oom")
     assert again.ok, f"the next run failed: {again.status} {again.reason}"

@@ -33,10 +33,11 @@ _WARMED_GPUS: set[int] = set()
 
 
 def warm_up_cuda_libraries(device: str | torch.device) -> None:
-    """Once per process and GPU, before a run takes its memory baseline: a small matmul forward and backward in
-    fp32 (and bf16 where the GPU has it), so that cuBLAS allocates its workspaces now (on Hopper 32 MiB per handle;
-    forward and autograd's backward thread use different handles). They are the library's, kept for the whole
-    process: without this the first run of a process would count them in its "other" memory and later runs not."""
+    """Once per process and GPU, before a run takes its memory baseline: a small matmul and a linear layer with a
+    bias, forward and backward, in fp32 (and bf16 where the GPU has it), so that cuBLAS and cuBLASLt (addmm with a
+    bias goes there) allocate their workspaces now (on Hopper 32 MiB per cuBLAS handle; forward and autograd's
+    backward thread use different handles). They are the libraries', kept for the whole process: without this the
+    first run of a process would count them in its "other" memory and later runs not."""
     device = torch.device(device)
     if device.type != "cuda":
         return
@@ -46,7 +47,8 @@ def warm_up_cuda_libraries(device: str | torch.device) -> None:
     dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
     for dtype in dtypes:
         a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
-        (a @ a).sum().backward()
+        bias = torch.ones(64, device=device, dtype=dtype, requires_grad=True)
+        ((a @ a).sum() + torch.nn.functional.linear(a, a, bias).sum()).backward()
     torch.cuda.synchronize(device)
     _WARMED_GPUS.add(index)
 

@@ -167,13 +167,33 @@ def test_a_category_the_device_cannot_tell_apart_prints_as_not_measured():
 
 
 @pytest.mark.cuda
-def test_after_the_warm_up_cublas_allocates_nothing_more_that_stays():
-    """cuBLAS's workspaces are allocated once by the warm-up, so that no run counts them in its memory."""
+def test_the_warm_up_allocates_the_workspaces_and_afterwards_matmuls_allocate_nothing_that_stays():
+    """cuBLAS's and cuBLASLt's workspaces are allocated once by the warm-up, so that no run counts them."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:  # start without workspaces, whatever earlier tests in this process ran
+        clear()
+        measure._WARMED_GPUS.clear()
+    before_warm_up = torch.cuda.memory_allocated()
     measure.warm_up_cuda_libraries("cuda")
-    before = torch.cuda.memory_allocated()
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(256, 256, device="cuda", dtype=dtype, requires_grad=True)
-        (a @ a).sum().backward()
-        del a
+    after_warm_up = torch.cuda.memory_allocated()
+    if clear is not None:
+        assert after_warm_up > before_warm_up  # it did allocate them
+    # what a training step does: plain matmuls and linear layers with a bias, forward and backward, fp32 and bf16
+    for autocast in (False, True):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            x = torch.randn(32, 256, device="cuda", requires_grad=True)
+            w = torch.randn(256, 256, device="cuda", requires_grad=True)
+            b = torch.randn(256, device="cuda", requires_grad=True)
+            ((x @ w).sum() + torch.nn.functional.linear(x, w, b).sum()).float().backward()
+        del x, w, b
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_allocated() == after_warm_up
+
+
+@pytest.mark.cuda
+def test_the_doctors_oom_check_passes_on_its_own():
+    """The check alone (the first CUDA work of a run_doctor call): a capped OOM, memory back, the next run fine."""
+    from course_lib.doctor import run_doctor
+
+    report = run_doctor("cuda", only=["out of memory"])
+    assert [(c.name, c.status) for c in report.checks] == [("out of memory", "pass")], report.table()
