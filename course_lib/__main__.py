@@ -143,11 +143,10 @@ def cmd_profile(args) -> int:
     trace = Path(args.trace) if args.trace else None
     try:
         cfg = chosen_config(args)
-        if args.steps is None:  # --steps counts the recorded steps here; the warm-up steps come first
-            cfg = dataclasses.replace(cfg, steps=3)
         if trace is not None:  # before the run: the profiler would not say that it could not write there
             trace.parent.mkdir(parents=True, exist_ok=True)
-        p = profile_run(cfg, active=cfg.steps, trace=trace)
+        # --steps counts the recorded steps here; the warm-up steps come first
+        p = profile_run(cfg, active=args.steps if args.steps is not None else 3, trace=trace)
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -238,11 +238,10 @@ def check_oom(caps: Capabilities) -> str:
     _cuda_only(caps)
     from .train import run
 
-    from .measure import warm_up_cuda_libraries
+    from .measure import cuda_index, warm_up_cuda_libraries
 
-    device = torch.device(caps.device)
-    index = device.index if device.index is not None else torch.cuda.current_device()  # the memory calls want one
-    warm_up_cuda_libraries(device)  # cuBLAS's workspaces, allocated by the first run otherwise, are not the OOM's
+    index = cuda_index(caps.device)
+    warm_up_cuda_libraries(index)  # cuBLAS's workspaces, allocated by the first run otherwise, are not the OOM's
     before = torch.cuda.memory_allocated(index)
     total = torch.cuda.get_device_properties(index).total_memory
     # This process may hold only 1 GiB more than it reserves now: the allocator raises the same OutOfMemoryError at

@@ -29,37 +29,11 @@ GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
 
 
-_WARMED_GPUS: set[int] = set()
-
-
-def warm_up_cuda_libraries(device: str | torch.device) -> None:
-    """Once per process and GPU, before a run takes its memory baseline: a small matmul and a linear layer with a
-    bias, forward and backward, in fp32 (and bf16 where the GPU has it), so that cuBLAS and cuBLASLt (addmm with a
-    bias goes there) allocate their workspaces now (on Hopper 32 MiB per cuBLAS handle; forward and autograd's
-    backward thread use different handles). They are the libraries', kept for the whole process: without this the
-    first run of a process would count them in its "other" memory and later runs not."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index in _WARMED_GPUS:
-        return
-    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    for dtype in dtypes:
-        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
-        bias = torch.ones(64, device=device, dtype=dtype, requires_grad=True)
-        ((a @ a).sum() + torch.nn.functional.linear(a, a, bias).sum()).backward()
-    torch.cuda.synchronize(device)
-    _WARMED_GPUS.add(index)
-
-
 def mib_text(n_bytes: int | None, digits: int = 2) -> str:
     """A memory category for printing: '1.25 MiB', or 'not measured' where the device cannot tell it apart (on CUDA
     activations and logits are None: the allocator knows only the total, so they are inside 'other')."""
     return "not measured" if n_bytes is None else f"{n_bytes / 2**20:.{digits}f} MiB"
 
-
-# ---- the device --------------------------------------------------------------------------------
 
 # ---- time --------------------------------------------------------------------------------------
 
@@ -109,6 +83,36 @@ def median_excluding(times: list[float], excluded: set[int]) -> float:
 
 
 # ---- memory ------------------------------------------------------------------------------------
+
+def cuda_index(device: str | torch.device) -> int:
+    """The GPU's index ("cuda" alone means the current one): torch.cuda's memory-limit calls reject a device without one."""
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_WARMED_GPUS: set[int] = set()
+
+
+def warm_up_cuda_libraries(device: str | torch.device) -> None:
+    """Once per process and GPU, before a run takes its memory baseline: a small matmul and a linear layer with a
+    bias, forward and backward, in fp32 (and bf16 where the GPU has it), so that cuBLAS and cuBLASLt (addmm with a
+    bias goes there) allocate their workspaces now (on Hopper 32 MiB per cuBLAS handle; forward and autograd's
+    backward thread use different handles). They are the libraries', kept for the whole process: without this the
+    first run of a process would count them in its "other" memory and later runs not."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    index = cuda_index(device)
+    if index in _WARMED_GPUS:
+        return
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
+    for dtype in dtypes:
+        a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
+        bias = torch.ones(64, device=device, dtype=dtype, requires_grad=True)
+        ((a @ a).sum() + torch.nn.functional.linear(a, a, bias).sum()).backward()
+    torch.cuda.synchronize(device)
+    _WARMED_GPUS.add(index)
+
 
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (a view or a tied weight is counted once)."""

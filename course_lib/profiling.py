@@ -29,6 +29,11 @@ class Profile:
     def active_wall_s(self) -> float:
         return sum(self.result.step_times[i] for i in self.active)
 
+    @property
+    def self_time(self) -> str:
+        """The events' attribute this profile counts, in microseconds: the device's own time of each event."""
+        return "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
+
 
 def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = None) -> Profile:
     """Train cfg for its warm-up steps and then `active` recorded steps. With `trace`, also write the record as a
@@ -62,15 +67,13 @@ def busy_s(p: Profile) -> float:
     from torch.autograd import DeviceType
 
     kind = DeviceType.CUDA if p.device == "cuda" else DeviceType.CPU
-    attr = "self_device_time_total" if p.device == "cuda" else "self_cpu_time_total"  # microseconds
-    return sum(getattr(e, attr) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation) / 1e6
+    return sum(getattr(e, p.self_time) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation) / 1e6
 
 
 def summary(p: Profile, rows: int = 20) -> str:
     """The profile's table (operators, and on CUDA their kernels, by the time of their own on the device that did
     the work) and how much of the recorded steps' wall time the device spent working."""
-    attr = "self_device_time_total" if p.device == "cuda" else "self_cpu_time_total"
-    table = p.prof.key_averages().table(sort_by=attr, row_limit=rows, max_name_column_width=60)
+    table = p.prof.key_averages().table(sort_by=p.self_time, row_limit=rows, max_name_column_width=60)
     wall_s, work_s = p.active_wall_s, busy_s(p)
     if p.device == "cuda":
         busy = (f"the GPU's kernels and copies: {work_s * 1e3:.1f} ms = {work_s / wall_s:.0%} of it (the rest: the GPU "
