@@ -36,12 +36,13 @@ MARKERS = {
 DISTRIBUTED_FILES = {"test_distributed.py", "test_doctor.py"}
 # pytest-xdist sends each of these groups whole to one worker; every other test goes alone to whichever worker is free.
 # A notebook's cells run in order in one kernel. The browser test's cases share one JupyterLab and one Chromium. These
-# files build a costly module-scoped fixture once (test_tensor_parallel.py: one torchrun launch). The compile tests
+# files build a costly fixture once. The compile tests
 # share a worker, so that torch.compile's start-up (importing dynamo, AOTAutograd and inductor) is paid once; the doctor
 # and the exporter's compile case compile the same model with inductor: compiled once, then read from its cache.
+# The files that check the strategies run in the session fixture `launched` share a worker, so that it launches once.
 FILE_GROUPS = {"test_browser.py": "browser", "test_export.py": "compile", "test_compile.py": "compile", "test_doctor.py": "compile",
                "test_accumulation.py": "accumulation", "test_selective_checkpointing.py": "selective checkpointing",
-               "test_tensor_parallel.py": "tensor parallel"}
+               **dict.fromkeys(("test_distributed.py", "test_zero_stages.py", "test_tensor_parallel.py", "test_moe.py"), "launched")}
 # The longest units are handed out first (on 2 cores with a cold compile cache: the browser cases ~2.5 min, the compile
 # group ~2 min, then the notebooks, 8-70 s each), so that no worker starts a long one while the other runs out of work.
 FIRST = ("browser", "compile", ".ipynb")
@@ -110,6 +111,30 @@ def splits():
     from course_lib import data
 
     return data.load_splits()
+
+
+# The strategies the distributed tests check, with their options: run in series in one torchrun launch (see `launched`).
+LAUNCHED = [
+    ("ddp", {"steps": 3, "accum": 2}),
+    ("fsdp", {"steps": 2}),
+    ("pipeline", {"microbatches": [2, 4], "steps": 2, "n_layer": 4, "batch_size": 4}),
+    ("zero_stages", {"steps": 3}),
+    ("tensor_parallel", {"repeats": 1, "sequence_parallel": True}),  # sequence parallelism runs plain tensor parallelism too
+    ("expert_parallel", {"n_experts": 4, "top_k": 2, "capacity_factor": 0.75}),
+]
+
+
+@pytest.fixture(scope="session")
+def launched(tmp_path_factory):
+    """{strategy: LaunchResult} for LAUNCHED, 2 gloo processes: one launch (course_lib.distributed.series) whose
+    processes start once, not once per strategy (a start costs ~5 CPU-s on 2 cores). A test calls raise_for_status()
+    on its strategy's result, which shows the launch's stderr if that run failed."""
+    from course_lib import config
+    from course_lib.distributed import launch
+
+    clipped = dataclasses.replace(config.tiny_preset("cpu"), clip_norm=0.05)  # the pipeline's: small enough that every step clips
+    return launch.launch_series(LAUNCHED, 2, cfgs={"pipeline": clipped}, device="cpu", timeout_s=600,
+                                out_dir=tmp_path_factory.mktemp("launched"))
 
 
 @pytest.fixture

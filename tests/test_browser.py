@@ -9,7 +9,8 @@ a button's callback came out blank or half drawn in JupyterLab (from the first o
 Running every cell of eight notebooks in a browser would take far too long on a small machine, so the browser gets
 a fresh copy of each notebook holding only its cells tagged "panel-setup" (the imports and environment, and what the
 panel cell uses) and "panel" (the panel itself), in their order; nbval still runs every notebook top to bottom.
-One JupyterLab serves all the copies; each notebook's kernel is shut down after its test.
+One JupyterLab serves all the copies, in one browser tab: each notebook is opened there as a learner opens the next one
+(a page load of JupyterLab costs ~4 CPU-s of Chromium on 2 cores), in a kernel of its own, shut down after its test.
 Screenshots of each panel after its last click go to $BROWSER_TEST_SHOTS (default /tmp).
 
 Needs Debian's `chromium` (installed by .ci/run) and the Python `playwright` package (the test extra).
@@ -136,7 +137,8 @@ def lab(tmp_path_factory):
     env = {**{k: v for k, v in os.environ.items() if k != "MPLBACKEND"}, "COURSE_BUDGET": os.environ.get("COURSE_BUDGET", "smoke"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")}
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={work}", "--ServerApp.open_browser=False", f"--LabApp.user_settings_dir={tmp_path / 'settings'}"]
+           f"--ServerApp.root_dir={work}", "--ServerApp.open_browser=False", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+           "--LabApp.expose_app_in_browser=True"]  # window.jupyterapp: the next notebook opens in the same tab
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
     log = open(tmp_path / "jupyterlab.log", "w")
@@ -176,6 +178,42 @@ def browser_context():
             yield b.new_context(viewport={"width": 1400, "height": 1000})
         finally:
             b.close()
+
+
+@pytest.fixture(scope="module")
+def lab_tab(browser_context, lab):
+    """open(case): JupyterLab's tab with that case's notebook open in it, alone, in a fresh kernel. The first case (or
+    the one after a case that failed, which may have left a dialog open) loads JupyterLab; the others are opened by
+    JupyterLab itself in the same tab, after the previous notebook was closed and its kernel shut down."""
+    url, token = lab
+    tab = {"page": None}
+
+    def open_notebook(case: PanelCase):
+        page = tab["page"]
+        if page is None or page.is_closed():
+            page = tab["page"] = browser_context.new_page()
+            page.goto(f"{url}/lab/workspaces/panel-tests/tree/{case.notebook}?reset&token={token}")
+        else:
+            page.evaluate(CLOSE_DOCUMENTS_JS)  # unsaved changes (the cells' outputs) are not asked about: the copies are throwaway
+            page.evaluate("async (path) => { await window.jupyterapp.commands.execute('docmanager:open', {path}); }", case.notebook)
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        return page
+
+    def drop():
+        if tab["page"] is not None:
+            tab["page"].close()
+        tab["page"] = None
+
+    open_notebook.drop = drop
+    yield open_notebook
+    drop()
+
+
+CLOSE_DOCUMENTS_JS = """() => {
+  for (const w of Array.from(window.jupyterapp.shell.widgets('main'))) {
+    if (w.context) { w.context.model.dirty = false; w.dispose(); }
+  }
+}"""
 
 
 def shut_down_kernels(url: str, token: str) -> None:
@@ -239,15 +277,13 @@ def describe(fig: dict | None) -> str:
 
 
 @pytest.mark.parametrize("case", PANELS, ids=str)
-def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser_context, lab, case):
+def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab_tab, lab, case):
     url, token = lab
     shots = Path(os.environ.get("BROWSER_TEST_SHOTS", "/tmp"))
     t0 = time.time()
-    page = browser_context.new_page()
+    passed = False
     try:
-        # A workspace of its own: JupyterLab would otherwise reopen the notebooks tested before (and start their kernels).
-        page.goto(f"{url}/lab/workspaces/panel-{case}/tree/{case.notebook}?reset&token={token}")
-        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        page = lab_tab(case)
         _run_all_cells(page)
 
         n_code = sum(1 for c in panel_cells(case.notebook)["cells"] if c["cell_type"] == "code")
@@ -310,8 +346,10 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(browser_c
         if case.code:
             report.append(_check_code_and_export(page, *case.code))
         print(f"\n{case.notebook} in {time.time() - t0:.0f} s: " + "; ".join(report))
+        passed = True
     finally:
-        page.close()
+        if not passed:
+            lab_tab.drop()  # the next case starts from a fresh page
         shut_down_kernels(url, token)
 
 

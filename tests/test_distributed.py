@@ -1,12 +1,13 @@
 """course_lib.distributed: each strategy launched for real with torchrun, 2 CPU processes (gloo).
 
-A torchrun launch costs several seconds here, so each test launches once and checks several claims. Tensor and
-sequence parallelism, which share one launch, are in test_tensor_parallel.py.
+A torchrun launch costs several seconds of start-up here, so the strategies these tests check (here, in
+test_zero_stages.py, test_tensor_parallel.py and test_moe.py) run in series in one launch: conftest's `launched`.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,8 +111,8 @@ def test_the_models_attention_runs_on_a_ranks_share_of_the_heads():
 
 # ---- real launches ----------------------------------------------------------------------------
 
-def test_ddp_equals_one_process_and_no_sync_halves_the_all_reduces(tmp_path):
-    r = L.launch("ddp", 2, options={"steps": 3, "accum": 2}, device="cpu", timeout_s=150, out_dir=tmp_path).raise_for_status()
+def test_ddp_equals_one_process_and_no_sync_halves_the_all_reduces(launched):
+    r = launched["ddp"].raise_for_status()
     r0, r1 = r.ranks
     assert r0["backend"] == "gloo" and r0["world_size"] == 2
     ref = r0["reference"]
@@ -128,8 +129,8 @@ def test_ddp_equals_one_process_and_no_sync_halves_the_all_reduces(tmp_path):
     assert with_ns["memory"]["parameters"] == r0["run"]["result"]["n_params"] * 4  # fp32, replicated
 
 
-def test_fsdp2_shards_parameters_gradients_and_optimizer_state(tmp_path):
-    r = L.launch("fsdp", 2, options={"steps": 2}, device="cpu", timeout_s=150, out_dir=tmp_path).raise_for_status()
+def test_fsdp2_shards_parameters_gradients_and_optimizer_state(launched):
+    r = launched["fsdp"].raise_for_status()
     for rank in r.ranks:
         ddp, fsdp = rank["ddp"]["memory"], rank["fsdp"]["memory"]
         for cat in ("parameters", "gradients", "optimizer state"):
@@ -140,10 +141,8 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(tmp_path):
     assert total == pytest.approx(r.ranks[0]["ddp"]["memory"]["parameters"], rel=0.02)  # the shards add up to the model
 
 
-def test_pipeline_equals_the_unsplit_model(tmp_path):
-    clipped = dataclasses.replace(C.tiny_preset("cpu"), clip_norm=0.05)  # small enough that every step clips
-    r = L.launch("pipeline", 2, cfg=clipped, options={"microbatches": [2, 4], "steps": 2, "n_layer": 4, "batch_size": 4}, device="cpu",
-                 timeout_s=150, out_dir=tmp_path).raise_for_status()
+def test_pipeline_equals_the_unsplit_model(launched):
+    r = launched["pipeline"].raise_for_status()  # its config clips at 0.05: small enough that every step clips
     last = r.ranks[-1]
     check = last["runs"]["gpipe/m=4"]["check"]
     assert check["pipeline_loss"] == pytest.approx(check["unsplit_loss"], rel=1e-5)
@@ -172,6 +171,13 @@ def test_pipeline_equals_the_unsplit_model(tmp_path):
         assert P.bubble_fraction(2, m) - 0.05 <= P.measured_bubble(r.ranks, f"gpipe/m={m}") < 1
 
 
+def test_a_series_takes_each_strategy_once():
+    with pytest.raises(ValueError, match="at most once"):
+        L.launch_series([("ddp", {}), ("ddp", {"steps": 2})])
+    with pytest.raises(ValueError, match="not 'series'"):
+        L.launch_series([("series", {})])
+
+
 def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -179,15 +185,19 @@ def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
     def fail_once_the_hung_ranks_are_up():
         # The failing launch runs while the hung one waits out its timeout (a launch blocks its thread, not the
         # processes); it starts only once both hung ranks have written their pids, so it cannot delay their start.
+        # It is a series: the run after the failing one must not run (its ranks would wait for the dead one).
         deadline = time.monotonic() + 60
         while len(list((tmp_path / "hang").glob("pid_rank*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        return L.launch("selftest", 2, options={"mode": "fail"}, device="cpu", timeout_s=90, out_dir=tmp_path / "fail", show_errors=False)
+        return L.launch_series([("selftest", {"mode": "fail"}), ("ddp", {"steps": 2})], 2, device="cpu", timeout_s=90,
+                               out_dir=tmp_path / "fail")
 
     with ThreadPoolExecutor(1) as pool:
         failing = pool.submit(fail_once_the_hung_ranks_are_up)
         hung = L.launch("selftest", 2, options={"mode": "hang"}, device="cpu", timeout_s=15, out_dir=tmp_path / "hang", show_errors=False)
-        failed = failing.result()
+        series = failing.result()
+    failed, after = series["selftest"], series["ddp"]
+    assert not after.ok and after.ranks == [] and not list(Path(after.out_dir).glob("pid_rank*"))  # never started
     assert not failed.ok and failed.returncode != 0 and not failed.timed_out
     assert "fails on purpose" in failed.stderr and "fails on purpose" in failed.why()
     with pytest.raises(RuntimeError, match="fails on purpose"):

@@ -1,13 +1,12 @@
 """Tensor parallelism, and sequence parallelism with it (course_lib.distributed.tensor_parallel), 2 gloo processes: the
 same logits, loss and gradients as the unsharded model, the collectives each uses, the parameter and activation bytes
-they save. One torchrun launch (with sequence_parallel, which also runs plain tensor parallelism) serves every test
-here: conftest sends this file to one pytest-xdist worker."""
+they save. One run (with sequence_parallel, which also runs plain tensor parallelism) serves every test here: conftest's
+`launched`, the strategies the tests check run in series in one torchrun launch."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from course_lib.distributed import launch as L
 from course_lib.distributed import tensor_parallel as TP
 
 pytestmark = [pytest.mark.distributed,
@@ -29,14 +28,8 @@ def test_a_shards_expected_gradient_follows_its_placement():
     assert TP._expected_grad("blocks.0.attn.c_attn.weight", g, Placed(Shard(0)), 2, 1).equal(g[[1, 3, 5]])
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    return L.launch("tensor_parallel", 2, options={"repeats": 1, "sequence_parallel": True}, device="cpu", timeout_s=150,
-                    out_dir=tmp_path_factory.mktemp("tp")).raise_for_status()
-
-
 def test_tensor_parallel_equals_the_unsharded_model(launched):
-    for rank in launched.ranks:
+    for rank in launched["tensor_parallel"].raise_for_status().ranks:
         assert rank["max_abs_logit_diff"] < 1e-5 and rank["max_abs_grad_diff"] < 1e-6
         n = rank["n_layer"]
         assert rank["forward_collectives"].get("all_reduce") == 2 * n  # one after attention, one after the MLP
@@ -45,7 +38,7 @@ def test_tensor_parallel_equals_the_unsharded_model(launched):
 
 
 def test_sequence_parallel_equals_the_unsharded_model_and_saves_activations(launched):
-    for rank in launched.ranks:
+    for rank in launched["tensor_parallel"].raise_for_status().ranks:
         sp, n = rank["sequence_parallel"], rank["n_layer"]
         assert sp["max_abs_logit_diff"] <= 1e-5 * max(1.0, rank["max_abs_logit"])
         assert sp["loss_tp"] == pytest.approx(sp["loss_full"], rel=1e-6)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.distributed import launch as L
 from course_lib.distributed import zero
 from course_lib.distributed._common import CollectiveCounter
 
@@ -28,8 +27,8 @@ def test_the_counter_sees_no_collective_in_plain_arithmetic():
 
 
 @pytest.mark.distributed
-def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(tmp_path):
-    r = L.launch("zero_stages", 2, options={"steps": 3}, device="cpu", timeout_s=200, out_dir=tmp_path).raise_for_status()
+def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(launched):
+    r = launched["zero_stages"].raise_for_status()
     ranks, n = r.ranks, 2
     psi = ranks[0]["n_params"]
     ref = ranks[0]["reference"]

@@ -66,7 +66,8 @@ def start(argv=None) -> Ctx:
     device = torch.device("cuda", local_rank) if dev_type == "cuda" else torch.device("cpu")
     if dev_type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, device_id=device if dev_type == "cuda" else None)
+    if not dist.is_initialized():  # joined already where several strategies run in one launch (series.py)
+        dist.init_process_group(backend=backend, device_id=device if dev_type == "cuda" else None)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid_rank{rank}").write_text(str(os.getpid()))  # lets a test check that nothing is left running
@@ -87,10 +88,25 @@ def write(ctx: Ctx, payload: dict) -> None:
     (ctx.out / f"rank{ctx.rank}.json").write_text(json.dumps({**base, **payload}, indent=1, default=float))
 
 
+_group_kept = False  # True while series.py runs several strategies in the one process group
+
+
+@contextlib.contextmanager
+def keep_group():
+    """Within this context a strategy's finish() waits for the other ranks but leaves the process group standing."""
+    global _group_kept
+    _group_kept = True
+    try:
+        yield
+    finally:
+        _group_kept = False
+
+
 def finish() -> None:
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        if not _group_kept:
+            dist.destroy_process_group()
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

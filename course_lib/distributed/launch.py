@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor_parallel", "selftest", "zero_stages", "resume", "expert_parallel")
+STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor_parallel", "selftest", "zero_stages", "resume", "expert_parallel", "series")
 
 
 def free_port() -> int:
@@ -143,6 +143,33 @@ def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = No
     if show_errors and not result.ok:
         print(result.why(), file=sys.stderr)
     return result
+
+
+def launch_series(runs: list[tuple[str, dict]], nproc: int = 2, *, cfgs: dict | None = None, device: str = "auto",
+                  timeout_s: float = 600, out_dir: str | Path | None = None) -> dict[str, LaunchResult]:
+    """Several strategies, one after another in one launch (series.py: the processes start once): [(strategy, options)]
+    -> {strategy: its LaunchResult}, each as its own launch would return it; cfgs: {strategy: TrainConfig} where a
+    run needs one other than the tiny preset. A run that failed (and every run after it) is not ok; why() shows
+    the launch's stderr."""
+    from .series import run_dir
+
+    names = [s for s, _ in runs]
+    if len(set(names)) != len(names) or "series" in names:
+        raise ValueError(f"each strategy at most once in a series, and not 'series' itself: {names}")
+    spec = [{"strategy": s, "options": o or {}, **({"config": cfgs[s].to_dict()} if cfgs and s in cfgs else {})} for s, o in runs]
+    out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="course_series_"))
+    for old in out_dir.glob("*_*/rank*.json"):  # an earlier series' results in this folder must not be read as this one's
+        old.unlink()
+    whole = launch("series", nproc, options={"runs": spec}, device=device, timeout_s=timeout_s, out_dir=out_dir, show_errors=False)
+    results = {}
+    for i, strategy in enumerate(names):
+        out = run_dir(whole.out_dir, i, strategy)
+        ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+        results[strategy] = LaunchResult(strategy, nproc, whole.command, whole.returncode, whole.timed_out, whole.wall_s, ranks,
+                                         whole.stderr, whole.stdout, str(out), whole.pid)
+    if not whole.ok:
+        print(whole.why(), file=sys.stderr)
+    return results
 
 
 def rank_pids(result: LaunchResult) -> list[int]:
