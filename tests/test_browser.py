@@ -10,7 +10,10 @@ Running every cell of eight notebooks in a browser would take far too long on a 
 a fresh copy of each notebook holding only its cells tagged "panel-setup" (the imports and environment, and what the
 panel cell uses) and "panel" (the panel itself), in their order; nbval still runs every notebook top to bottom.
 One JupyterLab serves all the copies, in one browser tab: each notebook is opened there as a learner opens the next one
-(a page load of JupyterLab costs ~4 CPU-s of Chromium on 2 cores), in a kernel of its own, shut down after its test.
+(a page load of JupyterLab costs ~4 CPU-s of Chromium on 2 cores), and they share one kernel, each running its own
+tagged cells in it after the widgets of the one before were closed (a kernel's start, imports included, costs ~5 CPU-s).
+That its tagged cells are enough on their own, in a fresh kernel, is checked without a browser
+(test_each_panel_copy_runs_on_its_own_cells: pyflakes finds every name its cells use defined in them).
 Screenshots of each panel after its last click go to $BROWSER_TEST_SHOTS (default /tmp).
 
 Needs Debian's `chromium` (installed by .ci/run) and the Python `playwright` package (the test extra).
@@ -31,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -118,6 +122,18 @@ def test_every_panel_is_driven_and_its_cells_are_tagged():
         assert re.search(r"^panel\s*$", "".join(cells[-1]["source"]), flags=re.M), f"{case.notebook}: the panel cell should show `panel`"
 
 
+def test_each_panel_copy_runs_on_its_own_cells(tmp_path, pyflakes, monkeypatch):
+    """The browser runs each copy's cells in the kernel the copy before it used, where an earlier notebook's import
+    would hide a missing one. So pyflakes checks that every name a copy's cells use is defined in them, as a fresh
+    kernel needs (nbval runs every whole notebook in a fresh kernel)."""
+    monkeypatch.setenv("PYFLAKES_BUILTINS", "display")  # a name IPython gives every kernel
+    for case in PANELS:
+        code = "\n\n".join("".join(c["source"]) for c in panel_cells(case.notebook)["cells"] if c["cell_type"] == "code")
+        (tmp_path / f"copy_{case}.py").write_text(code + "\n")
+        undefined = [ln for ln in pyflakes(tmp_path / f"copy_{case}.py").splitlines() if "undefined name" in ln]
+        assert undefined == [], f"{case.notebook}: its panel-setup and panel cells use names defined elsewhere: {undefined}"
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """A JupyterLab server on 127.0.0.1 with a token, serving the panel copies of every case's notebook; stopped afterwards."""
@@ -182,20 +198,21 @@ def browser_context():
 
 @pytest.fixture(scope="module")
 def lab_tab(browser_context, lab):
-    """open(case): JupyterLab's tab with that case's notebook open in it, alone, in a fresh kernel. The first case (or
-    the one after a case that failed, which may have left a dialog open) loads JupyterLab; the others are opened by
-    JupyterLab itself in the same tab, after the previous notebook was closed and its kernel shut down."""
+    """open(case): JupyterLab's tab with that case's notebook open in it, alone. The first case (or the one after a
+    case that failed, which may have left a dialog open or a kernel in a bad state) loads JupyterLab, which starts a
+    kernel; each next notebook is opened by JupyterLab itself in the same tab, on the same kernel, after the notebook
+    before it was closed and every widget of it closed in the kernel."""
     url, token = lab
     tab = {"page": None}
 
     def open_notebook(case: PanelCase):
         page = tab["page"]
         if page is None or page.is_closed():
+            shut_down_kernels(url, token)
             page = tab["page"] = browser_context.new_page()
             page.goto(f"{url}/lab/workspaces/panel-tests/tree/{case.notebook}?reset&token={token}")
         else:
-            page.evaluate(CLOSE_DOCUMENTS_JS)  # unsaved changes (the cells' outputs) are not asked about: the copies are throwaway
-            page.evaluate("async (path) => { await window.jupyterapp.commands.execute('docmanager:open', {path}); }", case.notebook)
+            page.evaluate(NEXT_NOTEBOOK_JS, case.notebook)
         page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
         return page
 
@@ -207,20 +224,33 @@ def lab_tab(browser_context, lab):
     open_notebook.drop = drop
     yield open_notebook
     drop()
+    shut_down_kernels(url, token)
 
 
-CLOSE_DOCUMENTS_JS = """() => {
-  for (const w of Array.from(window.jupyterapp.shell.widgets('main'))) {
+# The notebook open now: its widgets closed in the kernel (else the next notebook's widget manager would load them
+# all from the kernel), the notebook closed without asking about unsaved changes (the copies are throwaway), then the
+# next notebook opened on the same kernel.
+NEXT_NOTEBOOK_JS = """async (path) => {
+  const app = window.jupyterapp;
+  const kernel = app.shell.currentWidget.sessionContext.session.kernel;
+  await kernel.requestExecute({code: "import ipywidgets; ipywidgets.Widget.close_all()", silent: true, store_history: false}).done;
+  for (const w of Array.from(app.shell.widgets('main'))) {
     if (w.context) { w.context.model.dirty = false; w.dispose(); }
   }
+  await app.commands.execute('docmanager:open', {path, kernel: {id: kernel.id}});
 }"""
 
 
 def shut_down_kernels(url: str, token: str) -> None:
-    """Stop every kernel of the server (the notebook just tested), so the next notebook has the CPU to itself."""
+    """Stop every session of the server and its kernel (several notebooks' sessions share one), so that what runs
+    next starts afresh and has the CPU to itself."""
     req = urllib.request.Request(f"{url}/api/sessions?token={token}")
     for session in json.loads(urllib.request.urlopen(req, timeout=10).read()):
-        urllib.request.urlopen(urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE"), timeout=30)
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE"), timeout=30)
+        except urllib.error.HTTPError as e:  # gone with a session before it that had the same kernel
+            if e.code != 404:
+                raise
 
 
 # Reads the panel figure's PNG as the page has it (data: or blob: URL) and what the browser itself decoded:
@@ -349,8 +379,7 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab_tab, 
         passed = True
     finally:
         if not passed:
-            lab_tab.drop()  # the next case starts from a fresh page
-        shut_down_kernels(url, token)
+            lab_tab.drop()  # the next case starts from a fresh page and a fresh kernel
 
 
 def _choose(page, label: str, option: str) -> None:

@@ -5,7 +5,7 @@ seed and batches; the per-step losses must be equal bit for bit, except where th
 may fuse and reorder fp32 sums: a stated tolerance, against the course's eager loop). To stay fast, the single-process
 scripts run one after another in one subprocess (each imported and its main() called, as `python train.py` would; the
 corpus is tokenized once, by the first script's own code), and DDP and FSDP2 run each script as torchrun runs it, then
-the course's loop, in a launch of 2 gloo processes each. Every config here has measure_memory=False: the course's memory-ledger step is a measurement the script
+the course's loop, in one launch of 2 gloo processes. Every config here has measure_memory=False: the course's memory-ledger step is a measurement the script
 does not have (and it runs a compiled step eagerly).
 """
 from __future__ import annotations
@@ -161,8 +161,10 @@ DP_DRIVER = textwrap.dedent('''
 
     out = sys.argv[1]
     splits = data.load_splits()
-    for i, (script, cfg_file) in enumerate(json.load(open(os.path.join(out, "cases.json")))):
+    for i, (script, cfg_file, port) in enumerate(json.load(open(os.path.join(out, "cases.json")))):
         sys.argv = [script, "--losses", os.path.join(out, f"script_{i}.json")]
+        if i > 0:  # torchrun's store was the first script's; a later one joins the store its rank 0 starts on a free port
+            os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(port))
         runpy.run_path(script, run_name="__main__")  # it joins the process group and leaves it
         cfg = C.TrainConfig.from_dict(json.load(open(cfg_file)))
         # A second group in the same processes: a file store (torchrun's store was the script's).
@@ -178,19 +180,26 @@ DP_DRIVER = textwrap.dedent('''
         dist.destroy_process_group()
 ''')
 # Data parallel on 2 gloo processes with gradient accumulation (the sync switched off on the first micro-batch: DDP's
-# no_sync, FSDP2's set_requires_gradient_sync): rank 0's losses, bit for bit. One torchrun launch per case: a script run
-# twice in the same processes would join torchrun's store twice, which can hang.
+# no_sync, FSDP2's set_requires_gradient_sync): rank 0's losses, bit for bit. Both cases in one torchrun launch (its
+# start-up paid once); the second script's process group gets a store of its own (joining torchrun's store a second
+# time from the same processes can hang).
 DP_CASES = {"ddp": dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2),
             "fsdp": dataclasses.replace(BASE, data_parallel="fsdp", grad_accum_steps=2)}
 
 
-def run_under_torchrun(tmp: Path, cfg: C.TrainConfig) -> tuple[list, list, str]:
-    """cfg's script and the course's loop under one torchrun launch: (script losses, course losses, stdout)."""
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory) -> dict:
+    """Every DP case's script and the course's loop under one torchrun launch: name -> (script losses, course losses,
+    stdout of that script)."""
     from course_lib.distributed.launch import free_port
 
-    (tmp / "train_0.py").write_text(export.script(cfg))
-    (tmp / "cfg_0.json").write_text(json.dumps(cfg.to_dict()))
-    (tmp / "cases.json").write_text(json.dumps([[str(tmp / "train_0.py"), str(tmp / "cfg_0.json")]]))
+    tmp = tmp_path_factory.mktemp("dp")
+    cases = []
+    for i, cfg in enumerate(DP_CASES.values()):
+        (tmp / f"train_{i}.py").write_text(export.script(cfg))
+        (tmp / f"cfg_{i}.json").write_text(json.dumps(cfg.to_dict()))
+        cases.append([str(tmp / f"train_{i}.py"), str(tmp / f"cfg_{i}.json"), free_port()])
+    (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "driver.py").write_text(DP_DRIVER)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(tmp / "driver.py"), str(tmp)]
@@ -202,20 +211,23 @@ def run_under_torchrun(tmp: Path, cfg: C.TrainConfig) -> tuple[list, list, str]:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, stderr[-4000:]
-    return json.loads((tmp / "script_0.json").read_text()), json.loads((tmp / "course_0_rank0.json").read_text()), stdout
+    printed = stdout.split("step 1/3")  # each script's rank 0 prints its steps, the first one "step 1/3"
+    assert len(printed) == len(DP_CASES) + 1, f"expected one 'step 1/3' per script (only rank 0 prints):\n{stdout}"
+    return {name: (json.loads((tmp / f"script_{i}.json").read_text()), json.loads((tmp / f"course_{i}_rank0.json").read_text()),
+                   "step 1/3" + printed[i + 1]) for i, name in enumerate(DP_CASES)}
 
 
-def test_ddp_script_trains_like_the_course_loop(tmp_path):
-    script_losses, course, stdout = run_under_torchrun(tmp_path, DP_CASES["ddp"])
+def test_ddp_script_trains_like_the_course_loop(dp_runs):
+    script_losses, course, stdout = dp_runs["ddp"]
     assert script_losses == course, f"DDP: {script_losses} against {course}"
-    assert "tokens/s" in stdout and stdout.count("step 1/3") == 1  # only rank 0 prints
+    assert "tokens/s" in stdout
 
 
-def test_fsdp_script_trains_like_the_course_loop(tmp_path):
+def test_fsdp_script_trains_like_the_course_loop(dp_runs):
     """FSDP2 (fully_shard on each block, then the root): the same losses as the course's loop, bit for bit."""
-    script_losses, course, stdout = run_under_torchrun(tmp_path, DP_CASES["fsdp"])
+    script_losses, course, stdout = dp_runs["fsdp"]
     assert script_losses == course, f"FSDP2: {script_losses} against {course}"
-    assert stdout.count("step 1/3") == 1
+    assert "tokens/s" in stdout
 
 
 # ---- what the script holds -------------------------------------------------------------------------------------
