@@ -130,7 +130,9 @@ def test_each_panel_copy_runs_on_its_own_cells(tmp_path, pyflakes, monkeypatch):
     for case in PANELS:
         code = "\n\n".join("".join(c["source"]) for c in panel_cells(case.notebook)["cells"] if c["cell_type"] == "code")
         (tmp_path / f"copy_{case}.py").write_text(code + "\n")
-        undefined = [ln for ln in pyflakes(tmp_path / f"copy_{case}.py").splitlines() if "undefined name" in ln]
+        found = pyflakes(tmp_path / f"copy_{case}.py").splitlines()
+        # what matters here: names used but not defined, and code pyflakes cannot read (an IPython magic, a syntax error)
+        undefined = [ln for ln in found if "undefined name" in ln or not re.match(r"^\S+:\d+:\d+:? \S", ln) or "syntax" in ln.lower()]
         assert undefined == [], f"{case.notebook}: its panel-setup and panel cells use names defined elsewhere: {undefined}"
 
 

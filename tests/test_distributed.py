@@ -185,19 +185,22 @@ def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
     def fail_once_the_hung_ranks_are_up():
         # The failing launch runs while the hung one waits out its timeout (a launch blocks its thread, not the
         # processes); it starts only once both hung ranks have written their pids, so it cannot delay their start.
-        # It is a series: the run after the failing one must not run (its ranks would wait for the dead one).
+        # It is a series: the run before the failing one stays ok, the one after it must not run (its ranks would wait
+        # for the dead one).
         deadline = time.monotonic() + 60
         while len(list((tmp_path / "hang").glob("pid_rank*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        return L.launch_series([("selftest", {"mode": "fail"}), ("ddp", {"steps": 2})], 2, device="cpu", timeout_s=90,
-                               out_dir=tmp_path / "fail")
+        return L.launch_series([("expert_parallel", {}), ("selftest", {"mode": "fail"}), ("ddp", {"steps": 2})], 2, device="cpu",
+                               timeout_s=90, out_dir=tmp_path / "fail")
 
     with ThreadPoolExecutor(1) as pool:
         failing = pool.submit(fail_once_the_hung_ranks_are_up)
         hung = L.launch("selftest", 2, options={"mode": "hang"}, device="cpu", timeout_s=15, out_dir=tmp_path / "hang", show_errors=False)
         series = failing.result()
-    failed, after = series["selftest"], series["ddp"]
+    before, failed, after = series["expert_parallel"], series["selftest"], series["ddp"]
+    assert before.ok and before.returncode == 0 and 0 < before.wall_s < failed.wall_s  # its own time, start-up excluded
     assert not after.ok and after.ranks == [] and not list(Path(after.out_dir).glob("pid_rank*"))  # never started
+    assert "in a series: selftest failed, so ddp did not run" in after.why()
     assert not failed.ok and failed.returncode != 0 and not failed.timed_out
     assert "fails on purpose" in failed.stderr and "fails on purpose" in failed.why()
     with pytest.raises(RuntimeError, match="fails on purpose"):

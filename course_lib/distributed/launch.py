@@ -148,9 +148,12 @@ def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = No
 def launch_series(runs: list[tuple[str, dict]], nproc: int = 2, *, cfgs: dict | None = None, device: str = "auto",
                   timeout_s: float = 600, out_dir: str | Path | None = None) -> dict[str, LaunchResult]:
     """Several strategies, one after another in one launch (series.py: the processes start once): [(strategy, options)]
-    -> {strategy: its LaunchResult}, each as its own launch would return it; cfgs: {strategy: TrainConfig} where a
-    run needs one other than the tiny preset. A run that failed (and every run after it) is not ok; why() shows
-    the launch's stderr."""
+    -> {strategy: its LaunchResult}; cfgs: {strategy: TrainConfig} where a run needs one other than the tiny preset.
+    A run that finished on every rank is ok, with its own wall time (start-up excluded), even if a later one failed;
+    the run that failed, and every run after it (they never start), carry the launch's exit code and stderr, which
+    ends with a line naming the run that failed. Command, pid and stdout are the whole launch's."""
+    import shutil
+
     from .series import run_dir
 
     names = [s for s, _ in runs]
@@ -158,15 +161,22 @@ def launch_series(runs: list[tuple[str, dict]], nproc: int = 2, *, cfgs: dict | 
         raise ValueError(f"each strategy at most once in a series, and not 'series' itself: {names}")
     spec = [{"strategy": s, "options": o or {}, **({"config": cfgs[s].to_dict()} if cfgs and s in cfgs else {})} for s, o in runs]
     out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="course_series_"))
-    for old in out_dir.glob("*_*/rank*.json"):  # an earlier series' results in this folder must not be read as this one's
-        old.unlink()
+    for i, strategy in enumerate(names):  # an earlier series' files in this folder must not be read as this one's
+        shutil.rmtree(run_dir(out_dir, i, strategy), ignore_errors=True)
     whole = launch("series", nproc, options={"runs": spec}, device=device, timeout_s=timeout_s, out_dir=out_dir, show_errors=False)
-    results = {}
+    walls = [r["wall_s"] for r in whole.ranks[0]["runs"]] if whole.ranks else []
+    results, failed = {}, None
     for i, strategy in enumerate(names):
         out = run_dir(whole.out_dir, i, strategy)
         ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+        if len(ranks) == nproc and failed is None:
+            results[strategy] = LaunchResult(strategy, nproc, whole.command, 0, False, walls[i] if i < len(walls) else whole.wall_s,
+                                             ranks, "", whole.stdout, str(out), whole.pid)
+            continue
+        failed = failed or strategy
+        which = f"\nin a series: {failed} failed" + ("" if failed == strategy else f", so {strategy} did not run") + "\n"
         results[strategy] = LaunchResult(strategy, nproc, whole.command, whole.returncode, whole.timed_out, whole.wall_s, ranks,
-                                         whole.stderr, whole.stdout, str(out), whole.pid)
+                                         whole.stderr + which, whole.stdout, str(out), whole.pid)
     if not whole.ok:
         print(whole.why(), file=sys.stderr)
     return results
