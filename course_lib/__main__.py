@@ -1,7 +1,7 @@
 """The course's command line.
 
-    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--json PATH]
-    python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--out train.py]
+    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed] [--json PATH]
+    python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME | --ladder PATH] [--out train.py]
     python -m course_lib profile [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--trace PATH]
     python -m course_lib info [--device D]
     python -m course_lib doctor [--device D] [--json PATH]
@@ -19,45 +19,67 @@ from . import config as C
 def cmd_ladder(args) -> int:
     import torch
 
-    from .ladder import ladder_table, run_ladder
-    from .measure import device_name
-    from .results import provenance, save_results
+    from .capabilities import capabilities
+    from .ladder import ladder_table, run_ladder, verdict
+    from .results import check_writable, provenance, save_results
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise C.ConfigError(f"--threads takes a number of CPU threads >= 1, got {args.threads}")
+            torch.set_num_threads(args.threads)
         base = C.preset(args.preset, args.device)
         if args.steps is not None:
             base = dataclasses.replace(base, steps=args.steps)
-    except C.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"Ladder on {device_name(base.device)}, torch {torch.__version__}, preset {args.preset}: "
-          f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
-          f"batch {base.batch_size}, {base.steps} steps ({base.timing_warmup} warm-up)", file=sys.stderr)
-    try:
+        caps = capabilities(base.device)  # before anything runs: a device this machine lacks is a message, not a traceback
         rungs = _rung_names(args.rungs, "--rungs") if args.rungs else None
         left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out else []
-    except ValueError as e:
+        options = {}
+        for item in args.set or []:
+            name, _, value = item.partition("=")
+            if name not in C.TECHNIQUE or not value:
+                raise C.ConfigError(f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}")
+            options[name] = _parse_value(value)
+        leave_out = {name: "left out (--leave-out)" for name in left_out}
+        C.check_ladder_arguments(options, leave_out)
+        out = check_writable(args.json) if args.json else None
+        if out is not None and out.exists() and not args.force:
+            raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")
+    except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    options = {}
-    for item in args.set or []:
-        name, _, value = item.partition("=")
-        if name not in C.TECHNIQUE or not value:
-            print(f"error: --set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}", file=sys.stderr)
-            return 2
-        options[name] = _parse_value(value)
+    print(f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
+          f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
+          f"batch {base.batch_size}, {base.steps} steps per rung ({base.timing_warmup} warm-up); "
+          + ("the fixed ladder: every rung kept" if args.fixed else "a rung is kept only where it helps here"), file=sys.stderr)
+    meta = dict(preset=args.preset, base_config=base.to_dict(), fixed=args.fixed, **provenance(caps.name),
+                **({"cpu": caps.cpu.summary()} if caps.cpu else {}))
+    saved: list = []
+
+    def save(results) -> None:
+        saved[:] = results
+        if out is not None:
+            save_results(results, out, **meta)
+
     try:
-        results = run_ladder(base, progress=lambda name: None, rungs=rungs, options=options,
-                             leave_out={name: "left out (--leave-out)" for name in left_out})
-    except C.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        results = run_ladder(base, progress=lambda text: print(text, file=sys.stderr), rungs=rungs, options=options,
+                             leave_out=leave_out, fixed=args.fixed, on_result=save)
+    except KeyboardInterrupt:
+        where = f", saved in {out}" if out is not None and saved else ""
+        print(f"\ninterrupted: {len(saved)} rung(s) measured{where}. Run the same command again (with --force) to "
+              "climb again; --rungs measures some rungs only.", file=sys.stderr)
+        if saved:
+            print(ladder_table(saved))
+        return 130
+    except OSError as e:
+        print(f"error: could not write {out} ({e}); the results so far are printed below", file=sys.stderr)
+        print(ladder_table(saved))
+        return 1
     print(ladder_table(results))
-    if args.json:
-        path = save_results(results, args.json, preset=args.preset, base_config=base.to_dict(), **provenance(device_name(base.device)))
-        print(f"wrote {path}", file=sys.stderr)
+    print()
+    print(verdict(results))
+    if out is not None:
+        print(f"wrote {out} (`python -m course_lib export --ladder {out}` writes its optimised loop as a script)", file=sys.stderr)
     return 0
 
 
@@ -87,7 +109,22 @@ def chosen_config(args) -> C.TrainConfig:
     fields change the preset the ladder climbs from). Raises ConfigError, TypeError or ValueError saying what to change."""
     from . import export
 
-    base = C.preset(args.preset, args.device)
+    if getattr(args, "ladder", None):
+        if args.rung is not None:
+            raise ValueError("--ladder and --rung both name a config: give one of them")
+        from .ladder import optimised_config
+        from .results import load_results
+
+        try:
+            results, _meta = load_results(args.ladder)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"--ladder {args.ladder}: not a ladder's results file ({e}); write one with "
+                             "`python -m course_lib ladder --json PATH`") from None
+        base = optimised_config(results)
+        if args.device:
+            base = dataclasses.replace(base, device=args.device)
+    else:
+        base = C.preset(args.preset, args.device)
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
     options = {}
@@ -232,13 +269,15 @@ def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
                    help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
                         "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable")
     p.add_argument("--rung", default=None, metavar="NAME",
-                   help="the ladder's cumulative config at this rung (its name, e.g. '+ bf16 autocast', or index)")
+                   help="the fixed ladder's cumulative config at this rung (its name, e.g. '+ compile', or index)")
+    p.add_argument("--ladder", default=None, metavar="PATH",
+                   help="the optimised loop a ladder run found on its device (the file `ladder --json PATH` wrote)")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib", description="Optimising the training loop: measurements from the command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ladder", help="run every technique rung from naive fp32 to everything on")
+    p = sub.add_parser("ladder", help="climb the techniques from naive fp32, keeping each one only where it helps on this device")
     p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
@@ -248,7 +287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", metavar="TECHNIQUE=VALUE",
                    help="what a technique's rung sets instead of its default, e.g. activation_checkpointing=selective")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--json", default=None, help="write every result, with device, torch version, date and config, here")
+    p.add_argument("--fixed", action="store_true",
+                   help="climb the fixed ladder: keep every rung this device can run, whether it helped or not (for comparison)")
+    p.add_argument("--json", default=None, help="write every result, with device, torch version, date and config, here (rung by rung)")
+    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_ladder)
     p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")

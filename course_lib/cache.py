@@ -19,11 +19,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_lib"
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: Path, write: Callable[[Path], None], strict: bool = False) -> None:
     """write(partial) fills a file of its own beside `path` (named by tempfile: no two processes share one, even on a
     home folder several machines mount), which then replaces `path` in one step: a process reading at the same time
-    (another torchrun rank) sees the old state or the whole file, never half of it. A cache that cannot be written
-    (a read-only or full disk, no home folder) is skipped: the value is computed again next time."""
+    (another torchrun rank) sees the old state or the whole file, never half of it, and a write that fails (a full
+    disk) leaves the old file as it was. A cache that cannot be written (a read-only or full disk, no home folder) is
+    skipped: the value is computed again next time. `strict` (a result, not a cache) raises the error instead."""
     partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -36,3 +37,5 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         if partial is not None:
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
+        if strict:
+            raise

@@ -108,6 +108,9 @@ class CpuFeatures:
         text = ", ".join(names) or "none of AVX2, AVX-512, AVX512-BF16/FP16, AMX"
         if self.onednn_cap:
             text += f"; ONEDNN_MAX_CPU_ISA={self.onednn_cap}" + (f" (not used: {', '.join(capped)})" if capped else "")
+        others = {k: v for k, v in kernel_caps().items() if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")}
+        if others:
+            text += "; " + ", ".join(f"{k}={v}" for k, v in others.items())
         return text
 
 
@@ -266,10 +269,20 @@ def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_
     return 2 * m * k * n / seconds / 1e12
 
 
+# The environment variables that hold a CPU's kernels to a lower instruction set: oneDNN's (bf16, fp16 and some fp32
+# matmuls), MKL's (fp32 matmuls) and ATen's own vector code. A peak measured under one setting is not another's.
+KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
+
+
+def kernel_caps() -> dict[str, str]:
+    """Those of KERNEL_CAPS that are set, {name: value}."""
+    return {k: os.environ[k] for k in KERNEL_CAPS if os.environ.get(k)}
+
+
 def _cache_key(device: str, precision: str, shape: tuple[int, int, int]) -> str:
     caps = capabilities(device)
-    isa = caps.cpu.onednn_cap if caps.cpu else None
-    return f"{caps.name}|torch {torch.__version__}|{precision}|{'x'.join(map(str, shape))}|isa cap {isa or 'none'}"
+    held = ",".join(f"{k}={v}" for k, v in kernel_caps().items()) if caps.cpu else ""
+    return f"{caps.name}|torch {torch.__version__}|{precision}|{'x'.join(map(str, shape))}|isa cap {held or 'none'}"
 
 
 def _read_cache() -> dict:
@@ -342,6 +355,17 @@ class Capabilities:
         if precision not in self.precisions:
             raise ConfigError(f"precision={precision!r} is not one of {', '.join(map(repr, PRECISIONS))}")
         return self.precisions[precision]
+
+    def fast_16bit(self) -> tuple[str | None, str]:
+        """(the 16-bit format this device runs in hardware, why): bf16 where it has bf16 units (Ampere and later GPUs,
+        AVX512-BF16 or AMX CPUs), else fp16 where it has fp16 units (Volta and Turing tensor cores, AVX512-FP16 or
+        AMX-FP16 CPUs), else None: each is converted in software here, usually slower than fp32."""
+        for fmt in ("bf16", "fp16"):
+            s = self.precisions.get(fmt)
+            if s is not None and s.ok and s.native:
+                return fmt, s.note
+        notes = "; ".join(f"{fmt}: {self.precisions[fmt].note}" for fmt in ("bf16", "fp16") if fmt in self.precisions)
+        return None, f"no 16-bit format runs in hardware on {self.name} ({notes})"
 
     def unavailable(self) -> dict[str, str]:
         """"field=value" -> why this device cannot run that value of a technique (course_lib.config.TECHNIQUES):

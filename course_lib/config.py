@@ -230,6 +230,14 @@ def preset(name: str, device: str | None = None) -> TrainConfig:
 # declarations; whether a device can run a value is course_lib.capabilities' answer, keyed "field=value"; how a
 # technique is applied to a model is course_lib.techniques.build (in its one documented order).
 
+# What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
+# memory technique only where it made the peak smaller (course_lib.ladder.judge).
+SPEED, MEMORY = "speed", "memory"
+# The precision rung's value before a device is known: the 16-bit format that device runs fast (bf16 where it has bf16
+# hardware, fp16 where only fp16 is fast; capabilities.Capabilities.fast_16bit resolves it when a ladder starts).
+FAST_16BIT = "fast 16-bit"
+
+
 @dataclass(frozen=True)
 class Technique:
     field: str  # a TrainConfig field, or "model.<field>" for a ModelConfig field
@@ -237,6 +245,7 @@ class Technique:
     off: object  # its value in the naive loop
     rungs: tuple[tuple[str, object, str], ...] = ()  # the ladder's rungs: (name, value, what it changes), in order
     choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
+    aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
 
     @property
     def name(self) -> str:
@@ -251,18 +260,20 @@ class Technique:
 
 TECHNIQUES: tuple[Technique, ...] = (
     Technique("precision", "precision", "fp32", (
-        ("+ tf32", "tf32", "TF32 tensor-core matmuls (CUDA Ampere+; no effect on a CPU)"),
-        ("+ bf16 autocast", "bf16", "matmuls in bf16 under autocast, fp32 weights"))),
-    Technique("model.attention", "attention", "naive", (("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),)),
+        ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
+        ("+ 16-bit autocast", FAST_16BIT, "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 "
+                                          "is fast), fp32 weights"))),
+    Technique("model.attention", "attention", "naive", (("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
+              aims=(SPEED, MEMORY)),
     Technique("compile", "compile", False, (("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),)),
     Technique("model.vocab_multiple", "pad vocab to x", 1, (("+ vocab to x64", 64, "embedding padded to a multiple of 64"),), choices=(1, 8, 64, 128)),
     Technique("fused_adamw", "fused AdamW", False, (("+ fused AdamW", True, "one fused optimizer kernel for every tensor"),)),
     Technique("set_to_none", "zero_grad(set_to_none)", False,
-              (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),)),
+              (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),), aims=(MEMORY,)),
     Technique("activation_checkpointing", "activation checkpointing", "none",
-              (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),)),
+              (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),), aims=(MEMORY,)),
     Technique("loss_chunks", "loss chunks", 1, (("+ chunked loss", 8, "output layer and loss in 8 token slices: one slice of logits at a time"),),
-              choices=(1, 2, 4, 8, 16)),
+              choices=(1, 2, 4, 8, 16), aims=(MEMORY,)),
 )
 TECHNIQUE = {t.name: t for t in TECHNIQUES}
 
@@ -274,9 +285,17 @@ class Rung:
     technique: Technique | None = None  # None: the naive start
     value: object = None  # what this rung sets the technique's field to
 
+    @property
+    def aims(self) -> tuple[str, ...]:
+        return self.technique.aims if self.technique else ()
+
     def apply(self, cfg: TrainConfig, value=None) -> TrainConfig:
-        """The config one rung up; `value` replaces the rung's own (a ladder option, e.g. selective checkpointing)."""
-        return cfg if self.technique is None else self.technique.set(cfg, self.value if value is None else value)
+        """The config one rung up; `value` replaces the rung's own (a ladder option, e.g. selective checkpointing, or
+        the format FAST_16BIT stands for on a device). FAST_16BIT unresolved means bf16, the format most devices run."""
+        if self.technique is None:
+            return cfg
+        value = self.value if value is None else value
+        return self.technique.set(cfg, "bf16" if value == FAST_16BIT else value)
 
 
 # The ladder: naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
@@ -291,28 +310,46 @@ def naive(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
+    """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
+    if unknown := [k for k in options or {} if k not in TECHNIQUE]:
+        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(TECHNIQUE)}")
+    if unknown := [n for n in leave_out or {} if n not in [r.name for r in LADDER]]:
+        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
+    if LADDER[0].name in (leave_out or {}):
+        raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
+
+
+def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
+    """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities) resolves it: FAST_16BIT becomes
+    the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
+    `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
+    value = (options or {}).get(rung.technique.name) if rung.technique else None
+    if value is None and rung.value == FAST_16BIT:
+        value = caps.fast_16bit()[0] or "bf16"
+    try:
+        return caps.require(rung.apply(cfg, value))
+    except ConfigError as e:
+        return e
+
+
 def ladder_configs(base: TrainConfig, options: dict[str, object] | None = None,
                    leave_out: dict[str, str] | None = None) -> list[tuple[Rung, TrainConfig | ConfigError]]:
-    """Each rung's config, cumulative from the naive baseline. A rung the device cannot run gives its ConfigError,
+    """The fixed ladder: each rung's config, cumulative from the naive baseline, every rung the device can run switched
+    on (course_lib.ladder climbs it keeping only what helps). A rung the device cannot run gives its ConfigError,
     and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
     `options` {technique: value} makes that technique's rung set another value (activation_checkpointing="selective")."""
     from .capabilities import capabilities  # asked here, when a ladder starts (capabilities imports this module)
 
-    options, leave_out = options or {}, leave_out or {}
-    if unknown := [k for k in options if k not in TECHNIQUE]:
-        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(TECHNIQUE)}")
-    if unknown := [n for n in leave_out if n not in [r.name for r in LADDER]]:
-        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
-    caps = capabilities(base.device)
+    check_ladder_arguments(options, leave_out)
+    caps, leave_out = capabilities(base.device), leave_out or {}
     out, cfg = [], naive(base)
     for rung in LADDER:
         if rung.name in leave_out:
             out.append((rung, ConfigError(leave_out[rung.name])))
             continue
-        value = options.get(rung.technique.name) if rung.technique else None
-        try:
-            cfg = caps.require(rung.apply(cfg, value))
-            out.append((rung, cfg))
-        except ConfigError as e:  # skip this rung, keep climbing from the last valid config
-            out.append((rung, e))
+        up = rung_up(cfg, rung, caps, options)
+        out.append((rung, up))
+        if isinstance(up, TrainConfig):  # a rung the device cannot run is skipped: the climb goes on from the one below
+            cfg = up
     return out

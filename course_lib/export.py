@@ -835,40 +835,49 @@ def technique_diff(base: TrainConfig, title: str | None = None, *, without: dict
     return HTML(diff_html(with_settings(base, without or {}), with_settings(base, changes), title))
 
 
-def _measured(r, naive, below) -> str:
-    """A ladder result's speed and memory, as the ladder measured them, against naive and the rung below."""
+def _measured(r, naive) -> str:
+    """A ladder result's verdict, speed and memory, as the climb measured them (course_lib.ladder)."""
     if not r.ok:
         return f"not run here ({r.status}): {r.reason}"
-    vs = lambda a, b: f"{a / b:.2f}x" if a and b else "n/a"  # noqa: E731
-    peak = f"peak {r.peak_gib:.4f} GiB" if r.peak_gib is not None else "memory not measured"
-    out = f"{r.tokens_per_s:,.0f} tokens/s ({vs(r.tokens_per_s, naive.tokens_per_s)} naive"
-    out += f", {vs(r.tokens_per_s, below.tokens_per_s)} the rung below), " if below is not naive and below is not r else "), "
-    return out + f"{peak} ({vs(r.peak_gib, naive.peak_gib)} naive's), on {r.provenance.get('device', '?')}"
+    lad = r.ladder or {}
+    times = lambda v: f"{v:.2f}x" if v else "n/a"  # noqa: E731
+    peak = f"peak {r.peak_gib:.4f} GiB ({times(lad.get('memory_vs_naive'))} naive's)" if r.peak_gib is not None else "memory not measured"
+    verdict = f"{lad['why']}; " if lad.get("why") and r is not naive else ""
+    return (f"{verdict}{r.tokens_per_s:,.0f} tokens/s ({times(lad.get('speedup'))} naive), {peak}, "
+            f"on {r.provenance.get('device', '?')}")
 
 
 def ladder_diffs(results: list):
-    """The ladder as a sequence of diffs (build-nanogpt style), from the results of a climb (ladder.run_ladder, in
-    config.LADDER's order): for each rung, what it changes in the exported script against the rung below that ran
-    (its configs are the results' own), with the speed and memory measured there. A rung that did not run says why
-    and shows the code it would have added on top of the rung below (not measured)."""
+    """The climb as a sequence of diffs (build-nanogpt style), from its results (ladder.run_ladder, in config.LADDER's
+    order, then its last row): for each rung, what it changes in the exported script against the best loop so far, the
+    one it was measured against, with its verdict, speed and memory; a rung that was kept becomes the next one's base.
+    A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised loop
+    against naive fp32, all at once."""
     import html
     from IPython.display import HTML
 
+    from .ladder import OPTIMISED
+
     rungs = {r.name: r for r in C.LADDER}
-    if [r.label for r in results] != list(rungs):
+    climbed = [r for r in results if r.label != OPTIMISED]
+    if [r.label for r in climbed] != list(rungs):
         raise ValueError(f"ladder_diffs wants one result per rung, in the ladder's order ({', '.join(rungs)}); "
-                         f"got {[r.label for r in results]}")
-    naive = results[0]
-    below, below_cfg = naive, TrainConfig.from_dict(naive.config)
-    parts = [f"<p><b>{html.escape(naive.label)}</b>: {html.escape(_measured(naive, naive, naive))}</p>"]
-    for r in results[1:]:
+                         f"got {[r.label for r in climbed]}")
+    naive = climbed[0]
+    naive_cfg = best_cfg = TrainConfig.from_dict(naive.config)
+    parts = [f"<p><b>{html.escape(naive.label)}</b>: {html.escape(_measured(naive, naive))}</p>"]
+    for r in climbed[1:]:
         rung = rungs[r.label]
-        cfg = TrainConfig.from_dict(r.config) if r.ok else rung.apply(below_cfg)
+        cfg = TrainConfig.from_dict(r.config) if r.config else rung.apply(best_cfg)
         head = rung.what_changed + ("" if r.ok else " (the code it would add; not measured here)")
-        parts.append(f"<details open><summary><b>{html.escape(r.label)}</b>: {html.escape(_measured(r, naive, below))}</summary>"
-                     f"{diff_html(below_cfg, cfg, head)}</details>")
-        if r.ok:
-            below, below_cfg = r, cfg
+        parts.append(f"<details open><summary><b>{html.escape(r.label)}</b>: {html.escape(_measured(r, naive))}</summary>"
+                     f"{diff_html(best_cfg, cfg, head)}</details>")
+        if r.ok and (r.ladder or {}).get("kept"):
+            best_cfg = cfg
+    top = next((r for r in results if r.label == OPTIMISED), None)
+    if top is not None:
+        parts.append(f"<details open><summary><b>{html.escape(top.label)}</b>: {html.escape(_measured(top, naive))}</summary>"
+                     f"{diff_html(naive_cfg, TrainConfig.from_dict(top.config), 'the optimised loop against naive fp32')}</details>")
     return HTML("\n".join(parts))
 
 

@@ -1,43 +1,311 @@
-"""Run the ladder of techniques, naive fp32 to everything on, and report each rung beside the naive one."""
+"""Climb the ladder of techniques from naive fp32, and keep what helps on this device.
+
+Every rung adds one technique to the best loop so far and is one run of the course's loop (course_lib.train). Its
+timed steps are paired with steps of the best loop so far, each taken right after one of the rung's on the same
+machine, so that a machine that speeds up or slows down over the minutes (a laptop warming up, a shared VM) moves
+both alike. The rung's factor is the median of the paired ratios, and its spread their interquartile range.
+
+What is kept (`judge`):
+- a speed technique (TF32, 16-bit autocast, compile, vocabulary padding, fused AdamW) where it made the step faster by
+  more than the noise;
+- a memory technique (set_to_none, checkpointing, the chunked loss) where it made the peak smaller; what it cost in
+  time is reported;
+- SDPA, which aims at both, where it helped one without hurting the other.
+
+A rung that did not help stays in the table, not kept, with its measured factor and the device's reason (bf16 on a
+CPU without bf16 instructions), and the next rung climbs from the best loop so far. A speed rung far slower than the
+best loop in each of its first timed steps is stopped there: its verdict is already clear. The last row is the loop
+this device ends with, timed once more against naive fp32 in pairs. `fixed=True` climbs the fixed ladder instead:
+every rung the device can run is kept, whatever it measured, for comparison.
+"""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 from . import config as C
-from .measure import device_name
-from .results import RunResult, provenance, table_rows, text_table
-from .train import run
+from .capabilities import Capabilities, capabilities, efficiency
+from .results import RunResult, efficiency_text, fmt, provenance, text_table
+from .train import StopRun, Trainer, catching_oom, free_memory
+
+MIN_SPEED_CHANGE = 0.03  # a speed change below 3% is reported as none: it is within what repeated runs differ by
+MIN_MEMORY_CHANGE = 0.02  # the same for the peak (the CPU ledger is exact; CUDA's allocator rounds blocks)
+MIN_PAIRS = 3  # fewer paired steps cannot tell a change from noise
+GIVE_UP_SLOWER = 1.5  # a speed rung this much slower in each of its first GIVE_UP_AFTER paired steps is stopped there
+GIVE_UP_AFTER = MIN_PAIRS  # enough pairs for a verdict
+OPTIMISED = "= optimised here"  # the label of the last row: the loop this device ends with
+
+FASTER, SLOWER, NO_CHANGE, TOO_FEW = "faster", "slower", "no measurable change", "too few timed steps to tell"
+LEANER, FATTER, NOT_MEASURED = "leaner", "more memory", "not measured"
+
+
+# ---- the decision, from measurements alone (unit-tested with made-up timings) ------------------------------------
+
+@dataclass(frozen=True)
+class SpeedChange:
+    """A rung against the best loop so far, from paired step times (best_s, rung_s): factor > 1 is faster."""
+
+    factor: float | None  # median of best_s / rung_s
+    low: float | None  # the interquartile range of those ratios
+    high: float | None
+    pairs: int
+    verdict: str  # FASTER, SLOWER, NO_CHANGE or TOO_FEW
+
+    def text(self) -> str:
+        if self.factor is None:
+            return f"{self.verdict} ({self.pairs} paired)"
+        return f"{self.factor:.2f}x ({self.low:.2f}-{self.high:.2f}, {self.pairs} paired steps)"
+
+
+def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
+    """Faster when three quarters of the pairs say so and the median by at least MIN_SPEED_CHANGE; slower the same way
+    round; otherwise no measurable change. One slow step (a page fault, another process) moves neither."""
+    ratios = [best / rung for best, rung in pairs if best > 0 and rung > 0]
+    if not ratios:
+        return SpeedChange(None, None, None, 0, TOO_FEW)
+    factor = statistics.median(ratios)
+    low, high = (statistics.quantiles(ratios, n=4, method="inclusive")[i] for i in (0, 2)) if len(ratios) > 1 else (factor, factor)
+    if len(ratios) < MIN_PAIRS:
+        verdict = TOO_FEW
+    elif low > 1 and factor >= 1 + MIN_SPEED_CHANGE:
+        verdict = FASTER
+    elif high < 1 and factor <= 1 - MIN_SPEED_CHANGE:
+        verdict = SLOWER
+    else:
+        verdict = NO_CHANGE
+    return SpeedChange(factor, low, high, len(ratios), verdict)
+
+
+def memory_change(best_peak: int | None, rung_peak: int | None) -> tuple[float | None, str]:
+    """(rung's peak over the best loop's, LEANER / FATTER / NO_CHANGE / NOT_MEASURED)."""
+    if not best_peak or not rung_peak:
+        return None, NOT_MEASURED
+    factor = rung_peak / best_peak
+    return factor, LEANER if factor <= 1 - MIN_MEMORY_CHANGE else FATTER if factor >= 1 + MIN_MEMORY_CHANGE else NO_CHANGE
+
+
+def judge(aims: tuple[str, ...], speed: SpeedChange, memory: tuple[float | None, str], device_note: str = "",
+          fixed: bool = False, loop_speedup: float | None = None) -> tuple[bool, str]:
+    """(kept, why) for a rung that aims at `aims` (config.SPEED, config.MEMORY), measured as `speed` and `memory`
+    against the best loop so far. `device_note` is what the device says of the technique (no bf16 instructions),
+    added where it was not kept. `fixed`: kept whatever it measured (the fixed ladder). `loop_speedup`: the loop's
+    speed-up over naive fp32 with this rung; a memory technique that would leave the loop slower than naive fp32 is not
+    kept (the optimised loop is faster *and* leaner than where it started)."""
+    mem_factor, mem_verdict = memory
+    speed_text = {FASTER: f"{speed.factor:.2f}x faster", SLOWER: f"{1 / speed.factor:.2f}x slower" if speed.factor else "slower",
+                  NO_CHANGE: "no measurable change in speed", TOO_FEW: TOO_FEW}[speed.verdict]
+    mem_text = (f"{mem_factor:.2f}x the memory" if mem_verdict in (LEANER, FATTER) else
+                "no measurable change in memory" if mem_verdict == NO_CHANGE else "memory not measured")
+    helped = (C.SPEED in aims and speed.verdict == FASTER) or (C.MEMORY in aims and mem_verdict == LEANER)
+    hurt = ((C.SPEED in aims and speed.verdict == SLOWER and mem_verdict != LEANER)
+            or (C.MEMORY in aims and mem_verdict == FATTER and speed.verdict != FASTER))
+    if C.MEMORY in aims and C.SPEED not in aims:  # a memory technique trades time for memory by design: it is kept for memory
+        kept, what = mem_verdict == LEANER, f"{mem_text}, {speed_text}"
+        if kept and loop_speedup is not None and loop_speedup < 1 - MIN_SPEED_CHANGE:
+            kept, what = False, f"{what}: the loop would be slower than naive fp32 ({loop_speedup:.2f}x)"
+    else:
+        kept, what = helped and not hurt, f"{speed_text}, {mem_text}" if C.MEMORY in aims else speed_text
+    if fixed:
+        return True, f"kept (fixed ladder): {what}"
+    if kept:
+        return True, f"kept: {what}"
+    return False, f"not kept: {what}" + (f"; {device_note}" if device_note else "")
+
+
+def device_note(cfg: C.TrainConfig, rung: C.Rung, caps: Capabilities) -> str:
+    """What the device says of a rung's technique when it has no hardware for it (bf16 converted in software, TF32 on a
+    CPU), or ""."""
+    if rung.technique is not None and rung.technique.name == "precision":
+        support = caps.supports(cfg.precision)
+        if support.native is False:
+            return f"{cfg.precision} here: {support.note}"
+    return ""
+
+
+# ---- the climb ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Loop:
+    """A loop that has run: its trainer (kept to take more steps), result, and speed-up over naive fp32."""
+
+    trainer: Trainer
+    result: RunResult
+    speedup: float | None  # the product of the paired factors of the rungs kept on the way up (1 for naive)
+
+    @property
+    def cfg(self) -> C.TrainConfig:
+        return self.trainer.cfg
 
 
 def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable[[str], None] | None = None,
                rungs: list[str] | None = None, leave_out: dict[str, str] | None = None,
-               options: dict[str, object] | None = None) -> list[RunResult]:
-    """Every rung in order (config.ladder_configs), each one run of the course's loop.
+               options: dict[str, object] | None = None, fixed: bool = False,
+               on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:
+    """Climb config.LADDER from naive fp32 (the module docstring says how), one result per rung in order, then the
+    last row, OPTIMISED: the loop this device ends with. Each rung's `ladder` dict holds its verdict.
 
-    A rung the device cannot run, or one left out by choice (`leave_out` {rung name: why}: a test budget, a
-    technique you want to see the ladder without), is 'skipped' with the reason, and every later rung climbs
-    without it and says so; an out-of-memory rung is 'oom'; the ladder goes on either way. `rungs` measures only
-    the rungs named (the others are climbed, not run). `options` {technique: value} changes what a technique's
-    rung sets (activation_checkpointing="selective")."""
+    A rung the device cannot run, or one left out by choice (`leave_out` {rung name: why}: a test budget, a technique
+    you want to see the ladder without; `rungs`: measure only these names, the others are left out) is 'skipped' with
+    the reason; an out-of-memory rung is 'oom', any other failure 'error'; the climb goes on either way. `options`
+    {technique: value} changes what a technique's rung sets (activation_checkpointing="selective"). `progress(text)`
+    hears "rung i of N" with the time left, and draws each rung's steps on stderr; `on_result(results so far)` is called
+    after every rung (the command line saves them there, so an interrupted climb keeps what it measured)."""
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
-    prov = provenance(device_name(base.device))
-    results, without = [], []
-    for rung, cfg in C.ladder_configs(base, options, leave_out):
-        if isinstance(cfg, C.ConfigError):
-            results.append(RunResult(label=rung.name, status="skipped", config={}, provenance=prov, reason=str(cfg)))
-            without.append(rung.name)
-            continue
-        if rungs is not None and rung.name not in rungs:
-            continue
+    C.check_ladder_arguments(options, leave_out)
+    leave_out = dict(leave_out or {})
+    if rungs is not None:
+        for rung in C.LADDER[1:]:
+            if rung.name not in rungs:
+                leave_out.setdefault(rung.name, "not measured here: not among the rungs asked for")
+    caps = capabilities(base.device)
+    prov = provenance(caps.name)
+    results: list[RunResult] = []
+    naive_loop = best = None
+    started, n = time.perf_counter(), len(C.LADDER) + 1
+    for i, rung in enumerate(C.LADDER):
         if progress:
-            progress(rung.name)
-        result = run(cfg, rung.name, callback=_step_printer(rung.name, cfg.steps) if progress else None)
-        result.reason = result.reason or rung.what_changed + (f" [climbing without: {', '.join(without)}]" if without else "")
-        results.append(result)
+            progress(_progress_text(i, n, rung.name, started))
+        cfg = C.naive(base) if best is None else C.rung_up(best.cfg, rung, caps, options)
+        if rung.name in leave_out or isinstance(cfg, C.ConfigError):
+            why = leave_out.get(rung.name) or str(cfg)
+            results.append(RunResult(label=rung.name, status="skipped", config={}, provenance=prov, reason=why,
+                                     ladder={"kept": False, "why": f"not run: {why}"}))
+        else:
+            result, trainer, pairs = _measure(cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (C.SPEED,))
+            result.reason = result.reason or rung.what_changed
+            if best is None:  # naive fp32: the baseline
+                result.ladder = {"kept": result.ok, "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
+                                 "speedup": 1.0 if result.ok else None, "memory_vs_naive": 1.0 if result.ok else None}
+                if result.ok:
+                    naive_loop = best = _Loop(trainer, result, 1.0)
+            else:
+                loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
+                if loop is not None:
+                    if best is not naive_loop:
+                        best.trainer = None  # the superseded loop's model and optimizer can go
+                    best = loop
+            results.append(result)
+            if best is None:  # naive fp32 itself did not run: nothing to climb from
+                for later in C.LADDER[i + 1:]:
+                    results.append(RunResult(label=later.name, status="skipped", config={}, provenance=prov,
+                                             reason="naive fp32, the baseline, did not run", ladder={"kept": False}))
+                break
+        if on_result:
+            on_result(results)
+    if best is not None:
+        if progress:
+            progress(_progress_text(n - 1, n, OPTIMISED, started))
+        results.append(_confirm(naive_loop, best, results, caps))
+        if on_result:
+            on_result(results)
     return results
+
+
+def _progress_text(i: int, n: int, name: str, started: float) -> str:
+    elapsed = time.perf_counter() - started
+    left = f", about {_minutes(elapsed / i * (n - i))} left" if i else ""
+    return f"rung {i + 1} of {n}: {name} ({_minutes(elapsed)} so far{left})"
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def _measure(cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_up: bool
+             ) -> tuple[RunResult, Trainer | None, list[tuple[float, float]]]:
+    """One run of `cfg`, each of its timed steps followed by a step of `best`'s loop: (result, its trainer, the pairs
+    (best_s, rung_s)). With `give_up`, a rung slower than GIVE_UP_SLOWER in each of its first GIVE_UP_AFTER pairs is
+    stopped there."""
+    pairs: list[tuple[float, float]] = []
+    made: dict[str, Trainer] = {}
+    printer = _step_printer(label, cfg.steps) if progress else None
+
+    def after_step(step: int, result: RunResult) -> None:
+        if printer:
+            printer(step, result)
+        if best is None or not made["trainer"].is_timed(step):
+            return
+        if not pairs and not made.get("rewarmed"):
+            best.trainer.step()  # untimed: building this rung reset the compiler, so a compiled best loop compiles again here
+            made["rewarmed"] = True
+        pairs.append((best.trainer.step(), result.step_times[-1]))
+        if give_up and len(pairs) >= GIVE_UP_AFTER and all(rung > GIVE_UP_SLOWER * b for b, rung in pairs):
+            raise StopRun(f"stopped after {len(pairs)} timed steps, each over {GIVE_UP_SLOWER:g}x slower than the best loop so far")
+
+    def attempt() -> RunResult:
+        made["trainer"] = Trainer(cfg)
+        return made["trainer"].fit(label, after_step)
+
+    try:
+        result = catching_oom(attempt, cfg, label)
+    except Exception as e:  # noqa: BLE001 - a rung that fails is a row that says why; the climb goes on
+        made.clear()
+        free_memory()
+        result = RunResult(label=label, status="error", config=cfg.to_dict(), provenance=provenance(capabilities(cfg.device).name),
+                           reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+    if not result.ok:
+        made.clear()
+        free_memory()
+    return result, made.get("trainer"), pairs
+
+
+def _judged(result: RunResult, trainer: Trainer | None, pairs, rung: C.Rung, best: _Loop, naive_loop: _Loop,
+            caps: Capabilities, fixed: bool) -> _Loop | None:
+    """Fill in `result.ladder` (the verdict against `best`); the rung's loop when it is kept, else None."""
+    if not result.ok:
+        result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
+        return None
+    speed = speed_change(pairs)
+    memory = memory_change(best.result.memory and best.result.memory["peak_bytes"], result.memory and result.memory["peak_bytes"])
+    note = device_note(trainer.cfg, rung, caps)
+    speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
+    kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
+    if result.stopped_early:
+        why += f" ({result.stopped_early})"
+    naive_peak = naive_loop.result.memory and naive_loop.result.memory["peak_bytes"]
+    result.ladder = {"kept": kept, "why": why, "vs": best.result.label, "aims": list(rung.aims), "speed": speed.verdict,
+                     "factor": speed.factor, "factor_iqr": [speed.low, speed.high], "pairs": [list(p) for p in pairs],
+                     "memory": memory[1], "memory_factor": memory[0], "speedup": speedup,
+                     "memory_vs_naive": result.memory["peak_bytes"] / naive_peak if result.memory and naive_peak else None,
+                     "device_note": note}
+    return _Loop(trainer, result, speedup) if kept else None
+
+
+def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Capabilities) -> RunResult:
+    """The last row: the loop this device ends with, timed once more in pairs against naive fp32 (as many pairs as a
+    rung has timed steps). Its memory is the one measured at the rung that made it the best (the same config)."""
+    kept = [r.label for r in results[1:] if r.ladder.get("kept")]
+    naive_r, top = naive_loop.result, best.result
+    row = RunResult(label=OPTIMISED, status="ok", config=dict(top.config), provenance=provenance(caps.name),
+                    reason="naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here",
+                    tokens_per_step=top.tokens_per_step, n_params=top.n_params, flops_per_token=top.flops_per_token,
+                    memory=top.memory, details={"memory_measured_at": top.label})
+    if best is naive_loop:
+        row.step_times, row.median_step_s, row.tokens_per_s = list(naive_r.step_times), naive_r.median_step_s, naive_r.tokens_per_s
+        row.excluded_steps, row.mfu, row.mfu_basis = list(naive_r.excluded_steps), naive_r.mfu, naive_r.mfu_basis
+        row.ladder = {"kept": True, "why": "nothing was kept: naive fp32 is this device's best loop here", "speedup": 1.0,
+                      "memory_vs_naive": 1.0, "factor": 1.0, "kept_rungs": []}
+        return row
+    n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
+    naive_loop.trainer.step()
+    best.trainer.step()  # untimed: a compiled loop compiles again after a later rung reset the compiler
+    pairs = [(naive_loop.trainer.step(), best.trainer.step()) for _ in range(n)]
+    speed = speed_change(pairs)
+    row.step_times = [b for _, b in pairs]
+    row.median_step_s = statistics.median(row.step_times)
+    row.tokens_per_s = top.tokens_per_step / row.median_step_s
+    row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
+    naive_peak = naive_r.memory and naive_r.memory["peak_bytes"]
+    row.ladder = {"kept": True, "why": f"{speed.text()} naive fp32, timed in pairs with it", "vs": naive_r.label,
+                  "speed": speed.verdict, "factor": speed.factor, "factor_iqr": [speed.low, speed.high],
+                  "pairs": [list(p) for p in pairs], "speedup": speed.factor, "kept_rungs": kept,
+                  "memory_vs_naive": top.memory["peak_bytes"] / naive_peak if top.memory and naive_peak else None}
+    return row
 
 
 def _step_printer(name: str, total: int):
@@ -52,5 +320,86 @@ def _step_printer(name: str, total: int):
     return callback
 
 
+def everything_on(base: C.TrainConfig) -> C.TrainConfig:
+    """The fixed ladder's top config as this device would run it, without climbing: every rung it can run, the 16-bit
+    rung only where it has 16-bit hardware (fp32 stays where it has none). A guess at the optimised loop, for a first
+    look (notebook 01); run_ladder measures which rungs really help here."""
+    caps = capabilities(base.device)
+    leave_out = {} if caps.fast_16bit()[0] else {"+ 16-bit autocast": caps.fast_16bit()[1]}
+    return [cfg for _, cfg in C.ladder_configs(base, leave_out=leave_out) if isinstance(cfg, C.TrainConfig)][-1]
+
+
+# ---- reading a climb ---------------------------------------------------------------------------------------------
+
+def optimised(results: list[RunResult]) -> RunResult | None:
+    """The last row of a climb: the loop this device ends with (None for a climb that did not get that far)."""
+    return next((r for r in reversed(results) if r.label == OPTIMISED), None)
+
+
+def optimised_config(results: list[RunResult]) -> C.TrainConfig:
+    """The config of the loop a climb ended with: what `export --ladder` writes and notebook 08's panel starts from."""
+    row = optimised(results)
+    if row is None or not row.config:
+        raise C.ConfigError("these results hold no optimised loop (no '= optimised here' row): run the whole ladder")
+    return C.TrainConfig.from_dict(row.config)
+
+
+def rungs_of(results: list[RunResult]) -> list[RunResult]:
+    """The rungs of a climb, without the last row."""
+    return [r for r in results if r.label != OPTIMISED]
+
+
+def spread_text(r: RunResult) -> str:
+    """ms per step as min-median-max over the timed steps."""
+    timed = [t for i, t in enumerate(r.step_times) if i not in set(r.excluded_steps)]
+    if not timed:
+        return ""
+    return f"{min(timed) * 1e3:.1f}-{r.median_step_s * 1e3:.1f}-{max(timed) * 1e3:.1f}"
+
+
+def ladder_rows(results: list[RunResult]) -> list[dict[str, str]]:
+    """One row per rung, and the last row: the verdict, the factor against the best loop so far (with its spread), the
+    speed-up and memory against naive fp32, ms per step as min-median-max, efficiency, compile time and why."""
+    rows = []
+    for r in results:
+        lad = r.ladder or {}
+        factor, iqr = lad.get("factor"), lad.get("factor_iqr") or [None, None]
+        rows.append({
+            "rung": r.label,
+            "kept": ("yes" if lad.get("kept") else "no") if r.ok or r.status != "skipped" else "-",
+            "vs best so far": f"{factor:.2f}x ({iqr[0]:.2f}-{iqr[1]:.2f})" if factor and r.label != OPTIMISED and iqr[0] else "",
+            "speed-up": fmt(lad.get("speedup"), ".2f", "") + ("x" if lad.get("speedup") else ""),
+            "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
+            "peak GiB": fmt(r.peak_gib, ".4f", "") if r.ok else "",
+            "memory vs naive": fmt(lad.get("memory_vs_naive"), ".2f", "") + ("x" if lad.get("memory_vs_naive") else ""),
+            "efficiency": efficiency_text(r) if r.ok else "",
+            "compile s": fmt(r.compile_s, ".1f", ""),
+            "why": lad.get("why") or r.reason,
+        })
+    return rows
+
+
 def ladder_table(results: list[RunResult]) -> str:
-    return text_table(table_rows(results))
+    return text_table(ladder_rows(results))
+
+
+def verdict(results: list[RunResult]) -> str:
+    """What this device needs, in a few lines: the optimised loop against naive, what was kept and what not, and why."""
+    row = optimised(results)
+    rungs = [r for r in rungs_of(results)[1:]]
+    if row is None:
+        return "The climb did not finish: no verdict."
+    lad = row.ladder
+    kept = [r.label.removeprefix("+ ") for r in rungs if r.ladder.get("kept")]
+    dropped = [r for r in rungs if r.status != "skipped" and not r.ladder.get("kept")]
+    lines = [f"On {row.provenance['device']}: the optimised loop is "
+             + (f"{lad['factor']:.2f}x naive fp32's speed ({lad['factor_iqr'][0]:.2f}-{lad['factor_iqr'][1]:.2f} over "
+                f"{len(lad.get('pairs', []))} paired steps)" if lad.get("pairs") else "naive fp32 itself")
+             + (f" in {lad['memory_vs_naive']:.2f}x its peak memory." if lad.get("memory_vs_naive") else ".")]
+    lines.append("kept: " + (", ".join(kept) if kept else "nothing"))
+    for r in dropped:
+        lines.append(f"not kept: {r.label.removeprefix('+ ')}: {r.ladder.get('why', r.reason).removeprefix('not kept: ')}")
+    skipped = [r for r in rungs if r.status == "skipped"]
+    if skipped:
+        lines.append("not run: " + "; ".join(f"{r.label.removeprefix('+ ')} ({r.reason})" for r in skipped))
+    return "\n".join(lines)

@@ -192,31 +192,47 @@ def plot_results(results: list[RunResult], which: tuple[PlotSpec, ...] = ("speed
     return fig
 
 
+def ladder_speedups(results: list[RunResult]) -> dict[int, float]:
+    """{index: speed-up over naive fp32} of a climb's ok rows: what the ladder measured in pairs (its `speedup`), or for
+    results without it (a plain list of runs, an older file) tokens/s over the first ok run's."""
+    base = next((r for r in results if r.ok and r.tokens_per_s), None)
+    out = {}
+    for i, r in enumerate(results):
+        if not r.ok:
+            continue
+        paired = (r.ladder or {}).get("speedup")
+        if paired:
+            out[i] = paired
+        elif base and r.tokens_per_s and not r.ladder:
+            out[i] = r.tokens_per_s / base.tokens_per_s
+    return out
+
+
 def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = None, target: float = 10.0) -> Figure:
-    """The ladder climbed: cumulative speed-up over the first ok rung (left) and peak memory by category with the
-    factor saved over that rung (right). Skipped or failed rungs keep their place, marked with their status.
-    `reference` (e.g. shipped GPU results, matched by rung label) adds its own speed-up line; `target` draws the
-    course's promise (about 10x) as a dashed line."""
-    fig = new_figure((12, 4))
+    """The ladder climbed: speed-up over naive fp32 (left) and peak memory by category with the factor saved (right).
+    The line joins the rungs that were kept (the best loop so far at each height); a rung that was not kept is a grey
+    cross at the speed-up it measured; a skipped or failed rung keeps its place, marked with its status. `reference`
+    (e.g. shipped GPU results, matched by rung label) adds its own speed-up line; `target` draws the course's promise
+    (about 10x) as a dashed line."""
+    fig = new_figure((12, 4.4))
     ax_speed, ax_mem = fig.subplots(1, 2)
     labels = [r.label for r in results]
     xs = range(len(results))
-
-    def speedups(rs: list[RunResult]) -> dict[str, float]:
-        base = next((r for r in rs if r.ok and r.tokens_per_s), None)
-        return {r.label: r.tokens_per_s / base.tokens_per_s for r in rs if base and r.ok and r.tokens_per_s}
-
-    mine = speedups(results)
-    pts = [(i, mine[r.label]) for i, r in zip(xs, results) if r.label in mine]
-    if pts:
-        ax_speed.plot(*zip(*pts), "o-", color="#4c72b0", label=f"this machine: {_devices(results)}")
-        for i, v in pts:
-            ax_speed.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    mine = ladder_speedups(results)
+    kept = {i: v for i, v in mine.items() if (results[i].ladder or {}).get("kept", True)}
+    if kept:
+        ax_speed.plot(list(kept), list(kept.values()), "o-", color="#4c72b0", label=f"this machine, kept: {_devices(results)}")
+    dropped = {i: v for i, v in mine.items() if i not in kept}
+    if dropped:
+        ax_speed.plot(list(dropped), list(dropped.values()), "x", color="#999999", ms=8, mew=2, label="measured, not kept")
+    for i, v in mine.items():
+        ax_speed.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8,
+                          color="#4c72b0" if i in kept else "#777777")
     for i, r in zip(xs, results):
         if not r.ok:
             ax_speed.annotate(r.status.upper(), (i, 1.0), ha="center", va="bottom", fontsize=8, color="#c44e52", rotation=90)
     if reference:
-        ref = speedups(reference)
+        ref = {r.label: v for r, v in ((reference[i], v) for i, v in ladder_speedups(reference).items())}
         rpts = [(i, ref[lab]) for i, lab in zip(xs, labels) if lab in ref]
         if rpts:
             ax_speed.plot(*zip(*rpts), "s--", color="#dd8452", label=f"reference: {_devices(reference)}")
@@ -225,8 +241,8 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
     ax_speed.axhline(1.0, lw=0.8, color="#cccccc")
     ax_speed.set_yscale("log")
     ax_speed.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
-    ax_speed.set_ylabel("cumulative speed-up (x, tokens/s over the first rung)")
-    ax_speed.set_title("Speed, rung by rung (log scale)", fontsize=9)
+    ax_speed.set_ylabel("speed-up over naive fp32 (x, log scale)")
+    ax_speed.set_title("Speed, rung by rung", fontsize=9)
     ax_speed.legend(fontsize=7, loc="upper left")
 
     plot_memory(results, ax=ax_mem)

@@ -9,20 +9,29 @@ from .data import DATA_DIR
 from .results import RunResult, load_results
 
 REFERENCE_DIR = DATA_DIR / "reference"
+MEASURED_DIR = DATA_DIR / "measured"  # ladders the course's authors measured on CPUs, each file saying which CPU
 
 
-def reference_files() -> list[Path]:
-    return sorted(REFERENCE_DIR.glob("*.json")) if REFERENCE_DIR.exists() else []
+def reference_files(folder: Path | None = None) -> list[Path]:
+    folder = REFERENCE_DIR if folder is None else folder
+    return sorted(folder.glob("*.json")) if folder.exists() else []
 
 
-def load_reference(preset: str | None = None) -> list[tuple[Path, list[RunResult], dict]]:
-    """Every shipped reference run (optionally only those of one preset): (file, results, metadata)."""
+def load_reference(preset: str | None = None, folder: Path | None = None) -> list[tuple[Path, list[RunResult], dict]]:
+    """Every shipped reference run (optionally only those of one preset) in `folder` (default: data/reference/):
+    (file, results, metadata)."""
     out = []
-    for f in reference_files():
+    for f in reference_files(folder):
         results, meta = load_results(f)
         if preset is None or meta.get("preset") == preset:
             out.append((f, results, meta))
     return out
+
+
+def measured_cpus(preset: str | None = None) -> list[tuple[Path, list[RunResult], dict]]:
+    """The CPU ladders shipped in data/measured/ (`ladder --json`; `cpu` in the metadata names the CPU's instruction
+    sets): what a CPU other than the learner's showed, labelled with its device, torch version and date."""
+    return load_reference(preset, MEASURED_DIR)
 
 
 def describe_missing() -> str:

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from .cache import write_atomic
 from .measure import CATEGORIES, GiB
 
 
@@ -52,6 +54,8 @@ class RunResult:
     skipped_optimizer_steps: int = 0  # fp16: steps the GradScaler skipped for inf/nan gradients
     loss_scales: list[float] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # what a notebook's own runner measured for its plots (JSON-able)
+    stopped_early: str = ""  # why the run ended before cfg.steps (the ladder gives up on a far slower rung), if it did
+    ladder: dict = field(default_factory=dict)  # a ladder rung's verdict against the best loop so far (course_lib.ladder)
 
     def with_details(self, **details) -> "RunResult":
         """This result with more of what a notebook's runner measured (kept in panel.results and saved with it)."""
@@ -82,11 +86,23 @@ class RunResult:
         return cls(**d)
 
 
-def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
+def check_writable(path: str | Path) -> Path:
+    """`path` when a results file can be written there, else an OSError that says why; asked before a long run."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {**extra, "results": [r.to_dict() for r in results]}
-    path.write_text(json.dumps(payload, indent=1))
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder: give a file name, e.g. {path / 'results.json'}")
+    folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
+    if not folder.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PermissionError(f"cannot write {path}: {folder if not path.exists() else path} is not writable; choose another path")
+    return path
+
+
+def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
+    """Write the results as JSON in one step (course_lib.cache.write_atomic): a failed write (a full disk) raises and
+    leaves any earlier file whole."""
+    path = Path(path)
+    text = json.dumps({**extra, "results": [r.to_dict() for r in results]}, indent=1)
+    write_atomic(path, lambda f: f.write_text(text), strict=True)
     return path
 
 
@@ -110,7 +126,7 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
                          "peak GiB": "", "memory vs base": "", "MFU": "", "compile s": "", "note": r.reason})
             continue
         speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
-        mem = r.peak_gib / base.peak_gib if base and base.peak_gib else None
+        mem = r.peak_gib / base.peak_gib if base and base.peak_gib and r.peak_gib is not None else None  # a run stopped early: none
         rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
                      "speed-up": fmt(speed, ".2f") + "x" if speed else "", "peak GiB": fmt(r.peak_gib, ".4f"),
                      "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": efficiency_text(r),

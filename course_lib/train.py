@@ -32,6 +32,10 @@ from .results import RunResult, provenance
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
 
+class StopRun(Exception):
+    """Raised by a fit() callback to end the run after the step it was called for; the message says why."""
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_batches: int, seed: int = 1234) -> float:
     """Mean loss per token over `n_batches` fixed random windows of `stream` (the same windows every call)."""
@@ -104,6 +108,9 @@ class Trainer:
         self.flops_per_token = flops_per_token or (
             measure.flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context)
             if isinstance(model, GPT) else None)  # any other model: counted on the first batch, in fit()
+        self.params: list[torch.Tensor] = []  # what the optimizer updates, read when fit() starts (.setup may be replaced before)
+        self.step_index = 0  # the next step's index: what batches() is asked for
+        self.result: RunResult | None = None  # the run being recorded, while fit() runs
 
     def _count_flops_per_token(self, x: torch.Tensor, y: torch.Tensor) -> int:
         """FlopCounterMode over one forward and backward, on a copy of the model (its gradients stay untouched)."""
@@ -111,57 +118,100 @@ class Trainer:
 
     def fit(self, label: str = "run", callback: Callable[[int, RunResult], None] | None = None) -> RunResult:
         """Train `cfg.steps` optimizer steps and return what was measured. `callback(step, result)` is called after
-        every step (progress bars)."""
-        cfg, dev, setup = self.cfg, self.dev, self.setup
-        model, params = setup.model, list(setup.model.parameters())
-        result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(self.caps.name),
-                           n_params=sum(p.numel() for p in {id(p): p for p in params}.values()), flops_per_token=self.flops_per_token)
-        timer = measure.StepTimer(dev)
-        ledger_step = cfg.steps - 1 if (dev.type == "cpu" and cfg.measure_memory) else None
-        excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | ({ledger_step} if ledger_step is not None else set())
-        if len(excluded) >= cfg.steps:
-            raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
-                              f"{' and the memory-ledger step' if ledger_step is not None else ''}: raise steps to at least {len(excluded) + 1}")
-        ledger = measure.LedgerMeasurement(setup.parts.head) if ledger_step is not None else None
-        with techniques.matmul_precision(cfg.precision):
-            for step in range(cfg.steps):
-                micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
-                if step == 0:
-                    result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
-                    result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(*micro[0])
-                if dev.type == "cuda" and step == min(cfg.timing_warmup, cfg.steps - 1):
-                    torch.cuda.reset_peak_memory_stats(dev)
-                meter = ledger if step == ledger_step else measure.NOT_MEASURED
-                with timer.step():
-                    step_loss, norm, lr, scale_before = run_step(setup, cfg, params, micro, meter)
-                # Read values back only after the timed region.
-                result.losses.append(step_loss.item())
-                result.grad_norms.append(norm.item())
-                result.lrs.append(lr)
-                if setup.scaler.is_enabled():
-                    result.loss_scales.append(scale_before)
-                    if setup.scaler.get_scale() < scale_before:
-                        result.skipped_optimizer_steps += 1
-                if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
-                    result.val_losses.append((step, evaluate(model, self.splits.val, cfg, cfg.eval_batches)))
-                result.step_times = list(timer.times)
+        every step (progress bars); it may raise StopRun to end the run early (the ladder gives up on a rung that is
+        far slower than the best loop so far), and the result then holds the steps taken, with the reason."""
+        result = self._start(label)
+        try:
+            for step in range(self.cfg.steps):
+                self.step()
                 if callback:
                     callback(step, result)
+        except StopRun as stop:
+            result.stopped_early = str(stop)
+        return self._finish()
+
+    def _start(self, label: str) -> RunResult:
+        cfg, dev = self.cfg, self.dev
+        self.params = params = list(self.setup.model.parameters())
+        self.result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(self.caps.name),
+                                n_params=sum(p.numel() for p in {id(p): p for p in params}.values()), flops_per_token=self.flops_per_token)
+        self._timer = measure.StepTimer(dev)
+        self._ledger_step = cfg.steps - 1 if (dev.type == "cpu" and cfg.measure_memory) else None
+        self._excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | ({self._ledger_step} if self._ledger_step is not None else set())
+        if len(self._excluded) >= cfg.steps:
+            raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
+                              f"{' and the memory-ledger step' if self._ledger_step is not None else ''}: raise steps to at least {len(self._excluded) + 1}")
+        self._ledger = measure.LedgerMeasurement(self.setup.parts.head) if self._ledger_step is not None else None
+        self._cuda_peak = None
+        return self.result
+
+    def is_timed(self, step: int) -> bool:
+        """Whether step `step` of the run counts in its timing: not a warm-up step, not the memory-ledger step."""
+        return step not in self._excluded
+
+    def step(self) -> float:
+        """One optimizer step, the loop's one step body; returns its time in seconds. While fit() runs, the step is
+        recorded in the run's result (loss, gradient norm, time; the memory ledger on its step). After the run, a
+        caller may take more steps to time this loop beside another one (course_lib.ladder pairs them): those are
+        timed the same way and recorded nowhere."""
+        cfg, dev, setup, result = self.cfg, self.dev, self.setup, self.result
+        step = self.step_index
+        recording = result is not None
+        micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
+        if recording and step == 0:
+            result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
+            result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(*micro[0])
+        # CUDA: the allocator's peak over this run's own timed steps, each read on its own, so that another loop's steps
+        # taken in between (the ladder's pairs) never count in it.
+        cuda_peak = recording and dev.type == "cuda" and step >= min(cfg.timing_warmup, cfg.steps - 1)
+        if cuda_peak:
+            torch.cuda.reset_peak_memory_stats(dev)
+        meter = self._ledger if recording and step == self._ledger_step else measure.NOT_MEASURED
+        timer = self._timer if recording else measure.StepTimer(dev)
+        with techniques.matmul_precision(cfg.precision), timer.step():
+            step_loss, norm, lr, scale_before = run_step(setup, cfg, self.params, micro, meter)
+        self.step_index += 1
+        seconds = timer.times[-1]
+        if not recording:
+            return seconds
+        if cuda_peak:
+            self._cuda_peak = max(self._cuda_peak or 0, torch.cuda.max_memory_allocated(dev))
+        # Read values back only after the timed region.
+        result.losses.append(step_loss.item())
+        result.grad_norms.append(norm.item())
+        result.lrs.append(lr)
+        if setup.scaler.is_enabled():
+            result.loss_scales.append(scale_before)
+            if setup.scaler.get_scale() < scale_before:
+                result.skipped_optimizer_steps += 1
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
+            result.val_losses.append((step, evaluate(setup.model, self.splits.val, cfg, cfg.eval_batches)))
+        result.step_times = list(timer.times)
+        return seconds
+
+    def _finish(self) -> RunResult:
+        """The run's summary from its recorded steps; after it, step() records nothing."""
+        cfg, dev, setup, result = self.cfg, self.dev, self.setup, self.result
+        taken = len(result.step_times)
+        excluded = {i for i in self._excluded if i < taken}
+        if taken == len(excluded):
+            raise ConfigError(f"the run {result.label!r} stopped after {taken} step(s), before any timed step: {result.stopped_early}")
         result.excluded_steps = sorted(excluded)
-        result.median_step_s = measure.median_excluding(timer.times, excluded)
+        result.median_step_s = measure.median_excluding(result.step_times, excluded)
         result.tokens_per_s = result.tokens_per_step / result.median_step_s
         if cfg.compile:
-            result.compile_s = max(0.0, timer.times[0] - result.median_step_s)
+            result.compile_s = max(0.0, result.step_times[0] - result.median_step_s)
         result.mfu, result.mfu_basis = caps_mod.efficiency(result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision)
-        if ledger is not None:
-            result.memory = ledger.report().to_dict()
-        elif dev.type == "cuda":
+        if self._ledger is not None and taken > self._ledger_step:
+            result.memory = self._ledger.report().to_dict()
+        elif dev.type == "cuda" and self._cuda_peak is not None:
             # With set_to_none=False the gradients live through the whole step, so they are at the peak at full
             # size. With set_to_none=True they exist only from backward on, and the allocator cannot say whether
             # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
-            static: dict = measure.static_bytes(model, setup.optimizer, gradients_at_parameter_size=True)
+            static: dict = measure.static_bytes(setup.model, setup.optimizer, gradients_at_parameter_size=True)
             static["gradients"] = None if cfg.set_to_none else static["gradients"]
-            result.memory = measure.cuda_memory_report(dev, static, baseline=self.cuda_baseline).to_dict()
+            result.memory = measure.cuda_memory_report(dev, static, peak=self._cuda_peak, baseline=self.cuda_baseline).to_dict()
+        self.result = None
         return result
 
 
@@ -187,8 +237,13 @@ def _chain(e: BaseException):
 def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
     """train(), but an out-of-memory error becomes a result with status "oom": the memory is freed and the
     caller (a notebook, the ladder) carries on."""
+    return catching_oom(lambda: train(cfg, label, **kwargs), cfg, label)
+
+
+def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str) -> RunResult:
+    """attempt(), or, when it runs out of memory, a result with status "oom" and the memory freed."""
     try:
-        return train(cfg, label, **kwargs)
+        return attempt()
     except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; anything else is re-raised
         oom = next((x for x in _chain(e) if isinstance(x, torch.OutOfMemoryError)), None)  # compile may wrap it
         if oom is None:

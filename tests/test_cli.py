@@ -4,27 +4,45 @@ import json
 import subprocess
 import sys
 
+from course_lib import config as C
+from course_lib import export
+from course_lib import ladder as L
 from course_lib.__main__ import main as cli
 
 
 def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
     # compile (rung 4) left out: it is a minute of a 2-core CPU, and the doctor's compile check covers it (test_doctor)
     out = tmp_path / "ladder.json"
-    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "3", "--rungs", "0,2,3,8,9",
+    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "5", "--rungs", "0,2,3,8,9",
                            "--leave-out", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    for name in ("naive fp32", "+ bf16 autocast", "+ sdpa (flash)", "+ compile", "+ checkpointing", "+ chunked loss"):
+    names = [r.name for r in C.LADDER]
+    for name in names + [L.OPTIMISED]:
         assert name in proc.stdout
-    assert "speed-up" in proc.stdout and "peak GiB" in proc.stdout
+    assert "vs best so far" in proc.stdout and "peak GiB" in proc.stdout and "ms/step min-med-max" in proc.stdout
+    assert "rung 1 of 11: naive fp32" in proc.stderr and "rung 11 of 11" in proc.stderr and "left)" in proc.stderr
+    assert "the optimised loop is" in proc.stdout and "kept:" in proc.stdout
     payload = json.loads(out.read_text())
-    assert payload["preset"] == "tiny" and payload["torch"] and payload["device"]
+    assert payload["preset"] == "tiny" and payload["torch"] and payload["device"] and payload["fixed"] is False
     by = {r["label"]: r for r in payload["results"]}
-    assert list(by) == ["naive fp32", "+ bf16 autocast", "+ sdpa (flash)", "+ compile", "+ checkpointing", "+ chunked loss"]
-    assert by.pop("+ compile")["status"] == "skipped" and "--leave-out" in proc.stdout + json.dumps(payload)
-    assert all(r["status"] == "ok" and r["config"]["steps"] == 3 and r["config"]["compile"] is False for r in by.values())
-    assert "climbing without: + compile" in by["+ chunked loss"]["reason"]
-    naive, lean = by["naive fp32"], by["+ chunked loss"]
-    assert lean["memory"]["peak_bytes"] < naive["memory"]["peak_bytes"]
+    assert list(by) == names + [L.OPTIMISED]
+    assert by["+ compile"]["status"] == "skipped" and "--leave-out" in by["+ compile"]["reason"]
+    assert by["+ tf32"]["status"] == "skipped" and "not among the rungs asked for" in by["+ tf32"]["reason"]
+    ran = [by[n] for n in ("naive fp32", "+ 16-bit autocast", "+ sdpa (flash)", "+ checkpointing", "+ chunked loss")]
+    assert all(r["status"] == "ok" and r["config"]["steps"] == 5 and r["config"]["compile"] is False for r in ran)
+    for r in ran[1:]:  # each measured in pairs against the best loop so far, with its verdict
+        assert len(r["ladder"]["pairs"]) == 3 and r["ladder"]["why"].startswith(("kept", "not kept")), r["ladder"]
+    top = by[L.OPTIMISED]
+    kept = [n for n in names[1:] if by[n]["ladder"]["kept"]]
+    assert top["ladder"]["kept_rungs"] == kept and top["status"] == "ok"
+    # The optimised loop is what export writes from this file.
+    script = tmp_path / "train.py"
+    assert cli(["export", "--ladder", str(out), "--out", str(script)]) == 0
+    assert script.read_text() == export.script(C.TrainConfig.from_dict(top["config"]))
+    # An existing file is not replaced without --force, and the refusal comes before any work.
+    again = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--json", str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists: pass --force" in again.stderr and "rung 1" not in again.stderr
 
 
 def test_bad_arguments_are_explained(capsys):
@@ -38,8 +56,8 @@ def test_bad_arguments_are_explained(capsys):
 
 def test_a_ladder_option_from_the_command_line(tmp_path):
     out = tmp_path / "l.json"
-    assert cli(["ladder", "--preset", "tiny", "--steps", "3", "--rungs", "8", "--leave-out", "4",
+    assert cli(["ladder", "--preset", "tiny", "--steps", "4", "--rungs", "8", "--leave-out", "4",
                 "--set", "activation_checkpointing=selective", "--json", str(out)]) == 0
-    skipped, r = json.loads(out.read_text())["results"]
-    assert skipped["label"] == "+ compile" and skipped["status"] == "skipped"
-    assert r["label"] == "+ checkpointing" and r["config"]["activation_checkpointing"] == "selective"
+    by = {r["label"]: r for r in json.loads(out.read_text())["results"]}
+    assert by["+ compile"]["status"] == "skipped"
+    assert by["+ checkpointing"]["config"]["activation_checkpointing"] == "selective"

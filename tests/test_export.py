@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from course_lib import config as C
+from course_lib.capabilities import capabilities
 from course_lib import data, export, train
 from course_lib.__main__ import main as cli
 from course_lib.doctor import check_config
@@ -35,9 +36,8 @@ COMPILE_RTOL = 1e-5  # compiled kernels may sum in another order: |loss_script -
 def everything_on(cfg: C.TrainConfig) -> C.TrainConfig:
     """The ladder's top rung without asking the device (every rung's value, in order)."""
     cfg = C.naive(cfg)
-    for t in C.TECHNIQUES:
-        for _, value, _ in t.rungs:
-            cfg = t.set(cfg, value)
+    for rung in C.LADDER:
+        cfg = rung.apply(cfg)
     return cfg
 
 
@@ -243,7 +243,7 @@ def test_every_config_field_is_declared_once():
 
 
 # What each technique's rung puts into the script; none of these is in the naive script.
-MARKERS = {"precision": {"tf32": 'fp32_precision = "tf32"', "bf16": "torch.autocast("}, "model.attention": "scaled_dot_product_attention",
+MARKERS = {"precision": {"tf32": 'fp32_precision = "tf32"', C.FAST_16BIT: "torch.autocast("}, "model.attention": "scaled_dot_product_attention",
            "compile": "torch.compile(", "model.vocab_multiple": "padded_vocab_size", "fused_adamw": "fused=True",
            "set_to_none": "set_to_none=True", "activation_checkpointing": "checkpoint(", "loss_chunks": "LOSS_CHUNKS"}
 OFF_WORDS = ("autocast", "compile", "checkpoint", "fused", "GradScaler", "scaler", "no_sync", "scaled_dot_product", "padded_vocab",
@@ -303,9 +303,10 @@ def test_what_cannot_be_exported_is_explained():
 
 def test_export_command_writes_a_rung(tmp_path, capsys):
     out = tmp_path / "train.py"
-    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--steps", "3", "--rung", "+ bf16 autocast", "--out", str(out)]) == 0
-    expected = export.rung_config(dataclasses.replace(C.tiny_preset("cpu"), steps=3), "+ bf16 autocast")
-    assert expected.precision == "bf16" and out.read_text() == export.script(expected)
+    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--steps", "3", "--rung", "+ 16-bit autocast", "--out", str(out)]) == 0
+    expected = export.rung_config(dataclasses.replace(C.tiny_preset("cpu"), steps=3), "+ 16-bit autocast")
+    # the 16-bit format this CPU runs fast, or bf16 where it runs none fast (what the ladder then measures)
+    assert expected.precision == (capabilities("cpu").fast_16bit()[0] or "bf16") and out.read_text() == export.script(expected)
     assert "wrote" in capsys.readouterr().err
     assert cli(["export", "--preset", "tiny", "--device", "cpu", "--rung", "+ checkpointing", "--set", "activation_checkpointing=selective",
                 "--set", "grad_accum_steps=2", "--out", str(out)]) == 0
@@ -377,27 +378,38 @@ def test_technique_diff_shows_a_technique_on_against_off():
 
 
 @pytest.mark.unit
-def test_ladder_diffs_show_each_rung_against_the_one_below_with_its_measurement():
-    """From a climb's results (made up here: the numbers are only carried through): each rung's diff is against the
-    rung below that ran; a rung that did not run says why and shows the code it would add on the rung below."""
+def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdict():
+    """From a climb's results (made up here: the numbers are only carried through): each rung's diff is against the best
+    loop so far, the one it was measured against; a rung not kept does not become the next one's base; a rung that did
+    not run says why and shows the code it would add; the last row is the optimised loop against naive fp32."""
+    from course_lib.ladder import OPTIMISED
     from course_lib.results import RunResult
 
-    results, cfg = [], C.naive(BASE)
+    results, best, not_kept = [], C.naive(BASE), {"+ 16-bit autocast", "+ vocab to x64"}
     for i, rung in enumerate(C.LADDER):
         if rung.name == "+ compile":
             results.append(RunResult(rung.name, "skipped", {}, {"device": "test"}, reason="left out for the test"))
             continue
-        cfg = rung.apply(cfg)
+        cfg = rung.apply(best)
+        kept = rung.name not in not_kept
         results.append(RunResult(rung.name, "ok", cfg.to_dict(), {"device": "test"}, tokens_per_s=1000.0 * (i + 1),
-                                 memory={"peak_bytes": 2**30 // (i + 1)}))
+                                 memory={"peak_bytes": 2**30 // (i + 1)},
+                                 ladder={"kept": kept, "why": f"{'kept' if kept else 'not kept'}: made up", "speedup": i + 1.0,
+                                         "memory_vs_naive": 1 / (i + 1)}))
+        best = cfg if kept else best
+    results.append(RunResult(OPTIMISED, "ok", best.to_dict(), {"device": "test"}, tokens_per_s=9000.0,
+                             memory={"peak_bytes": 2**28}, ladder={"kept": True, "why": "made up", "speedup": 9.0}))
     page = export.ladder_diffs(results).data
-    assert page.count("<details") == len(C.LADDER) - 1 and "left out for the test" in page
+    assert page.count("<details") == len(C.LADDER) and "left out for the test" in page
     sdpa = page[page.index("+ sdpa (flash)</b>"):page.index("+ compile</b>")]
-    assert "4,000 tokens/s (4.00x naive, 1.33x the rung below), peak 0.2500 GiB" in sdpa
-    assert "scaled_dot_product_attention" in sdpa and "torch.autocast" not in sdpa.split("</summary>")[1].split("+ ")[0]
+    assert "kept: made up; 4,000 tokens/s (4.00x naive), peak 0.2500 GiB (0.25x naive" in sdpa
+    # measured against naive + tf32, not against the 16-bit rung, which was not kept
+    assert "scaled_dot_product_attention" in sdpa and "torch.autocast" not in sdpa
     compiled = page[page.index("+ compile</b>"):page.index("+ vocab to x64</b>")]
     assert "torch.compile(" in compiled and "not measured here" in compiled
-    vocab = page[page.index("+ vocab to x64</b>"):page.index("+ fused AdamW</b>")]
-    assert "padded_vocab_size" in vocab and "torch.compile(" not in vocab  # against the rung below that ran
+    fused = page[page.index("+ fused AdamW</b>"):page.index("+ set_to_none</b>")]
+    assert "fused=True" in fused and "padded_vocab_size" not in fused  # the padding was not kept: not in its base either
+    last = page[page.index(OPTIMISED):]
+    assert "the optimised loop against naive fp32" in last and "9,000 tokens/s (9.00x naive)" in last
     with pytest.raises(ValueError, match="one result per rung"):
         export.ladder_diffs(results[:3])

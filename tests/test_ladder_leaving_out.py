@@ -1,36 +1,49 @@
+"""The ladder on the course's real loop (tiny model): leaving rungs out, options, the fixed ladder. Its decisions on
+made-up timings are in test_ladder.py."""
 import pytest
 
 from course_lib import config as C
-from course_lib.ladder import run_ladder
+from course_lib.ladder import OPTIMISED, optimised_config, rungs_of, run_ladder
 
 
 @pytest.fixture
 def one_block(tiny):
-    return tiny(steps=3, timing_warmup=1).with_model(n_layer=1)
+    return tiny(steps=5, timing_warmup=1).with_model(n_layer=1)
 
 
 def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_without_them(one_block):
     why = "left out under the test budget"
     results = run_ladder(one_block, leave_out={"+ compile": why, "+ checkpointing": why})
-    assert [r.label for r in results] == [r.name for r in C.LADDER]
+    assert [r.label for r in results] == [r.name for r in C.LADDER] + [OPTIMISED]
     by = {r.label: r for r in results}
     for name in ("+ compile", "+ checkpointing"):
-        assert by[name].status == "skipped" and by[name].reason == why
-    ok = [r for r in results if r.ok]
+        assert by[name].status == "skipped" and by[name].reason == why and by[name].ladder["kept"] is False
+    ok = [r for r in rungs_of(results) if r.ok]
     assert len(ok) == len(C.LADDER) - 2
-    # every later rung climbs without the left-out techniques, and says so
-    for r in ok:
+    for r in ok:  # no rung ran with a left-out technique
         assert r.config["compile"] is False and r.config["activation_checkpointing"] == "none"
-    assert "climbing without: + compile" in by["+ fused AdamW"].reason
-    assert "climbing without" not in by["+ sdpa (flash)"].reason
-    # the rungs above still apply their own change, cumulatively
-    last = by["+ chunked loss"].config
-    assert last["precision"] == "bf16" and last["model"]["attention"] == "sdpa" and last["loss_chunks"] == 8 and last["fused_adamw"]
+    # each rung ran on the best loop so far: its config is the kept rungs' plus its own change
+    kept = {}
+    for r in ok[1:]:
+        assert r.ladder["vs"] in [x.label for x in ok] and r.ladder["why"].startswith(("kept", "not kept"))
+        for t in C.TECHNIQUES:
+            value = t.value(C.TrainConfig.from_dict(r.config))
+            if r.label in [name for name, _, _ in t.rungs]:
+                continue
+            assert value == kept.get(t.name, t.off), (r.label, t.name)
+        if r.ladder["kept"]:
+            for t in C.TECHNIQUES:
+                if r.label in [name for name, _, _ in t.rungs]:
+                    kept[t.name] = t.value(C.TrainConfig.from_dict(r.config))
+    final = optimised_config(results)
+    assert {t.name: t.value(final) for t in C.TECHNIQUES} == {t.name: kept.get(t.name, t.off) for t in C.TECHNIQUES}
 
 
-def test_a_name_that_is_not_a_rung_is_an_error(one_block):
+def test_a_name_that_is_not_a_rung_is_an_error_and_naive_cannot_be_left_out(one_block):
     with pytest.raises(C.ConfigError, match="not rungs of the ladder"):
         run_ladder(one_block, leave_out={"+ compiel": "typo"})
+    with pytest.raises(C.ConfigError, match="baseline every rung is measured against"):
+        run_ladder(one_block, leave_out={"naive fp32": "no baseline"})
 
 
 def test_a_ladder_option_changes_what_a_rung_sets(one_block):
@@ -39,3 +52,12 @@ def test_a_ladder_option_changes_what_a_rung_sets(one_block):
     assert rungs["+ chunked loss"].activation_checkpointing == "selective" and rungs["+ set_to_none"].activation_checkpointing == "none"
     with pytest.raises(C.ConfigError, match="not techniques of the ladder"):
         C.ladder_configs(one_block, options={"checkpointing": "selective"})
+
+
+def test_the_fixed_ladder_keeps_every_rung_it_runs(one_block):
+    results = run_ladder(one_block, rungs=["naive fp32", "+ sdpa (flash)", "+ set_to_none", "+ chunked loss"], fixed=True)
+    ran = [r for r in rungs_of(results) if r.ok]
+    assert [r.label for r in ran] == ["naive fp32", "+ sdpa (flash)", "+ set_to_none", "+ chunked loss"]
+    assert all(r.ladder["kept"] for r in ran) and all("kept (fixed ladder)" in r.ladder["why"] for r in ran[1:])
+    final = optimised_config(results)
+    assert (final.model.attention, final.set_to_none, final.loss_chunks) == ("sdpa", True, 8)

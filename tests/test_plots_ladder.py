@@ -24,7 +24,7 @@ def test_speed_panel_shows_cumulative_speed_up_units_and_device():
     texts = [t.get_text() for t in ax_speed.texts]
     assert texts[:3] == ["1.00x", "1.50x", "4.00x"]
     assert "SKIPPED" in texts
-    assert "tokens/s" in ax_speed.get_ylabel() and "speed-up" in ax_speed.get_ylabel()
+    assert "speed-up over naive fp32" in ax_speed.get_ylabel()
     line = ax_speed.lines[0]
     assert list(line.get_xdata()) == [0, 1, 3]  # the skipped rung keeps its place on the axis, without a point
     assert list(line.get_ydata()) == pytest.approx([1.0, 1.5, 4.0])
@@ -55,4 +55,19 @@ def test_reference_line_is_matched_by_rung_and_labelled_with_its_device():
 def test_no_ok_rung_does_not_crash():
     fig = plots.plot_ladder([result("naive fp32", 0, status="oom")])
     assert "OOM" in [t.get_text() for t in fig.axes[0].texts]
+    plt.close(fig)
+
+
+def test_a_rung_not_kept_is_a_cross_off_the_line_at_its_paired_speed_up():
+    """A climb's results carry the speed-up the ladder measured in pairs; the line joins the kept rungs only."""
+    rs = ladder()
+    for r, kept, speedup in zip(rs, (True, False, None, True), (1.0, 0.07, None, 2.5)):
+        r.ladder = {"kept": kept, "speedup": speedup} if speedup else {"kept": False}
+    fig = plots.plot_ladder(rs)
+    ax = fig.axes[0]
+    line = next(l for l in ax.lines if "kept" in l.get_label() and "not" not in l.get_label())
+    assert list(line.get_xdata()) == [0, 3] and list(line.get_ydata()) == pytest.approx([1.0, 2.5])
+    cross = next(l for l in ax.lines if l.get_label() == "measured, not kept")
+    assert list(cross.get_xdata()) == [1] and list(cross.get_ydata()) == pytest.approx([0.07])
+    assert "0.07x" in [t.get_text() for t in ax.texts] and "SKIPPED" in [t.get_text() for t in ax.texts]
     plt.close(fig)

@@ -23,3 +23,32 @@ def test_table_reports_speed_up_memory_ratio_and_failures():
     assert rows[1]["speed-up"] == "3.00x" and rows[1]["memory vs base"] == "0.25x" and rows[1]["MFU"] == "n/a"
     assert rows[2]["status"] == "OOM" and rows[2]["note"] == "out of memory"
     assert "OOM" in text_table(rows)
+
+
+def test_a_run_stopped_before_its_memory_step_has_no_memory_ratio():
+    """The ladder gives up on a far slower rung before its memory-ledger step: its row says nothing about memory."""
+    stopped = fake("stopped", 10.0, 0)
+    stopped.memory, stopped.stopped_early = None, "stopped after 3 timed steps"
+    row = table_rows([fake("naive", 100.0, 2**30), stopped])[1]
+    assert row["speed-up"] == "0.10x" and row["memory vs base"] == "" and row["peak GiB"] == "n/a"
+
+
+def test_a_failed_write_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
+    """Results are written in one step: a write that fails half-way (a full disk) raises and keeps the old file."""
+    import pathlib
+
+    import pytest
+
+    path = save_results([fake("a", 100.0, 2**30)], tmp_path / "r.json")
+    before = path.read_text()
+
+    def half_then_full(self, text, *a, **k):
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", half_then_full)
+    with pytest.raises(OSError, match="No space left"):
+        save_results([fake("a", 100.0, 2**30), fake("b", 1.0, 1)], path)
+    monkeypatch.undo()
+    assert path.read_text() == before and list(tmp_path.iterdir()) == [path]  # no partial file left beside it

@@ -1,0 +1,204 @@
+"""The ladder's decisions, tested on every class of device without owning one: the climb runs with a stand-in trainer
+whose step times and peaks are made up (a CPU without bf16 instructions, a GPU with tensor cores), so what is kept,
+what is not and why can be checked exactly. The real loop under the ladder is tested in test_ladder_leaving_out.py
+and test_cli.py."""
+import dataclasses
+import random
+import re
+
+import pytest
+
+from course_lib import config as C
+from course_lib import ladder as L
+from course_lib.capabilities import Support, capabilities
+from course_lib.results import RunResult, provenance
+
+MiB = 2**20
+
+
+def speed(cfg: C.TrainConfig, device: str) -> float:
+    """Seconds per step of a made-up device, from what the config switches on."""
+    s = 0.200
+    if cfg.precision == "bf16":
+        s *= 15.0 if device == "avx2 laptop" else 0.4
+    if cfg.model.attention == "sdpa":
+        s *= 0.8
+    if cfg.compile:
+        s *= 0.7
+    if cfg.fused_adamw:
+        s *= 0.9 if device == "gpu" else 1.0
+    if cfg.model.vocab_multiple > 1:
+        s *= 0.95 if device == "gpu" else 1.0
+    if cfg.activation_checkpointing != "none":
+        s *= 1.25
+    if cfg.loss_chunks > 1:
+        s *= 1.05
+    return s
+
+
+def peak(cfg: C.TrainConfig) -> int:
+    logits, activations, static = 60 * MiB, 30 * MiB, 10 * MiB
+    if cfg.precision == "bf16":
+        activations *= 0.6
+    if cfg.model.attention == "sdpa":
+        activations *= 0.7
+    if cfg.activation_checkpointing != "none":
+        activations *= 0.2
+    if cfg.loss_chunks > 1:
+        logits /= cfg.loss_chunks
+    return int(logits + activations + static)
+
+
+class StandInTrainer:
+    """The Trainer's interface as the ladder uses it (fit with its callback, step, is_timed), with made-up times: each
+    step of a config takes speed(cfg) seconds, +-2 % noise, and a compiled loop's first step 40x (compiling)."""
+
+    device = "avx2 laptop"
+    made: list = []
+
+    def __init__(self, cfg: C.TrainConfig):
+        self.cfg, self.step_index, self.result = cfg, 0, None
+        self.rng = random.Random(len(StandInTrainer.made))
+        StandInTrainer.made.append(self)
+        self.excluded = set(range(cfg.timing_warmup)) | {cfg.steps - 1}
+
+    def is_timed(self, step: int) -> bool:
+        return step not in self.excluded
+
+    def step(self) -> float:
+        s = speed(self.cfg, self.device) * self.rng.uniform(0.98, 1.02) * (40 if self.cfg.compile and self.step_index == 0 else 1)
+        self.step_index += 1
+        if self.result is not None:
+            self.result.step_times.append(s)
+        return s
+
+    def fit(self, label, callback):
+        self.result = r = RunResult(label=label, status="ok", config=self.cfg.to_dict(), provenance=provenance("stand-in"),
+                                    tokens_per_step=1000)
+        try:
+            for i in range(self.cfg.steps):
+                self.step()
+                callback(i, r)
+        except L.StopRun as stop:
+            r.stopped_early = str(stop)
+        timed = [t for i, t in enumerate(r.step_times) if i not in self.excluded]
+        r.excluded_steps = sorted(i for i in self.excluded if i < len(r.step_times))
+        r.median_step_s = sorted(timed)[len(timed) // 2]
+        r.tokens_per_s = 1000 / r.median_step_s
+        if len(r.step_times) == self.cfg.steps:  # the memory is measured on the last step
+            r.memory = {"peak_bytes": peak(self.cfg), "by_category": {}, "method": "made up"}
+        self.result = None
+        return r
+
+
+@pytest.fixture
+def climb(monkeypatch, tiny):
+    """climb(device, native_bf16, **run_ladder options) -> results, on a stand-in device."""
+
+    def go(device: str, native_16bit: bool, **kw):
+        StandInTrainer.device, StandInTrainer.made = device, []
+        real = capabilities("cpu")
+        bf16 = Support(True, "bf16 hardware", True) if native_16bit else Support(True, "no bf16 instructions in use: converted in software", False)
+        fp16 = Support(True, "fp16 hardware", True) if native_16bit else Support(True, "no fp16 instructions", False)
+        caps = dataclasses.replace(real, precisions={**real.precisions, "bf16": bf16, "fp16": fp16})
+        monkeypatch.setattr(L, "Trainer", StandInTrainer)
+        monkeypatch.setattr(L, "capabilities", lambda device=None: caps)
+        monkeypatch.setattr(L, "efficiency", lambda *a, **k: (None, ""))
+        return L.run_ladder(tiny(steps=8, timing_warmup=2), **kw)
+
+    return go
+
+
+def by_label(results):
+    return {r.label: r for r in results}
+
+
+def test_a_bf16_rung_15x_slower_is_not_kept_stopped_early_and_says_why(climb):
+    results = climb("avx2 laptop", native_16bit=False)
+    bf16 = by_label(results)["+ 16-bit autocast"]
+    assert bf16.config["precision"] == "bf16" and not bf16.ladder["kept"]
+    assert bf16.ladder["speed"] == L.SLOWER and bf16.ladder["factor"] == pytest.approx(1 / 15, rel=0.05)
+    # stopped after two paired steps: its verdict was clear, and the rest of its steps would cost minutes on a laptop
+    assert len(bf16.ladder["pairs"]) == L.GIVE_UP_AFTER and "stopped after 3 timed steps" in bf16.ladder["why"]
+    assert re.search(r"1[45]\.\d\dx slower", bf16.ladder["why"]) and "no bf16 instructions" in bf16.ladder["why"]
+    # every later rung climbs without it
+    assert all(r.config.get("precision") == "fp32" for r in results[3:] if r.ok)
+
+
+def test_tf32_inside_the_noise_is_no_measurable_change(climb):
+    tf32 = by_label(climb("avx2 laptop", native_16bit=False))["+ tf32"]
+    assert tf32.ladder["speed"] == L.NO_CHANGE and not tf32.ladder["kept"]
+    assert 0.97 < tf32.ladder["factor"] < 1.03 and "no measurable change" in tf32.ladder["why"]
+
+
+def test_a_compile_that_pays_only_after_its_warm_up_is_kept(climb):
+    r = by_label(climb("avx2 laptop", native_16bit=False))["+ compile"]
+    assert r.step_times[0] > 10 * r.median_step_s  # the first step compiled...
+    assert r.ladder["kept"] and r.ladder["factor"] == pytest.approx(1 / 0.7, rel=0.05)  # ...and is not what was judged
+
+
+def test_a_memory_rung_that_costs_time_is_kept_and_says_what_it_cost(climb):
+    r = by_label(climb("avx2 laptop", native_16bit=False))["+ checkpointing"]
+    assert r.ladder["kept"] and r.ladder["memory"] == L.LEANER and r.ladder["speed"] == L.SLOWER
+    assert "1.25x slower" in r.ladder["why"] and "x the memory" in r.ladder["why"]
+
+
+def test_the_optimised_loop_is_naive_plus_the_kept_rungs_and_is_timed_against_naive(climb):
+    results = climb("avx2 laptop", native_16bit=False)
+    last = results[-1]
+    assert last.label == L.OPTIMISED and L.optimised(results) is last
+    kept = [r.label for r in results[1:-1] if r.ladder["kept"]]
+    assert kept == ["+ sdpa (flash)", "+ compile", "+ checkpointing", "+ chunked loss"]
+    assert last.ladder["kept_rungs"] == kept
+    cfg = L.optimised_config(results)
+    assert (cfg.precision, cfg.model.attention, cfg.compile, cfg.activation_checkpointing, cfg.loss_chunks) == ("fp32", "sdpa", True, "full", 8)
+    assert not cfg.fused_adamw and cfg.model.vocab_multiple == 1  # no change on this device: not kept
+    expected = speed(C.naive(cfg), "avx2 laptop") / speed(cfg, "avx2 laptop")
+    assert last.ladder["factor"] == pytest.approx(expected, rel=0.04) and len(last.ladder["pairs"]) >= L.MIN_PAIRS
+    assert "not kept: 16-bit autocast" in L.verdict(results)
+
+
+def test_a_memory_rung_that_would_leave_the_loop_slower_than_naive_is_not_kept(climb):
+    results = climb("avx2 laptop", native_16bit=False, leave_out={"+ compile": "test", "+ sdpa (flash)": "test"})
+    ck = by_label(results)["+ checkpointing"]
+    assert ck.ladder["memory"] == L.LEANER and not ck.ladder["kept"]
+    assert "slower than naive fp32" in ck.ladder["why"]
+
+
+def test_on_a_gpu_with_bf16_tensor_cores_every_speed_rung_helps_and_is_kept(climb):
+    results = climb("gpu", native_16bit=True)
+    speed_rungs = [r for r in results[1:-1] if r.ladder.get("aims") and C.SPEED in r.ladder["aims"] and r.label != "+ tf32"]
+    assert speed_rungs and all(r.ladder["kept"] for r in speed_rungs), [(r.label, r.ladder["why"]) for r in speed_rungs]
+    assert L.optimised_config(results).precision == "bf16"
+
+
+def test_the_fixed_ladder_keeps_every_rung_whatever_it_measured(climb):
+    results = climb("avx2 laptop", native_16bit=False, fixed=True)
+    assert all(r.ladder["kept"] for r in results)
+    bf16 = by_label(results)["+ 16-bit autocast"]
+    assert "kept (fixed ladder)" in bf16.ladder["why"] and not bf16.stopped_early  # the fixed climb gives up on nothing
+    assert L.optimised_config(results).precision == "bf16"
+
+
+def test_one_slow_step_does_not_decide():
+    steady = [(0.200, 0.150)] * 5
+    assert L.speed_change(steady).verdict == L.FASTER
+    assert L.speed_change(steady[:4] + [(0.200, 0.900)]).verdict == L.FASTER  # a page fault in one step
+    assert L.speed_change([(0.2, 0.2 * f) for f in (0.99, 1.01, 1.0, 1.02, 0.98)]).verdict == L.NO_CHANGE
+    assert L.speed_change([(0.2, 0.15)] * 2).verdict == L.TOO_FEW  # fewer than MIN_PAIRS cannot tell
+    assert L.speed_change([(0.2, 0.2 / 1.02)] * 6).verdict == L.NO_CHANGE  # consistent, but below MIN_SPEED_CHANGE
+
+
+@pytest.mark.parametrize("aims, speed_verdict, mem, kept", [
+    ((C.SPEED,), L.FASTER, L.FATTER, True),  # a speed technique is kept for speed, its memory cost said
+    ((C.SPEED,), L.NO_CHANGE, L.LEANER, False),
+    ((C.SPEED, C.MEMORY), L.NO_CHANGE, L.LEANER, True),  # SDPA: leaner at no cost
+    ((C.SPEED, C.MEMORY), L.SLOWER, L.NO_CHANGE, False),
+    ((C.SPEED, C.MEMORY), L.FASTER, L.FATTER, True),
+    ((C.MEMORY,), L.SLOWER, L.LEANER, True),
+    ((C.MEMORY,), L.FASTER, L.NO_CHANGE, False),
+])
+def test_judge(aims, speed_verdict, mem, kept):
+    factor = {L.FASTER: 1.5, L.SLOWER: 0.5, L.NO_CHANGE: 1.0}[speed_verdict]
+    change = L.SpeedChange(factor, factor * 0.95, factor * 1.05, 5, speed_verdict)
+    assert L.judge(aims, change, (0.5 if mem == L.LEANER else 1.5 if mem == L.FATTER else 1.0, mem))[0] is kept
