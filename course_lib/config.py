@@ -89,7 +89,7 @@ class TrainConfig:
     # "full": each block keeps only its input and recomputes the rest in backward; "selective": it also keeps the
     # outputs of its matmuls (and attention) and recomputes only the cheap element-wise work (Korthikanti et al.).
     activation_checkpointing: Checkpointing = "none"
-    loss_chunks: int = 1  # >1: output layer + loss in this many token slices, recomputed in backward
+    loss_chunks: int = 1  # >1: output layer + loss in this many token slices, each slice's gradients made in forward
     set_to_none: bool = False  # zero_grad(set_to_none=...): True frees gradients between steps
     # Optimisation (notebook 05): optimiser, schedule, clipping, weight decay.
     optimizer: Optimizer = "adamw"
@@ -270,10 +270,11 @@ TECHNIQUES: tuple[Technique, ...] = (
     Technique("fused_adamw", "fused AdamW", False, (("+ fused AdamW", True, "one fused optimizer kernel for every tensor"),)),
     Technique("set_to_none", "zero_grad(set_to_none)", False,
               (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),), aims=(MEMORY,)),
+    Technique("loss_chunks", "loss chunks", 1, (("+ chunked loss", 8, "output layer and loss in 8 token slices, gradients made in forward: "
+                                                                    "one slice of logits at a time, nothing recomputed"),),
+              choices=(1, 2, 4, 8, 16), aims=(MEMORY,)),
     Technique("activation_checkpointing", "activation checkpointing", "none",
               (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),), aims=(MEMORY,)),
-    Technique("loss_chunks", "loss chunks", 1, (("+ chunked loss", 8, "output layer and loss in 8 token slices: one slice of logits at a time"),),
-              choices=(1, 2, 4, 8, 16), aims=(MEMORY,)),
 )
 TECHNIQUE = {t.name: t for t in TECHNIQUES}
 

@@ -329,22 +329,17 @@ def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> 
     return loss_sum(model(idx), targets)  # logits (b, s, vocab)
 '''
         return Code(defs=(loss_sum, fn.strip() + "\n"))
-    head_and_loss = _source(T._head_and_loss, rename={"_head_and_loss": "head_and_loss"})
     fn = '''
 def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(b, s) token ids and targets -> the summed loss (a scalar), with the output layer and the loss in LOSS_CHUNKS
-    slices of the tokens, each under checkpoint: only one slice of the (tokens x vocab) logits exists at a time,
-    in forward and again in backward, where the slice's logits are recomputed."""
+    slices of the tokens, each slice's gradients made in forward: only one slice of the (tokens x vocab) logits
+    exists at a time, and backward recomputes nothing."""
     hidden = model.hidden(idx)  # (b, s, d)
     hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for h, t in zip(hidden.chunk(LOSS_CHUNKS), targets.reshape(-1).chunk(LOSS_CHUNKS)):
-        total = total + checkpoint(head_and_loss, model.lm_head, h, t, use_reentrant=False)  # logits (b * s / LOSS_CHUNKS, vocab)
-    return total
+    return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
 '''
-    return Code(imports=("from torch.utils.checkpoint import checkpoint",),
-                constants=(f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",),
-                defs=(loss_sum, head_and_loss, fn.strip() + "\n"))
+    return Code(constants=(f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",),
+                defs=(_source(T.HeadLossInSlices), fn.strip() + "\n"))
 
 
 @snippet("compile", reads=("compile_mode",))

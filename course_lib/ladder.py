@@ -33,7 +33,7 @@ from .results import RunResult, efficiency_text, fmt, provenance, text_table
 from .train import StopRun, Trainer, catching_oom, free_memory
 
 MIN_SPEED_CHANGE = 0.03  # a speed change below 3% is reported as none: it is within what repeated runs differ by
-MIN_MEMORY_CHANGE = 0.02  # the same for the peak (the CPU ledger is exact; CUDA's allocator rounds blocks)
+MIN_MEMORY_CHANGE = 0.01  # the same for the peak (the CPU ledger is exact; CUDA's allocator rounds blocks)
 MIN_PAIRS = 3  # fewer paired steps cannot tell a change from noise
 GIVE_UP_SLOWER = 1.5  # a speed rung this much slower in each of its first GIVE_UP_AFTER paired steps is stopped there
 GIVE_UP_AFTER = MIN_PAIRS  # enough pairs for a verdict

@@ -241,9 +241,9 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     layer = sum(terms.values()) - (0 if causal_mask else terms.get("causal mask (s x s bool)", 0))
     if autocast:  # the 16-bit copies of the block's weights, which its matmuls keep
         layer += weight_copy_bytes(m)
-    # The output layer's input: the final LayerNorm's output (fp32). Under autocast the output layer casts it and keeps
-    # only its 16-bit copy (a logit term), unless the chunked loss keeps the whole of it for its chunks' recompute.
-    out_input = 4 if (not autocast or cfg.loss_chunks > 1) else 0
+    # The output layer's input: the final LayerNorm's output (fp32), kept by the output layer's matmul. Under autocast
+    # that keeps only its 16-bit copy (a logit term); the chunked loss keeps none (it makes its gradients in forward).
+    out_input = 4 if (not autocast and cfg.loss_chunks == 1) else 0
     outside = sum(outside_activation_terms(s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask, output_input_bytes=out_input).values())
     ck = cfg.activation_checkpointing
     if ck == "full":
@@ -356,38 +356,35 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """The output layer and the loss at their worst moments, as {moment: {term: (category, bytes)}}.
 
-    In forward, the loss of one chunk (of all the tokens with one chunk): the logits and the saved log-softmax; under
-    autocast also the 16-bit logits (their fp32 copy is what the loss reads), the output layer's 16-bit copies of its
-    input and weight, and autocast's cache of the blocks' 16-bit weights, which lives until the forward ends even where
-    checkpointing keeps none of them.
+    loss_chunks=1. In forward, the loss: the logits and the saved log-softmax; under autocast also the 16-bit logits
+    (their fp32 copy is what the loss reads), the output layer's 16-bit copies of its input and weight, and autocast's
+    cache of the blocks' 16-bit weights, which lives until the forward ends even where checkpointing keeps none of them.
+    In backward, "start of backward", the log-softmax backward: three (tokens x V) fp32 tensors (logits_terms), and
+    under autocast the output layer's 16-bit copies of its input and weight.
 
-    In backward, one chunk (loss_chunks=1): "start of backward", the log-softmax backward, three (tokens x V) fp32
-    tensors (logits_terms), and under autocast the output layer's 16-bit copies of its input and weight.
-
-    loss_chunks=k: the output layer and the loss run on slices of c = ceil(tokens / k) tokens under checkpoint, so
-    in backward one chunk at a time is recomputed. The last chunk to go is the worst: the earlier chunks have left
-    the output layer's weight gradient, summed (waiting for the embedding's), and the gradients of their inputs
-    (waiting to be joined into the gradient of the whole hidden state). Three moments of that chunk:
-    its log-softmax backward (three c x V fp32 tensors), its weight gradient (the gradient of its logits and two V x h
-    weight gradients) and the sum of the weight gradients (three V x h tensors).
+    loss_chunks=k (techniques.HeadLossInSlices): in forward, slices of c = ceil(tokens / k) tokens one at a time, each
+    slice's gradients made at once. From the first slice on, the whole input gradient (tokens x h) and weight gradient
+    (V x h) exist, kept for backward (made in the forward pass: "activations" to the ledger), beside the output layer's
+    input, the final LayerNorm's output (tokens x h fp32, not kept after the forward). The worst moment of a slice is
+    its share of the weight gradient: the slice's logits, its softmax - onehot in fp32 (and, under autocast, that in 16
+    bits) and the (V x h) product being added. In backward, "start of backward": the two kept gradients and the two
+    scaled by the loss's gradient.
     """
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast, B = _precision(cfg)
-    c = T if k == 1 else -(-T // k)  # tokens per chunk: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
+    c = T if k == 1 else -(-T // k)  # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
 
     fwd: dict[str, tuple[str, int]] = {}
-    if autocast:
-        if cfg.activation_checkpointing != "none":  # without checkpointing the blocks keep these copies: activations
-            fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
-        fwd["16-bit copy of the output layer's input (c h)"] = ("logits", c * h * 2)
-        fwd["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
-        fwd["16-bit logits (c V)"] = ("logits", c * V * 2)
-    fwd["logits in fp32 (c V)"] = ("logits", c * V * 4)  # the output layer's, or under autocast the loss's fp32 copy
-    fwd["log-softmax output (c V fp32)"] = ("logits", c * V * 4)
-    moments = {"forward: the loss" if k == 1 else "forward: a loss chunk": fwd}
-
+    if autocast and cfg.activation_checkpointing != "none":  # without checkpointing the blocks keep these copies: activations
+        fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
     if k == 1:
+        if autocast:
+            fwd["16-bit copy of the output layer's input (T h)"] = ("logits", T * h * 2)
+            fwd["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
+            fwd["16-bit logits (T V)"] = ("logits", T * V * 2)
+        fwd["logits in fp32 (T V)"] = ("logits", T * V * 4)  # the output layer's, or under autocast the loss's fp32 copy
+        fwd["log-softmax output (T V fp32)"] = ("logits", T * V * 4)
         terms: dict[str, tuple[str, int]] = {}
         if autocast:  # the output layer's matmul keeps the 16-bit copies it multiplied
             terms["16-bit copy of the output layer's input (b s h)"] = ("logits", T * h * 2)
@@ -395,27 +392,24 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
         lt = logits_terms(cfg.micro_batch_size, cfg.context, V)
         for i, (name, nbytes) in enumerate(lt.items()):
             terms[name] = ("logits" if i == 0 else "other", nbytes)  # the saved output is made in the loss, its gradients in backward
-        return {**moments, "start of backward": terms}
+        return {"forward: the loss": fwd, "start of backward": terms}
 
-    earlier = T - c  # tokens of the chunks whose backward has run
-    # The output layer's weight gradient from the earlier chunks: the 16-bit copy's gradient under autocast (the
-    # forward's one cached copy collects every chunk's gradient before its cast back to fp32), fp32 otherwise.
-    earlier_terms = {"gradients of the earlier chunks' inputs (fp32)": ("other", earlier * h * 4)}
-    if earlier:
-        earlier_terms["output layer's weight gradient from the earlier chunks (V h)"] = ("other", V * h * B)
-    copies = {}
-    if autocast:  # recomputed with the chunk: the 16-bit copies its matmul keeps
-        copies = {"16-bit copy of the chunk's input (c h)": ("other", c * h * 2), "16-bit copy of the output layer's weight (V h)": ("other", V * h * 2)}
-    log_softmax = {**earlier_terms, **copies, "log-softmax output, recomputed (c V fp32)": ("other", c * V * 4),
-                   "gradient of the log-softmax (c V fp32)": ("other", c * V * 4), "gradient of the logits (c V fp32)": ("other", c * V * 4)}
-    weight_grad = {**earlier_terms, **copies, "gradient of the logits (c V)": ("other", c * V * B),
-                   "this chunk's weight gradient (V h)": ("other", V * h * B), "gradient of the chunk's input (c h)": ("other", c * h * B)}
-    summing = {**earlier_terms, "this chunk's weight gradient (V h)": ("other", V * h * B),
-               "the two weight gradients' sum (V h)": ("other", V * h * B), "gradient of the chunk's input (c h)": ("other", c * h * B)}
-    if not earlier:
-        del summing["the two weight gradients' sum (V h)"]
-    return {**moments, "last loss chunk: log-softmax backward": log_softmax, "last loss chunk: output layer's weight gradient": weight_grad,
-            "last loss chunk: summing the weight gradients": summing}
+    kept = {"input gradient, made in forward and kept (T h fp32)": ("activations", T * h * 4),
+            "weight gradient, made in forward and kept (V h fp32)": ("activations", V * h * 4)}
+    fwd["the output layer's input, the final LayerNorm's output (T h fp32)"] = ("activations", T * h * 4)
+    fwd.update(kept)
+    fwd["the slice's per-token numbers (target, mask, target logit, max, sum)"] = ("logits", c * (8 + 1 + 4 + 4 + 4))
+    if autocast:
+        fwd["16-bit copy of the output layer's weight (V h), autocast's cache"] = ("logits", V * h * 2)
+        fwd["the slice's 16-bit logits (c V)"] = ("logits", c * V * 2)
+        fwd["the slice's softmax - onehot, fp32 and 16-bit (c V)"] = ("logits", c * V * (4 + 2))
+        fwd["the slice's weight-gradient share, 16-bit and fp32 (V h)"] = ("logits", V * h * (2 + 4))
+    else:
+        fwd["the slice's logits (c V fp32)"] = ("logits", c * V * 4)
+        fwd["the slice's softmax - onehot (c V fp32)"] = ("logits", c * V * 4)
+        fwd["the slice's weight-gradient share (V h fp32)"] = ("logits", V * h * 4)
+    back = {**kept, "the two gradients times the loss's gradient (T h + V h fp32)": ("other", (T + V) * h * 4)}
+    return {"forward: a loss slice": fwd, "start of backward": back}
 
 
 def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:

@@ -89,17 +89,53 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _head_and_loss(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return loss_sum(lm_head(hidden), targets)
+class HeadLossInSlices(torch.autograd.Function):
+    """The output layer and the summed cross-entropy of `hidden` (T, d), one slice of `chunks` at a time, each slice's
+    gradients computed in the forward pass: only one slice of the (T, V) logits ever exists, and nothing is recomputed
+    (backward scales the two kept gradients by the loss's own gradient, a number: the loop's 1/targets and loss scale).
+
+    Per slice of c tokens: the logits, head(h) (c, V), a 16-bit matmul under autocast; in fp32 the loss, log-sum-exp
+    minus the target's logit, and its gradient with respect to the logits, softmax - onehot (zero for padding); that
+    gradient, in the matmul's dtype as autograd would carry it, times the weight is the slice's input gradient (c, d),
+    and its transpose times the input is the slice's share of the weight gradient (V, d). The FLOPs are those of the
+    plain loss's forward and backward; the memory is one slice's logits instead of three (T, V) fp32 tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden)  # (T, d), filled slice by slice
+        grad_weight = torch.zeros_like(weight)  # (V, d), the slices' shares summed
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for h, t, gh in zip(hidden.chunk(chunks), targets.chunk(chunks), grad_hidden.chunk(chunks)):
+            logits = head(h)  # (c, V), 16-bit under autocast
+            p = logits.float() if logits.dtype != torch.float32 else logits.clone()  # the loss in fp32
+            valid = t != IGNORE_INDEX  # (c,)
+            t0 = t.clamp(min=0)[:, None]  # (c, 1): padding's index made a valid one; its row is zeroed below
+            picked = p.gather(1, t0).squeeze(1)  # the target's logit (c,)
+            m = p.amax(dim=-1, keepdim=True)  # (c, 1): exp never overflows
+            p.sub_(m).exp_()
+            s = p.sum(dim=-1, keepdim=True)
+            total = total + ((m.squeeze(1) + s.log().squeeze(1) - picked) * valid).sum()  # log-sum-exp - target logit
+            p.div_(s).scatter_add_(1, t0, -valid[:, None].to(p.dtype)).mul_(valid[:, None])  # softmax - onehot; 0 on padding
+            g = p.to(logits.dtype)  # d loss / d logits (c, V), in the matmul's dtype
+            gh.copy_(g @ weight)  # (c, d)
+            grad_weight += (g.t() @ h).float()  # (V, d)
+            del logits, p, g  # this slice's (c, V) tensors go before the next slice makes its own
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
 
 
 class LossModule(nn.Module):
     """Model and loss as one module: inputs and targets in, summed loss out.
 
-    Compiling this (not just the model) lets the compiler fuse the cross-entropy too. With loss_chunks > 1
-    the output layer and the loss run on slices of the tokens, each under checkpoint, so only one slice of
-    the (tokens x vocab) logits exists at a time, in forward and again in backward; that needs the model's
-    body and output layer (`ModelParts`).
+    Compiling this (not just the model) lets the compiler fuse the cross-entropy too. With loss_chunks > 1 the
+    output layer and the loss run on slices of the tokens (HeadLossInSlices), so only one slice of the
+    (tokens x vocab) logits exists at a time and none is recomputed; that needs the model's body and output layer
+    (`ModelParts`), a linear layer without bias.
     """
 
     def __init__(self, model: nn.Module, loss_chunks: int = 1, parts: ModelParts | None = None):
@@ -109,16 +145,15 @@ class LossModule(nn.Module):
         if loss_chunks > 1 and (self._body is None or self.head is None):
             raise ConfigError("loss_chunks > 1 needs the model's body and output layer: pass ModelParts(body=..., head=...) "
                               "or set loss_chunks=1")
+        if loss_chunks > 1 and (not isinstance(self.head, nn.Linear) or self.head.bias is not None):
+            raise ConfigError("loss_chunks > 1 needs an output layer nn.Linear(..., bias=False): use such a head or set loss_chunks=1")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.loss_chunks == 1:
             return loss_sum(self.model(idx), targets)
         hidden = self._body(idx)
         hidden = hidden.reshape(-1, hidden.size(-1))  # (tokens, width)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for h, t in zip(hidden.chunk(self.loss_chunks), targets.reshape(-1).chunk(self.loss_chunks)):
-            total = total + checkpoint(_head_and_loss, self.head, h, t, use_reentrant=False)
-        return total
+        return HeadLossInSlices.apply(hidden, self.head.weight, targets.reshape(-1), self.head, self.loss_chunks)
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
