@@ -285,6 +285,13 @@ class Panel:
             w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
         return self
 
+    def start_from(self, cfg: C.TrainConfig) -> "Panel":
+        """Set every config control to `cfg`'s value (the loop a ladder kept, a rung's config) and make it the panel's
+        starting config, which the runs' labels are named against."""
+        self.set(**{k: _current(cfg, k) for k in self.controls if k not in ("preset", "device")})
+        self.base = cfg
+        return self
+
     def label(self, cfg: C.TrainConfig) -> str:
         """A short name for a run: what differs from the panel's starting config."""
         parts = []
