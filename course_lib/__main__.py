@@ -42,6 +42,8 @@ def cmd_ladder(args) -> int:
             options[name] = _parse_value(value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         C.check_ladder_arguments(options, leave_out)
+        for name, value in options.items():  # a value the field rejects: said now, not as a skipped rung at the end
+            C.TECHNIQUE[name].set(C.naive(base), value)
         out = check_writable(args.json) if args.json else None
         if out is not None and out.exists() and not args.force:
             raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")

@@ -157,6 +157,8 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
     C.check_ladder_arguments(options, leave_out)
+    for name, value in (options or {}).items():  # a value its field rejects is an error now, not a skipped rung minutes later
+        C.TECHNIQUE[name].set(C.naive(base), value)
     leave_out = dict(leave_out or {})
     if rungs is not None:
         for rung in C.LADDER[1:]:

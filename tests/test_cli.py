@@ -54,6 +54,23 @@ def test_bad_arguments_are_explained(capsys):
     assert "--set takes TECHNIQUE=VALUE" in capsys.readouterr().err
 
 
+def test_bad_ladder_input_is_refused_before_any_rung_runs(tmp_path, capsys):
+    """Each ends in one line `error: ...` and exit 2, before the first rung (a run would print "rung 1 of")."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    cases = [(["--leave-out", "0"], "baseline every rung is measured against"),
+             (["--threads", "0"], "--threads takes a number of CPU threads >= 1"),
+             (["--threads", "-4"], "--threads takes a number of CPU threads >= 1"),
+             (["--set", "activation_checkpointing=sometimes"], "activation_checkpointing='sometimes' is not one of"),
+             (["--json", str(folder)], "is a folder: give a file name"),
+             (["--device", "tpu"], "device"),
+             (["--device", "cuda"] if not __import__("torch").cuda.is_available() else ["--rungs", "x"], "")]
+    for args, says in cases:
+        assert cli(["ladder", "--preset", "tiny", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and "rung 1 of" not in err and "Traceback" not in err, (args, err)
+
+
 def test_a_ladder_option_from_the_command_line(tmp_path):
     out = tmp_path / "l.json"
     assert cli(["ladder", "--preset", "tiny", "--steps", "4", "--rungs", "9", "--leave-out", "4",
