@@ -102,6 +102,7 @@ class HeadLossInSlices(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int) -> torch.Tensor:
+        hidden = hidden.detach()  # this function makes the gradients itself: its slices are plain tensors (no autograd history)
         grad_hidden = torch.empty_like(hidden)  # (T, d), filled slice by slice
         grad_weight = torch.zeros_like(weight)  # (V, d), the slices' shares summed
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)

@@ -93,6 +93,25 @@ def test_memory_savers_change_nothing_in_the_math(change, tiny_model):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+def test_the_chunked_loss_recomputes_nothing_counted_by_flop_counter_mode(tiny_model):
+    """The loss in slices makes each slice's gradients in forward: the step's FLOPs are the plain loss's, to the FLOP
+    (torch's FlopCounterMode, whose module tracker also follows the output layer called inside the slices), with the
+    padding's targets (IGNORE_INDEX) and a last slice shorter than the others."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, y = torch.randint(0, 64, (3, 31)), torch.randint(0, 64, (3, 31))
+    y[0, :5] = -100
+    flops = {}
+    for chunks in (1, 4):
+        m = tiny_model()
+        setup = T.build(C.TrainConfig(model=m.config, context=31, loss_chunks=chunks), m)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            setup.loss_module(x, y).backward()
+        flops[chunks] = counter.get_total_flops()
+    assert flops[4] == flops[1] > 0
+
+
 @pytest.mark.parametrize("schedule, warmup", [("wsd", 2), ("inverse_sqrt", 3), ("constant", 0)])
 def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, splits):
     """The loop logs, step by step, the schedule's curve from its plain function (shapes checked in test_optim)."""
