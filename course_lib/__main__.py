@@ -39,7 +39,7 @@ def cmd_ladder(args) -> int:
             name, _, value = item.partition("=")
             if name not in C.TECHNIQUE or not value:
                 raise C.ConfigError(f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}")
-            options[name] = _parse_value(value)
+            options[name] = C.parse_setting(name, value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         C.check_ladder_arguments(options, leave_out)
         for name, value in options.items():  # a value the field rejects: said now, not as a skipped rung at the end
@@ -93,18 +93,6 @@ def _rung_names(indices: str, flag: str) -> list[str]:
         raise ValueError(f"{flag} takes indices 0..{len(C.LADDER) - 1} separated by commas, got {indices!r}") from None
 
 
-def _parse_value(text: str):
-    """'8' -> 8, 'true' -> True, 'selective' -> 'selective'."""
-    import ast
-
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
-
-
 def chosen_config(args) -> C.TrainConfig:
     """The config that `export` and `profile` name: the preset, changed by --set, or the ladder's cumulative config
     at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in `ladder --set`, and other
@@ -136,9 +124,9 @@ def chosen_config(args) -> C.TrainConfig:
             raise ValueError(f"--set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
                              f"model.<field>), got {item!r}")
         if args.rung is not None and name in C.TECHNIQUE:
-            options[name] = _parse_value(value)
+            options[name] = C.parse_setting(name, value)
         else:
-            base = export.with_setting(base, name, _parse_value(value))
+            base = export.with_setting(base, name, C.parse_setting(name, value))
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
     return export.rung_config(base, rung, options) if rung is not None else base

@@ -5,7 +5,13 @@ technique. Both check themselves at construction and say what to change when a c
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import functools
+import math
+import types
+import typing
 from dataclasses import dataclass, field, replace
 from typing import Callable, Literal
 
@@ -34,7 +40,138 @@ def _check(condition: bool, message: str) -> None:
 
 
 def _choice(name: str, value, allowed) -> None:
-    _check(value in allowed, f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+    _check(value in allowed, f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}{did_you_mean(value, allowed)}")
+
+
+def did_you_mean(name, names) -> str:
+    """" (did you mean 'x'?)" for the closest of `names`, or ""."""
+    close = difflib.get_close_matches(str(name), [str(n) for n in names], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---- every field's type, checked and parsed in one place ---------------------------------------------------------
+# The dataclasses' annotations are the declaration: __post_init__ checks each value against its field's type (a bool
+# is not an int here, a float is finite, a Literal one of its values), and parse_setting reads a field's value from
+# text by the same type (the command line's --set, a launch's options). The ranges are checked in __post_init__.
+
+@functools.cache
+def _field_types(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _conforms(value, hint) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is type(None):
+        return value is None
+    if origin is Literal:
+        return isinstance(value, str) and value in args
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if origin is tuple:
+        return isinstance(value, tuple) and len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _describe(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return "True or False"
+    if hint is int:
+        return "an integer"
+    if hint is float:
+        return "a finite number"
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("None (off)" if a is type(None) else _describe(a) for a in args)
+    if origin is tuple:
+        return f"{len(args)} numbers, e.g. (0.9, 0.95)"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _check_types(obj) -> None:
+    for name, hint in _field_types(type(obj)).items():
+        value = getattr(obj, name)
+        if not _conforms(value, hint):
+            close = did_you_mean(value, typing.get_args(hint)) if typing.get_origin(hint) is Literal else ""
+            raise ConfigError(f"{name}={value!r} is not {_describe(hint)}{close}" if typing.get_origin(hint) is Literal
+                              else f"{name}={value!r}: {name} takes {_describe(hint)}")
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def parse_value(name: str, hint, text: str):
+    """The value of a field of type `hint` written as text, or a ConfigError that says what the field takes."""
+    t = text.strip()
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    bad = ConfigError(f"{name}={text!r}: {name} takes {_describe(hint)}")
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and t.lower() in ("none", "off", "null"):
+            return None
+        for a in (a for a in args if a is not type(None)):
+            try:
+                return parse_value(name, a, t)
+            except ConfigError:
+                pass
+        raise bad
+    if hint is bool:
+        if t.lower() in _TRUE + _FALSE:
+            return t.lower() in _TRUE
+        raise ConfigError(f"{name}={text!r}: {name} takes true or false (also on/off, yes/no, 1/0)")
+    if hint is int:
+        try:
+            return int(t)
+        except ValueError:
+            raise bad from None
+    if hint is float:
+        try:
+            value = float(t)
+        except ValueError:
+            raise bad from None
+        if not math.isfinite(value):
+            raise bad
+        return value
+    if origin is Literal:
+        if t in args:
+            return t
+        raise ConfigError(f"{name}={text!r} is not one of {', '.join(map(repr, args))}{did_you_mean(t, args)}")
+    if origin is tuple:
+        try:
+            value = ast.literal_eval(t if t.startswith("(") else f"({t},)")
+        except (ValueError, SyntaxError):
+            raise bad from None
+        if not _conforms(tuple(value) if isinstance(value, (tuple, list)) else None, hint):
+            raise bad
+        return tuple(value)
+    return t
+
+
+def setting_type(name: str):
+    """The declared type of a setting: a TrainConfig field, "model.<field>", or a technique's name (config.TECHNIQUE)."""
+    if name in TECHNIQUE:
+        name = TECHNIQUE[name].field
+    train, model = _field_types(TrainConfig), _field_types(ModelConfig)
+    if name.startswith("model.") and name[6:] in model:
+        return model[name[6:]]
+    if name in train and name != "model":
+        return train[name]
+    known = [*TECHNIQUE, *(k for k in train if k != "model"), *(f"model.{k}" for k in model)]
+    raise ConfigError(f"{name!r} is not a setting: use a technique ({', '.join(TECHNIQUE)}), a TrainConfig field or "
+                      f"model.<ModelConfig field>{did_you_mean(name, known)}")
+
+
+def parse_setting(name: str, text: str):
+    """A setting's value from text (the command line's --set FIELD=VALUE), by its declared type."""
+    return parse_value(name, setting_type(name), text)
 
 
 @dataclass(frozen=True)
@@ -50,6 +187,7 @@ class ModelConfig:
     bias: bool = True
 
     def __post_init__(self):
+        _check_types(self)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple"):
             _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int, got {getattr(self, name)!r}")
         _check(self.n_embd % self.n_head == 0, f"n_head={self.n_head} must divide n_embd={self.n_embd}: change one so that n_embd/n_head is a whole head size")
@@ -122,6 +260,7 @@ class TrainConfig:
             object.__setattr__(self, "betas", tuple(self.betas))
         if isinstance(self.activation_checkpointing, bool):  # configs saved before "selective" existed
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
+        _check_types(self)
         for name in ("batch_size", "grad_accum_steps", "context", "steps", "loss_chunks"):
             v = getattr(self, name)
             _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive int, got {v!r}")
@@ -146,6 +285,9 @@ class TrainConfig:
         _check(0 <= self.lr_warmup_steps, f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.eps > 0, f"eps must be > 0 (it keeps Adam's division finite), got {self.eps}")
+        _check(all(0 <= b < 1 for b in self.betas), f"betas must each be in [0, 1) (decay rates of moving averages), got {self.betas}")
+        _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
         _check(self.loss_scale_init > 0 and isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1,
                f"loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}")
         try:
@@ -171,8 +313,15 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """The config a dict describes (to_dict's, a JSON file, a launch's --config); a key that is no field is an error
+        that names the closest field."""
+        if not isinstance(d, dict) or not isinstance(d.get("model", {}), dict):
+            raise ConfigError(f"a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; got {type(d).__name__}")
+        for obj, names, where in ((d, _field_types(cls), "TrainConfig"), (d.get("model", {}), _field_types(ModelConfig), "ModelConfig")):
+            if unknown := [k for k in obj if k not in names]:
+                raise ConfigError(f"{where} has no field {unknown[0]!r}{did_you_mean(unknown[0], names)}; its fields: {', '.join(names)}")
         d = dict(d)
-        d["model"] = ModelConfig(**d["model"])
+        d["model"] = ModelConfig(**d.get("model", {}))
         return cls(**d)
 
     def with_model(self, **changes) -> "TrainConfig":

@@ -18,7 +18,7 @@ def test_presets_are_valid_and_shaped_as_documented():
     (lambda: C.TrainConfig(batch_size=10, grad_accum_steps=4), "does not divide"),
     (lambda: C.TrainConfig(context=1024), "longer than the model's block_size"),
     (lambda: C.TrainConfig(precision="fp8"), "precision='fp8' is not one of"),
-    (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps must be a positive int"),
+    (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps takes an integer"),
     (lambda: C.TrainConfig(steps=0), "steps must be a positive int"),
     (lambda: C.TrainConfig(optimizer="sgd", fused_adamw=True), "fused_adamw applies to optimizer='adamw'"),
     (lambda: C.ModelConfig(attention="flash"), "attention='flash' is not one of"),

@@ -317,7 +317,7 @@ def test_export_command_writes_a_rung(tmp_path, capsys):
     assert "DistributedDataParallel(model)" in out.read_text() and "n_layer: int = 3" in out.read_text()
 
 
-@pytest.mark.parametrize("args, says", [(["--set", "checkpointing=full"], "is neither a technique"),
+@pytest.mark.parametrize("args, says", [(["--set", "checkpointing=full"], "did you mean 'activation_checkpointing'"),
                                         (["--set", "precision"], "--set takes FIELD=VALUE"),
                                         (["--set", "precision=fp8"], "precision='fp8' is not one of"),
                                         (["--rung", "+ warp drive"], "is not a rung of the ladder")])
