@@ -132,11 +132,21 @@ def chosen_config(args) -> C.TrainConfig:
     return export.rung_config(base, rung, options) if rung is not None else base
 
 
+def _new_file(path: str, force: bool, flag: str):
+    """The path a command is to write, checked before any work: not a folder, writable, and not an existing file
+    unless --force (a second run never replaces the first one's file without being asked)."""
+    from .results import check_writable
+
+    out = check_writable(path)
+    if out.exists() and not force:
+        raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another {flag} path")
+    return out
+
+
 def cmd_export(args) -> int:
     """One standalone training script for a config (course_lib.export), the config `chosen_config` names."""
-    from pathlib import Path
-
     from . import export
+    from .cache import write_atomic
 
     try:
         cfg = chosen_config(args)
@@ -147,11 +157,11 @@ def cmd_export(args) -> int:
     if args.out in (None, "-"):
         sys.stdout.write(text)
         return 0
-    out = Path(args.out)
     try:
-        out.write_text(text)
-    except OSError as e:
-        print(f"error: could not write {out} ({e})", file=sys.stderr)
+        out = _new_file(args.out, args.force, "--out")
+        write_atomic(out, lambda f: f.write_text(text), strict=True)
+    except (C.ConfigError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     how = "torchrun --nproc_per_node=N" if cfg.data_parallel != "none" else "python"
     print(f"wrote {out} ({len(text.splitlines())} lines): run it with `{how} {out}`", file=sys.stderr)
@@ -160,17 +170,15 @@ def cmd_export(args) -> int:
 
 def cmd_profile(args) -> int:
     """torch.profiler over a few steps of the config `chosen_config` names, after its warm-up steps."""
-    from pathlib import Path
-
     import torch
 
     from .profiling import profile_run, summary
     from .results import efficiency_text
 
-    trace = Path(args.trace) if args.trace else None
     try:
+        trace = _new_file(args.trace, args.force, "--trace") if args.trace else None  # before the run: checked, not found out after
         cfg = chosen_config(args)
-        if trace is not None:  # before the run: the profiler would not say that it could not write there
+        if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
         p = profile_run(cfg, active=args.steps if args.steps is not None else 3, trace=trace)
@@ -285,11 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.add_argument("--out", default=None, help="the script's path (default: standard output)")
+    p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("profile", help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up")
     add_config_arguments(p, steps="steps to record, after the config's warm-up steps (default: 3)")
     p.add_argument("--rows", type=int, default=20, help="operators to list (default: 20)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
+    p.add_argument("--force", action="store_true", help="replace the --trace file if it exists")
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("info", help="what this machine supports")
     p.add_argument("--device", default=None)

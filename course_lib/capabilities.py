@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -286,10 +287,20 @@ def _cache_key(device: str, precision: str, shape: tuple[int, int, int]) -> str:
 
 
 def _read_cache() -> dict:
+    """The cached peaks {key: TFLOP/s}; an entry that is not a positive number (a file damaged, or written by hand) is
+    dropped with a line saying so, and measured again when asked for."""
     try:
-        return json.loads((cache_dir() / "matmul_peaks.json").read_text())
+        entries = json.loads((cache_dir() / "matmul_peaks.json").read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(entries, dict):
+        print(f"course_lib: {cache_dir() / 'matmul_peaks.json'} holds no table of peaks: ignored, measuring again", file=sys.stderr)
+        return {}
+    good = {k: v for k, v in entries.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
+    if len(good) < len(entries):
+        print(f"course_lib: {len(entries) - len(good)} unreadable entr{'y' if len(entries) - len(good) == 1 else 'ies'} of "
+              f"{cache_dir() / 'matmul_peaks.json'} dropped: measured again when needed", file=sys.stderr)
+    return good
 
 
 def _write_cache(entries: dict) -> None:
@@ -440,7 +451,10 @@ class Capabilities:
 def _normalise(device: str | torch.device | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(torch.device(device))
+    try:
+        return str(torch.device(device))
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a torch device: use 'cpu', or 'cuda' on a machine with an NVIDIA GPU") from None
 
 
 def capabilities(device: str | torch.device | None = None) -> Capabilities:

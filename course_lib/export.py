@@ -258,8 +258,12 @@ def _data_parallel(cfg: TrainConfig) -> Code:
     if cfg.data_parallel == "none":
         return Code()
     cuda = _device_type(cfg) == "cuda"
+    started_by_torchrun = ('if "RANK" not in os.environ:  # run with plain python: say how to start it\n'
+                           '    sys.exit(f"start this script with torchrun, which starts its processes: '
+                           'torchrun --nproc_per_node=2 {sys.argv[0]}")\n')
     if cuda:
         init = ("# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
+                + started_by_torchrun +
                 'local_rank = int(os.environ["LOCAL_RANK"])\n'
                 'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
                 "torch.cuda.set_device(device)\n"
@@ -268,10 +272,11 @@ def _data_parallel(cfg: TrainConfig) -> Code:
         wrap_args = "model, device_ids=[local_rank]"
     else:
         init = ("# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
+                + started_by_torchrun +
                 'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
                 "rank, world = dist.get_rank(), dist.get_world_size()")
         wrap_args = "model"
-    imports = ["import torch.distributed as dist"] + (["import os"] if cuda else [])
+    imports = ["import os", "import sys", "import torch.distributed as dist"]
     if cfg.data_parallel == "fsdp":
         return _fsdp(cfg, init, imports)
     setup = ("# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import measure, techniques
-from .config import ModelConfig, TrainConfig
+from .config import ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB, MemoryReport
 
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
@@ -510,13 +510,19 @@ def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tup
 
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
-    """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not."""
-    best = 0
-    for bs in range(1, limit + 1):
-        if estimate(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1)).verdict(device_gib, margin) != "fits":
-            break
-        best = bs
-    return best
+    """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not. The search goes
+    up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit)."""
+    fits = lambda bs: estimate(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1)).verdict(device_gib, margin) == "fits"  # noqa: E731
+    if not fits(1):
+        return 0
+    if fits(limit):
+        raise ConfigError(f"every batch up to limit={limit} fits in {device_gib:g} GiB: the search stops there; pass a larger "
+                          "limit to look further")
+    lo, hi = 1, limit  # fits(lo), not fits(hi): the peak grows with the batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 # ---- accounting one step with the ledger, optionally without allocating ----------------------------

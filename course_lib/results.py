@@ -32,7 +32,7 @@ def provenance(device_name: str) -> dict:
 @dataclass
 class RunResult:
     label: str
-    status: str  # "ok", "oom", "skipped" or "error"
+    status: str  # "ok", "oom", "diverged" (a non-finite loss: the steps up to it are kept), "skipped" or "error"
     config: dict
     provenance: dict
     reason: str = ""
@@ -121,6 +121,11 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
     base = baseline or next((r for r in results if r.ok), None)
     rows = []
     for r in results:
+        if r.ok and base is not None and not same_model(r, base):  # another network: a ratio to this baseline means nothing
+            rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
+                         "speed-up": "other model", "peak GiB": fmt(r.peak_gib, ".4f"), "memory vs base": "other model",
+                         "MFU": efficiency_text(r), "compile s": fmt(r.compile_s, ".1f", missing=""), "note": r.reason})
+            continue
         if not r.ok:
             rows.append({"run": r.label, "status": r.status.upper(), "ms/step": "", "tokens/s": "", "speed-up": "",
                          "peak GiB": "", "memory vs base": "", "MFU": "", "compile s": "", "note": r.reason})
@@ -132,6 +137,15 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
                      "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": efficiency_text(r),
                      "compile s": fmt(r.compile_s, ".1f", missing=""), "note": r.reason})
     return rows
+
+
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size")  # what makes two runs the same network (not its techniques)
+
+
+def same_model(a: RunResult, b: RunResult) -> bool:
+    """Whether two runs trained the same network (layers, heads, width, vocabulary), whatever their techniques."""
+    ma, mb = (a.config or {}).get("model", {}), (b.config or {}).get("model", {})
+    return all(ma.get(k) == mb.get(k) for k in ARCHITECTURE)
 
 
 def efficiency_text(r: RunResult) -> str:

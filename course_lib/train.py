@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 from typing import Callable
 
 import torch
@@ -124,8 +125,14 @@ class Trainer:
         try:
             for step in range(self.cfg.steps):
                 self.step()
+                if not math.isfinite(result.losses[-1]):  # nothing after a non-finite loss is training: say so and stop
+                    result.status = "diverged"
+                    result.reason = (f"diverged: the loss became {result.losses[-1]} at step {step} (learning rate {result.lrs[-1]:g}): "
+                                     "lower lr, or add warm-up (lr_warmup_steps) or clipping (clip_norm)")
                 if callback:
                     callback(step, result)
+                if result.status == "diverged":
+                    break
         except StopRun as stop:
             result.stopped_early = str(stop)
         return self._finish()
@@ -158,6 +165,9 @@ class Trainer:
         step = self.step_index
         recording = result is not None
         micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
+        if not micro:
+            raise ConfigError(f"batches({step}) returned no micro-batches: it must return a list of (inputs, targets) pairs, "
+                              "one per micro-batch (cfg.grad_accum_steps of them)")
         if recording and step == 0:
             result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
             result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(*micro[0])
@@ -194,9 +204,12 @@ class Trainer:
         cfg, dev, setup, result = self.cfg, self.dev, self.setup, self.result
         taken = len(result.step_times)
         excluded = {i for i in self._excluded if i < taken}
+        result.excluded_steps = sorted(excluded)
+        if result.status == "diverged":  # its times are recorded; no speed, MFU or memory is reported for it
+            self.result = None
+            return result
         if taken == len(excluded):
             raise ConfigError(f"the run {result.label!r} stopped after {taken} step(s), before any timed step: {result.stopped_early}")
-        result.excluded_steps = sorted(excluded)
         result.median_step_s = measure.median_excluding(result.step_times, excluded)
         result.tokens_per_s = result.tokens_per_step / result.median_step_s
         if cfg.compile:

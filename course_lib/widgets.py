@@ -48,12 +48,18 @@ MODEL_FIELDS = tuple(t.name for t in C.TECHNIQUES if t.field.startswith("model."
 ALL_CONTROLS = ("preset", "precision", "attention", "compile", "compile_mode", "fused_adamw", "activation_checkpointing",
                 "set_to_none", "loss_chunks", "vocab_multiple", "batch_size", "grad_accum_steps", "context", "steps")
 
-# Ranges for numeric controls: (min, max, step); max may be a function of the base config.
+def fewest_steps(cfg: C.TrainConfig) -> int:
+    """The fewest steps a run of cfg can time: its warm-up, one timed step, and the memory ledger's on a CPU."""
+    ledger = cfg.measure_memory and str(cfg.device).startswith("cpu")
+    return cfg.timing_warmup + 1 + (1 if ledger else 0)
+
+
+# Ranges for numeric controls: (min, max, step); min and max may be functions of the base config.
 SLIDERS: dict[str, tuple] = {
     "batch_size": (1, 128, 1),
     "grad_accum_steps": (1, 16, 1),
     "context": (16, lambda c: c.model.block_size, 16),
-    "steps": (2, 200, 1),
+    "steps": (fewest_steps, 200, 1),
     "lr_warmup_steps": (0, 100, 1),
     "loss_scale_growth_interval": (1, 100, 1),
     "timing_warmup": (0, 10, 1),
@@ -225,9 +231,9 @@ class Panel:
             return w
         if name in SLIDERS:
             lo, hi, step = SLIDERS[name]
-            hi = hi(self.base) if callable(hi) else hi
-            return W.IntSlider(value=value, min=lo, max=max(hi, value), step=step, description=desc, style=style, layout=layout,
-                               continuous_update=False)
+            lo, hi = (lo(self.base) if callable(lo) else lo), (hi(self.base) if callable(hi) else hi)
+            return W.IntSlider(value=value, min=min(lo, value), max=max(hi, value), step=step, description=desc, style=style,
+                               layout=layout, continuous_update=False)
         if name == "lr":
             return W.FloatLogSlider(value=value, base=10, min=-5, max=-1, step=0.1, description=desc, style=style, layout=layout,
                                     readout_format=".1e", continuous_update=False)
@@ -242,8 +248,10 @@ class Panel:
         raise ValueError(f"No control for {name!r}: it is not a TrainConfig/ModelConfig field the panel knows")
 
     def _matching_preset(self) -> str:
+        """The preset whose network the base config trains (its techniques may differ: the loop a ladder kept)."""
+        arch = lambda m: (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size)  # noqa: E731
         for name, fn in C.PRESETS.items():
-            if fn(self.base.device).model == self.base.model:
+            if arch(fn(self.base.device).model) == arch(self.base.model):
                 return name
         return "cpu"
 
@@ -282,6 +290,15 @@ class Panel:
             w = self.controls[k] if k in self.controls else self.extras[k]
             if getattr(w, "disabled", False) and v:
                 raise C.ConfigError(f"{k} is unavailable on this device: {self.reasons.get(f'{k}=True', 'disabled')}")
+            lo, hi = getattr(w, "min", None), getattr(w, "max", None)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and lo is not None and not lo <= v <= hi:
+                raise C.ConfigError(f"{k}={v} is outside this control's range {lo}..{hi} (a slider would clamp it): "
+                                    "choose a value in the range")
+            options = getattr(w, "options", None)
+            if options is not None and v not in [o[1] if isinstance(o, tuple) else o for o in options]:
+                shown = [o[1] if isinstance(o, tuple) else o for o in options]
+                raise C.ConfigError(f"{k}={v!r} is not offered here: choose one of {', '.join(map(repr, shown))}"
+                                    f"{C.did_you_mean(v, shown)}")
             w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
         return self
 
@@ -295,6 +312,9 @@ class Panel:
     def label(self, cfg: C.TrainConfig) -> str:
         """A short name for a run: what differs from the panel's starting config."""
         parts = []
+        for k in ("preset", "device"):  # another model or device: its runs are not comparable with the others, so say it first
+            if k in self.controls and self.controls[k].value != (self._matching_preset() if k == "preset" else str(self.base.device)):
+                parts.append(f"{k}={self.controls[k].value}")
         for k in self.controls:
             if k in ("preset", "device"):
                 continue
@@ -328,8 +348,14 @@ class Panel:
         def callback(step: int, _result: RunResult) -> None:
             self.progress.value = step + 1
 
-        result = self.runner(cfg, label, callback, **self.extra_values())
-        self.progress.description = "done"
+        try:
+            result = self.runner(cfg, label, callback, **self.extra_values())
+        except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why; the panel stays usable
+            status = "skipped" if isinstance(e, C.ConfigError) else "error"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            result = RunResult(label=label, status=status, config=cfg.to_dict(), provenance=provenance(device_name(cfg.device)),
+                               reason=f"{type(e).__name__}: {first}" if status == "error" else first)
+        self.progress.description = "done" if result.ok else result.status
         result = self._record(result)  # recorded first: nothing below can lose it
         peak = f", peak {result.peak_gib:.4f} GiB" if result.peak_gib is not None else ", memory not measured"
         speed = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None else "done"

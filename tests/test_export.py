@@ -308,12 +308,15 @@ def test_export_command_writes_a_rung(tmp_path, capsys):
     # the 16-bit format this CPU runs fast, or bf16 where it runs none fast (what the ladder then measures)
     assert expected.precision == (capabilities("cpu").fast_16bit()[0] or "bf16") and out.read_text() == export.script(expected)
     assert "wrote" in capsys.readouterr().err
-    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--rung", "+ checkpointing", "--set", "activation_checkpointing=selective",
-                "--set", "grad_accum_steps=2", "--out", str(out)]) == 0
+    before = out.read_text()
+    again = ["export", "--preset", "tiny", "--device", "cpu", "--rung", "+ checkpointing", "--set", "activation_checkpointing=selective",
+             "--set", "grad_accum_steps=2", "--out", str(out)]
+    assert cli(again) == 2 and "exists: pass --force" in capsys.readouterr().err and out.read_text() == before  # not replaced unasked
+    assert cli(again + ["--force"]) == 0
     text = out.read_text()
     assert "create_selective_checkpoint_contexts" in text and "GRAD_ACCUM_STEPS = 2" in text and "torch.compile(" in text
     assert cli(["export", "--preset", "tiny", "--device", "cpu", "--set", "data_parallel=ddp", "--set", "model.n_layer=3",
-                "--out", str(out)]) == 0
+                "--out", str(out), "--force"]) == 0
     assert "DistributedDataParallel(model)" in out.read_text() and "n_layer: int = 3" in out.read_text()
 
 

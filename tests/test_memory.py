@@ -172,6 +172,9 @@ def test_will_it_fit():
     assert 1 <= n < 32
     assert M.estimate(replace(gpt2_small_preset("cpu"), batch_size=n)).verdict(24) == "fits"
     assert M.estimate(replace(gpt2_small_preset("cpu"), batch_size=n + 1)).verdict(24) != "fits"
+    assert M.max_batch_that_fits(gpt2_small_preset("cpu"), device_gib=24) == n  # the default limit finds the same
+    with pytest.raises(M.ConfigError, match="every batch up to limit=4096 fits"):  # not 4096 as if it were the answer
+        M.max_batch_that_fits(tiny_preset("cpu"), device_gib=1e6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the allocator's peak is only measured on a GPU")

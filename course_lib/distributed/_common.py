@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import measure
-from ..config import TrainConfig, tiny_preset
+from ..config import ConfigError, TrainConfig, did_you_mean, tiny_preset
 from ..results import provenance
 
 
@@ -53,13 +54,47 @@ def choose_backend(device_pref: str, local_world: int) -> tuple[str, str]:
     return "gloo", "cpu"
 
 
-def start(argv=None) -> Ctx:
+def check_options(options, declared: dict, strategy: str) -> dict:
+    """A strategy's options, each a key of its module's OPTIONS ({name: default}) with a value of its default's kind
+    (an int where the default is an int, a list where a list...; None as the default takes anything), with the defaults
+    filled in. A ConfigError names an unknown key's closest option or says what a value should be."""
+    if not isinstance(options, dict):
+        raise ConfigError(f"{strategy} options are a JSON object, e.g. {json.dumps(declared)}; got {options!r}")
+    for key, value in options.items():
+        if key not in declared:
+            raise ConfigError(f"{strategy} has no option {key!r}{did_you_mean(key, declared)}; its options (defaults): "
+                              f"{json.dumps(declared, default=str)}")
+        default = declared[key]
+        kind = (bool if isinstance(default, bool) else (int, float) if isinstance(default, float) else
+                int if isinstance(default, int) else type(default))
+        if default is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
+            what = {bool: "true or false", int: "an integer", list: "a list", str: "a string"}.get(kind, "a number")
+            raise ConfigError(f"{strategy} option {key}={json.dumps(value)}: takes {what}, like its default {json.dumps(default)}")
+    return {**declared, **options}
+
+
+def start(argv=None, options: dict | None = None, strategy: str = "") -> Ctx:
+    """Read a strategy's arguments and join the process group. `options`: the module's OPTIONS, {name: default}: what
+    --options may set (check_options); a bad --options, or a run without torchrun, ends with one line saying why."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="folder for rank<r>.json")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--config", default=None, help="a TrainConfig as JSON (file path); default: the tiny preset")
     ap.add_argument("--options", default="{}", help="strategy options as a JSON object")
     args = ap.parse_args(argv)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise SystemExit(f"error: {strategy or 'this module'} runs under torchrun, which starts its processes: "
+                         f"torchrun --nproc_per_node=2 -m course_lib.distributed.{strategy or '<strategy>'} --out runs/x "
+                         "(or from Python: course_lib.distributed.launch.launch)")
+    try:
+        parsed = json.loads(args.options)
+        if options is not None:
+            parsed = check_options(parsed, options, strategy)
+        cfg = TrainConfig.from_dict(json.loads(Path(args.config).read_text())) if args.config else tiny_preset("cpu")
+    except (ValueError, OSError) as e:  # JSONDecodeError and ConfigError are ValueErrors
+        if os.environ.get("RANK") == "0":
+            print(f"error: {strategy}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
     backend, dev_type = choose_backend(args.device, local_world)
@@ -71,14 +106,10 @@ def start(argv=None) -> Ctx:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid_rank{rank}").write_text(str(os.getpid()))  # lets a test check that nothing is left running
-    if args.config:
-        cfg = TrainConfig.from_dict(json.loads(Path(args.config).read_text()))
-    else:
-        cfg = tiny_preset("cpu")
     from dataclasses import replace
 
     cfg = replace(cfg, device=str(device), measure_memory=False)
-    return Ctx(rank, world, local_rank, device, backend, out, json.loads(args.options), cfg)
+    return Ctx(rank, world, local_rank, device, backend, out, parsed, cfg)
 
 
 def write(ctx: Ctx, payload: dict) -> None:

@@ -56,8 +56,12 @@ def run_ddp(ctx: _common.Ctx, cfg, at, no_sync: bool, label: str) -> dict:
             "params": {n: p.detach().clone() for n, p in setup.model.named_parameters()}}
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"steps": 4, "accum": 2, "reference": True}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "ddp")
     steps = int(ctx.options.get("steps", 4))
     accum = int(ctx.options.get("accum", 2))
     base = ctx.cfg

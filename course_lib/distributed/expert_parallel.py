@@ -103,8 +103,12 @@ def parallelize(model, rank: int, world: int, log: dict):
     return model
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"n_experts": 4, "top_k": 2, "capacity_factor": 1.25, "aux_coef": 0.01}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "expert_parallel")
     o = ctx.options
     n_experts, top_k = int(o.get("n_experts", 4)), int(o.get("top_k", 2))
     cf, aux_coef = float(o.get("capacity_factor", 1.25)), float(o.get("aux_coef", 0.01))

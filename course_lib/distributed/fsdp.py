@@ -33,8 +33,12 @@ def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
             "collectives_last_step": dict(counter.counts), "n_params": sum(p.numel() for p in params), **_common.cuda_peak(ctx.device)}
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"steps": 3, "only": None}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "fsdp")
     steps = int(ctx.options.get("steps", 3))
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, batch_size=ctx.cfg.micro_batch_size)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)

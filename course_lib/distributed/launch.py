@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,7 +75,9 @@ class LaunchResult:
         else:
             head = f"{self.strategy}: {len(self.ranks)} of {self.nproc} ranks wrote results"
         # The ranks' own exceptions first (the root cause is usually one rank's error, the rest is fallout).
-        errors = [ln for ln in self.stderr.splitlines() if ln.startswith("[rank") and "Error" in ln.split(":", 2)[-1][:80]]
+        # An exception's own line ("[rank1]: ConfigError: n_head=2 ..."), not a source line that mentions one.
+        errors = [ln for ln in self.stderr.splitlines() if re.match(r"\[rank\d+\]: (\w+\.)*\w*(Error|Exception|Exit)\w*: ", ln)
+                  or re.match(r"error: ", ln)]
         cause = ("\n--- errors raised in the ranks ---\n" + "\n".join(errors[:10])) if errors else ""
         return head + cause + "\n--- stderr (last 3000 characters) ---\n" + self.stderr[-3000:]
 
@@ -104,6 +107,20 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
             time.sleep(0.1)
 
 
+def check_strategy_options(strategy: str, options: dict) -> None:
+    """A ConfigError (a ValueError) for options the strategy's module does not declare (its OPTIONS), or values of the
+    wrong kind; a series' runs are checked each against its own strategy."""
+    import importlib
+
+    from . import _common
+
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    options = _common.check_options(options, importlib.import_module(f"{__package__}.{strategy}").OPTIONS, strategy)
+    for run in options.get("runs", []) if strategy == "series" else []:
+        check_strategy_options(run["strategy"], run.get("options", {}))
+
+
 def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = None, device: str = "auto",
            timeout_s: float = 180, out_dir: str | Path | None = None, threads_per_process: int | None = None,
            show_errors: bool = True) -> LaunchResult:
@@ -112,6 +129,9 @@ def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = No
     cfg: a TrainConfig (default: the tiny preset). device: "auto" (NCCL if there are `nproc` GPUs, else gloo
     on CPU), "cpu" or "cuda". A run that fails or outlives `timeout_s` comes back with ok=False, its stderr
     kept (and printed when show_errors); every process it started is stopped either way."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: a launch needs a whole number of processes >= 1 (2 for a first try)")
+    check_strategy_options(strategy, options or {})  # here, before any process starts: one message, not one per rank
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"course_{strategy}_"))
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("rank*.json"):

@@ -222,15 +222,19 @@ def stage_flops_per_token(stage_mod: StageModule, context: int) -> int:
     return 6 * n_weights + 12 * len(stage_mod.blocks) * stage_mod.gpt.config.n_embd * context
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"microbatches": [2, 4, 8], "schedules": list(SCHEDULES), "steps": 3, "batch_size": None, "n_layer": 8}
+
+
 def main(argv=None) -> None:
     from ..train import Trainer
 
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "pipeline")
     o = ctx.options
     ms = [int(m) for m in o.get("microbatches", [2, 4, 8])]
     schedules = o.get("schedules", list(SCHEDULES))
     steps = int(o.get("steps", 3))
-    batch = int(o.get("batch_size", max(ms)))
+    batch = int(o["batch_size"] or max(ms))
     if ctx.cfg.compile:
         raise ConfigError("the pipeline's stages run eager: set compile=False")
     mcfg = replace(ctx.cfg.model, n_layer=int(o.get("n_layer", 8)))

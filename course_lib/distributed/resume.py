@@ -135,15 +135,19 @@ def checkpoint_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"global_batch": None, "steps": 6, "ckpt": None, "resume": False, "save_at": [], "resume_in_place": False, "die_in_final_save": False}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "resume")
     o = ctx.options
-    global_batch = int(o.get("global_batch", 2 * ctx.cfg.micro_batch_size))
+    global_batch = int(o["global_batch"] or 2 * ctx.cfg.micro_batch_size)
     if global_batch % ctx.world:
         raise ValueError(f"global_batch={global_batch} does not split over {ctx.world} processes")
     cfg = replace(ctx.cfg, steps=int(o.get("steps", 6)), timing_warmup=1, grad_accum_steps=1, batch_size=global_batch // ctx.world,
                   data_parallel="fsdp")
-    root = Path(o.get("ckpt", ctx.out / "checkpoints"))
+    root = Path(o["ckpt"] or ctx.out / "checkpoints")
     at = global_batches(cfg, global_batch)
     resume = bool(o.get("resume"))
     run = train(cfg, at, ctx.rank, ctx.world, root, save_at=[int(k) for k in o.get("save_at", ())], resume=resume,

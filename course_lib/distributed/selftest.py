@@ -11,8 +11,12 @@ import torch.distributed as dist
 from . import _common
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"mode": "ok"}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "selftest")
     mode = ctx.options.get("mode", "ok")
     if mode == "fail" and ctx.is_last:
         raise RuntimeError(f"rank {ctx.rank} fails on purpose (selftest mode 'fail')")

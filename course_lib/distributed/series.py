@@ -25,8 +25,12 @@ def run_dir(out: str | Path, index: int, strategy: str) -> Path:
     return Path(out) / f"{index}_{strategy}"
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"runs": []}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "series")
     done = []
     with _common.keep_group():
         for i, run in enumerate(ctx.options["runs"]):

@@ -149,11 +149,15 @@ def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
             "parameter_bytes_sharded_local": measure.tensor_bytes(sharded), "parameter_bytes_replicated": measure.tensor_bytes(replicated)}
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"repeats": 3, "sequence_parallel": False, "memory_dropout": 0.1}
+
+
 def main(argv=None) -> None:
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "tensor_parallel")
     repeats = int(ctx.options.get("repeats", 3))
     sequence_parallel = bool(ctx.options.get("sequence_parallel", False))
     cfg = ctx.cfg

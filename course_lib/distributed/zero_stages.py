@@ -112,8 +112,12 @@ def one_process_params(cfg, at, world: int) -> tuple[dict, dict]:
     return result.to_dict(), {n: p.detach() for n, p in one.setup.model.named_parameters()}
 
 
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"steps": 3, "stages": list(zero.STAGES), "offload": False, "reference": True}
+
+
 def main(argv=None) -> None:
-    ctx = _common.start(argv)
+    ctx = _common.start(argv, OPTIONS, "zero_stages")
     steps = int(ctx.options.get("steps", 3))
     stages = [int(s) for s in ctx.options.get("stages", zero.STAGES)]
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, batch_size=ctx.cfg.micro_batch_size)
