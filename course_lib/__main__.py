@@ -181,7 +181,10 @@ def cmd_profile(args) -> int:
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
-        p = profile_run(cfg, active=args.steps if args.steps is not None else 3, trace=trace)
+        active = args.steps if args.steps is not None else 3
+        p = profile_run(cfg, active=active, trace=trace,
+                        progress=lambda step, steps: print(f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""),
+                                                           file=sys.stderr))
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -219,8 +222,11 @@ def cmd_doctor(args) -> int:
     from .doctor import run_doctor
 
     try:
-        report = run_doctor(args.device, quick=args.quick, json_path=args.json)
-    except C.ConfigError as e:
+        if args.json:
+            _new_file(args.json, True, "--json")  # a folder or an unwritable path: said now, not after the checks
+        report = run_doctor(args.device, quick=args.quick, json_path=args.json,
+                            progress=lambda name: print(f"  checking {name} ...", file=sys.stderr))
+    except (C.ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table())
@@ -248,6 +254,9 @@ def cmd_bpe(args) -> int:
                   "a checkout installed with `pip install -e .`, or write them elsewhere with "
                   "`python -m course_lib bpe --out PATH`.", file=sys.stderr)
             return 2
+    if out.exists():  # said before the minutes of training, so that a Ctrl-C keeps the old file
+        print(f"retraining the ranks; {out} will be replaced when done (git restores the shipped one; --out writes elsewhere)",
+              file=sys.stderr)
     ranks = bpe.train_bpe(data.corpus_text(), data.N_RANKS)
     try:
         bpe.save_ranks(ranks, out)
@@ -272,10 +281,20 @@ def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
                    help="the optimised loop a ladder run found on its device (the file `ladder --json PATH` wrote)")
 
 
+def _rungs_and_presets() -> str:
+    """--help's list of the ladder's rungs (by index, with what each is for) and of the presets (their sizes)."""
+    rungs = "\n".join(f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(C.LADDER))
+    presets = "\n".join(f"  {name:<11} {c.model.n_layer} blocks, width {c.model.n_embd}, {c.model.n_head} heads, vocabulary "
+                        f"{c.model.vocab_size}, context {c.context}, batch {c.batch_size}"
+                        for name, c in ((name, C.preset(name, "cpu")) for name in C.PRESETS))
+    return f"rungs (--rungs, --leave-out take their indices):\n{rungs}\n\npresets (--preset):\n{presets}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m course_lib", description="Optimising the training loop: measurements from the command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ladder", help="climb the techniques from naive fp32, keeping each one only where it helps on this device")
+    p = sub.add_parser("ladder", help="climb the techniques from naive fp32, keeping each one only where it helps on this device",
+                       epilog=_rungs_and_presets(), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
@@ -302,15 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace the --trace file if it exists")
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("info", help="what this machine supports")
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("doctor", help="exercise every device-specific path on this device: pass / fail / n/a")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
     p.add_argument("--json", default=None, help="also write the table as JSON here")
     p.set_defaults(func=cmd_doctor)
-    p = sub.add_parser("bpe", help="retrain the course tokenizer's BPE ranks from the corpus")
-    p.add_argument("--out", default=None)
+    p = sub.add_parser("bpe", help="retrain the course tokenizer's BPE ranks from the corpus (replaces the shipped "
+                       "data/shakespeare_bpe.tiktoken unless --out says where)")
+    p.add_argument("--out", default=None, help="write the ranks here instead of replacing the shipped file in data/")
     p.set_defaults(func=cmd_bpe)
     args = parser.parse_args(argv)
     return args.func(args)

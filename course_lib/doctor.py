@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from . import config as C
+from .cache import write_atomic
 from .capabilities import Capabilities, capabilities
 from .results import RunResult, provenance
 
@@ -340,6 +341,6 @@ def run_doctor(device: str | None = None, quick: bool = False, json_path: str | 
                 detail += " | " + traceback.format_exc().strip().splitlines()[-3][:200]
         report.checks.append(Check(name, status, detail, time.perf_counter() - t0))
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report.to_dict(), indent=1))
+        text = json.dumps(report.to_dict(), indent=1)
+        write_atomic(Path(json_path), lambda f: f.write_text(text), strict=True)
     return report

@@ -79,7 +79,7 @@ def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = N
     for bar, r in zip(bars, results):
         text = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if r.ok and base else r.status.upper()
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(results)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(results)), [tick(lab) for lab in labels], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s (median step)")
     ax.set_title(f"Throughput, speed-up vs {base.label if base else 'n/a'}\n{_devices(results)}", fontsize=9)
     ax.margins(y=0.15)
@@ -98,12 +98,37 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
     for i, r in enumerate(results):
         if not r.ok or not r.memory:
             ax.annotate(r.status.upper() if not r.ok else "not measured", (i, 0), ha="center", va="bottom", fontsize=8, color="#c44e52")
-    ax.set_xticks(range(len(results)), [r.label for r in results], rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("peak memory (GiB)")
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in results if r.ok and r.memory})
     ax.set_title(f"Peak memory by category ({'; '.join(methods) or 'n/a'})\n{_devices(results)}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
+
+
+MAX_TICK = 26  # characters of a run's label on an axis; the results table has the whole of it
+MAX_LEGEND = 12  # legend entries: a panel's figure stays readable after many runs
+
+
+def tick(label: str) -> str:
+    """A run's label short enough for an axis: a long one keeps its "#n" and its start."""
+    return label if len(label) <= MAX_TICK else label[: MAX_TICK - 1].rstrip(" ,") + "…"
+
+
+def _legend(ax) -> None:
+    """A legend beside the axes once there are several lines (inside, it would cover them), with at most MAX_LEGEND
+    entries (the latest), labels shortened as on an axis."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not handles:
+        return
+    if len(handles) > MAX_LEGEND:
+        handles, labels = handles[-MAX_LEGEND:], labels[-MAX_LEGEND:]
+        labels[0] = f"(the last {MAX_LEGEND}) " + labels[0]
+    labels = [tick(lab) if len(lab) > 2 * MAX_TICK else lab for lab in labels]
+    if len(handles) <= 4:
+        ax.legend(handles, labels, fontsize=7)
+    else:
+        ax.legend(handles, labels, fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def _label(ax, xlabel: str, ylabel: str, title: str, results: list[RunResult]) -> None:
@@ -112,7 +137,7 @@ def _label(ax, xlabel: str, ylabel: str, title: str, results: list[RunResult]) -
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{_devices(results)}", fontsize=9)
     if ax.lines:
-        ax.legend(fontsize=7)
+        _legend(ax)
 
 
 def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> Figure:
@@ -240,7 +265,7 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
         ax_speed.axhline(target, ls=":", color="#888888", label=f"the course's promise (~{target:g}x)")
     ax_speed.axhline(1.0, lw=0.8, color="#cccccc")
     ax_speed.set_yscale("log")
-    ax_speed.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=8)
+    ax_speed.set_xticks(list(xs), [tick(lab) for lab in labels], rotation=30, ha="right", fontsize=8)
     ax_speed.set_ylabel("speed-up over naive fp32 (x, log scale)")
     ax_speed.set_title("Speed, rung by rung", fontsize=9)
     ax_speed.legend(fontsize=7, loc="upper left")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -35,9 +36,10 @@ class Profile:
         return "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
 
 
-def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = None) -> Profile:
+def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = None,
+                progress: Callable[[int, int], None] | None = None) -> Profile:
     """Train cfg for its warm-up steps and then `active` recorded steps. With `trace`, also write the record as a
-    Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev)."""
+    Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev). `progress(step, steps)` hears each step."""
     if active < 1:
         raise ConfigError(f"active={active}: profile at least 1 step")
     # At least two warm-up steps: the first compiles and fills the caches, and the profiler warms up on the last
@@ -52,7 +54,12 @@ def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = No
 
     trainer = Trainer(cfg)
     with profile(activities=activities, schedule=when) as prof:
-        result = trainer.fit("profiled", callback=lambda step, _r: prof.step())
+        def after(step: int, _r) -> None:
+            prof.step()
+            if progress:
+                progress(step + 1, cfg.steps)
+
+        result = trainer.fit("profiled", callback=after)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     return Profile(result, prof, list(range(warmup, warmup + active)), "cuda" if on_cuda else "cpu")

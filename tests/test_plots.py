@@ -48,3 +48,21 @@ def test_course_figures_stay_out_of_pyplot_and_render_with_content():
     pixels = mpimg.imread(io.BytesIO(png))[..., :3]
     drawn = (pixels < 0.95).any(axis=-1).mean()
     assert drawn > 0.03, f"only {drawn:.1%} of the pixels are drawn"
+
+
+def test_many_runs_stay_readable_short_ticks_and_a_legend_beside_the_curves():
+    """A panel after many presses (notebook 05: 13 runs) and a run named by its whole config (notebook 08)."""
+    runs = []
+    for i in range(15):
+        r = result(f"#{i + 1} precision=bf16, attention=sdpa, compile, vocab_multiple=64, fused_adamw, set_to_none", 100.0 + i)
+        r.losses = [8.0 - 0.1 * k - 0.01 * i for k in range(5)]
+        runs.append(r)
+    fig = plots.plot_results(runs, ("speed", "loss"))
+    ax_speed, ax_loss = fig.axes[0], fig.axes[1]
+    ticks = [t.get_text() for t in ax_speed.get_xticklabels()]
+    assert all(len(t) <= plots.MAX_TICK for t in ticks) and ticks[11].startswith("#12 ")
+    legend = ax_loss.get_legend()
+    texts = [t.get_text() for t in legend.get_texts()]
+    assert len(texts) == plots.MAX_LEGEND and "the last" in texts[0] and texts[-1].startswith("#15")
+    assert legend.get_bbox_to_anchor().x0 > ax_loss.get_window_extent().x0  # placed beside the axes, not over the curves
+    plt.close(fig)

@@ -35,6 +35,7 @@ class Ctx:
     out: Path
     options: dict
     cfg: TrainConfig
+    strategy: str = ""
 
     @property
     def is_first(self) -> bool:
@@ -109,7 +110,7 @@ def start(argv=None, options: dict | None = None, strategy: str = "") -> Ctx:
     from dataclasses import replace
 
     cfg = replace(cfg, device=str(device), measure_memory=False)
-    return Ctx(rank, world, local_rank, device, backend, out, parsed, cfg)
+    return Ctx(rank, world, local_rank, device, backend, out, parsed, cfg, strategy)
 
 
 def write(ctx: Ctx, payload: dict) -> None:
@@ -117,6 +118,9 @@ def write(ctx: Ctx, payload: dict) -> None:
     base = {"rank": ctx.rank, "world_size": ctx.world, "backend": ctx.backend, "device": str(ctx.device),
             "provenance": provenance(measure.device_name(ctx.device)), "time": time.time()}
     (ctx.out / f"rank{ctx.rank}.json").write_text(json.dumps({**base, **payload}, indent=1, default=float))
+    if ctx.is_first and ctx.strategy != "series":  # one line for whoever started it by hand (the series says it per run)
+        print(f"{ctx.strategy or 'strategy'}: {ctx.world} processes ({ctx.backend}, {ctx.device.type}) done; results in "
+              f"{ctx.out}/rank*.json", flush=True)
 
 
 _group_kept = False  # True while series.py runs several strategies in the one process group
