@@ -1,0 +1,229 @@
+"""Bad input, from every door: the command line, the Python API, the panels and the launches. Each case must end in a
+clear message (on the command line: one `error:` line and exit 2, no traceback, nothing run), or in a labelled skipped,
+diverged or failed row; and nothing already written is damaged. The cases are a learner's typos and a workshop's
+accidents; each one's message is checked to say what to change."""
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from course_lib import config as C
+from course_lib import memory as M
+from course_lib import widgets
+from course_lib.__main__ import main as cli
+from course_lib.distributed import launch as L
+from course_lib.train import train
+
+NO_CUDA = not torch.cuda.is_available()
+
+# ---- the command line: exit 2, one `error:` line naming the fix, before any work ------------------------------------
+
+CLI = [
+    (["ladder", "--preset", "tiny", "--leave-out", "0"], "baseline every rung is measured against"),
+    (["ladder", "--preset", "tiny", "--threads", "0"], "--threads takes a number of CPU threads >= 1"),
+    (["ladder", "--preset", "tiny", "--threads", "-4"], "--threads takes a number of CPU threads >= 1"),
+    (["ladder", "--preset", "tiny", "--set", "activation_checkpointing=sometimes"], "is not one of 'none', 'selective', 'full'"),
+    (["ladder", "--preset", "tiny", "--set", "checkpointing=full"], "--set takes TECHNIQUE=VALUE"),
+    (["ladder", "--preset", "tiny", "--rungs", "99"], "--rungs takes indices 0..9"),
+    (["ladder", "--preset", "tiny", "--leave-out", "compile"], "--leave-out takes indices"),
+    (["ladder", "--preset", "tiny", "--device", "tpu"], "is not a torch device"),
+    (["info", "--device", "tpu"], "is not a torch device"),
+    (["export", "--preset", "tiny", "--set", "compile=sometimes"], "compile takes true or false"),
+    (["export", "--preset", "tiny", "--set", "model.bias=perhaps"], "bias takes true or false"),
+    (["export", "--preset", "tiny", "--set", "seed=abc"], "seed takes an integer"),
+    (["export", "--preset", "tiny", "--set", "lr=fast"], "lr takes a finite number"),
+    (["export", "--preset", "tiny", "--set", "lr=inf"], "lr takes a finite number"),
+    (["export", "--preset", "tiny", "--set", "betas=5"], "betas takes 2 numbers"),
+    (["export", "--preset", "tiny", "--set", "betas=2,0.9"], "betas must each be in [0, 1)"),
+    (["export", "--preset", "tiny", "--set", "eps=-1"], "eps must be > 0"),
+    (["export", "--preset", "tiny", "--set", "momentum=-3"], "momentum must be in [0, 1)"),
+    (["export", "--preset", "tiny", "--set", "lrr=1"], "did you mean 'lr'"),
+    (["export", "--preset", "tiny", "--set", "precision=bf61"], "did you mean 'bf16'"),
+    (["export", "--preset", "tiny", "--set", "model.n_layer=0"], "n_layer must be a positive int"),
+    (["export", "--preset", "tiny", "--set", "steps=1"], "raise steps"),
+    (["export", "--preset", "tiny", "--rung", "+ warp drive"], "is not a rung of the ladder"),
+    (["export", "--preset", "tiny", "--ladder", "/nonexistent/ladder.json"], "not a ladder's results file"),
+    (["profile", "--preset", "tiny", "--set", "steps=0"], "steps must be a positive int"),
+]
+if NO_CUDA:
+    CLI += [(["ladder", "--preset", "tiny", "--device", "cuda"], "CUDA is not available here"),
+            (["profile", "--preset", "tiny", "--device", "cuda"], "CUDA is not available here")]
+
+
+@pytest.mark.parametrize("args, says", CLI, ids=[" ".join(a) for a, _ in CLI])
+def test_the_command_line_refuses_with_one_line(args, says, capsys):
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err, err
+    assert "Traceback" not in err and "rung 1 of" not in err and "step 1 of" not in err
+
+
+def test_a_folder_or_an_unwritable_path_is_refused_before_the_run(tmp_path, capsys):
+    folder = tmp_path / "out"
+    folder.mkdir()
+    for args in (["ladder", "--json", str(folder)], ["export", "--out", str(folder)], ["profile", "--trace", str(folder)],
+                 ["doctor", "--quick", "--json", str(folder)]):
+        assert cli([*args, "--preset", "tiny"] if args[0] != "doctor" else args) == 2, args
+        err = capsys.readouterr().err
+        assert "is a folder: give a file name" in err and "step 1 of" not in err and "checking" not in err, (args, err)
+    afile = tmp_path / "afile"  # a path under a regular file cannot be written, by root either
+    afile.write_text("x")
+    assert cli(["ladder", "--preset", "tiny", "--json", str(afile / "l.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is not writable" in err and "rung 1 of" not in err
+
+
+def test_an_existing_file_is_kept_unless_forced(tmp_path, capsys):
+    out = tmp_path / "train.py"
+    out.write_text("mine")
+    assert cli(["export", "--preset", "tiny", "--out", str(out)]) == 2
+    assert "exists: pass --force" in capsys.readouterr().err and out.read_text() == "mine"
+    assert cli(["ladder", "--preset", "tiny", "--json", str(out)]) == 2 and out.read_text() == "mine"
+    assert cli(["profile", "--preset", "tiny", "--trace", str(out)]) == 2 and out.read_text() == "mine"
+
+
+def test_ctrl_c_during_a_ladder_keeps_the_rungs_measured(tmp_path, capsys, monkeypatch):
+    """The climb saves after every rung; an interrupt ends cleanly with exit 130, says what was saved and how to go on."""
+    from course_lib import ladder as ladder_mod
+    from course_lib.results import RunResult, load_results, provenance
+
+    def interrupted(base, on_result=None, **_):
+        done = [RunResult("naive fp32", "ok", base.to_dict(), provenance("test"), tokens_per_s=1.0, median_step_s=1.0,
+                          ladder={"kept": True, "why": "the baseline"})]
+        on_result(done)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ladder_mod, "run_ladder", interrupted)
+    out = tmp_path / "l.json"
+    assert cli(["ladder", "--preset", "tiny", "--json", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: 1 rung(s) measured, saved in" in err and "Traceback" not in err
+    results, meta = load_results(out)
+    assert [r.label for r in results] == ["naive fp32"] and meta["preset"] == "tiny"
+
+
+# ---- the Python API: a ConfigError that says what to change -------------------------------------------------------
+
+API = [
+    (lambda: C.TrainConfig(lr=math.inf), "lr takes a finite number"),
+    (lambda: C.TrainConfig(eps=math.nan), "eps takes a finite number"),
+    (lambda: C.TrainConfig(betas=(2, -1)), "betas must each be in [0, 1)"),
+    (lambda: C.TrainConfig(compile="no"), "compile takes True or False"),
+    (lambda: C.TrainConfig(steps=True), "steps takes an integer"),
+    (lambda: C.TrainConfig(batch_size=2.0), "batch_size takes an integer"),
+    (lambda: C.TrainConfig(clip_norm=-1), "clip_norm must be positive or None"),
+    (lambda: C.TrainConfig(device="tpu"), "is not a torch device"),
+    (lambda: C.ModelConfig(n_layer=True), "n_layer takes an integer"),
+    (lambda: C.ModelConfig(dropout=1.5), "dropout must be in [0, 1)"),
+    (lambda: C.ModelConfig(attention="flash"), "is not one of 'naive', 'sdpa'"),
+    (lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "stepz": 3}), "did you mean 'steps'"),
+    (lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "model": {"n_layers": 2}}), "did you mean 'n_layer'"),
+    (lambda: C.TrainConfig.from_dict([1, 2]), "a TrainConfig is a dict of its fields"),
+    (lambda: C.preset("cpu-large"), "Unknown preset"),
+    (lambda: C.parse_setting("warmup", "3"), "is not a setting"),
+    (lambda: M.max_batch_that_fits(C.tiny_preset("cpu"), 1e6), "every batch up to limit=4096 fits"),
+    (lambda: train(C.tiny_preset("cpu"), batches=lambda step: []), "returned no micro-batches"),
+    (lambda: train(dataclasses.replace(C.tiny_preset("cpu"), steps=2)), "raise steps"),
+    (lambda: train(C.tiny_preset("cpu").with_model(vocab_size=10)), "smaller than the tokenizer"),
+]
+
+
+@pytest.mark.parametrize("make, says", API, ids=[s for _, s in API])
+def test_the_api_says_what_to_change(make, says):
+    with pytest.raises(C.ConfigError, match=None) as e:
+        make()
+    assert says in str(e.value), str(e.value)
+
+
+def test_a_run_that_diverges_stops_and_says_so(tiny):
+    r = train(tiny(lr=1e6, steps=6))
+    assert r.status == "diverged" and not r.ok
+    assert "diverged: the loss became nan at step" in r.reason and "lower lr" in r.reason
+    assert len(r.losses) < 6 and not math.isfinite(r.losses[-1])  # stopped at the first non-finite loss
+    assert r.tokens_per_s is None and r.memory is None  # no speed or memory is claimed for it
+
+
+# ---- the panels: a row that says why, never a crash or a silent change ----------------------------------------------
+
+def test_panel_inputs():
+    base = C.tiny_preset("cpu")
+    p = widgets.Panel(base, controls=("preset", "attention", "batch_size", "grad_accum_steps", "steps"))
+    assert p.controls["steps"].min == widgets.fewest_steps(base) == base.timing_warmup + 2  # the slider cannot go below a run
+    with pytest.raises(C.ConfigError, match="outside this control's range"):
+        p.set(steps=1)  # a slider would clamp it silently
+    with pytest.raises(C.ConfigError, match="outside this control's range"):
+        p.set(batch_size=10_000)
+    with pytest.raises(C.ConfigError, match="did you mean 'sdpa'"):
+        p.set(attention="sdpaa")
+    with pytest.raises(KeyError, match="no 'lr' control"):
+        p.set(lr=1.0)
+    p.set(batch_size=3, grad_accum_steps=2)
+    bad = p.run()
+    assert bad.status == "skipped" and "does not divide" in bad.reason and p.results[-1] is bad
+    p.set(batch_size=4, grad_accum_steps=1)
+    ok = p.run()
+    p.set(preset="cpu")  # another network: its label says so, and no ratio to the tiny baseline is drawn
+    assert p.label(p.config()).startswith(f"#{len(p.results) + 1} preset=cpu")
+
+
+def test_a_panel_run_that_raises_is_a_row_and_the_panel_lives_on():
+    def runner(cfg, label, callback):
+        raise RuntimeError("the runner fell over")
+
+    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=runner)
+    r = p.run()
+    assert r.status == "error" and "RuntimeError: the runner fell over" in r.reason and p.results == [r]
+    assert p.progress.description == "error"
+
+
+def test_a_comparison_across_networks_is_labelled_not_computed():
+    from course_lib.results import RunResult, provenance, table_rows
+
+    tiny, cpu = C.tiny_preset("cpu"), C.cpu_preset("cpu")
+    a = RunResult("tiny", "ok", tiny.to_dict(), provenance("t"), tokens_per_s=100.0, median_step_s=1.0, memory={"peak_bytes": 100})
+    b = RunResult("cpu", "ok", cpu.to_dict(), provenance("t"), tokens_per_s=30.0, median_step_s=1.0, memory={"peak_bytes": 600})
+    row = table_rows([a, b])[1]
+    assert row["speed-up"] == row["memory vs base"] == "other model"
+
+
+# ---- the launches: refused before a process starts -------------------------------------------------------------------
+
+LAUNCH = [
+    (dict(strategy="ddp", nproc=0), "a launch needs a whole number of processes >= 1"),
+    (dict(strategy="ddp", nproc=2, options={"stepz": 3}), "did you mean 'steps'"),
+    (dict(strategy="ddp", nproc=2, options={"steps": "three"}), "steps=\"three\": takes an integer"),
+    (dict(strategy="tensor_parallel", nproc=2, options={"sequence_parallel": 1}), "takes true or false"),
+    (dict(strategy="series", nproc=2, options={"runs": [{"strategy": "fsdp", "options": {"step": 1}}]}), "fsdp has no option 'step'"),
+    (dict(strategy="dpp", nproc=2), "unknown strategy 'dpp'"),
+]
+
+
+@pytest.mark.parametrize("kw, says", LAUNCH, ids=[s for _, s in LAUNCH])
+def test_a_launch_refuses_before_starting(kw, says, tmp_path):
+    with pytest.raises(ValueError) as e:
+        L.launch(kw.pop("strategy"), kw.pop("nproc"), out_dir=tmp_path / "never", **kw)
+    assert says in str(e.value), str(e.value)
+    assert not (tmp_path / "never").exists()  # nothing was started or written
+
+
+@pytest.mark.distributed
+def test_a_rank_error_is_shown_by_its_message(tmp_path):
+    """tensor parallelism over 3 ranks with 2 heads: each rank's ValueError, as its message, not a source line."""
+    r = L.launch("tensor_parallel", 3, out_dir=tmp_path, show_errors=False, timeout_s=120)
+    assert not r.ok
+    errors = r.why().split("--- errors raised in the ranks ---")[1].split("--- stderr")[0]
+    assert "ValueError: n_head=2 must be divisible by the 3 tensor-parallel ranks" in errors and "raise " not in errors
+
+
+def test_a_damaged_cache_entry_is_dropped_and_measured_again(tmp_path, monkeypatch, capsys):
+    from course_lib import capabilities as K
+
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    for damaged, says in (("null", "holds no table of peaks"), ("[1, 2]", "holds no table of peaks"),
+                          (json.dumps({"a key": None, "another": "fast", "good": 0.5}), "2 unreadable entries")):
+        (tmp_path / "matmul_peaks.json").write_text(damaged)
+        kept = K._read_cache()
+        assert says in capsys.readouterr().err
+        assert kept == ({"good": 0.5} if "good" in damaged else {})
