@@ -41,9 +41,7 @@ def cmd_ladder(args) -> int:
                 raise C.ConfigError(f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}")
             options[name] = C.parse_setting(name, value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
-        C.check_ladder_arguments(options, leave_out)
-        for name, value in options.items():  # a value the field rejects: said now, not as a skipped rung at the end
-            C.TECHNIQUE[name].set(C.naive(base), value)
+        C.check_ladder_arguments(options, leave_out)  # (run_ladder checks the options' values before its first rung)
         out = check_writable(args.json) if args.json else None
         if out is not None and out.exists() and not args.force:
             raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")
@@ -66,6 +64,9 @@ def cmd_ladder(args) -> int:
     try:
         results = run_ladder(base, progress=lambda text: print(text, file=sys.stderr), rungs=rungs, options=options,
                              leave_out=leave_out, fixed=args.fixed, on_result=save)
+    except C.ConfigError as e:  # what run_ladder refuses before its first rung
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         where = f", saved in {out}" if out is not None and saved else ""
         print(f"\ninterrupted: {len(saved)} rung(s) measured{where}. Run the same command again (with --force) to "

@@ -125,7 +125,8 @@ def step_work(cfg: TrainConfig) -> StepWork:
 def forward_backward_seconds(cfg: TrainConfig, repeats: int = 5, splits: Splits | None = None) -> dict[str, float]:
     """Median seconds of one micro-batch's forward (with the loss, keeping what backward needs) and of its backward,
     on cfg.device, timed as every step is (measure.time_fn: warm-up, synchronised clock, median). The model and its
-    techniques are the loop's own (train.Trainer); backward is (forward + backward) less forward."""
+    techniques are the loop's own (train.Trainer); backward is (forward + backward) less forward. With the loss in
+    slices (loss_chunks > 1) the output layer's gradients are made in the forward pass: their time is in "forward"."""
     trainer = train.Trainer(cfg, splits=splits)
     setup, dev = trainer.setup, trainer.dev
     x, y = (t.to(dev) for t in trainer.batches(0)[0])

@@ -470,11 +470,18 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
         raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
 
 
+def rung_option(rung: Rung, options: dict | None):
+    """What `options` {technique: value} make `rung` set instead of its own value, or None. An option replaces what its
+    technique's last rung sets (precision=fp16: the 16-bit rung's format, not TF32's)."""
+    last = rung.technique is not None and rung is [r for r in LADDER if r.technique is rung.technique][-1]
+    return (options or {}).get(rung.technique.name) if last else None
+
+
 def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
     """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities) resolves it: FAST_16BIT becomes
     the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
     `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
-    value = (options or {}).get(rung.technique.name) if rung.technique else None
+    value = rung_option(rung, options)
     if value is None and rung.value == FAST_16BIT:
         value = caps.fast_16bit()[0] or "bf16"
     try:

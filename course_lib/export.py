@@ -898,7 +898,7 @@ def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> Tr
     except ConfigError:  # not on this machine
         cfg = C.naive(base)
         for r in C.LADDER[: names.index(rung) + 1]:
-            cfg = r.apply(cfg, options.get(r.technique.name) if r.technique else None)
+            cfg = r.apply(cfg, C.rung_option(r, options))
         return cfg
     for r, cfg in C.ladder_configs(base, options):
         if r.name == rung:

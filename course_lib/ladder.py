@@ -96,13 +96,14 @@ def judge(aims: tuple[str, ...], speed: SpeedChange, memory: tuple[float | None,
     speed-up over naive fp32 with this rung; a memory technique that would leave the loop slower than naive fp32 is not
     kept (the optimised loop is faster *and* leaner than where it started)."""
     mem_factor, mem_verdict = memory
-    speed_text = {FASTER: f"{speed.factor:.2f}x faster", SLOWER: f"{1 / speed.factor:.2f}x slower" if speed.factor else "slower",
-                  NO_CHANGE: "no measurable change in speed", TOO_FEW: TOO_FEW}[speed.verdict]
+    if speed.verdict in (FASTER, SLOWER):  # (a factor exists only where there were pairs)
+        speed_text = f"{speed.factor:.2f}x faster" if speed.verdict == FASTER else f"{1 / speed.factor:.2f}x slower"
+    else:
+        speed_text = "no measurable change in speed" if speed.verdict == NO_CHANGE else TOO_FEW
     mem_text = (f"{mem_factor:.2f}x the memory" if mem_verdict in (LEANER, FATTER) else
                 "no measurable change in memory" if mem_verdict == NO_CHANGE else "memory not measured")
     helped = (C.SPEED in aims and speed.verdict == FASTER) or (C.MEMORY in aims and mem_verdict == LEANER)
-    hurt = ((C.SPEED in aims and speed.verdict == SLOWER and mem_verdict != LEANER)
-            or (C.MEMORY in aims and mem_verdict == FATTER and speed.verdict != FASTER))
+    hurt = (C.SPEED in aims and speed.verdict == SLOWER) or (C.MEMORY in aims and mem_verdict == FATTER)
     if C.MEMORY in aims and C.SPEED not in aims:  # a memory technique trades time for memory by design: it is kept for memory
         kept, what = mem_verdict == LEANER, f"{mem_text}, {speed_text}"
         if kept and loop_speedup is not None and loop_speedup < 1 - MIN_SPEED_CHANGE:
@@ -159,6 +160,13 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
     C.check_ladder_arguments(options, leave_out)
     for name, value in (options or {}).items():  # a value its field rejects is an error now, not a skipped rung minutes later
         C.TECHNIQUE[name].set(C.naive(base), value)
+    names = [r.name for r in C.LADDER]
+    if unknown := [n for n in rungs or [] if n not in names]:
+        raise C.ConfigError(f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}")
+    if base.steps < (needed := steps_to_judge(base)):  # a verdict needs MIN_PAIRS timed steps: more steps, and said so
+        if progress:
+            progress(f"steps per rung raised from {base.steps} to {needed}: a rung needs {MIN_PAIRS} timed steps to be judged")
+        base = dataclasses.replace(base, steps=needed)
     leave_out = dict(leave_out or {})
     if rungs is not None:
         for rung in C.LADDER[1:]:
@@ -187,6 +195,7 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
                     naive_loop = best = _Loop(trainer, result, 1.0)
             else:
                 loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
+                trainer = None  # a rung not kept: its model and optimizer go before the next rung builds its own
                 if loop is not None:
                     if best is not naive_loop:
                         best.trainer = None  # the superseded loop's model and optimizer can go
@@ -206,6 +215,12 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
         if on_result:
             on_result(results)
     return results
+
+
+def steps_to_judge(cfg: C.TrainConfig) -> int:
+    """The fewest steps per rung that leave MIN_PAIRS timed steps: the warm-up, and the memory ledger's on a CPU."""
+    ledger = cfg.measure_memory and str(cfg.device).startswith("cpu")
+    return cfg.timing_warmup + MIN_PAIRS + (1 if ledger else 0)
 
 
 def _progress_text(i: int, n: int, name: str, started: float) -> str:
@@ -232,10 +247,14 @@ def _measure(cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_
             printer(step, result)
         if best is None or not made["trainer"].is_timed(step):
             return
-        if not pairs and not made.get("rewarmed"):
-            best.trainer.step()  # untimed: building this rung reset the compiler, so a compiled best loop compiles again here
-            made["rewarmed"] = True
-        pairs.append((best.trainer.step(), result.step_times[-1]))
+        try:
+            if not pairs and not made.get("rewarmed"):
+                best.trainer.step()  # untimed: building this rung reset the compiler, so a compiled best loop compiles again
+                made["rewarmed"] = True
+            pairs.append((best.trainer.step(), result.step_times[-1]))
+        except Exception as e:  # noqa: BLE001 - the best loop's failure is not this rung's: stop pairing, say whose it was
+            made["best_failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            raise StopRun(f"the best loop so far failed while paired with this rung ({made['best_failed']})") from None
         if give_up and len(pairs) >= GIVE_UP_AFTER and all(rung > GIVE_UP_SLOWER * b for b, rung in pairs):
             raise StopRun(f"stopped after {len(pairs)} timed steps, each over {GIVE_UP_SLOWER:g}x slower than the best loop so far")
 
@@ -250,9 +269,15 @@ def _measure(cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_
         free_memory()
         result = RunResult(label=label, status="error", config=cfg.to_dict(), provenance=provenance(capabilities(cfg.device).name),
                            reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+    if printer and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
+        sys.stderr.write("\n")
     if not result.ok:
         made.clear()
         free_memory()
+    if "best_failed" in made:  # (an OOM in the middle of its step can leave its optimizer or scaler half-way): a fresh one
+        cfg_best, best.trainer = best.cfg, None
+        free_memory()
+        best.trainer = Trainer(cfg_best)
     return result, made.get("trainer"), pairs
 
 

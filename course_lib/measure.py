@@ -425,17 +425,20 @@ class LedgerMeasurement(NotMeasured):
         return self.ledger.report()
 
 
-def cuda_memory_report(device, static: dict[str, int | None], peak: int | None = None, baseline: int = 0) -> MemoryReport:
+def cuda_memory_report(device, static: dict[str, int | None], peak: int | None = None, baseline: int = 0,
+                       reserved: int | None = None) -> MemoryReport:
     """CUDA: the allocator's peak (`peak`, else max_memory_allocated since the last reset), less `baseline` (what was
     allocated before the run: an earlier run's leftovers must not inflate this one). Parameters, gradients and optimizer
     state come from the tensors themselves (None where they cannot be known at the peak); activations and logits are
     None, "not measured", since the allocator does not know what a block was for: they are inside "other", the rest of
-    the peak. Reserved is the caching allocator's peak for the whole process."""
+    the peak. Reserved is the caching allocator's peak (`reserved`, read over the run's own steps, else since the last
+    reset): what it held from the driver, this process's other tensors included."""
     peak = (torch.cuda.max_memory_allocated(device) if peak is None else peak) - baseline
     by: dict[str, int | None] = dict.fromkeys(CATEGORIES, None)
     by.update(static)
     by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
-    return MemoryReport(peak_bytes=peak, by_category=by, reserved_bytes=torch.cuda.max_memory_reserved(device),
+    return MemoryReport(peak_bytes=peak, by_category=by,
+                        reserved_bytes=torch.cuda.max_memory_reserved(device) if reserved is None else reserved,
                         method="CUDA: torch.cuda.max_memory_allocated over the run's timed steps (the peak reset before each), "
                                "less what was allocated before the run; activations and logits are not measured separately (inside 'other')")
 

@@ -366,8 +366,9 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     slice's gradients made at once. From the first slice on, the whole input gradient (tokens x h) and weight gradient
     (V x h) exist, kept for backward (made in the forward pass: "activations" to the ledger), beside the output layer's
     input, the final LayerNorm's output (tokens x h fp32, not kept after the forward). The worst moment of a slice is
-    its share of the weight gradient: the slice's logits, its softmax - onehot in fp32 (and, under autocast, that in 16
-    bits) and the (V x h) product being added. In backward, "start of backward": the two kept gradients and the two
+    its share of the weight gradient: the slice's logits (in fp32 turned into softmax - onehot in place; under autocast
+    the 16-bit logits, an fp32 copy turned into softmax - onehot, and that in 16 bits) and the (V x h) product being
+    added. In backward, "start of backward": the two kept gradients and the two
     scaled by the loss's gradient.
     """
     m = cfg.model
@@ -404,9 +405,8 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
         fwd["the slice's 16-bit logits (c V)"] = ("logits", c * V * 2)
         fwd["the slice's softmax - onehot, fp32 and 16-bit (c V)"] = ("logits", c * V * (4 + 2))
         fwd["the slice's weight-gradient share, 16-bit and fp32 (V h)"] = ("logits", V * h * (2 + 4))
-    else:
-        fwd["the slice's logits (c V fp32)"] = ("logits", c * V * 4)
-        fwd["the slice's softmax - onehot (c V fp32)"] = ("logits", c * V * 4)
+    else:  # the fp32 logits become softmax - onehot in place
+        fwd["the slice's logits, then softmax - onehot in place (c V fp32)"] = ("logits", c * V * 4)
         fwd["the slice's weight-gradient share (V h fp32)"] = ("logits", V * h * 4)
     back = {**kept, "the two gradients times the loss's gradient (T h + V h fp32)": ("other", (T + V) * h * 4)}
     return {"forward: a loss slice": fwd, "start of backward": back}

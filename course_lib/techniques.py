@@ -108,7 +108,7 @@ class HeadLossInSlices(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for h, t, gh in zip(hidden.chunk(chunks), targets.chunk(chunks), grad_hidden.chunk(chunks)):
             logits = head(h)  # (c, V), 16-bit under autocast
-            p = logits.float() if logits.dtype != torch.float32 else logits.clone()  # the loss in fp32
+            p = logits.float()  # the loss in fp32: a copy of 16-bit logits, or the fp32 logits themselves, used up in place
             valid = t != IGNORE_INDEX  # (c,)
             t0 = t.clamp(min=0)[:, None]  # (c, 1): padding's index made a valid one; its row is zeroed below
             picked = p.gather(1, t0).squeeze(1)  # the target's logit (c,)

@@ -109,7 +109,8 @@ class Trainer:
         self.flops_per_token = flops_per_token or (
             measure.flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context)
             if isinstance(model, GPT) else None)  # any other model: counted on the first batch, in fit()
-        self.params: list[torch.Tensor] = []  # what the optimizer updates, read when fit() starts (.setup may be replaced before)
+        self.params = list(self.setup.model.parameters())  # what the optimizer updates (read again when fit() starts:
+        # a caller may replace .setup before)
         self.step_index = 0  # the next step's index: what batches() is asked for
         self.result: RunResult | None = None  # the run being recorded, while fit() runs
 
@@ -149,7 +150,7 @@ class Trainer:
             raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
                               f"{' and the memory-ledger step' if self._ledger_step is not None else ''}: raise steps to at least {len(self._excluded) + 1}")
         self._ledger = measure.LedgerMeasurement(self.setup.parts.head) if self._ledger_step is not None else None
-        self._cuda_peak = None
+        self._cuda_peak = self._cuda_reserved = None
         return self.result
 
     def is_timed(self, step: int) -> bool:
@@ -186,6 +187,7 @@ class Trainer:
             return seconds
         if cuda_peak:
             self._cuda_peak = max(self._cuda_peak or 0, torch.cuda.max_memory_allocated(dev))
+            self._cuda_reserved = max(self._cuda_reserved or 0, torch.cuda.max_memory_reserved(dev))
         # Read values back only after the timed region.
         result.losses.append(step_loss.item())
         result.grad_norms.append(norm.item())
@@ -223,7 +225,8 @@ class Trainer:
             # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
             static: dict = measure.static_bytes(setup.model, setup.optimizer, gradients_at_parameter_size=True)
             static["gradients"] = None if cfg.set_to_none else static["gradients"]
-            result.memory = measure.cuda_memory_report(dev, static, peak=self._cuda_peak, baseline=self.cuda_baseline).to_dict()
+            result.memory = measure.cuda_memory_report(dev, static, peak=self._cuda_peak, baseline=self.cuda_baseline,
+                                                       reserved=self._cuda_reserved).to_dict()
         self.result = None
         return result
 

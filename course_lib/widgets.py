@@ -291,6 +291,8 @@ class Panel:
             if getattr(w, "disabled", False) and v:
                 raise C.ConfigError(f"{k} is unavailable on this device: {self.reasons.get(f'{k}=True', 'disabled')}")
             lo, hi = getattr(w, "min", None), getattr(w, "max", None)
+            if isinstance(w, W.FloatLogSlider):  # its min and max are exponents of its base
+                lo, hi = w.base**w.min, w.base**w.max
             if isinstance(v, (int, float)) and not isinstance(v, bool) and lo is not None and not lo <= v <= hi:
                 raise C.ConfigError(f"{k}={v} is outside this control's range {lo}..{hi} (a slider would clamp it): "
                                     "choose a value in the range")
@@ -304,9 +306,18 @@ class Panel:
 
     def start_from(self, cfg: C.TrainConfig) -> "Panel":
         """Set every config control to `cfg`'s value (the loop a ladder kept, a rung's config) and make it the panel's
-        starting config, which the runs' labels are named against."""
-        self.set(**{k: _current(cfg, k) for k in self.controls if k not in ("preset", "device")})
+        starting config, which the runs' labels are named against (another network too: the preset control and the
+        sliders' ranges follow it)."""
         self.base = cfg
+        if "preset" in self.controls:
+            self.controls["preset"].value = self._matching_preset()
+        for name, w in self.controls.items():  # ranges that depend on the config (context up to the block size)
+            if name in SLIDERS:
+                lo, hi, _ = SLIDERS[name]
+                value = _current(cfg, name)
+                w.max = max(hi(cfg) if callable(hi) else hi, value)
+                w.min = min(lo(cfg) if callable(lo) else lo, value)
+        self.set(**{k: _current(cfg, k) for k in self.controls if k not in ("preset", "device")})
         return self
 
     def label(self, cfg: C.TrainConfig) -> str:

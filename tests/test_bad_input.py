@@ -163,9 +163,20 @@ def test_panel_inputs():
     bad = p.run()
     assert bad.status == "skipped" and "does not divide" in bad.reason and p.results[-1] is bad
     p.set(batch_size=4, grad_accum_steps=1)
-    ok = p.run()
-    p.set(preset="cpu")  # another network: its label says so, and no ratio to the tiny baseline is drawn
+    assert p.run().ok
+    p.set(preset="cpu")  # another network: its label says so (the table gives no ratio across networks: the test below)
     assert p.label(p.config()).startswith(f"#{len(p.results) + 1} preset=cpu")
+    lr_panel = widgets.Panel(base, controls=("lr",))  # a log slider: its range is 1e-5..1e-1, not its exponents
+    assert lr_panel.set(lr=3e-4).config().lr == pytest.approx(3e-4, rel=0.3)
+    with pytest.raises(C.ConfigError, match="outside this control's range"):
+        lr_panel.set(lr=1.0)
+
+
+def test_start_from_another_network_follows_it():
+    p = widgets.Panel(C.tiny_preset("cpu"), controls=("preset", "precision", "batch_size", "context"))
+    cpu = C.cpu_preset("cpu")
+    p.start_from(cpu)
+    assert p.controls["preset"].value == "cpu" and p.config() == cpu and p.label(p.config()) == "#1 baseline"
 
 
 def test_a_panel_run_that_raises_is_a_row_and_the_panel_lives_on():
