@@ -224,7 +224,7 @@ def cmd_doctor(args) -> int:
 
     try:
         if args.json:
-            _new_file(args.json, True, "--json")  # a folder or an unwritable path: said now, not after the checks
+            _new_file(args.json, args.force, "--json")  # a folder, an unwritable path or an earlier file: said now, not after
         report = run_doctor(args.device, quick=args.quick, json_path=args.json,
                             progress=lambda name: print(f"  checking {name} ...", file=sys.stderr))
     except (C.ConfigError, OSError) as e:
@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
     p.add_argument("--json", default=None, help="also write the table as JSON here")
+    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("bpe", help="retrain the course tokenizer's BPE ranks from the corpus (replaces the shipped "
                        "data/shakespeare_bpe.tiktoken unless --out says where)")

@@ -108,7 +108,7 @@ class Panel:
                 raise ValueError(f"the runner takes no argument named {', '.join(missing)}: its extra controls reach it as keywords")
         self.runner = runner or self._default_runner
         self.plot_names = tuple(plots)
-        self.save_to = Path(save_to) if save_to else None
+        self.save_to, self.save_note = self._file_of_its_own(save_to) if save_to else (None, "")
         self.results: list[RunResult] = []
         self.last_figure = None
         self._types = _field_types()
@@ -127,7 +127,7 @@ class Panel:
         self.run_button = W.Button(description="Run", button_style="primary", icon="play")
         self.clear_button = W.Button(description="Clear", icon="trash")
         self.progress = W.IntProgress(value=0, min=0, max=1, description="idle", layout=W.Layout(width="320px"))
-        self.status = W.HTML()
+        self.status = W.HTML(self.save_note)
         self.table = W.HTML(html_table([]))
         # The figure is PNG bytes in one persistent Image widget, replaced on every redraw: a figure displayed into an
         # Output widget from the Run button's callback came out blank or half drawn in JupyterLab (tests/test_browser.py).
@@ -303,6 +303,21 @@ class Panel:
                                     f"{C.did_you_mean(v, shown)}")
             w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
         return self
+
+    @staticmethod
+    def _file_of_its_own(path) -> tuple[Path, str]:
+        """(the file this panel keeps its runs in, what to tell the learner): `path`, checked now, or where a file is
+        there already (an earlier session's runs), the first free `<name>-2.json`, `-3`... beside it, so that nothing
+        already written is replaced."""
+        from .results import check_writable
+
+        path = check_writable(path)
+        if not path.exists():
+            return path, f"runs saved to {path}"
+        n = 2
+        while (free := path.with_name(f"{path.stem}-{n}{path.suffix}")).exists():
+            n += 1
+        return free, f"runs saved to {free} ({path} holds earlier runs: kept as it is)"
 
     def start_from(self, cfg: C.TrainConfig) -> "Panel":
         """Set every config control to `cfg`'s value (the loop a ladder kept, a rung's config) and make it the panel's

@@ -106,6 +106,22 @@ def test_save_to_keeps_every_run_in_a_file(tmp_path):
     assert as_json(saved) == as_json(p.results)
 
 
+def test_save_to_never_replaces_an_earlier_file_and_says_where_it_writes(tmp_path):
+    """A second session's panel with the same save_to writes beside the first one's file, and the panel says so."""
+    from course_lib.results import load_results
+
+    path = tmp_path / "panel.json"
+    first = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), save_to=path)
+    first.run()
+    before = path.read_text()
+    second = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), save_to=path)
+    assert second.save_to == tmp_path / "panel-2.json" and "holds earlier runs: kept as it is" in second.status.value
+    second.run()
+    assert path.read_text() == before and len(load_results(second.save_to)[0]) == 1
+    with pytest.raises(IsADirectoryError, match="is a folder"):
+        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), save_to=tmp_path)
+
+
 def _drawn(png: bytes) -> float:
     import io
 
