@@ -523,6 +523,10 @@ def _check(cfg: TrainConfig) -> None:
     if cfg.steps <= cfg.timing_warmup:
         raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "
                           f"raise steps to at least {cfg.timing_warmup + 1}")
+    tokens = data_mod.get_tokenizer().n_vocab  # the script trains on the course's BPE: every token needs a row
+    if cfg.model.vocab_size < tokens:
+        raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokens} tokens: "
+                          f"raise vocab_size to at least {tokens}")
 
 
 def techniques_on(cfg: TrainConfig) -> list[str]:

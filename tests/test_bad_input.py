@@ -43,6 +43,7 @@ CLI = [
     (["export", "--preset", "tiny", "--set", "precision=bf61"], "did you mean 'bf16'"),
     (["export", "--preset", "tiny", "--set", "model.n_layer=0"], "n_layer must be a positive int"),
     (["export", "--preset", "tiny", "--set", "steps=1"], "raise steps"),
+    (["export", "--preset", "tiny", "--set", "model.vocab_size=10"], "smaller than the tokenizer's 4097 tokens"),
     (["export", "--preset", "tiny", "--rung", "+ warp drive"], "is not a rung of the ladder"),
     (["export", "--preset", "tiny", "--ladder", "/nonexistent/ladder.json"], "not a ladder's results file"),
     (["profile", "--preset", "tiny", "--set", "steps=0"], "steps must be a positive int"),
