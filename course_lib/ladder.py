@@ -364,7 +364,7 @@ def optimised(results: list[RunResult]) -> RunResult | None:
 
 
 def optimised_config(results: list[RunResult]) -> C.TrainConfig:
-    """The config of the loop a climb ended with: what `export --ladder` writes and notebook 08's panel starts from."""
+    """The config of the loop a climb ended with: what `export --ladder` writes and notebook 09's panel starts from."""
     row = optimised(results)
     if row is None or not row.config:
         raise C.ConfigError("these results hold no optimised loop (no '= optimised here' row): run the whole ladder")

@@ -74,7 +74,7 @@ def run_step(setup: techniques.Setup, cfg: TrainConfig, params: list[torch.Tenso
 class Trainer:
     """The one training loop, built for one config.
 
-    model: the course's GPT of cfg.model by default; any module mapping inputs to logits works (notebook 08
+    model: the course's GPT of cfg.model by default; any module mapping inputs to logits works (notebook 09
       trains an MLP), with `parts` saying what the techniques may need (its blocks, body and output layer).
     batches(step) -> [(x, y), ...]: the micro-batches of a step; by default random windows of the course's text.
     flops_per_token: by default the GPT formula for a GPT, else counted once with FlopCounterMode.

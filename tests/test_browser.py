@@ -1,4 +1,4 @@
-"""The course in a real browser: for every notebook with a panel (01-08, see PANELS), JupyterLab in headless
+"""The course in a real browser: for every notebook with a panel (01-09, see PANELS), JupyterLab in headless
 Chromium runs the cells that panel needs, changes that notebook's key control, clicks Run twice, and checks after
 each click that the results table gains a row naming the change and that the panel's figure is a new, drawn figure:
 its PNG, read from the page, has real content (a share of non-background pixels, also as the browser decodes it, and
@@ -74,7 +74,7 @@ PANELS = [
     PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
     PanelCase("07_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2")),
     # (the panel starts from the loop the ladder kept, with 8 chunks where the chunked loss was kept: 4 always differs)
-    PanelCase("08_putting_it_together.ipynb", (("loss chunks", "4"),), ("loss_chunks=4",)),
+    PanelCase("09_putting_it_together.ipynb", (("loss chunks", "4"),), ("loss_chunks=4",)),
 ]
 MIN_INK = 0.03  # share of the figure's pixels that are not background (panel figures here: 10-30%, a blank one 0)
 MIN_BYTES_RATIO = 0.5  # the PNG after a click holds at least half the bytes of the one before it

@@ -20,7 +20,7 @@ def code_of(notebook: Path) -> str:
 
 
 def test_there_are_eight_notebooks():
-    assert [n.name[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08"]
+    assert [n.name[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "09"]  # 08 comes with the split of 07 (issue 31)
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda n: n.name[:2])

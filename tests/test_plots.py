@@ -51,7 +51,7 @@ def test_course_figures_stay_out_of_pyplot_and_render_with_content():
 
 
 def test_many_runs_stay_readable_short_ticks_and_a_legend_beside_the_curves():
-    """A panel after many presses (notebook 05: 13 runs) and a run named by its whole config (notebook 08)."""
+    """A panel after many presses (notebook 05: 13 runs) and a run named by its whole config (notebook 09)."""
     runs = []
     for i in range(15):
         r = result(f"#{i + 1} precision=bf16, attention=sdpa, compile, vocab_multiple=64, fused_adamw, set_to_none", 100.0 + i)

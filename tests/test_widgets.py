@@ -269,7 +269,7 @@ def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path):
 
 
 def test_start_from_sets_every_control_and_names_runs_against_that_config(panel):
-    """Notebooks 04 and 08 start their panels at the loop the ladder kept on this device."""
+    """Notebooks 04 and 09 start their panels at the loop the ladder kept on this device."""
     kept = dataclasses.replace(C.tiny_preset("cpu"), precision="bf16", batch_size=8).with_model(attention="sdpa")
     panel.start_from(kept)
     assert panel.config() == kept and panel.base == kept
