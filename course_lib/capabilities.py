@@ -128,18 +128,61 @@ class Support:
         return f"{word}: {self.note}" if self.note else word
 
 
+# NVIDIA's GPU generations by compute capability (major, minor), and the formats their tensor cores take (data sheets,
+# not measured here): Volta and Turing have fp16 tensor cores only; bf16 and TF32 tensor cores start with Ampere.
+GPU_GENERATIONS = {(6, 0): "Pascal (P100)", (6, 1): "Pascal (GTX 10)", (7, 0): "Volta (V100)", (7, 5): "Turing (T4, RTX 20)",
+                   (8, 0): "Ampere (A100)", (8, 6): "Ampere (RTX 30, A10)", (8, 9): "Ada (L4, L40, RTX 40)",
+                   (9, 0): "Hopper (H100, H200)"}
+
+
+def gpu_precisions(major: int, minor: int, name: str = "this GPU") -> dict[str, Support]:
+    """TF32, bf16 and fp16 on an NVIDIA GPU of compute capability major.minor, decided by the capability alone
+    (torch.cuda.is_bf16_supported() also says yes where bf16 is only emulated). fp16 tensor cores: 7.0+ (Volta, Turing);
+    bf16 and TF32 tensor cores: 8.0+ (Ampere and later). Below 8.0 bf16 gets no speed-up (torch computes it without
+    tensor cores, or cuBLAS refuses it), so it is refused with the fix: fp16 with loss scaling."""
+    cc = f"compute capability {major}.{minor}"
+    ampere, volta = major >= 8, major >= 7
+    return {
+        "tf32": (Support(True, f"tensor-core TF32 for fp32 matmuls ({cc})", True) if ampere
+                 else Support(False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor}")),
+        "bf16": (Support(True, f"bf16 tensor cores ({cc})", True) if ampere
+                 else Support(False, f"{name} has no bf16 tensor cores ({cc}; they start with Ampere, 8.0): bf16 would get no "
+                                     "speed-up here; use fp16 with loss scaling" + (", which its tensor cores run" if volta else ""))),
+        "fp16": (Support(True, f"fp16 tensor cores ({cc})", True) if volta
+                 else Support(True, f"no tensor cores before Volta (compute capability 7.0; this is {major}.{minor}): fp16 runs "
+                                    "without them", False)),
+    }
+
+
+def fast_16bit(precisions: dict[str, Support], name: str) -> tuple[str | None, str]:
+    """Capabilities.fast_16bit for a table of precisions: bf16 where it runs in hardware, else fp16, else None."""
+    for fmt in ("bf16", "fp16"):
+        s = precisions.get(fmt)
+        if s is not None and s.ok and s.native:
+            return fmt, s.note
+    notes = "; ".join(f"{fmt}: {precisions[fmt].note}" for fmt in ("bf16", "fp16") if fmt in precisions)
+    return None, f"no 16-bit format runs in hardware on {name} ({notes})"
+
+
+def gpu_generation_rows() -> list[dict[str, str]]:
+    """What gpu_precisions answers for each generation of GPU_GENERATIONS (the environment cell on such a GPU says the
+    same): data-sheet facts by compute capability, nothing measured."""
+    def word(s: Support) -> str:
+        return "tensor cores" if s.ok and s.native else "runs, no tensor cores" if s.ok else "refused"
+
+    rows = []
+    for (major, minor), gen in GPU_GENERATIONS.items():
+        p = gpu_precisions(major, minor)
+        fast = fast_16bit(p, gen)[0]  # config.rung_up: else bf16, which such a GPU refuses: the rung is skipped
+        rows.append({"compute capability": f"{major}.{minor}", "generation": gen, **{f: word(p[f]) for f in ("fp16", "bf16", "tf32")},
+                     "the ladder's 16-bit rung": fast or "skipped (no 16-bit tensor cores)"})
+    return rows
+
+
 def _precisions(dev: torch.device, cpu: CpuFeatures | None) -> dict[str, Support]:
     out = {"fp32": Support(True, "", True)}
     if dev.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(dev)
-        cc = f"compute capability {major}.{minor}"
-        ampere = major >= 8
-        out["tf32"] = (Support(True, f"tensor-core TF32 for fp32 matmuls ({cc})", True) if ampere
-                       else Support(False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); this one is {major}.{minor}"))
-        # torch.cuda.is_bf16_supported() also says yes to slow emulation, so the capability decides.
-        out["bf16"] = (Support(True, f"bf16 tensor cores ({cc})", True) if ampere
-                       else Support(False, f"{torch.cuda.get_device_name(dev)} has no bf16 tensor cores ({cc}): use fp16 with loss scaling"))
-        out["fp16"] = Support(True, f"fp16 tensor cores ({cc})" if major >= 7 else f"no tensor cores before 7.0 ({cc})", major >= 7)
+        out.update(gpu_precisions(*torch.cuda.get_device_capability(dev), torch.cuda.get_device_name(dev)))
     elif dev.type == "cpu":
         out["tf32"] = Support(True, "accepted but does nothing on a CPU (TF32 is a CUDA tensor-core mode)", False)
         if not torch.amp.autocast_mode.is_autocast_available("cpu"):
@@ -371,12 +414,7 @@ class Capabilities:
         """(the 16-bit format this device runs in hardware, why): bf16 where it has bf16 units (Ampere and later GPUs,
         AVX512-BF16 or AMX CPUs), else fp16 where it has fp16 units (Volta and Turing tensor cores, AVX512-FP16 or
         AMX-FP16 CPUs), else None: each is converted in software here, usually slower than fp32."""
-        for fmt in ("bf16", "fp16"):
-            s = self.precisions.get(fmt)
-            if s is not None and s.ok and s.native:
-                return fmt, s.note
-        notes = "; ".join(f"{fmt}: {self.precisions[fmt].note}" for fmt in ("bf16", "fp16") if fmt in self.precisions)
-        return None, f"no 16-bit format runs in hardware on {self.name} ({notes})"
+        return fast_16bit(self.precisions, self.name)
 
     def unavailable(self) -> dict[str, str]:
         """"field=value" -> why this device cannot run that value of a technique (course_lib.config.TECHNIQUES):

@@ -170,3 +170,53 @@ def test_info_on_cuda_without_cuda_is_a_message_not_a_traceback():
     proc = subprocess.run([sys.executable, "-m", "course_lib", "info", "--device", "cuda"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "CUDA is not available here" in proc.stderr and "device='cpu'" in proc.stderr
+
+
+# ---- a GPU by its compute capability (no GPU needed: torch.cuda's answers are replaced) ----------------------------
+# (compute capability, name, bf16 fast, fp16 fast, TF32, the ladder's 16-bit rung): bf16 and TF32 tensor cores from
+# Ampere (8.0) on, fp16 tensor cores from Volta (7.0); a V100 or a T4 gets no bf16 speed-up, so its rung is fp16.
+GPUS = [((6, 0), "Tesla P100-PCIE-16GB", False, False, False, None), ((7, 0), "Tesla V100-SXM2-16GB", False, True, False, "fp16"),
+        ((7, 5), "Tesla T4", False, True, False, "fp16"), ((8, 0), "NVIDIA A100-SXM4-80GB", True, True, True, "bf16"),
+        ((9, 0), "NVIDIA H100 80GB HBM3", True, True, True, "bf16")]
+
+
+def _gpu(monkeypatch, cc, name):
+    """capabilities("cuda") of a made-up GPU: torch.cuda's answers replaced, and the probes that would run a kernel."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(K, "_sdpa_support", lambda dev, dtype: {"math": K.Support(True, "stand-in")})
+    monkeypatch.setattr(K, "_fused_adamw_support", lambda dev: K.Support(True, "stand-in"))
+    monkeypatch.setattr(K, "_compile_support", lambda dev: K.Support(True, "stand-in"))
+    return K.capabilities("cuda")
+
+
+@pytest.mark.parametrize("cc, name, bf16, fp16, tf32, rung", GPUS, ids=lambda v: "sm_%d%d" % v if isinstance(v, tuple) else None)
+def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, name, bf16, fp16, tf32, rung):
+    caps = _gpu(monkeypatch, cc, name)
+    p = caps.precisions
+    assert (p["bf16"].ok and p["bf16"].native) is bf16 and bool(p["fp16"].native) is fp16 and p["tf32"].ok is tf32
+    assert p["fp16"].ok  # fp16 runs on every CUDA GPU, with tensor cores from 7.0 on
+    assert caps.fast_16bit()[0] == rung
+    info = dict(caps.rows())  # what the environment cells and `python -m course_lib info` print
+    assert info["compute capability"] == "%d.%d" % cc
+    if not bf16:
+        assert info["bf16"].startswith("no: ") and "no bf16 tensor cores" in info["bf16"] and "fp16 with loss scaling" in info["bf16"]
+        assert "precision=bf16" in caps.unavailable()  # the panel disables it, a config asking for it is refused
+    else:
+        assert info["bf16"] == "yes: bf16 tensor cores (compute capability %d.%d)" % cc
+    # the ladder's precision rung reads the same answer (config.rung_up): fp16 with loss scaling on Volta and Turing
+    cfg = dataclasses.replace(C.tiny_preset("cpu"), device="cuda")
+    (rung16,) = [r for r in C.LADDER if r.value == C.FAST_16BIT]
+    up = C.rung_up(cfg, rung16, caps)
+    if rung is None:
+        assert isinstance(up, C.ConfigError) and "no bf16 tensor cores" in str(up)
+    else:
+        assert up.precision == rung
+
+
+def test_the_gpu_generation_table_is_gpu_precisions():
+    rows = {r["compute capability"]: r for r in K.gpu_generation_rows()}
+    assert rows["7.0"]["bf16"] == rows["7.5"]["bf16"] == "refused" and rows["7.5"]["fp16"] == "tensor cores"
+    assert rows["8.0"]["bf16"] == rows["9.0"]["bf16"] == "tensor cores" and rows["6.0"]["fp16"] == "runs, no tensor cores"
+    assert [r["the ladder's 16-bit rung"] for r in rows.values()][:4] == ["skipped (no 16-bit tensor cores)"] * 2 + ["fp16"] * 2
