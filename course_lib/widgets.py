@@ -20,7 +20,7 @@ numbers and lists), so that it is in `panel.results` and its saved file too: `re
 The code: under the plots, a collapsed "Code" section shows what the current configuration changes in the exported
 training script against naive fp32 (course_lib.export.diff_html against config.naive of the panel's base), redrawn
 whenever a control changes while it is open; "Export this configuration" writes that script (export.script) next to
-the notebook. A runner whose runs are not the config as it stands (notebook 07's strategies) says what its runs train
+the notebook. A runner whose runs are not the config as it stands (the strategies of notebooks 07 and 08) says what its runs train
 with an attribute `runner.export_config(cfg, **extras) -> TrainConfig` (or raises ConfigError: not exportable).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ at least half the bytes of the figure before the click). A blank image of the ri
 size is a change too, which is why "the image changed" is not enough: a figure displayed into an Output widget from
 a button's callback came out blank or half drawn in JupyterLab (from the first or second click).
 
-Running every cell of eight notebooks in a browser would take far too long on a small machine, so the browser gets
+Running every cell of nine notebooks in a browser would take far too long on a small machine, so the browser gets
 a fresh copy of each notebook holding only its cells tagged "panel-setup" (the imports and environment, and what the
 panel cell uses) and "panel" (the panel itself), in their order; nbval still runs every notebook top to bottom.
 One JupyterLab serves all the copies, in one browser tab: each notebook is opened there as a learner opens the next one
@@ -72,7 +72,8 @@ PANELS = [
     PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
               ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token")),
     PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
-    PanelCase("07_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2")),
+    PanelCase("07_data_parallelism.ipynb", (("strategy", "FSDP2"),), ("strategy=fsdp", "FSDP2 x2")),
+    PanelCase("08_model_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2")),
     # (the panel starts from the loop the ladder kept, with 8 chunks where the chunked loss was kept: 4 always differs)
     PanelCase("09_putting_it_together.ipynb", (("loss chunks", "4"),), ("loss_chunks=4",)),
 ]

@@ -19,8 +19,8 @@ def code_of(notebook: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_there_are_eight_notebooks():
-    assert [n.name[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "09"]  # 08 comes with the split of 07 (issue 31)
+def test_there_are_nine_notebooks():
+    assert [n.name[:2] for n in NOTEBOOKS] == ["01", "02", "03", "04", "05", "06", "07", "08", "09"]
 
 
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda n: n.name[:2])

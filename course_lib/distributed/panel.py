@@ -1,4 +1,4 @@
-"""The runner and plots of notebook 07's panel (widgets.Panel): a strategy run for real under torchrun.
+"""The runner and plots of notebooks 07's and 08's panels (widgets.Panel): a strategy run for real under torchrun.
 
 `strategy_runner()` returns runner(cfg, label, callback, strategy, processes, microbatches), which launches
 `processes` torchrun processes (course_lib.distributed.launch) running one strategy on cfg's model and batch:
