@@ -15,6 +15,7 @@ step counted from the shapes (`step_work`), and the forward and backward times m
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from . import memory, train
 from .config import TrainConfig
 from .data import Splits
-from .measure import _aliasing_returns, time_fn
+from .measure import StepTimer, _aliasing_returns, time_fn
 from .results import RunResult
 from .techniques import matmul_precision
 
@@ -124,9 +125,10 @@ def step_work(cfg: TrainConfig) -> StepWork:
 
 def forward_backward_seconds(cfg: TrainConfig, repeats: int = 5, splits: Splits | None = None) -> dict[str, float]:
     """Median seconds of one micro-batch's forward (with the loss, keeping what backward needs) and of its backward,
-    on cfg.device, timed as every step is (measure.time_fn: warm-up, synchronised clock, median). The model and its
-    techniques are the loop's own (train.Trainer); backward is (forward + backward) less forward. With the loss in
-    slices (loss_chunks > 1) the output layer's gradients are made in the forward pass: their time is in "forward"."""
+    on cfg.device, timed as every step is (a warm-up, the clock read with the device synchronised, the median). The model
+    and its techniques are the loop's own (train.Trainer). Backward is timed on its own, after an untimed forward in each
+    repeat (a difference of two medians, (forward + backward) less forward, went negative on a busy machine). With the
+    loss in slices (loss_chunks > 1) the output layer's gradients are made in the forward pass: their time is in "forward"."""
     trainer = train.Trainer(cfg, splits=splits)
     setup, dev = trainer.setup, trainer.dev
     x, y = (t.to(dev) for t in trainer.batches(0)[0])
@@ -135,14 +137,15 @@ def forward_backward_seconds(cfg: TrainConfig, repeats: int = 5, splits: Splits 
         with setup.autocast():
             return setup.loss_fn(x, y)
 
-    def forward_and_backward():
-        setup.model.zero_grad(set_to_none=True)  # every repeat does the same work (no accumulating into .grad)
-        setup.scaler.scale(forward()).backward()
-
+    timer = StepTimer(dev)
     with matmul_precision(cfg.precision):
         fwd = time_fn(forward, dev, repeats=repeats)
-        both = time_fn(forward_and_backward, dev, repeats=repeats)
-    return {"forward": fwd, "backward": both - fwd}
+        for _ in range(1 + max(1, repeats)):  # the first is a warm-up
+            setup.model.zero_grad(set_to_none=True)  # every repeat does the same work (no accumulating into .grad)
+            loss = setup.scaler.scale(forward())
+            with timer.step():
+                loss.backward()
+    return {"forward": fwd, "backward": statistics.median(timer.times[1:])}
 
 
 @dataclass

@@ -225,7 +225,10 @@ class TrainConfig:
     compile_mode: CompileMode = "default"
     fused_adamw: bool = False
     # "full": each block keeps only its input and recomputes the rest in backward; "selective": it also keeps the
-    # outputs of its matmuls (and attention) and recomputes only the cheap element-wise work (Korthikanti et al.).
+    # outputs of its matmuls (and attention) and recomputes only the cheap element-wise work (torch's selective
+    # checkpointing with a keep-the-matmuls policy). That is not the selective recomputation Korthikanti et al. (2022)
+    # propose: they keep the rest and recompute the attention core (QK^T, softmax, its dropout, the product with V: the
+    # s x s part), where this policy keeps naive attention's s x s scores and recomputes their softmax (notebook 02).
     activation_checkpointing: Checkpointing = "none"
     loss_chunks: int = 1  # >1: output layer + loss in this many token slices, each slice's gradients made in forward
     set_to_none: bool = False  # zero_grad(set_to_none=...): True frees gradients between steps

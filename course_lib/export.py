@@ -229,8 +229,11 @@ class CheckpointedBlock(nn.Module):
     ops = "".join(f"    torch.ops.{op},\n" for op in T._SAVED_BY_SELECTIVE)
     policy = _source(T._selective_policy, rename={"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"})
     block = f'''
-# Selective checkpointing keeps what is expensive to recompute (the matmuls and attention) and recomputes the
-# cheap element-wise work (LayerNorm, GELU, dropout, residual adds), as Korthikanti et al. propose.
+# Selective checkpointing as the course does it: keep what is expensive to recompute (the matmuls and attention) and
+# recompute the cheap element-wise work (LayerNorm, GELU, softmax, dropout, residual adds). Korthikanti et al. (2022)
+# propose another selection: keep the rest and recompute the attention core (QK^T, softmax, its dropout, the product
+# with V), whose s x s tensors are large but cheap to recompute; this policy keeps naive attention's s x s scores (a
+# matmul output) and recomputes only their softmax.
 SAVED_BY_SELECTIVE = (
 {ops})
 

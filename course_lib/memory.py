@@ -509,6 +509,18 @@ def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tup
     return est, est.verdict(device_gib, margin)
 
 
+def calculator_config(preset: str = "gpt2-small", batch_size: int = 32, context: int = 1024, attention: str = "naive",
+                      **changes) -> TrainConfig:
+    """The calculator's config (notebook 02): a preset's network at any batch and context (its position table grown to
+    the context where needed), with its attention and any TrainConfig fields changed (precision, optimizer,
+    activation_checkpointing, loss_chunks, set_to_none...). On the CPU: the formula and FakeTensorMode need no GPU."""
+    from .config import preset as make_preset
+
+    cfg = make_preset(preset, "cpu")
+    cfg = cfg.with_model(attention=attention, block_size=max(cfg.model.block_size, context))
+    return dataclasses.replace(cfg, batch_size=batch_size, context=context, **changes)
+
+
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
     """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not. The search goes
     up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit)."""
@@ -523,6 +535,38 @@ def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[str, str]]:
+    """Rows for a table: the formula's prediction beside a measurement (a RunResult's `memory` dict or a MemoryReport),
+    category by category, then the peak, in MiB, with the difference as a share of the measured peak. A category the
+    device cannot measure (CUDA: activations and logits are inside the allocator's total) says so."""
+    by = measured["by_category"] if isinstance(measured, dict) else measured.by_category
+    peak = measured["peak_bytes"] if isinstance(measured, dict) else measured.peak_bytes
+    rows = []
+    for name, pred, meas in [*((c, est.by_category[c], by.get(c)) for c in CATEGORIES), ("peak", est.peak_bytes, peak)]:
+        rows.append({"": name, "formula MiB": f"{pred / 2**20:.2f}", "measured MiB": measure.mib_text(meas).removesuffix(" MiB"),
+                     "formula - measured": "" if meas is None else f"{(pred - meas) / peak:+.2%} of the peak"})
+    rows[-1][""] = f"peak ({est.when})"
+    return rows
+
+
+def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
+    """A run of the course's loop (train.run) with the formula beside it: widgets.Panel's runner in notebooks 01 and 02.
+    memory.estimate's prediction of the step's peak goes in the result's details ("estimate": by_category, peak_bytes,
+    when), and its note sets the predicted peak beside the measured one (plots.plot_memory_vs_estimate draws both,
+    category by category). kwargs go to train.run (splits=...)."""
+    from .train import run
+
+    result = run(cfg, label, callback=callback, **kwargs)
+    if not result.ok or not result.memory:
+        return result
+    est = estimate(cfg)
+    peak = result.memory["peak_bytes"]
+    note = (f"peak: formula {fmt_bytes(est.peak_bytes)}, measured {fmt_bytes(peak)} ({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%}), "
+            f"{est.when}" + (" (the formula counts eager PyTorch, not compiled code)" if cfg.compile else ""))
+    result.reason = "; ".join(filter(None, (result.reason, note)))
+    return result.with_details(estimate={"by_category": est.by_category, "peak_bytes": est.peak_bytes, "when": est.when})
 
 
 # ---- accounting one step with the ledger, optionally without allocating ----------------------------

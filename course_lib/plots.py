@@ -199,8 +199,114 @@ def plot_lrs(results: list[RunResult], ax=None) -> Figure:
     return fig
 
 
+def _pair_ticks(ax, names: list[str]) -> None:
+    ax.set_xticks([3 * i + j for i in range(len(names)) for j in range(2)],
+                  [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")], rotation=35, ha="right", fontsize=7)
+
+
+def plot_formula_beside_measured(pairs: dict[str, tuple[dict, dict | None]], ax=None, title: str = "Memory by category") -> Figure:
+    """Formula beside measurement, category by category: for each name a pair of stacked bars, the formula's bytes
+    (hatched) and the measured bytes (solid; a category the device could not measure, None, has no bar), the measured
+    bar labelled with its total's difference from the formula's. MiB, or GiB where a total passes 1 GiB."""
+    fig, ax = _new_axes(ax)
+    total = lambda d: sum(v or 0 for v in d.values())  # noqa: E731
+    unit, size = ("GiB", 2**30) if max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30 else ("MiB", 2**20)
+    present = [c for c in CATEGORIES if any((d or {}).get(c) for p in pairs.values() for d in p)]
+    for i, (name, (predicted, measured)) in enumerate(pairs.items()):
+        for j, d in enumerate((predicted, measured)):
+            bottom = 0.0
+            for cat in present:
+                v = ((d or {}).get(cat) or 0) / size
+                ax.bar(3 * i + j, v, bottom=bottom, color=CATEGORY_COLORS[cat], hatch="//" if j == 0 else None, edgecolor="white",
+                       label=cat if (i, j) == (0, 1) else None)
+                bottom += v
+        if measured:
+            ax.annotate(f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}", (3 * i + 1, total(measured) / size), ha="center",
+                        va="bottom", fontsize=7)
+    _pair_ticks(ax, list(pairs))
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(f"{title}: formula (hatched) beside measured", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.margins(y=0.12)
+    return fig
+
+
+def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) -> Figure:
+    """The last `last` runs that carry the formula's prediction (memory.run_beside_estimate: details["estimate"]), each
+    as memory.estimate's peak beside the measured peak, category by category (plot_formula_beside_measured)."""
+    shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
+    fig = plot_formula_beside_measured({r.label: (r.details["estimate"]["by_category"], r.memory["by_category"]) for r in shown},
+                                       ax, "Peak by category")
+    ax = ax or fig.axes[0]
+    methods = sorted({r.memory.get("method", "").split(":")[0] for r in shown})
+    ax.set_title(f"{ax.get_title()}\n{'; '.join(methods) or 'no run with an estimate'}, {_devices(shown or results)}", fontsize=9)
+    return fig
+
+
+def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figure:
+    """Time, formula beside measurement: for the last `last` ok runs with an MFU, the time the model's FLOPs (6N + 12·L·h·s
+    per token, measure.flops_per_token) take at the device's peak (hatched: a data sheet's, or the matmul peak measured
+    on this machine), which is the measured step time x MFU, beside the measured median step (solid), labelled with the
+    MFU. Log scale: on a CPU the two are orders of magnitude apart."""
+    fig, ax = _new_axes(ax)
+    shown = [r for r in results if r.ok and r.median_step_s and r.mfu][-last:]
+    for i, r in enumerate(shown):
+        ms = r.median_step_s * 1e3
+        ax.bar(3 * i, ms * r.mfu, color="white", edgecolor="#4c72b0", hatch="//", label="6N + 12Lhs FLOPs at the peak" if i == 0 else None)
+        ax.bar(3 * i + 1, ms, color="#4c72b0", label="measured median step" if i == 0 else None)
+        ax.annotate(f"MFU {r.mfu:.1%}", (3 * i + 1, ms), ha="center", va="bottom", fontsize=7)
+    _pair_ticks(ax, [r.label for r in shown])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per optimizer step (log scale)")
+    basis = "; ".join(sorted({r.mfu_basis for r in shown})) or "no run with an MFU"
+    ax.set_title(f"Step time: FLOPs at the peak ({basis}) beside measured\n{_devices(shown or results)}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
+
+
+def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
+    """A predicted peak (memory.Estimate) as one bar stacked by category, beside a device's memory (the vertical line)."""
+    fig = new_figure((7, 2.2))
+    ax = fig.add_subplot()
+    left = 0.0
+    for cat, v in est.by_category.items():
+        ax.barh(0, v / 2**30, left=left, color=CATEGORY_COLORS[cat], label=f"{cat} {v / 2**30:.2f} GiB")
+        left += v / 2**30
+    ax.axvline(device_gib, color="k", lw=1.5)
+    ax.text(device_gib, -0.3, f" device: {device_gib:g} GiB", fontsize=8, va="center")
+    ax.set_yticks([])
+    ax.set_xlabel("GiB (predicted peak, formula)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1.2))
+    ax.set_title(title, fontsize=9)
+    return fig
+
+
+PHASE_COLORS = {"forward": "#4c72b0", "loss": "#8172b3", "backward": "#c44e52", "optimizer": "#55a868", "other": "#a0a0a0"}
+
+
+def plot_step_timelines(reports: dict, title: str = "") -> Figure:
+    """Live tensor memory after every operation of one step, a panel per report ({name: measure.MemoryReport}: the ledger's
+    timeline of (phase, live bytes)), coloured by phase, a dotted line at the report's peak; the panels share the y axis."""
+    fig = new_figure((5.5 * len(reports), 3.4))
+    axes = fig.subplots(1, len(reports), sharey=True, squeeze=False)[0]
+    for ax, (name, rep) in zip(axes, reports.items()):
+        by_phase: dict[str, list] = {}
+        for i, (phase, live) in enumerate(rep.timeline):
+            by_phase.setdefault(phase, []).append((i, live / 2**20))
+        for phase, points in by_phase.items():
+            ax.plot(*zip(*points), ".", ms=2, color=PHASE_COLORS.get(phase, "k"), label=phase)
+        ax.axhline(rep.peak_bytes / 2**20, color="k", lw=0.6, ls=":")
+        ax.set_title(f"{name}: peak {rep.peak_bytes / 2**20:.2f} MiB", fontsize=9)
+        ax.set_xlabel("operation number")
+    axes[0].set_ylabel("live tensor memory (MiB)")
+    axes[-1].legend(fontsize=7, markerscale=4)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
 PLOTS = {"speed": plot_speed, "memory": plot_memory, "loss": plot_losses, "step_times": plot_step_times,
-         "grad_norm": plot_grad_norms, "lr": plot_lrs}
+         "grad_norm": plot_grad_norms, "lr": plot_lrs, "memory_vs_estimate": plot_memory_vs_estimate, "time_vs_flops": plot_time_vs_flops}
 # One panel of a figure: a name in PLOTS, or fn(results, ax) drawing every run on the Axes it is given.
 PlotSpec = Union[str, Callable[[list, object], object]]
 
