@@ -104,6 +104,40 @@ def adamw_step_times(params: Sequence[torch.Tensor], impls=tuple(ADAMW_IMPLS), r
     return out
 
 
+def adamw_operator_calls(params: Sequence[torch.Tensor], device="cpu") -> dict[str, int]:
+    """Operator calls one AdamW step dispatches on tensors of more than one element (the parameters, their gradients
+    and moments; the 0-d step counters left out), per implementation, counted after a first step has made the state.
+    On a GPU each such call is at least one kernel launch: the for-loop makes several per parameter tensor, while a
+    foreach or fused call launches one kernel per group of tensors (multi_tensor_apply)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class _Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            flat, _ = tree_flatten((args, kwargs or {}))
+            self.n += any(isinstance(t, torch.Tensor) and t.numel() > 1 for t in flat)
+            return func(*args, **(kwargs or {}))
+
+    out = {}
+    for name, kw in ADAMW_IMPLS.items():
+        ps = [p.detach().clone().to(device).requires_grad_() for p in params]
+        for p in ps:
+            p.grad = torch.ones_like(p) * 1e-3
+        try:
+            opt = torch.optim.AdamW(ps, lr=1e-3, **kw)
+            opt.step()  # the first step creates the moments
+        except (RuntimeError, ValueError):
+            continue
+        with _Calls() as calls:
+            opt.step()
+        out[name] = calls.n
+    return out
+
+
 def adamw_results_agree(params: Sequence[torch.Tensor], steps: int = 3) -> float:
     """Largest difference between the parameters the three AdamW implementations produce after `steps` steps."""
     gen = torch.Generator().manual_seed(0)

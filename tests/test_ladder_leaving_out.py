@@ -61,3 +61,43 @@ def test_the_fixed_ladder_keeps_every_rung_it_runs(one_block):
     assert all(r.ladder["kept"] for r in ran) and all("kept (fixed ladder)" in r.ladder["why"] for r in ran[1:])
     final = optimised_config(results)
     assert (final.model.attention, final.set_to_none, final.loss_chunks) == ("sdpa", True, 8)
+
+
+def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
+    """What notebook 09 reports of each rung, recomputed from the rung's raw measurements (moved from its checks)."""
+    import dataclasses
+    import math
+    import statistics
+    import time
+
+    from course_lib.ladder import FASTER, LEANER, MIN_SPEED_CHANGE, SLOWER, speed_change
+
+    t0 = time.perf_counter()
+    results = run_ladder(one_block, leave_out={"+ compile": "left out"})
+    wall_s = time.perf_counter() - t0
+    ran = [r for r in rungs_of(results) if r.ok]
+    by = {r.label: r for r in rungs_of(results)}
+    m = one_block.model
+    pad_bytes = 4 * (dataclasses.replace(m, vocab_multiple=64).padded_vocab_size - m.padded_vocab_size) * m.n_embd
+    assert sum(sum(r.step_times) for r in ran) <= wall_s
+    for r in ran:
+        c, skip = r.config, set(r.excluded_steps)
+        assert skip >= set(range(c["timing_warmup"])), r.label
+        median_s = statistics.median(t for i, t in enumerate(r.step_times) if i not in skip)
+        assert math.isclose(r.tokens_per_s, c["batch_size"] * c["context"] / median_s, rel_tol=1e-9), r.label
+        assert r.mfu is None or r.mfu > 0
+        assert abs(r.losses[0] - math.log(m.vocab_size)) < 0.3, (r.label, r.losses[0])  # a fresh model: about uniform
+        assert r.memory["by_category"]["parameters"] == 4 * r.n_params, r.label
+        if r is ran[0]:
+            continue
+        change = speed_change([tuple(p) for p in r.ladder["pairs"]])
+        assert change.verdict == r.ladder["speed"] and math.isclose(change.factor, r.ladder["factor"]), r.label
+        if r.ladder["kept"] and r.ladder["aims"] == [C.SPEED]:
+            assert change.verdict == FASTER and change.low > 1, r.label
+        if r.ladder["kept"] and r.ladder["aims"] == [C.MEMORY]:
+            assert r.ladder["memory"] == LEANER and r.ladder["speedup"] >= 1 - MIN_SPEED_CHANGE, r.label
+        if not r.ladder["kept"] and r.stopped_early.startswith("stopped after"):
+            assert r.ladder["speed"] == SLOWER and r.memory is None, r.label
+        below = by[r.ladder["vs"]]  # only the vocabulary rung changes the parameter bytes: by exactly its padding rows
+        grew = r.memory["by_category"]["parameters"] - below.memory["by_category"]["parameters"]
+        assert grew == (pad_bytes if r.label == "+ vocab to x64" else 0), (r.label, grew)
