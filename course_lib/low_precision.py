@@ -5,9 +5,12 @@ neighbouring bf16 values around its weight is rounded away, and the weight does 
 - `apply_update_`: w <- w + update, stored in w's format by one of three roundings, returning what was applied
   (`lost_updates`: a nonzero update of which nothing was applied): "nearest" (what `p.add_(u)` in bf16 does), "stochastic" (`stochastic_round`: up or down at random, right on
   average) and "kahan" (`kahan_add_`: a bf16 compensation buffer keeps what rounding dropped and adds it back later).
+- `replay`: one sequence of updates applied to bf16 weights with each rounding and to fp32 weights (the reference):
+  the share of the movement each lost, and its error per weight.
 - `LowPrecisionAdamW`: AdamW's rule (optim.adamw_update, the same function as notebook 05's) computed one format wider
   than the weights from state stored in the weights' format, written back with one of the roundings; it logs, every
-  step, the share of parameters whose update was lost and the share of the update that reached the weights.
+  step, the share of parameters whose update was lost, the share of the update that reached the weights, and the
+  share of all updates so far that never did (`lost_so_far`: what rounding to nearest loses for good).
 - `train`: the course's loop (train.Trainer) with that optimizer on a model stored in bf16 (or fp32: the master-weights
   reference); `bytes_per_parameter`: weights + gradients + optimizer state, measured from the tensors.
 
@@ -76,6 +79,32 @@ def lost_updates(update: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
     return (update != 0) & (applied == 0)
 
 
+def replay(weights: torch.Tensor, updates: list[torch.Tensor], roundings=ROUNDINGS, seed: int = 0) -> dict[str, dict[str, float]]:
+    """The same updates (fp32, one tensor per step) applied to copies of `weights` stored in bf16 with each rounding,
+    and to fp32 copies rounded to nearest: the reference, mixed precision's master weights. Every copy starts from the
+    same bf16 values. Per rounding, against the reference's total movement d = ref - w0:
+    `lost`: the share of d that did not arrive, 1 - (w - w0)·d / d·d (0 when everything arrived, on average too);
+    `rms_error`: the root mean square of w - ref over that of d (per weight: stochastic rounding's noise shows here);
+    `never_moved`: the share of the weights (with a nonzero total update) still at their starting value."""
+    w0 = weights.detach().to(torch.bfloat16)
+    ref = w0.float()
+    for u in updates:
+        ref.add_(u)
+    d = ref.double() - w0.double()
+    gen = torch.Generator(device=w0.device).manual_seed(seed)
+    out = {"fp32 (master weights)": ref}
+    for rounding in roundings:
+        w, comp = w0.clone(), torch.zeros_like(w0)
+        for u in updates:
+            apply_update_(w, u, rounding, comp, gen)
+        out[f"bf16, {rounding}"] = w
+    moved = d != 0
+    return {name: {"lost": 1 - float(((w.double() - w0.double()) * d).sum() / (d * d).sum()),
+                   "rms_error": float((w.double() - ref.double()).norm() / d.norm()),
+                   "never_moved": float((w.double() == w0.double())[moved].double().mean())}
+            for name, w in out.items()}
+
+
 # ---- AdamW on low-precision weights and state ------------------------------------------------------------
 
 class LowPrecisionAdamW(HandOptimizer):
@@ -85,7 +114,9 @@ class LowPrecisionAdamW(HandOptimizer):
     rounded to nearest and the weights with `rounding`. After every step, `lost[-1]` is the share of parameters whose
     update was lost, and `kept[-1]` the share of the update that reached the weights, sum(applied x update) /
     sum(update^2): 1 when every update lands, in expectation too (stochastic rounding moves a weight by a whole gap,
-    or not at all, but right on average)."""
+    or not at all, but right on average). `lost_so_far[-1]` is the same share for the sums over all steps so far,
+    1 - sum(A·U)/sum(U·U) with U a parameter's updates summed and A what was applied: rounding to nearest rounds
+    some updates up and others away, so one step's share can be near 0 while the small updates are lost for good."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, rounding: str = "nearest", seed: int = 0):
@@ -96,6 +127,10 @@ class LowPrecisionAdamW(HandOptimizer):
         self.generators: dict[torch.device, torch.Generator] = {}  # one per device: stochastic rounding's own random stream
         self.lost: list[float] = []
         self.kept: list[float] = []
+        # Per parameter, the sum of its updates and of what was applied (fp32), for `lost_so_far`: kept here, not in
+        # self.state, so that bytes_per_parameter counts only what training needs.
+        self.totals: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lost_so_far: list[float] = []
 
     def state_names(self, group):
         return ("m", "v", "comp") if self.rounding == "kahan" else ("m", "v")
@@ -113,6 +148,9 @@ class LowPrecisionAdamW(HandOptimizer):
         state["v"].copy_(v)
         update = w - p.to(wide)
         applied = apply_update_(p, update, self.rounding, state.get("comp"), self._generator(p.device))
+        total_update, total_applied = self.totals.setdefault(p, (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)))
+        total_update.add_(update)
+        total_applied.add_(applied)
         self._lost += int(lost_updates(update, applied).sum())
         self._n += p.numel()
         update = update.double()
@@ -125,6 +163,9 @@ class LowPrecisionAdamW(HandOptimizer):
         super().step(closure)
         self.lost.append(self._lost / max(1, self._n))
         self.kept.append(self._num / self._den if self._den else 1.0)
+        num = sum(float((a.double() * u.double()).sum()) for u, a in self.totals.values())
+        den = sum(float(u.double().square().sum()) for u, _ in self.totals.values())
+        self.lost_so_far.append(1 - num / den if den else 0.0)
 
 
 # ---- training and memory ------------------------------------------------------------------------------
@@ -137,8 +178,13 @@ def bytes_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     return {**per, "total": sum(per.values())}
 
 
+# How notebook 03 stores the weights: (dtype of the weights, gradients and AdamW state; rounding of the update)
+SCHEMES = {"fp32 master weights": (torch.float32, "nearest"), "pure bf16, nearest": (torch.bfloat16, "nearest"),
+           "pure bf16, stochastic rounding": (torch.bfloat16, "stochastic"), "pure bf16, Kahan": (torch.bfloat16, "kahan")}
+
+
 def train(cfg: TrainConfig, rounding: str = "nearest", weights: torch.dtype = torch.bfloat16, label: str | None = None,
-          **trainer_kwargs) -> RunResult:
+          callback=None, **trainer_kwargs) -> RunResult:
     """The course's loop (train.Trainer, so the same batches, schedule and autocast as any run of `cfg`) on the
     course's GPT stored in `weights`, with LowPrecisionAdamW in place of the loop's optimizer. weights=torch.float32
     with cfg.precision="bf16" is ordinary mixed precision (fp32 master weights, bf16 autocast): the reference.
@@ -150,5 +196,45 @@ def train(cfg: TrainConfig, rounding: str = "nearest", weights: torch.dtype = to
                             eps=cfg.eps, rounding=rounding, seed=cfg.seed)
     # the loop's hook point: what it built is .setup, replaced before fit() (the schedule drives the new optimizer)
     trainer.setup = dataclasses.replace(trainer.setup, optimizer=opt, scheduler=techniques.make_scheduler(cfg, opt))
-    result = trainer.fit(label or f"{str(weights).removeprefix('torch.')} weights, {rounding}")
-    return result.with_details(lost=opt.lost, kept=opt.kept, bytes_per_parameter=bytes_per_parameter(model, opt))
+    result = trainer.fit(label or f"{str(weights).removeprefix('torch.')} weights, {rounding}", callback)
+    return result.with_details(lost=opt.lost, kept=opt.kept, lost_so_far=opt.lost_so_far, bytes_per_parameter=bytes_per_parameter(model, opt))
+
+
+def update_lost(result: RunResult) -> float | None:
+    """The share of a run's updates, summed over its steps, that never reached the weights (None for a run without it)."""
+    so_far = (result.details or {}).get("lost_so_far")
+    return so_far[-1] if so_far else None
+
+
+def run_rows(results: list[RunResult]) -> list[dict[str, str]]:
+    """One row per run of `train`: bytes per parameter, the update lost, the weights that did not move, the loss against
+    the first run's (the fp32 master weights)."""
+    first = results[0]
+    rows = []
+    for r in results:
+        d, b = r.details, r.details["bytes_per_parameter"]
+        rows.append({"weights": r.label, "bytes/param: weights + grads + AdamW state": f"{b['parameters']:g} + {b['gradients']:g} + "
+                     f"{b['optimizer state']:g} = {b['total']:g}", "updates lost over the run": f"{100 * update_lost(r):.2f}%",
+                     "weights not moved, mean per step": f"{100 * sum(d['lost']) / len(d['lost']):.3f}%", "final loss": f"{r.losses[-1]:.4f}",
+                     "largest difference from the first run's loss": f"{100 * max(abs(a - b) / b for a, b in zip(r.losses, first.losses)):.3f}%"})
+    return rows
+
+
+def plot_update_lost(results: list[RunResult], ax):
+    """Per optimizer step, the share of the updates so far that never reached the weights (details["lost_so_far"]) of
+    every run of `train` (a panel plot: fn(results, ax)); other runs are left out."""
+    drawn = 0
+    for r in results:
+        so_far = (getattr(r, "details", None) or {}).get("lost_so_far")
+        if so_far:
+            ax.plot([100 * x for x in so_far], lw=1.2, label=f"{r.label}: {100 * so_far[-1]:.2f}% lost")
+            drawn += 1
+    ax.axhline(0, color="grey", lw=0.8, ls=":")
+    if drawn:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no run with its weights in bf16 yet\n(weights: pure bf16 ...)", ha="center", va="center",
+                transform=ax.transAxes, fontsize=8, color="grey")
+    ax.set(xlabel="optimizer step", ylabel="% of the updates so far")
+    ax.set_title("Updates that never reached the weights\n(1 - applied . update / update . update, summed over steps)", fontsize=9)
+    return ax.figure

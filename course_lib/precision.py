@@ -420,6 +420,48 @@ def gradient_sample_with_grads(model: nn.Module, batch, precision: str, loss_sca
     return loss.item(), torch.cat([p.grad.flatten().to(torch.float64).cpu() / loss_scale for p in params])
 
 
+# ---- why master weights: one real update, stored in each format ---------------------------------------
+
+def tensor_kind(name: str, p: torch.Tensor) -> str:
+    """"matrices, embeddings" (>= 2-D), "LayerNorm gains" or "biases, LayerNorm shifts"."""
+    if p.dim() >= 2:
+        return "matrices, embeddings"
+    return "LayerNorm gains" if name.split(".")[-2].startswith("ln") and name.endswith("weight") else "biases, LayerNorm shifts"
+
+
+def updates_lost_by_format(cfg: TrainConfig, optimizers: dict, formats=("fp32", "bf16", "fp16")) -> tuple[dict, list[dict]]:
+    """One real optimizer step on the model of `cfg` (the fp32 gradient of one batch), from fresh state with each of
+    `optimizers` {label: make(params) -> Optimizer}, added exactly to the weights stored in each format and rounded once:
+    ({(label, kind, format): share of the weights with a nonzero update whose stored value did not change}, table rows)."""
+    from .data import count_targets
+    from .techniques import loss_sum
+
+    model = fresh_model(cfg)
+    x, y = _batch(cfg, cfg.seed)
+    (loss_sum(model(x), y) / count_targets(y)).backward()
+    named = list(model.named_parameters())
+    kinds = list(dict.fromkeys(tensor_kind(n, p) for n, p in named))
+    lost, rows = {}, []
+    for label, make in optimizers.items():
+        m = copy.deepcopy(model)  # fresh optimizer state, the same gradient
+        for p, q in zip(m.parameters(), model.parameters()):
+            p.grad = q.grad.clone()
+        before = [p.detach().clone() for p in m.parameters()]
+        make(list(m.parameters())).step()
+        deltas = [p.detach() - b for p, b in zip(m.parameters(), before)]
+        for kind in kinds:
+            w = torch.cat([p.detach().flatten() for n, p in named if tensor_kind(n, p) == kind]).cpu()
+            d = torch.cat([u.flatten() for (n, p), u in zip(named, deltas) if tensor_kind(n, p) == kind]).cpu()
+            w, d = w[d != 0], d[d != 0]
+            row = {"update": label, "tensors": kind, "median |update|": f"{d.abs().median():.1e}", "median |weight|": f"{w.abs().median():.2g}"}
+            for fmt in formats:
+                stored = w.to(DTYPES[fmt])
+                lost[(label, kind, fmt)] = float(((stored.double() + d.double()).to(DTYPES[fmt]) == stored).double().mean())
+                row[f"{fmt}: not moved"] = f"{100 * lost[(label, kind, fmt)]:.1f}%"
+            rows.append(row)
+    return lost, rows
+
+
 # ---- speed of one matmul ------------------------------------------------------------------------
 
 def matmul_tflops(n: int, precision: str, device: str = "cpu", min_time_s: float = 0.3, max_reps: int = 50) -> tuple[float | None, str]:
@@ -516,16 +558,22 @@ FP16_MAX = 65504.0
 
 def plot_scaler_trace(results, ax):
     """The GradScaler's scale per optimizer step of every fp16 run (log2 axis), each run's skipped steps (inf/nan
-    gradients: the scale halves) marked x; a run without a scaler (not fp16) is left out."""
+    gradients: the scale halves) marked x, and the share of one step's activation gradients fp16 lost to zero at the
+    starting scale (r.details["underflow"], where measured); a run without a scaler (not fp16) is left out."""
     for r in results:
         if not r.loss_scales:
             continue
         scales = r.loss_scales
         skipped = [i for i, g in enumerate(r.grad_norms) if not math.isfinite(g)]
+        u = (getattr(r, "details", None) or {}).get("underflow")
+        zeros = f"; fp16 lost {u['lost_to_zero']:.1%} to zero at S=2^{math.log2(u['scale']):g}" if u else ""
         (line,) = ax.step(range(len(scales)), scales, where="post", lw=1.3,
-                          label=f"{r.label}: {r.skipped_optimizer_steps} of {len(scales)} steps skipped")
+                          label=f"{r.label}: {r.skipped_optimizer_steps} of {len(scales)} steps skipped{zeros}")
         ax.plot(skipped, [scales[i] for i in skipped], "x", color=line.get_color(), ms=8)
-    ax.set_yscale("log", base=2)
+    if not ax.lines:
+        ax.text(0.5, 0.5, "no fp16 run yet\n(precision: fp16)", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
+    else:
+        ax.set_yscale("log", base=2)
     ax.set_xlabel("optimizer step (x: step skipped, inf/nan gradient)")
     ax.set_ylabel("loss scale used in the step")
     devices = sorted({r.provenance.get("device", "?") for r in results})
@@ -535,25 +583,91 @@ def plot_scaler_trace(results, ax):
     return ax.figure
 
 
-def plot_underflow(results, ax):
-    """Each run's histogram of log2 |activation gradient x its starting scale S| (from an fp32 step:
-    r.details["underflow"]: edges, counts, and the shares an fp16 backward at S really lost to zero or overflowed),
-    against fp16's limits: below 2^-24 a value rounds to zero, above 65504 it overflows."""
-    lo, hi = -48.0, 24.0
-    for r in results:
-        u = getattr(r, "details", {}).get("underflow")
-        if not u:
-            continue
-        ax.stairs(u["counts"], u["edges"], lw=1.3,
-                  label=f"{r.label}: S=2^{math.log2(u['scale']):g}, fp16 lost {u['lost_to_zero']:.1%} to zero, {u['overflow']:.2%} overflowed")
-        lo, hi = min(lo, u["edges"][0]), max(hi, u["edges"][-1])
-    ax.axvspan(lo, -24, color="#c44e52", alpha=0.12, label="fp16: rounds to 0 (< 2^-24)")
-    ax.axvspan(-24, -14, color="#dd8452", alpha=0.10, label="fp16 subnormal (fewer bits)")
-    ax.axvspan(math.log2(FP16_MAX), hi, color="#8172b3", alpha=0.12, label="fp16 overflow (> 65504)")
-    ax.set_xlim(lo, hi)
-    ax.set_yscale("log")
-    ax.set_xlabel("log2 |activation gradient x S|")
-    ax.set_ylabel("count of elements")
-    ax.set_title("Where one step's activation gradients land in fp16, scaled by S", fontsize=9)
-    ax.legend(fontsize=6, loc="upper left")
+
+def plot_op_dtypes(results, ax, last: int = 6):
+    """The dtype each group of operations ran in (r.details["op_dtypes"], panel_runner), one column per run (the
+    `last` runs), coloured by format: a panel plot, fn(results, ax)."""
+    from matplotlib.patches import Rectangle
+
+    runs = [r for r in results if (getattr(r, "details", None) or {}).get("op_dtypes")][-last:]
+    rows = list(dict.fromkeys([*OP_GROUPS, "weights", "weight gradients"]))
+    rows = [g for g in rows if any(g in r.details["op_dtypes"] for r in runs)]
+    for j, r in enumerate(runs):
+        for i, g in enumerate(rows):
+            dt = r.details["op_dtypes"].get(g, "")
+            ax.add_patch(Rectangle((j, i), 1, 1, facecolor=FORMAT_COLORS.get(dt.split(",")[0], "#eeeeee"), edgecolor="white",
+                                   alpha=0.55 if dt else 1.0))
+            ax.text(j + 0.5, i + 0.5, dt or "-", ha="center", va="center", fontsize=7)
+    ax.set_xlim(0, max(1, len(runs)))
+    ax.set_ylim(len(rows), 0)
+    ax.set_yticks([i + 0.5 for i in range(len(rows))], rows, fontsize=7)
+    ax.set_xticks([j + 0.5 for j in range(len(runs))], [r.label.split(" ")[0] for r in runs], fontsize=7)
+    ax.tick_params(length=0)
+    if not runs:
+        ax.text(0.5, 0.5, "no run yet", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
+    ax.set_title("The dtype each op ran in (one step, forward unless named)", fontsize=9)
     return ax.figure
+
+
+# ---- notebook 03's panel: precision, the dtype of each op, loss scaling, pure bf16 ------------------------
+
+# Groups of operations shown on the panel: (phase, aten ops). The matmuls and attention are on autocast's 16-bit list,
+# the loss on its fp32 list; the rest follows its inputs (so the residual stream stays fp32 with fp32 weights).
+OP_GROUPS = {"matmuls (addmm, mm)": ("forward", ("addmm", "mm")),
+             "attention (bmm or SDPA)": ("forward", ("bmm", "_scaled_dot_product_flash_attention_for_cpu",
+                                                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")),
+             "softmax": ("forward", ("_softmax",)), "GELU": ("forward", ("gelu",)), "layer norm": ("forward", ("native_layer_norm",)),
+             "residual add": ("forward", ("add",)), "loss (log_softmax)": ("loss", ("_log_softmax",)),
+             "backward matmuls": ("backward", ("mm", "bmm"))}
+
+
+def op_dtypes(records: list[OpRecord], model: nn.Module | None = None) -> dict[str, str]:
+    """{group of OP_GROUPS: the dtypes its ops produced}, and with `model` (after record_dtypes' backward) the dtypes
+    of its weights and their gradients."""
+    out = {}
+    for group, (phase, ops) in OP_GROUPS.items():
+        found = set().union(*(output_dtypes(records, op, phase) for op in ops))
+        if found:
+            out[group] = ", ".join(sorted(found))
+    if model is not None:
+        params = list(model.parameters())
+        out["weights"] = ", ".join(sorted({short(p.dtype) for p in params}))
+        out["weight gradients"] = ", ".join(sorted({short(p.grad.dtype) for p in params if p.grad is not None}))
+    return out
+
+
+def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp32 master weights"):
+    """What Run does on notebook 03's panel (widgets.Panel's runner; `weights` is its extra control, a key of
+    low_precision.SCHEMES). Records the dtype each op of one step runs in (op_dtypes), then trains `cfg` through the
+    course's loop with fp32 master weights, or with the weights, gradients and AdamW state in bf16 (low_precision.train:
+    the update lost per step). An fp16 run also measures one step's activation gradients lost to zero at its starting
+    loss scale. The result's note (the table's last column) says what it found."""
+    from . import low_precision as L
+    from .config import ConfigError
+    from .train import run
+
+    dtype, rounding = L.SCHEMES[weights]
+    if dtype != torch.float32 and cfg.precision != "bf16":
+        raise ConfigError(f"weights in bf16 train under bf16 autocast: set precision to bf16 (it is {cfg.precision})")
+    model = fresh_model(cfg).to(dtype)
+    ops = op_dtypes(record_dtypes(model, *_batch(cfg, cfg.seed), cfg.precision), model)
+    if dtype == torch.float32:
+        result = run(cfg, label, callback=callback)
+    else:
+        result = L.train(cfg, rounding, dtype, label=label, callback=callback)
+    result.with_details(op_dtypes=ops)
+    note = [f"matmuls in {ops['matmuls (addmm, mm)']}, layer norm {ops['layer norm']}, loss {ops['loss (log_softmax)']}, "
+            f"weights {ops['weights']}"]
+    if cfg.precision == "fp16":
+        S = cfg.loss_scale_init
+        g32, g16 = gradient_sample(cfg, "fp32"), gradient_sample(cfg, "fp16", loss_scale=S)
+        u = {"scale": S, "lost_to_zero": lost_to_zero(g32.activations, g16.activations),
+             "overflow": torch.isinf(g16.activations).double().mean().item()}
+        result.with_details(underflow=u)
+        note.append(f"{result.skipped_optimizer_steps} steps skipped, fp16 lost {u['lost_to_zero']:.2%} of the activation "
+                    f"gradients to zero at S=2^{math.log2(S):g}")
+    if (lost := L.update_lost(result)) is not None:
+        note.append(f"{100 * lost:.2f}% of the updates lost over the run")
+    if result.ok:
+        result.reason = "; ".join(note)
+    return result

@@ -87,3 +87,57 @@ def test_pure_bf16_loses_updates_and_kahan_keeps_them(splits):
     # every run started from the same weights and batches (the bf16 ones rounded): the same first loss to bf16's precision
     first = [r.losses[0] for r in runs.values()]
     assert max(first) - min(first) < 0.01 * first[0]
+
+
+def _adamw_like_updates(n: int, steps: int, gen: torch.Generator, lr: float = 1e-4) -> list[torch.Tensor]:
+    """AdamW-sized updates (|u| <= lr): a steady pull per weight plus noise, as late in a schedule."""
+    pull = torch.rand(n, generator=gen) * 2 - 1
+    return [-lr * (pull + 0.5 * torch.randn(n, generator=gen)).clamp(-1, 1) for _ in range(steps)]
+
+
+def test_replay_rounding_to_nearest_loses_what_stochastic_rounding_and_kahan_restore():
+    # the same updates for every scheme: a remedy that did nothing would lose as much as rounding to nearest
+    gen = torch.Generator().manual_seed(0)
+    for w, nearest_loses in ((torch.ones(2048), 0.99), (0.02 * torch.randn(2048, generator=gen), 0.05)):
+        r = L.replay(w, _adamw_like_updates(w.numel(), 400, gen))
+        assert r["fp32 (master weights)"] == {"lost": 0.0, "rms_error": 0.0, "never_moved": 0.0}  # the reference itself
+        assert r["bf16, nearest"]["lost"] > nearest_loses, r
+        assert abs(r["bf16, stochastic"]["lost"]) < 0.05 and abs(r["bf16, kahan"]["lost"]) < 0.02, r
+        assert r["bf16, kahan"]["rms_error"] < r["bf16, nearest"]["rms_error"] / 5, r
+    # the gains at 1.0 never move under rounding to nearest; every scheme starts from the same bf16 values
+    gains = L.replay(torch.ones(256), _adamw_like_updates(256, 50, gen), roundings=("nearest",))
+    assert gains["bf16, nearest"]["never_moved"] == 1.0 and set(gains) == {"fp32 (master weights)", "bf16, nearest"}
+
+
+def test_a_run_logs_the_updates_lost_for_good(splits):
+    # late in a schedule (lr 1e-4) rounding to nearest loses a share of the run's updates; the remedies lose almost none.
+    # The running sums behind it are not optimizer state: the bytes per parameter stay 8 (test above).
+    cfg = replace(tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, lr=1e-4, weight_decay=0.1)
+    lost = {r: L.update_lost(L.train(cfg, r, BF16, splits=splits)) for r in L.ROUNDINGS}
+    assert lost["nearest"] > 0.004 and abs(lost["stochastic"]) < lost["nearest"] / 4 and abs(lost["kahan"]) < lost["nearest"] / 100, lost
+    assert L.update_lost(L.train(cfg, "nearest", torch.float32, splits=splits)) < 1e-6  # fp32 master weights (fp64 arithmetic)
+
+
+def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
+    import matplotlib
+    from course_lib import precision as P
+    from course_lib.config import ConfigError
+    from course_lib.plots import new_figure
+
+    cfg = replace(tiny_preset("cpu"), batch_size=2, context=32, steps=3, timing_warmup=1, measure_memory=False, lr=1e-4)
+    mixed = P.panel_runner(replace(cfg, precision="bf16"), "mixed")
+    pure = P.panel_runner(replace(cfg, precision="bf16"), "pure", weights="pure bf16, stochastic rounding")
+    fp16 = P.panel_runner(replace(cfg, precision="fp16", loss_scale_init=2.0**30), "fp16")
+    assert mixed.details["op_dtypes"]["matmuls (addmm, mm)"] == "bf16" and mixed.details["op_dtypes"]["layer norm"] == "fp32"
+    assert pure.details["op_dtypes"]["layer norm"] == pure.details["op_dtypes"]["weights"] == "bf16"  # no fp32 left but the loss
+    assert pure.details["op_dtypes"]["loss (log_softmax)"] == "fp32"
+    assert "of the updates lost" in pure.reason and "lost_so_far" in pure.details and "lost_so_far" not in mixed.details
+    assert fp16.details["underflow"]["scale"] == 2.0**30 and "steps skipped" in fp16.reason and fp16.skipped_optimizer_steps >= 1
+    with pytest.raises(ConfigError, match="set precision to bf16"):
+        P.panel_runner(replace(cfg, precision="fp16"), "x", weights="pure bf16, nearest")
+    for results in ([], [mixed, pure, fp16]):  # every plot draws something, with runs and without
+        fig = new_figure((12, 3))
+        for ax, plot in zip(fig.subplots(1, 3), (P.plot_op_dtypes, P.plot_scaler_trace, L.plot_update_lost)):
+            plot(results, ax)
+            assert ax.has_data() or ax.texts, plot.__name__
+        assert isinstance(fig, matplotlib.figure.Figure)
