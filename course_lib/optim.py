@@ -9,6 +9,7 @@
   warmup-stable-decay and exponential decay; and the torch.optim.lr_scheduler constructions they are checked against.
 - Gradient clipping: the global norm over all parameters (what GPT-3 clips) beside per-tensor clipping.
 - Optimizer state bytes, measured from the tensors and from the formula.
+- The figures of notebook 05 that are more drawing than lesson (`plot_bias_correction`), and its schedules' curves.
 - Weight-decay groups listed by name, and batch sources for the loop (an injected bad batch, a batch ramp).
 
 Nothing here trains a model: the experiments run through course_lib.train.
@@ -238,6 +239,18 @@ def curve(fn: Callable[[int], float], steps: int) -> list[float]:
     return [fn(s) for s in range(steps)]
 
 
+def schedule_curves(peak: float, warmup: int, steps: int) -> dict[str, list[float]]:
+    """Notebook 05's schedules over `steps` steps, peaking at `peak` after `warmup` warm-up steps: cosine and exponential
+    decay to 10%, constant, inverse square root, step decay (x0.5 every steps/4), WSD (cool-down over the last 20%)."""
+    fns = {"warm-up + cosine to 10% (GPT-3)": lambda t: warmup_cosine_lr(t, peak, warmup, steps, 0.1),
+           "constant after warm-up": lambda t: constant_lr(t, peak, warmup),
+           "inverse square root": lambda t: inverse_sqrt_lr(t, peak, warmup),
+           "step decay (x0.5 every S/4)": lambda t: step_decay_lr(t, peak, step_size=max(1, steps // 4), gamma=0.5),
+           "warmup-stable-decay": lambda t: wsd_lr(t, peak, warmup, steps, decay_fraction=0.2),
+           "exponential decay to 10%": lambda t: exponential_lr(t, peak, warmup, steps, 0.1)}
+    return {name: curve(fn, steps) for name, fn in fns.items()}
+
+
 def _dummy_optimizer(lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
 
@@ -443,3 +456,39 @@ def ramped_batches(splits: data_mod.Splits, cfg, start: int, ramp_steps: int, se
         return [data_mod.random_windows(splits.train, b, cfg.context, gen)]
 
     return batches
+
+
+# ---- notebook 05's figures (outside pyplot: plots.new_figure) ------------------------------------------
+
+def bias_correction_runs(betas: dict[str, tuple[float, float]], steps: int) -> tuple[dict, dict]:
+    """For a constant gradient (|g| = 1, so eps = 1e-8 is negligible): ({name: the closed-form ratio of the uncorrected
+    to the corrected step, per step}, {name: the same ratio measured by running adamw_update with and without the
+    correction})."""
+    closed = {n: [bias_correction_ratio(t, b) for t in range(1, steps + 1)] for n, b in betas.items()}
+    ran = {n: [u / c for u, c in zip(adam_step_sizes([1.0] * steps, 1e-3, b, bias_correction=False),
+                                     adam_step_sizes([1.0] * steps, 1e-3, b))] for n, b in betas.items()}
+    return closed, ran
+
+
+def plot_bias_correction(closed: dict, ran: dict):
+    """The closed form as lines, the update rule's run as dots (steps spaced evenly on a log axis), the first step and
+    the peak of the first series annotated."""
+    from .plots import new_figure
+
+    fig = new_figure((7, 3.2))
+    ax = fig.subplots()
+    steps = len(next(iter(closed.values())))
+    marks = sorted({round(10 ** (k / 8)) for k in range(0, 28) if round(10 ** (k / 8)) <= steps})
+    for name in closed:
+        (line,) = ax.plot(range(1, steps + 1), closed[name], lw=1.5, label=f"betas {name}: closed form")
+        ax.plot(marks, [ran[name][t - 1] for t in marks], "o", color=line.get_color(), ms=3, label=f"betas {name}: update rule run")
+    first = next(iter(ran.values()))
+    peak = max(range(steps), key=first.__getitem__)
+    ax.axhline(1, color="grey", lw=0.8, ls=":")
+    ax.annotate(f"step 1: {first[0]:.2f}x", (1, first[0]), xytext=(1.5, first[0] - 1.6), fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.6))
+    ax.annotate(f"peak: {first[peak]:.2f}x at step {peak + 1}", (peak + 1, first[peak]), xytext=(1.2, first[peak] - 0.3), fontsize=8,
+                arrowprops=dict(arrowstyle="->", lw=0.6))
+    ax.set(xscale="log", xlabel="optimizer step t", ylabel="|uncorrected step| / |corrected step|")
+    ax.set_title(f"What Adam's bias correction removes, constant gradient\n(arithmetic: the same on every device), torch {torch.__version__}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    return fig

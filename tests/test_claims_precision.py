@@ -93,3 +93,11 @@ def test_adams_state_is_4_bytes_per_parameter_each_8_together():
     opt.step()
     p = next(model.parameters())
     assert {k: v.element_size() for k, v in opt.state[p].items() if v.numel() == p.numel()} == {"exp_avg": 4, "exp_avg_sq": 4}
+
+
+@pytest.mark.parametrize("hand, ref", [(lambda g: optim.HandAdagrad(g), lambda g: torch.optim.Adagrad(g, foreach=False)),
+                                       (lambda g: optim.HandRMSprop(g), lambda g: torch.optim.RMSprop(g, foreach=False))],
+                         ids=["adagrad", "rmsprop"])
+def test_hand_adagrad_and_rmsprop_at_torchs_defaults(hand, ref):
+    """05's AdaGrad and RMSProp cell checked the non-default options in front of the learner; torch's defaults here."""
+    assert optim.max_difference_after_steps(hand, ref, C.tiny_preset("cpu").model, steps=3, weight_decay=0.1) < 1e-10
