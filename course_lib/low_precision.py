@@ -214,7 +214,7 @@ def run_rows(results: list[RunResult]) -> list[dict[str, str]]:
     for r in results:
         d, b = r.details, r.details["bytes_per_parameter"]
         rows.append({"weights": r.label, "bytes/param: weights + grads + AdamW state": f"{b['parameters']:g} + {b['gradients']:g} + "
-                     f"{b['optimizer state']:g} = {b['total']:g}", "updates lost over the run": f"{100 * update_lost(r):.2f}%",
+                     f"{b['optimizer state']:g} = {b['total']:g}", "updates lost over the run": f"{round(100 * update_lost(r), 2) + 0.0:.2f}%",
                      "weights not moved, mean per step": f"{100 * sum(d['lost']) / len(d['lost']):.3f}%", "final loss": f"{r.losses[-1]:.4f}",
                      "largest difference from the first run's loss": f"{100 * max(abs(a - b) / b for a, b in zip(r.losses, first.losses)):.3f}%"})
     return rows
@@ -227,11 +227,11 @@ def plot_update_lost(results: list[RunResult], ax):
     for r in results:
         so_far = (getattr(r, "details", None) or {}).get("lost_so_far")
         if so_far:
-            ax.plot([100 * x for x in so_far], lw=1.2, label=f"{r.label}: {100 * so_far[-1]:.2f}% lost")
+            ax.plot([100 * x for x in so_far], lw=1.2, label=f"{r.label}: {round(100 * so_far[-1], 2) + 0.0:.2f}% lost")
             drawn += 1
     ax.axhline(0, color="grey", lw=0.8, ls=":")
     if drawn:
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
     else:
         ax.text(0.5, 0.5, "no run with its weights in bf16 yet\n(weights: pure bf16 ...)", ha="center", va="center",
                 transform=ax.transAxes, fontsize=8, color="grey")

@@ -7,8 +7,11 @@
 - Gradient magnitudes of one real step, and how many of them fp16 flushes to zero with and without scaling.
 - Error against an fp64 reference: a matmul, and one step's loss and gradients.
 - Matmul throughput per format on this device.
+- Why master weights: one real update added to the weights stored in each format (`updates_lost_by_format`).
+- The notebook's panel (`panel_runner`, with `plot_op_dtypes` and `plot_scaler_trace`): a run's op dtypes, its loss
+  scale, and pure bf16 through low_precision.train.
 
-Nothing here trains: the training runs of the notebook go through course_lib.train.run.
+The training runs go through course_lib.train (or low_precision.train, the same loop); nothing here is a second loop.
 """
 from __future__ import annotations
 
@@ -667,7 +670,7 @@ def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp
         note.append(f"{result.skipped_optimizer_steps} steps skipped, fp16 lost {u['lost_to_zero']:.2%} of the activation "
                     f"gradients to zero at S=2^{math.log2(S):g}")
     if (lost := L.update_lost(result)) is not None:
-        note.append(f"{100 * lost:.2f}% of the updates lost over the run")
+        note.append(f"{round(100 * lost, 2) + 0.0:.2f}% of the updates lost over the run")  # + 0.0: no "-0.00"
     if result.ok:
         result.reason = "; ".join(note)
     return result
