@@ -63,9 +63,12 @@ class PanelCase:
 
 # Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
 PANELS = [
-    PanelCase("01_naive_loop.ipynb", (("attention", "sdpa"),), ("attention=sdpa",),
+    # 01 and 02: each run's row sets the formula's peak beside the measured one (memory.run_beside_estimate), which the
+    # figure draws category by category
+    PanelCase("01_naive_loop.ipynb", (("attention", "sdpa"),), ("attention=sdpa", "peak: formula", "measured"),
               code=("activation checkpointing", "full", "CheckpointedBlock(block)")),
-    PanelCase("02_memory_accounting.ipynb", (("activation checkpointing", "selective"),), ("activation_checkpointing=selective",)),
+    PanelCase("02_memory_accounting.ipynb", (("activation checkpointing", "selective"),),
+              ("activation_checkpointing=selective", "peak: formula", "measured")),
     PanelCase("03_mixed_precision.ipynb", (("loss scale start", "2^32"),), ("loss_scale_init=2^32",)),
     # compile is 04's other lesson, but a compiled run costs a minute of a 2-core CPU: flash attention is cheap
     PanelCase("04_compile_and_flash_attention.ipynb", (("attention", "sdpa"),), ("attention=sdpa",)),
