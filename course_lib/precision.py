@@ -646,9 +646,11 @@ def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp
     the update lost per step). An fp16 run also measures one step's activation gradients lost to zero at its starting
     loss scale. The result's note (the table's last column) says what it found."""
     from . import low_precision as L
+    from .capabilities import require
     from .config import ConfigError
     from .train import run
 
+    require(cfg)  # before the dtype recording runs anything this device cannot (bf16 on a V100: a ConfigError, the fix named)
     dtype, rounding = L.SCHEMES[weights]
     if dtype != torch.float32 and cfg.precision != "bf16":
         raise ConfigError(f"weights in bf16 train under bf16 autocast: set precision to bf16 (it is {cfg.precision})")
@@ -659,8 +661,8 @@ def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp
     else:
         result = L.train(cfg, rounding, dtype, label=label, callback=callback)
     result.with_details(op_dtypes=ops)
-    note = [f"matmuls in {ops['matmuls (addmm, mm)']}, layer norm {ops['layer norm']}, loss {ops['loss (log_softmax)']}, "
-            f"weights {ops['weights']}"]
+    note = [f"matmuls in {ops.get('matmuls (addmm, mm)', '-')}, layer norm {ops.get('layer norm', '-')}, "
+            f"loss {ops.get('loss (log_softmax)', '-')}, weights {ops['weights']}"]
     if cfg.precision == "fp16":
         S = cfg.loss_scale_init
         g32, g16 = gradient_sample(cfg, "fp32"), gradient_sample(cfg, "fp16", loss_scale=S)

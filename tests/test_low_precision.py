@@ -141,3 +141,19 @@ def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
             plot(results, ax)
             assert ax.has_data() or ax.texts, plot.__name__
         assert isinstance(fig, matplotlib.figure.Figure)
+
+
+def test_the_panel_runner_asks_the_device_first(monkeypatch):
+    # a precision this device cannot run (bf16 on a V100, say) is a ConfigError with the device's reason, before any op runs
+    from course_lib import capabilities as K
+    from course_lib import precision as P
+    from course_lib.config import ConfigError
+
+    real = K._precisions
+    monkeypatch.setattr(K, "_precisions", lambda dev, cpu: {**real(dev, cpu), "bf16": K.Support(False, "no bf16 tensor cores here")})
+    K.capabilities.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match="no bf16 tensor cores here"):
+            P.panel_runner(replace(tiny_preset("cpu"), precision="bf16", steps=2), "x", weights="pure bf16, nearest")
+    finally:
+        K.capabilities.cache_clear()
