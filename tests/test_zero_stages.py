@@ -59,3 +59,11 @@ def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(laun
     assert 4 * psi <= coll(2)["all-gather"]["bytes"] < coll(3)["all-gather"]["bytes"]
     assert coll(2)["reduce-scatter"] == coll(3)["reduce-scatter"] and coll(2)["reduce-scatter"]["bytes"] >= 4 * psi
     assert ranks[0]["formula"]["2"] == zero.zero_parts(psi, n, 2, **zero.FP32_ADAMW)
+    # what each rank sends: stage 0 the paper's all-reduce (2(N-1)/N of the gradients), this stage 1 1.5x that (its
+    # broadcast comes on top of DDP's all-reduce); gloo's sockets agree (written: what the rank wrote in that step)
+    sent = {s: zero.bytes_sent(coll(s), n) for s in zero.STAGES}
+    assert sent[0] == pytest.approx(zero.data_parallel_traffic(psi, n, 0, grad_bytes=4, param_bytes=4))
+    assert sent[1] == pytest.approx(1.5 * sent[0]) and sent[3] == pytest.approx(1.5 * sent[0], rel=0.01)
+    if all(rank["runs"][str(s)]["written_last_step"] is not None for rank in ranks for s in (0, 1)):  # Linux (/proc/self/io)
+        written = {s: sum(rank["runs"][str(s)]["written_last_step"] for rank in ranks) / n for s in (0, 1)}
+        assert written[0] == pytest.approx(sent[0], rel=0.01) and written[1] == pytest.approx(sent[1], rel=0.01)

@@ -193,11 +193,18 @@ def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback, m
 
 # ---- counting the collectives ----------------------------------------------------------------------------
 
-# The c10d operators' names, as the dispatcher sees them, and what the course calls them.
-KINDS = {"allreduce_": "all-reduce", "broadcast_": "broadcast", "_allgather_base_": "all-gather",
-         "allgather_into_tensor_coalesced_": "all-gather", "allgather_": "all-gather",
-         "_reduce_scatter_base_": "reduce-scatter", "reduce_scatter_tensor_coalesced_": "reduce-scatter",
-         "reduce_scatter_": "reduce-scatter"}
+# The collective operators' names, as the dispatcher sees them (c10d's, and the functional ones DTensor issues), and
+# what the course calls them. Point to point: a "send" is bytes this rank sends, a "receive" bytes it receives.
+KINDS = {"allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce", "all_reduce": "all-reduce",
+         "all_reduce_": "all-reduce", "all_reduce_coalesced": "all-reduce", "broadcast_": "broadcast", "broadcast": "broadcast",
+         "_allgather_base_": "all-gather", "allgather_into_tensor_coalesced_": "all-gather", "allgather_": "all-gather",
+         "all_gather_into_tensor": "all-gather", "all_gather_into_tensor_out": "all-gather",
+         "all_gather_into_tensor_coalesced": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
+         "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
+         "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_tensor_coalesced": "reduce-scatter",
+         "alltoall_base_": "all-to-all", "alltoall_": "all-to-all", "all_to_all_single": "all-to-all",
+         "send": "send", "recv_": "receive"}
+NOT_DATA = {"barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd"}  # synchronisation, no payload to count
 
 
 def _tensors(arg) -> list[torch.Tensor]:
@@ -208,25 +215,61 @@ def _tensors(arg) -> list[torch.Tensor]:
     return []
 
 
+def bytes_written() -> int | None:
+    """Bytes this process has passed to write() and its kin so far (Linux: /proc/self/io's wchar; None elsewhere). gloo
+    sends over TCP sockets with such calls, so the difference across a step is what this rank sent (plus a few bytes of
+    message headers, and whatever else it wrote meanwhile: nothing, in a training step). NCCL's traffic does not pass
+    through them."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts the collectives this process issues while active: every c10d operator reaches the dispatcher, whoever
-    calls it (DDP's C++ reducer, ZeroRedundancyOptimizer, FSDP2), so one mechanism serves every stage. Bytes are those
-    of the full side of the exchange: the largest tensor argument (a list of tensors counted together), i.e. the
-    gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of an all-reduce or a
-    broadcast. Not seen: collectives issued inside a DTensor operator (the scalar all-reduce of the gradient norm)."""
+    calls it (DDP's C++ reducer, ZeroRedundancyOptimizer, FSDP2, a pipeline schedule's sends and receives), and so do
+    the functional collectives of DTensor's layers (tensor parallelism), so one mechanism serves every strategy. Bytes
+    are those of the full side of the exchange: the largest tensor among the arguments and the result (a list of tensors
+    counted together), i.e. the gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of
+    an all-reduce or a broadcast. Not seen: collectives issued inside a DTensor operator (the scalar all-reduce of the
+    gradient norm). What each rank sends of those bytes depends on the algorithm: `zero.bytes_sent`.
+
+    `written` is what the process wrote to its sockets while counting (`bytes_written`, Linux): the bytes a gloo rank
+    really sent, to compare with that formula; None where it cannot be read."""
 
     def __init__(self):
         super().__init__()
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+        self.written: int | None = None
+        self._written_at_start: int | None = None
+
+    def __enter__(self):
+        self._written_at_start = bytes_written()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        end = bytes_written()
+        if end is not None and self._written_at_start is not None:
+            self.written = (self.written or 0) + end - self._written_at_start
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
+        result = func(*args, **(kwargs or {}))
+        if "c10d" in func.namespace:  # c10d, _c10d_functional
             name = func.__name__.split(".")[0]
-            sizes = [sum(t.numel() * t.element_size() for t in _tensors(a)) for a in args]
-            entry = self.counts[KINDS.get(name, name)]
-            entry["calls"] += 1
-            entry["bytes"] += max(sizes, default=0)
-        return func(*args, **(kwargs or {}))
+            if name not in NOT_DATA:
+                sizes = [sum(t.numel() * t.element_size() for t in _tensors(a)) for a in (*args, result)]
+                entry = self.counts[KINDS.get(name, name)]
+                entry["calls"] += 1
+                entry["bytes"] += max(sizes, default=0)
+        return result
+
+    def summary(self) -> dict:
+        """{"collectives": {kind: {"calls", "bytes"}}, "written_bytes": int | None}: what a rank's JSON keeps."""
+        return {"collectives": dict(self.counts), "written_bytes": self.written}
 
     @contextlib.contextmanager
     def last_step_of(self, steps: int):

@@ -1,6 +1,9 @@
 """The smallest distributed program: every rank all-reduces its rank number. Options: {"mode": "ok"}, or
 "fail" (the last rank raises) or "hang" (the last rank never reaches the collective) to show how the launcher
-reports a failed or hung run and stops every process."""
+reports a failed or hung run and stops every process; {"measure_bytes": B} also runs an all-reduce, an all-gather, a
+reduce-scatter and a broadcast of B bytes each (the full side of the exchange, as _common.CollectiveCounter counts it)
+and records, for each, the bytes this rank wrote to its sockets meanwhile (gloo on Linux; None elsewhere): what one
+rank really sends, beside the ring algorithms' formula (zero.sent_share)."""
 from __future__ import annotations
 
 import time
@@ -12,7 +15,27 @@ from . import _common
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
-OPTIONS = {"mode": "ok"}
+OPTIONS = {"mode": "ok", "measure_bytes": 0}
+
+
+def measure_sends(ctx: _common.Ctx, nbytes: int) -> dict:
+    """{kind: {"counted": bytes the counter records, "written": bytes this rank wrote meanwhile}} for one collective of
+    each kind over about `nbytes` bytes of fp32 (rounded down to a multiple of the ranks), after one warm-up round."""
+    n = max(ctx.world, nbytes // 4 // ctx.world * ctx.world)
+    whole, part = torch.ones(n, device=ctx.device), torch.ones(n // ctx.world, device=ctx.device)
+    runs = {"all-reduce": lambda: dist.all_reduce(whole), "all-gather": lambda: dist.all_gather_into_tensor(whole, part),
+            "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole), "broadcast": lambda: dist.broadcast(whole, 0)}
+    out = {}
+    for warm_up in (True, False):
+        for kind, run in runs.items():
+            dist.barrier()  # nothing of another collective in flight while this one is measured
+            counter = _common.CollectiveCounter()
+            with counter:
+                run()
+            if not warm_up:
+                written = counter.written if ctx.backend == "gloo" else None
+                out[kind] = {"counted": counter.counts[kind]["bytes"], "written": written}
+    return out
 
 
 def main(argv=None) -> None:
@@ -25,7 +48,9 @@ def main(argv=None) -> None:
     t = torch.tensor([float(ctx.rank)], device=ctx.device)
     t0 = time.perf_counter()
     dist.all_reduce(t)
-    _common.write(ctx, {"sum_of_ranks": t.item(), "all_reduce_s": time.perf_counter() - t0})
+    elapsed = time.perf_counter() - t0
+    sends = measure_sends(ctx, int(ctx.options["measure_bytes"])) if ctx.options.get("measure_bytes") else {}
+    _common.write(ctx, {"sum_of_ranks": t.item(), "all_reduce_s": elapsed, "sends": sends})
     _common.finish()
 
 

@@ -131,11 +131,12 @@ def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
     """Forward and backward of the sharded model, checked against the unsharded one's (already backward-ed)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    fwd_mode, bwd_mode = CommDebugMode(), CommDebugMode()
-    with fwd_mode:
-        logits_tp, loss_tp = loss_of(tp)
-    with bwd_mode:
-        loss_tp.backward()
+    fwd_mode, bwd_mode, counter = CommDebugMode(), CommDebugMode(), _common.CollectiveCounter()
+    with counter:  # the bytes of forward and backward (CommDebugMode counts calls only)
+        with fwd_mode:
+            logits_tp, loss_tp = loss_of(tp)
+        with bwd_mode:
+            loss_tp.backward()
     full_params = dict(full.named_parameters())
     grad_diffs = {name: (_grad_as_placed(p) - _expected_grad(name, full_params[name].grad, p, ctx.world, ctx.rank)).abs().max().item()
                   for name, p in tp.named_parameters()}
@@ -146,6 +147,7 @@ def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
             "max_abs_grad_diff": max(grad_diffs.values()), "grad_diffs": grad_diffs,
             "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
             "forward_collectives": _counts(fwd_mode), "backward_collectives": _counts(bwd_mode),
+            "collectives_fwd_bwd": dict(counter.counts), "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None,
             "parameter_bytes_sharded_local": measure.tensor_bytes(sharded), "parameter_bytes_replicated": measure.tensor_bytes(replicated)}
 
 

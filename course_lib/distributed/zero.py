@@ -51,9 +51,12 @@ def ring_all_reduce_bytes(payload_bytes: float, n: int) -> float:
 
 
 def data_parallel_traffic(psi: float, n: int, stage: int, grad_bytes: float = 2, param_bytes: float = 2) -> float:
-    """Bytes each device sends per optimizer step. Stages 0-2: one all-reduce of the gradients (stage 1-2 as a
-    reduce-scatter plus an all-gather of updated parameters: the same volume). Stage 3 gathers the parameters
-    twice (forward, and again in backward after they were freed) and reduce-scatters the gradients: 1.5x."""
+    """Bytes each device sends per optimizer step, in the ZeRO paper's accounting (section 7), ring algorithms. Stage 0:
+    one all-reduce of the gradients, 2(N-1)/N of them. Stages 1-2: a reduce-scatter of the gradients (each rank receives
+    the sum for its shard only) and an all-gather of the updated parameters, (N-1)/N each: the volume of one all-reduce.
+    Stage 3 gathers the parameters twice (forward, and again in backward after they were freed) and reduce-scatters the
+    gradients: 1.5x. An implementation may move more: the course's stage 1 (ZeroRedundancyOptimizer) keeps DDP's
+    all-reduce and adds a broadcast of the updated parameters (zero_stages; measured in notebook 07)."""
     one_pass = (n - 1) / n * psi
     if stage < 3:
         return one_pass * grad_bytes + one_pass * (param_bytes if stage >= 1 else grad_bytes)
@@ -68,3 +71,24 @@ def offload_optimizer_bytes(psi: float, n: int, stage: int = 2, k: float = 12, p
     share = psi / (n if stage >= 2 else 1)
     return {"device to host (gradients)": grad_bytes * share, "host to device (parameters)": param_bytes * share,
             "saved on the device (optimizer state)": zero_parts(psi, n, stage, k, param_bytes, grad_bytes)["optimizer state"]}
+
+
+# What one rank sends, as a share of the bytes the course's counter records for a collective (_common.CollectiveCounter:
+# the full side of the exchange, B). Ring algorithms: an all-gather or a reduce-scatter moves (N-1)/N of B through
+# every rank; an all-reduce is the two in a row, 2(N-1)/N. A broadcast delivers B to N-1 ranks, whatever its shape
+# (chain, tree): (N-1)/N of B per rank on average over the ranks. A point-to-point send moves all of it.
+def sent_share(kind: str, n: int) -> float:
+    """The share of a collective's counted bytes that each rank sends (see above); a receive sends nothing."""
+    shares = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
+              "broadcast": (n - 1) / n, "all-to-all": (n - 1) / n, "send": 1.0, "receive": 0.0}
+    if kind not in shares:
+        raise ValueError(f"no sent share for {kind!r}: one of {', '.join(shares)}")
+    return shares[kind]
+
+
+def bytes_sent(collectives: dict[str, dict], n: int, shares: dict[str, float] | None = None) -> float:
+    """Bytes each rank sends for the collectives the counter recorded ({kind: {"calls", "bytes"}}), by the ring
+    algorithms' shares (all-to-all: an even spread over the ranks), or by `shares` ({kind: share}) where given: e.g. the
+    shares a backend was measured to send (notebook 07 measures gloo's: its reduce-scatter sends what an all-reduce does)."""
+    shares = shares or {}
+    return sum(shares.get(kind, sent_share(kind, n)) * c["bytes"] for kind, c in collectives.items())

@@ -97,7 +97,7 @@ def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> t
     out = {"stage": stage, "name": STAGE_NAMES[stage], "offload": offload, "result": result.to_dict(),
            "memory": {"parameters between steps": at_step["parameters"], "parameters after forward": held["parameters after forward"],
                       "gradients": at_step["gradients"], "optimizer state": at_step["optimizer state"]},
-           "collectives_last_step": dict(counter.counts), **_common.cuda_peak(ctx.device)}
+           "collectives_last_step": dict(counter.counts), "written_last_step": counter.written if ctx.backend == "gloo" else None, **_common.cuda_peak(ctx.device)}
     return out, full_parameters(setup.model)
 
 
