@@ -4,9 +4,13 @@ group of one process where a collective must run), a second or two in all. What 
 notebooks and in test_distributed.py / test_zero_stages.py / test_tensor_parallel.py / test_moe.py / test_resume.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from course_lib import config as C
+from course_lib.distributed import panel as DP
 from course_lib.distributed import zero as Z
 from course_lib.distributed._common import KINDS, CollectiveCounter, bytes_written
 
@@ -94,3 +98,61 @@ def test_the_counter_sees_no_collective_in_plain_arithmetic():
     with CollectiveCounter() as counter:
         (torch.ones(3) * 2).sum()
     assert dict(counter.counts) == {}
+
+
+# ---- the panels of 07 and 08 --------------------------------------------------------------------------------------------
+
+def test_each_panel_reaches_its_notebooks_strategies():
+    assert set(DP.DATA_PARALLEL) == {"ddp", "zero1", "zero2", "fsdp", "resume"}  # ZeRO 0-3 and checkpoint/resume
+    assert set(DP.MODEL_PARALLEL) == {"gpipe", "1f1b", "tp", "tp_sp", "moe"}  # pipeline, tensor, sequence, expert
+    assert DP.STRATEGIES == {**DP.DATA_PARALLEL, **DP.MODEL_PARALLEL}
+
+
+def test_the_panel_refuses_what_a_strategy_cannot_run():
+    cfg = dataclasses.replace(C.tiny_preset("cpu"), steps=3, context=64).with_model(n_layer=4, n_head=4)
+    assert all(DP.why_not(cfg, s, 2, 2) is None for s in DP.STRATEGIES)
+    assert "steps >= 3" in DP.why_not(dataclasses.replace(cfg, steps=2), "resume", 2, 2)
+    assert "steps >= 2" in DP.why_not(dataclasses.replace(cfg, steps=1), "zero2", 2, 2)
+    assert "experts" in DP.why_not(cfg, "moe", 3, 2) and DP.why_not(cfg, "moe", 4, 2) is None
+    assert "context=63" in DP.why_not(dataclasses.replace(cfg, context=63), "tp_sp", 2, 2)
+    assert "unknown strategy" in DP.why_not(cfg, "zero4", 2, 2)
+
+
+def test_only_ddp_and_fsdp_are_exported_as_training_scripts():
+    cfg = C.tiny_preset("cpu")
+    assert DP.export_config(cfg, "ddp").data_parallel == "ddp" and DP.export_config(cfg, "fsdp").data_parallel == "fsdp"
+    for strategy in ("zero1", "zero2", "resume", "gpipe", "tp_sp", "moe"):
+        with pytest.raises(C.ConfigError, match="not the course's loop"):
+            DP.export_config(cfg, strategy)
+
+
+def _zero_rank(rank: int, stage: int) -> dict:
+    """What zero_stages writes for one rank and one stage, cut to what the panel reads."""
+    held = {"parameters between steps": 100, "parameters after forward": 300, "gradients": 100, "optimizer state": 200}
+    coll = {"all-gather": {"calls": 3, "bytes": 400}, "reduce-scatter": {"calls": 3, "bytes": 400}}
+    result = {"step_times": [1.0, 0.02, 0.03], "excluded_steps": [0]}
+    return {"rank": rank, "runs": {str(stage): {"memory": held, "collectives_last_step": coll, "written_last_step": 610,
+                                                "result": result}}}
+
+
+def test_the_panel_reads_a_ranks_memory_and_bytes_and_draws_them():
+    from course_lib import plots
+    from course_lib.results import RunResult
+
+    rows = DP.rank_rows("zero2", [_zero_rank(0, 2), _zero_rank(1, 2)], 2)
+    assert rows[0]["memory"] == {"parameters": 100, "gradients": 100, "optimizer state": 200, "gathered for the step": 200}
+    assert rows[0]["sent"] == {"all-gather": 200, "reduce-scatter": 200}  # (N-1)/N of the counted bytes, N = 2
+    assert rows[0]["written"] == 610 and rows[0]["step_ms"] == pytest.approx(25.0)
+    moe = {"rank": 0, "parameter_bytes_expert_parallel": 900, "expert_bytes_local": 300, "written_fwd_bwd": None, "fwd_bwd_s": 0.5,
+           "all_to_all": {"counts": {"bytes_to_other_ranks": 8}, "forward": {"bytes_to_other_ranks": 96},
+                          "backward": {"bytes_to_other_ranks": 96}}}
+    assert DP.rank_rows("moe", [moe], 2)[0] == {"rank": 0, "memory": {"parameters": 600, "expert parameters": 300},
+                                                "sent": {"all-to-all": 200}, "written": None, "step_ms": 500.0}
+    runs = [RunResult(label=f"run {s}", status="ok", config={}, provenance={"device": "cpu"}, details={"strategy": s, "ranks": rows})
+            for s in ("zero2", "fsdp")]
+    fig = plots.new_figure(figsize=(8, 3))
+    ax_mem, ax_bytes = fig.subplots(1, 2)
+    DP.plot_rank_memory(runs, ax_mem)
+    DP.plot_rank_bytes(runs, ax_bytes)
+    assert len(ax_mem.patches) == 4 * 4 and len(ax_bytes.patches) == 4 * 2  # a bar per rank and category / kind
+    assert [line.get_label() for line in ax_bytes.lines] == ["written to sockets (measured)"]

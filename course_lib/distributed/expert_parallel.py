@@ -20,13 +20,15 @@ runs the whole MoE GPT (all experts, same weights) on every rank's slice in turn
 Rank results: the largest difference of logits and of gradients from that single-process model (experts: this
 rank's experts against the same experts there; replicated parameters: after the all-reduce that data parallelism
 would do), all-to-all calls and bytes in forward and backward, the bytes of parameters held (experts sharded
-against every expert replicated), and each layer's expert load.
+against every expert replicated), each layer's expert load, and the bytes the rank wrote to its sockets in forward
+and backward (gloo: _common.CollectiveCounter.written) and the time they took (after a warm-up pass).
 
 Options: {"n_experts": int, "top_k": int, "capacity_factor": float, "aux_coef": float}
 """
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -122,9 +124,16 @@ def main(argv=None) -> None:
     n_targets = count_targets(batch[1])  # each rank's loss is divided by the global count: the ranks' losses sum to the mean
 
     x, y = _common.shard(batch, ctx.rank, ctx.world)
-    logits_ep = ep(x)
-    loss_ep = loss_sum(logits_ep, y) / n_targets
-    loss_ep.backward()
+    (loss_sum(ep(x), y) / n_targets).backward()  # a warm-up (the first exchange sets up gloo's connections): not measured
+    ep.zero_grad(set_to_none=True)
+    log.clear()
+    counter = _common.CollectiveCounter()  # what this rank wrote to its sockets in forward and backward (gloo)
+    t0 = time.perf_counter()
+    with counter:
+        logits_ep = ep(x)
+        loss_ep = loss_sum(logits_ep, y) / n_targets
+        loss_ep.backward()
+    fwd_bwd_s = time.perf_counter() - t0
     loads = [layer.last_load for layer in moe.moe_blocks(ep)]
 
     # The single process: all experts, every rank's slice routed as its own group, one loss over the global batch.
@@ -162,7 +171,8 @@ def main(argv=None) -> None:
         "max_abs_logit_diff": (logits_ep.detach() - logits_ref).abs().max().item(), "max_abs_logit": logits_ref.abs().max().item(),
         "loss_sum_of_ranks": loss_sum_ranks.item(), "loss_single_process": loss_full.item(),
         "max_abs_grad_diff": diffs, "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
-        "all_to_all": log, "bytes_per_token_row": cfg.model.n_embd * logits_ep.element_size(),
+        "all_to_all": log, "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None, "fwd_bwd_s": fwd_bwd_s,
+        "bytes_per_token_row": cfg.model.n_embd * logits_ep.element_size(),
         "expert_load": [{"chosen": ld.chosen.tolist(), "kept": ld.kept.tolist(), "capacity": ld.capacity} for ld in loads],
         "parameter_bytes_expert_parallel": measure.tensor_bytes(ep.parameters()),
         "parameter_bytes_replicated_model": measure.tensor_bytes(full.parameters()),

@@ -10,7 +10,7 @@ receives only the gradient of its own shard. The collectives FSDP2 issues are co
 Rank results: per-rank bytes of parameters, gradients and optimizer state under DDP and under FSDP2, step
 times, losses, all-gather and reduce-scatter calls and bytes per step, CUDA peaks when on a GPU.
 
-Options: {"steps": int, "only": "ddp" | "fsdp" (one run with the config as given)}
+Options: {"steps": int}
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
         result, setup = _common.train_rank(ctx, cfg, at, label, on_build=lambda _setup: None, callback=callback)
     params = list({id(p): p for p in setup.model.parameters()}.values())
     return {"result": result.to_dict(), "memory": measure.static_bytes(setup.model, setup.optimizer),
-            "collectives_last_step": dict(counter.counts), "n_params": sum(p.numel() for p in params), **_common.cuda_peak(ctx.device)}
+            "collectives_last_step": dict(counter.counts), "written_last_step": counter.written if ctx.backend == "gloo" else None, "n_params": sum(p.numel() for p in params), **_common.cuda_peak(ctx.device)}
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
-OPTIONS = {"steps": 3, "only": None}
+OPTIONS = {"steps": 3}
 
 
 def main(argv=None) -> None:
@@ -42,11 +42,6 @@ def main(argv=None) -> None:
     steps = int(ctx.options.get("steps", 3))
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, batch_size=ctx.cfg.micro_batch_size)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
-    only = ctx.options.get("only")  # "ddp" or "fsdp": just that run, with the config as given (the panel)
-    if only:
-        _common.write(ctx, {"strategy": "fsdp", "steps": ctx.cfg.steps, only: run(ctx, replace(ctx.cfg, data_parallel=only), at, f"{only} x{ctx.world}")})
-        _common.finish()
-        return
     ddp = run(ctx, replace(cfg, data_parallel="ddp", steps=2), at, f"DDP x{ctx.world}")
     fsdp = run(ctx, replace(cfg, data_parallel="fsdp"), at, f"FSDP2 x{ctx.world}")
     _common.write(ctx, {"strategy": "fsdp", "steps": steps, "ddp": ddp, "fsdp": fsdp})

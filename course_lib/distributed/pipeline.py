@@ -16,8 +16,10 @@ the same AdamW step, and stay equal. (With one stage the tie is the model's own 
 
 Rank results: for every schedule and micro-batch count, step times and a timeline of when this stage ran the
 forward (F) and backward (B) of each micro-batch; the peak bytes allocated during a step (CPU ledger or CUDA
-peak); parameter bytes of the stage; and (step 0) the pipeline's loss and gradients (blocks, and the tied
-embedding on the end stages) against the unsplit model.
+peak); parameter bytes of the stage; the collectives of the last step (sends and receives of activations and their
+gradients, the tied embedding's and the gradient norm's all-reduces: _common.CollectiveCounter) and the bytes the rank
+wrote meanwhile (gloo); and (step 0) the pipeline's loss and gradients (blocks, and the tied embedding on the end
+stages) against the unsplit model.
 
 Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8, "batch_size": 8, "steps": 3}
 
@@ -274,7 +276,13 @@ def main(argv=None) -> None:
                 if step < steps:
                     timelines.append([list(e) for e in step_fn.events])
 
-            result = trainer.fit(f"{sched_name}/m={m}", callback=keep_timeline)
+            counter = _common.CollectiveCounter()  # the last step's sends, receives and all-reduces (the memory step)
+            with counter.last_step_of(cfg.steps) as count:
+                def callback(step, result, keep_timeline=keep_timeline, count=count):
+                    keep_timeline(step, result)
+                    count(step, result)
+
+                result = trainer.fit(f"{sched_name}/m={m}", callback=callback)
             held_before = sum(measure.static_bytes(stage_mod, trainer.setup.optimizer).values())
             payload["runs"][f"{sched_name}/m={m}"] = {
                 "schedule": sched_name, "microbatches": m, "step_times": result.step_times[:steps], "timelines": timelines,
@@ -283,7 +291,8 @@ def main(argv=None) -> None:
                 "peak_method": ("CPU ledger: the memory step's peak less what the stage held before it (parameters, optimizer state"
                                 + (")" if cfg.set_to_none else ", gradients)") if ctx.device.type == "cpu" else
                                 "CUDA max_memory_allocated over the run less the stage's parameters, gradients and optimizer state"),
-                "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()), **({"check": check} if check else {})}
+                "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()), "collectives_last_step": dict(counter.counts),
+                "written_last_step": counter.written if ctx.backend == "gloo" else None, **({"check": check} if check else {})}
     payload["full_model_parameter_bytes"] = measure.tensor_bytes(full.parameters())
     _common.write(ctx, payload)
     _common.finish()

@@ -10,6 +10,10 @@ A save goes to `step_<k>.partial/` and is renamed to `step_<k>/` once every rank
 metadata (its last act): a rename within a folder is atomic, so a run killed mid-save leaves a `.partial` folder that
 `latest_checkpoint` never picks, and the last complete checkpoint stays loadable.
 
+Rank results: each run's losses, where it resumed from, the seconds each save took, the bytes of parameters, gradients
+and optimizer state the rank holds, the collectives of its last step (and the bytes it wrote meanwhile, gloo), and the
+size of each complete checkpoint and of this rank's file in it.
+
 Options: {"steps": S, "global_batch": G (sequences per step, divisible by the processes), "save_at": [k, ...] (save
 after k steps), "ckpt": folder, "resume": bool (continue from the newest complete checkpoint in `ckpt`), "die_in_final_save":
 bool (after the run, save once more and kill the last rank midway, after it wrote its shard and before the metadata),
@@ -28,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
+from .. import measure
 from ..config import TrainConfig
 from ..train import Trainer
 from . import _common
@@ -122,12 +127,19 @@ def train(cfg: TrainConfig, at, rank: int, world: int, root: str | Path, *, save
         # the loop trains the steps that are left.
         trainer.cfg = replace(cfg, steps=cfg.steps - begin[0])
 
-    def callback(i, _result):
-        if begin[0] + i + 1 in save_at:
-            save_s[begin[0] + i + 1] = save(trainer.setup, root, begin[0] + i + 1, rank)
+    counter = _common.CollectiveCounter()  # the collectives of the last step (FSDP2's gathers and reduce-scatters)
+    with counter.last_step_of(trainer.cfg.steps) as count:
+        def callback(i, result):
+            count(i, result)
+            if begin[0] + i + 1 in save_at:
+                save_s[begin[0] + i + 1] = save(trainer.setup, root, begin[0] + i + 1, rank)
 
-    result = trainer.fit(label, callback)
+        result = trainer.fit(label, callback)
+    gloo = dist.is_initialized() and dist.get_backend() == "gloo"
     return {"result": result.to_dict(), "start_step": begin[0], "loaded": str(loaded) if loaded else None, "save_s": save_s,
+            # gradients as they were at the end of backward (zero_grad has freed them since): the size of the parameters' shards
+            "memory": measure.static_bytes(trainer.setup.model, trainer.setup.optimizer, gradients_at_parameter_size=True),
+            "collectives_last_step": dict(counter.counts), "written_last_step": counter.written if gloo else None,
             "setup": trainer.setup}
 
 
@@ -160,6 +172,9 @@ def main(argv=None) -> None:
         del again["setup"]
         payload["resumed_in_place"] = again
     payload["checkpoints"] = {p.name: checkpoint_bytes(p) for p in sorted(root.glob("step_*")) if not p.name.endswith(PARTIAL)}
+    # This rank's own file in each checkpoint (DCP writes one per rank, __<rank>_0.distcp; the metadata is rank 0's)
+    payload["checkpoint_rank_bytes"] = {p.name: sum(f.stat().st_size for f in p.glob(f"__{ctx.rank}_*.distcp"))
+                                        for p in sorted(root.glob("step_*")) if not p.name.endswith(PARTIAL)}
     _common.write(ctx, payload)
     if o.get("die_in_final_save"):
         # The results are written; now a save that never completes: the last rank dies after writing its shard.
