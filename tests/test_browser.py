@@ -75,8 +75,10 @@ PANELS = [
     PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
               ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token")),
     PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
-    PanelCase("07_data_parallelism.ipynb", (("strategy", "FSDP2"),), ("strategy=fsdp", "FSDP2 x2")),
-    PanelCase("08_model_parallelism.ipynb", (("strategy", "pipeline, 1F1B"),), ("strategy=1f1b", "pipeline, 1F1B x2")),
+    # 07: a ZeRO stage the old panel did not reach (ZeRO-2: gradients and optimizer state sharded, parameters kept gathered)
+    PanelCase("07_data_parallelism.ipynb", (("strategy", "ZeRO-2"),), ("strategy=zero2", "ZeRO-2 x2")),
+    # 08: expert parallelism (MoE), which the old panel did not reach
+    PanelCase("08_model_parallelism.ipynb", (("strategy", "MoE, expert parallel"),), ("strategy=moe", "MoE, expert parallel x2")),
     # (the panel starts from the loop the ladder kept, with 8 chunks where the chunked loss was kept: 4 always differs)
     PanelCase("09_putting_it_together.ipynb", (("loss chunks", "4"),), ("loss_chunks=4",)),
 ]
