@@ -69,7 +69,9 @@ PANELS = [
               code=("activation checkpointing", "full", "CheckpointedBlock(block)")),
     PanelCase("02_memory_accounting.ipynb", (("activation checkpointing", "selective"),),
               ("activation_checkpointing=selective", "peak: formula", "measured")),
-    PanelCase("03_mixed_precision.ipynb", (("loss scale start", "2^32"),), ("loss_scale_init=2^32",)),
+    # 03: pure bf16 with stochastic rounding (the note names the dtype each op ran in and the updates lost)
+    PanelCase("03_mixed_precision.ipynb", (("precision", "bf16"), ("weights", "pure bf16, stochastic rounding")),
+              ("precision=bf16", "weights=pure bf16, stochastic rounding", "layer norm bf16", "of the updates lost")),
     # compile is 04's other lesson, but a compiled run costs a minute of a 2-core CPU: flash attention is cheap
     PanelCase("04_compile_and_flash_attention.ipynb", (("attention", "sdpa"),), ("attention=sdpa",)),
     PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
