@@ -87,7 +87,8 @@ def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
         assert math.isclose(r.tokens_per_s, c["batch_size"] * c["context"] / median_s, rel_tol=1e-9), r.label
         assert r.mfu is None or r.mfu > 0
         assert abs(r.losses[0] - math.log(m.vocab_size)) < 0.3, (r.label, r.losses[0])  # a fresh model: about uniform
-        assert r.memory["by_category"]["parameters"] == 4 * r.n_params, r.label
+        if r.memory:  # (a rung given up on after its paired steps has no memory measurement)
+            assert r.memory["by_category"]["parameters"] == 4 * r.n_params, r.label
         if r is ran[0]:
             continue
         change = speed_change([tuple(p) for p in r.ladder["pairs"]])
@@ -99,5 +100,6 @@ def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
         if not r.ladder["kept"] and r.stopped_early.startswith("stopped after"):
             assert r.ladder["speed"] == SLOWER and r.memory is None, r.label
         below = by[r.ladder["vs"]]  # only the vocabulary rung changes the parameter bytes: by exactly its padding rows
-        grew = r.memory["by_category"]["parameters"] - below.memory["by_category"]["parameters"]
-        assert grew == (pad_bytes if r.label == "+ vocab to x64" else 0), (r.label, grew)
+        if r.memory and below.memory:
+            grew = r.memory["by_category"]["parameters"] - below.memory["by_category"]["parameters"]
+            assert grew == (pad_bytes if r.label == "+ vocab to x64" else 0), (r.label, grew)
