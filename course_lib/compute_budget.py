@@ -40,6 +40,11 @@ def training_flops(n_params: float, tokens: float) -> float:
     return 6.0 * n_params * tokens
 
 
+def tokens_for(flops: float, n_params: float) -> float:
+    """D = C / 6N: the training tokens that `flops` buys a model of N parameters (training_flops solved for D)."""
+    return flops / (6.0 * n_params)
+
+
 def pf_days(flops: float) -> float:
     """FLOPs in PF-days (1 PF-day = 10^15 FLOP/s x 86,400 s = 8.64e19 FLOPs)."""
     return flops / PF_DAY_FLOPS

@@ -8,7 +8,9 @@ PF-days, a PF-day's 8.64e19 FLOPs, 4,430,769 s on an A100 at its fp32 peak and t
 (tests/test_compute_budget.py); the quoted 1.4 GB, 16 bytes per parameter with AdamW and the 69 GB (tests/test_memory.py)."""
 import dataclasses
 import inspect
+import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -75,11 +77,30 @@ def test_the_logits_outweigh_the_activations_where_3v_exceeds_l_16h_plus_as(shap
 
 # ---- notebook 01: a PF-day, in tokens ----
 
+def _notebook_cell(name: str, cell_id: str) -> str:
+    cells = json.loads((ROOT / "notebooks" / name).read_text(encoding="utf-8"))["cells"]
+    return "".join(next(c for c in cells if c["id"] == cell_id)["source"])
+
+
 def test_a_pf_day_buys_a_1b_model_about_14b_tokens():
-    """D = C / 6N: 8.64e19 / 6e9 = 1.44e10 tokens, 0.72 of Chinchilla's 20 tokens per parameter (not 'near' it)."""
-    tokens = CB.PF_DAY_FLOPS / (6 * 1e9)
-    assert math.isclose(tokens, 1.44e10) and math.isclose(CB.training_flops(1e9, tokens), CB.PF_DAY_FLOPS)
-    assert math.isclose(tokens / CB.chinchilla_tokens(1e9), 0.72)
+    """Notebook 01 (cell 9d2b4c61 and the summary) writes that a PF-day buys a 1B model about 14B tokens, about 0.7 of
+    Chinchilla's compute-optimal count; its code cell prints CB.tokens_for. Both are checked here against the facts
+    stated independently: a PF-day is 10^15 FLOP/s for 86,400 s, training costs 6 FLOPs per parameter per token, and
+    Chinchilla's rule is 20 tokens per parameter."""
+    tokens = CB.tokens_for(CB.PF_DAY_FLOPS, 1e9)
+    assert math.isclose(tokens, 1e15 * 86_400 / (6 * 1e9)) and math.isclose(tokens, 1.44e10)
+    assert math.isclose(CB.tokens_for(6e20, 1e10), 1e10)  # a second point: 6 x 1e10 params x 1e10 tokens
+    share = tokens / CB.chinchilla_tokens(1e9)
+    assert math.isclose(CB.chinchilla_tokens(1e9), 20 * 1e9) and math.isclose(share, 0.72)
+    code = _notebook_cell("01_naive_loop.ipynb", "7c1e5f0a")
+    assert "CB.tokens_for(CB.PF_DAY_FLOPS, 1e9)" in code  # the notebook prints the function checked here
+    # the numbers written in the notebook's prose are the function's, rounded as written
+    for cell_id in ("9d2b4c61", "62824514"):
+        text = " ".join(_notebook_cell("01_naive_loop.ipynb", cell_id).split())
+        written = re.findall(r"about (\d+)B tokens", text)
+        assert written and all(int(w) == round(tokens / 1e9) for w in written), (cell_id, written)
+    said_share = re.findall(r"about (0\.\d+) of what Chinchilla", " ".join(_notebook_cell("01_naive_loop.ipynb", "9d2b4c61").split()))
+    assert said_share and float(said_share[0]) == round(share, 1), said_share
 
 
 # ---- the panels' runner: the formula beside the measurement ----
