@@ -87,11 +87,37 @@ def test_the_counter_names_every_collective_and_counts_its_whole_tensor(one_proc
         dist.broadcast(whole, 0)
         funcol.wait_tensor(funcol.all_reduce(torch.ones(64), "sum", dist.group.WORLD))  # DTensor's kind (tensor parallelism)
         dist.barrier()  # synchronisation: no payload, not counted
-    assert dict(counter.counts) == {"all-reduce": {"calls": 2, "bytes": 1024 + 256}, "all-gather": {"calls": 1, "bytes": 1024},
-                                    "reduce-scatter": {"calls": 1, "bytes": 1024}, "broadcast": {"calls": 1, "bytes": 1024}}
+    one = {"calls": 1, "bytes": 1024, "by_group_size": {"1": 1024}}  # every call on a group of 1 rank
+    assert dict(counter.counts) == {"all-reduce": {"calls": 2, "bytes": 1024 + 256, "by_group_size": {"1": 1024 + 256}},
+                                    "all-gather": one, "reduce-scatter": one, "broadcast": one}
     assert set(dict(counter.counts)) <= set(KINDS.values())
     if bytes_written() is not None:  # Linux: what the process wrote while counting; one process sends nothing to itself
         assert counter.written is not None and counter.written < 1024
+
+
+def test_a_collective_on_a_subgroup_is_shared_among_the_groups_ranks_not_the_worlds():
+    # The pipeline's tied-embedding all-reduce runs on its 2 end stages (pipeline.tied_group) whatever the world's size:
+    # each of them sends 2(2-1)/2 = 1.0 of its bytes, not 2(N-1)/N = 1.5 at N = 4; the gradient norm's all-reduce runs on
+    # all 4. 08's panel used to apply the world's share to every call.
+    tied, norm, act = 4096, 4, 1000
+    coll = {"all-reduce": {"calls": 2, "bytes": tied + norm, "by_group_size": {"2": tied, "4": norm}},
+            "send": {"calls": 2, "bytes": act, "by_group_size": {"4": act}}, "receive": {"calls": 2, "bytes": act, "by_group_size": {"4": act}}}
+    assert Z.sent_by_kind(coll, 4) == pytest.approx({"all-reduce": 1.0 * tied + 1.5 * norm, "send": act, "receive": 0.0})
+    # a record without group sizes (an older rank JSON): every call on the whole world, as before
+    assert Z.bytes_sent({"all-reduce": {"calls": 1, "bytes": tied}}, 4) == pytest.approx(1.5 * tied)
+    # a measured share (notebook 07's gloo shares, measured at the world's size) replaces only the world-sized calls' share
+    assert Z.sent_by_kind(coll, 4, {"all-reduce": 2.0})["all-reduce"] == pytest.approx(1.0 * tied + 2.0 * norm)
+    run = {"parameter_bytes": 10, "step_peak_bytes": 20, "step_times": [1.0, 0.5], "collectives_last_step": coll, "written_last_step": None}
+    rows = DP.rank_rows("gpipe", [{"rank": r, "runs": {"gpipe/m=4": run}} for r in range(4)], 4)
+    assert rows[0]["sent"] == pytest.approx({"all-reduce": tied + 1.5 * norm, "send": act})  # receives send nothing: not drawn
+
+
+def test_the_counter_records_each_calls_group_size(one_process_group):
+    dist = one_process_group
+    sub = dist.new_group([0])
+    with CollectiveCounter() as counter:
+        dist.all_reduce(torch.ones(8), group=sub)
+    assert counter.counts["all-reduce"]["by_group_size"] == {str(dist.get_world_size(sub)): 32}
 
 
 def test_the_counter_sees_no_collective_in_plain_arithmetic():

@@ -215,6 +215,22 @@ def _tensors(arg) -> list[torch.Tensor]:
     return []
 
 
+def group_size(func, args) -> int | None:
+    """The number of ranks in the process group a collective runs on: c10d's operators take the ProcessGroup itself (a
+    ScriptObject at the dispatcher), the functional ones (DTensor's) its registered name, their last string argument.
+    None where neither is found."""
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(".ProcessGroup"):
+            return dist.ProcessGroup.unbox(a).size()
+    if "functional" in func.namespace:
+        name = next((a for a in reversed(args) if isinstance(a, str)), None)
+        if name is not None:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            return _resolve_process_group(name).size()
+    return dist.get_world_size() if dist.is_initialized() else None
+
+
 def bytes_written() -> int | None:
     """Bytes this process has passed to write() and its kin so far (Linux: /proc/self/io's wchar; None elsewhere). gloo
     sends over TCP sockets with such calls, so the difference across a step is what this rank sent (plus a few bytes of
@@ -233,15 +249,18 @@ class CollectiveCounter(TorchDispatchMode):
     the functional collectives of DTensor's layers (tensor parallelism), so one mechanism serves every strategy. Bytes
     are those of the full side of the exchange: the largest tensor among the arguments and the result (a list of tensors
     counted together), i.e. the gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of
-    an all-reduce or a broadcast. Not seen: collectives issued inside a DTensor operator (the scalar all-reduce of the
-    gradient norm). What each rank sends of those bytes depends on the algorithm: `zero.bytes_sent`.
+    an all-reduce or a broadcast. Each kind also keeps its bytes by the size of the process group the call ran on
+    ("by_group_size", {"2": bytes}): a collective on a subgroup (the pipeline's tied-embedding all-reduce between its two
+    end stages) is shared among that group's ranks, not the world's. Not seen: collectives issued inside a DTensor
+    operator (the scalar all-reduce of the gradient norm). What each rank sends of those bytes depends on the algorithm
+    and the group's size: `zero.bytes_sent`.
 
     `written` is what the process wrote to its sockets while counting (`bytes_written`, Linux): the bytes a gloo rank
     really sent, to compare with that formula; None where it cannot be read."""
 
     def __init__(self):
         super().__init__()
-        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "bytes": 0})
+        self.counts: dict[str, dict] = defaultdict(lambda: {"calls": 0, "bytes": 0, "by_group_size": {}})
         self.written: int | None = None
         self._written_at_start: int | None = None
 
@@ -265,10 +284,12 @@ class CollectiveCounter(TorchDispatchMode):
                 entry = self.counts[KINDS.get(name, name)]
                 entry["calls"] += 1
                 entry["bytes"] += max(sizes, default=0)
+                size = str(group_size(func, args))  # a string: the key survives the rank's JSON unchanged
+                entry["by_group_size"][size] = entry["by_group_size"].get(size, 0) + max(sizes, default=0)
         return result
 
     def summary(self) -> dict:
-        """{"collectives": {kind: {"calls", "bytes"}}, "written_bytes": int | None}: what a rank's JSON keeps."""
+        """{"collectives": {kind: {"calls", "bytes", "by_group_size"}}, "written_bytes": int | None}: what a rank's JSON keeps."""
         return {"collectives": dict(self.counts), "written_bytes": self.written}
 
     @contextlib.contextmanager

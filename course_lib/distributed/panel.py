@@ -85,8 +85,9 @@ def _median_ms(times: list[float], skip: int = 1) -> float | None:
 
 
 def _sent(collectives: dict, n: int) -> dict[str, float]:
-    """Bytes this rank sent, by kind: the counted bytes times each kind's ring share (zero.sent_share)."""
-    return {kind: Z.sent_share(kind, n) * c["bytes"] for kind, c in collectives.items() if Z.sent_share(kind, n) * c["bytes"]}
+    """Bytes this rank sent, by kind: the counted bytes times each kind's ring share for the size of the group each call
+    ran on (zero.sent_by_kind; n, the world's size, where the record has no group sizes)."""
+    return {kind: b for kind, b in Z.sent_by_kind(collectives, n).items() if b}
 
 
 def rank_rows(strategy: str, ranks: list[dict], microbatches: int) -> list[dict]:
@@ -103,7 +104,7 @@ def rank_rows(strategy: str, ranks: list[dict], microbatches: int) -> list[dict]
                 mem["gathered for the step"] = max(0, held["parameters after forward"] - between)
             res = run["result"]
             kept = [t for i, t in enumerate(res["step_times"]) if i not in set(res["excluded_steps"])] or res["step_times"]
-            step_ms = 1e3 * statistics.median(kept) if kept else None
+            step_ms = _median_ms(kept, skip=0)
             sent, written = _sent(run["collectives_last_step"], n), run["written_last_step"]
         elif strategy in ("gpipe", "1f1b"):
             run = r["runs"][f"{strategy}/m={microbatches}"]
@@ -281,18 +282,6 @@ def plot_rank_bytes(results: list[RunResult], ax):
     if measured:
         ax.plot([x for x, _ in measured], [w / 2**20 for _, w in measured], "k_", ms=14, mew=2, label="written to sockets (measured)")
     _finish(ax, ticks, results, "MiB sent per rank and step", "Bytes communicated per rank", bool(seen or measured))
-    return ax.figure
-
-
-def plot_rank_step_times(results: list[RunResult], ax):
-    """Median step time of every rank of every run (tensor parallel and MoE: forward + backward), in ms."""
-    bars, ticks = _rank_bars(results)
-    colors = {s: f"C{i}" for i, s in enumerate(STRATEGIES)}
-    for x, r, row in bars:
-        if row["step_ms"] is not None:
-            ax.bar(x, row["step_ms"], color=colors.get(r.details["strategy"], "#888888"), width=0.9)
-            ax.annotate(str(row["rank"]), (x, row["step_ms"]), ha="center", va="bottom", fontsize=6)
-    _finish(ax, ticks, results, "median step time per rank (ms)", "Step time per rank", False)
     return ax.figure
 
 

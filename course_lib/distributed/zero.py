@@ -86,9 +86,21 @@ def sent_share(kind: str, n: int) -> float:
     return shares[kind]
 
 
-def bytes_sent(collectives: dict[str, dict], n: int, shares: dict[str, float] | None = None) -> float:
-    """Bytes each rank sends for the collectives the counter recorded ({kind: {"calls", "bytes"}}), by the ring
-    algorithms' shares (all-to-all: an even spread over the ranks), or by `shares` ({kind: share}) where given: e.g. the
-    shares a backend was measured to send (notebook 07 measures gloo's: its reduce-scatter sends what an all-reduce does)."""
+def sent_by_kind(collectives: dict[str, dict], n: int, shares: dict[str, float] | None = None) -> dict[str, float]:
+    """Bytes each rank sends, by kind, for the collectives the counter recorded ({kind: {"calls", "bytes",
+    "by_group_size"}}): the counted bytes times the ring algorithms' share (all-to-all: an even spread over the ranks)
+    for the size of the group each call ran on ("by_group_size": the pipeline's tied-embedding all-reduce runs on its 2
+    end stages whatever the world's size; a record without it: every call on all n ranks). `shares` ({kind: share}),
+    where given, replaces the ring's share for calls on all n ranks: e.g. the shares a backend was measured to send
+    (notebook 07 measures this torch's gloo: its reduce-scatter sends what an all-reduce does)."""
     shares = shares or {}
-    return sum(shares.get(kind, sent_share(kind, n)) * c["bytes"] for kind, c in collectives.items())
+    out = {}
+    for kind, c in collectives.items():
+        groups = {int(g): b for g, b in (c.get("by_group_size") or {n: c["bytes"]}).items()}
+        out[kind] = sum((shares[kind] if kind in shares and g == n else sent_share(kind, g)) * b for g, b in groups.items())
+    return out
+
+
+def bytes_sent(collectives: dict[str, dict], n: int, shares: dict[str, float] | None = None) -> float:
+    """Bytes each rank sends for the collectives the counter recorded, all kinds together (sent_by_kind)."""
+    return sum(sent_by_kind(collectives, n, shares).values())
