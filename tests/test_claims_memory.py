@@ -162,8 +162,41 @@ def test_the_calculator_config_grows_the_position_table():
     assert M.calculator_config() == dataclasses.replace(C.gpt2_small_preset("cpu"), batch_size=32, context=1024)
 
 
-def test_backward_is_timed_on_its_own_and_never_negative(tiny):
+def test_backward_is_timed_on_its_own_and_never_negative(tiny, monkeypatch):
     """compute_budget.forward_backward_seconds timed backward as (forward + backward) less forward, two medians, which
-    came out negative on a busy machine (notebook 02 printed it); backward is now timed on its own."""
+    came out negative on a busy machine (notebook 02 printed it). Here the forward is slow while forward alone is timed
+    (0.2 s) and faster afterwards (0.1 s), as on a machine whose load drops, and the backward sleeps 0.04 s: the
+    difference of medians would give about 0.14 - 0.2 < 0; a backward timed on its own gives at least its 0.04 s, and
+    without the forward in it, less than 0.1 s."""
+    import torch
+
+    FWD_FIRST, FWD_LATER, BWD = 0.2, 0.1, 0.04
+    backwards = []
+
+    class SleepInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, loss):
+            return loss.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(BWD)
+            backwards.append(1)
+            return grad
+
+    class SlowTrainer(train.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            loss_fn = self.setup.loss_fn
+
+            def slow_loss(x, y):
+                time.sleep(FWD_LATER if backwards else FWD_FIRST)
+                return SleepInBackward.apply(loss_fn(x, y))
+
+            self.setup.loss_fn = slow_loss
+
+    monkeypatch.setattr(train, "Trainer", SlowTrainer)
     seconds = CB.forward_backward_seconds(tiny(), repeats=2)
-    assert seconds["forward"] > 0 and seconds["backward"] > 0
+    assert backwards, "the backward that sleeps never ran"
+    assert seconds["forward"] >= FWD_FIRST
+    assert BWD <= seconds["backward"] < FWD_LATER, seconds
