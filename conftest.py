@@ -121,6 +121,7 @@ LAUNCHED = [
     ("zero_stages", {"steps": 3}),
     ("tensor_parallel", {"repeats": 1, "sequence_parallel": True}),  # sequence parallelism runs plain tensor parallelism too
     ("expert_parallel", {"n_experts": 4, "top_k": 2, "capacity_factor": 0.75}),
+    ("selftest", {"measure_bytes": 2**20}),  # each collective once on 1 MiB: what a rank writes to its sockets (gloo, Linux)
 ]
 
 

@@ -182,3 +182,18 @@ def test_the_panel_reads_a_ranks_memory_and_bytes_and_draws_them():
     DP.plot_rank_bytes(runs, ax_bytes)
     assert len(ax_mem.patches) == 4 * 4 and len(ax_bytes.patches) == 4 * 2  # a bar per rank and category / kind
     assert [line.get_label() for line in ax_bytes.lines] == ["written to sockets (measured)"]
+
+
+def test_the_notebooks_find_a_shipped_panel_run_by_its_strategy(tmp_path):
+    # 07 and 08 list the shipped multi-process runs of their strategies (they used to filter on a metadata key that
+    # nothing writes, so a shipped run could never be shown)
+    from course_lib.results import RunResult, save_results
+
+    def run(label, **details):
+        return RunResult(label=label, status="ok", config={}, provenance={"device": "NVIDIA H100"}, details=details)
+
+    save_results([run("zero2", strategy="zero2", processes=8), run("moe", strategy="moe", processes=8)], tmp_path / "panel.json",
+                 device="8x NVIDIA H100", torch="2.13.0", date="2026-11-25")
+    save_results([run("ladder rung")], tmp_path / "ladder.json", preset="reference")  # a shipped ladder: no strategy
+    assert [r.label for _f, r, _m in DP.shipped_runs(DP.DATA_PARALLEL, tmp_path)] == ["zero2"]
+    assert [(r.label, m["device"]) for _f, r, m in DP.shipped_runs(DP.MODEL_PARALLEL, tmp_path)] == [("moe", "8x NVIDIA H100")]

@@ -210,3 +210,21 @@ def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
     for res in (failed, hung):
         for pid in L.rank_pids(res) + [res.pid]:  # the workers and torchrun itself
             assert not L.alive(pid), f"process {pid} of the {res.strategy} launch outlived it"
+
+
+def test_each_rank_sends_the_ring_share_and_this_torchs_gloo_reduce_scatter_sends_an_all_reduces(launched):
+    # selftest's measuring path, which notebook 07's section 1 reads: each collective once on 1 MiB, and what each rank
+    # wrote to its sockets meanwhile. A ring all-reduce sends 2(N-1)/N of its bytes per rank, an all-gather (N-1)/N, a
+    # broadcast (N-1)/N on average over the ranks; this torch's gloo sends as much for a reduce-scatter as for an
+    # all-reduce (07, 08 and the README say so: a torch whose gloo sends (N-1)/N fails here, and their text must change).
+    from course_lib.distributed import zero
+
+    r = launched["selftest"].raise_for_status()
+    n, sends = len(r.ranks), r.ranks[0]["sends"]
+    assert set(sends) == {"all-reduce", "all-gather", "reduce-scatter", "broadcast"} and all(v["counted"] >= 2**20 - 8 for v in sends.values())
+    if any(rank["sends"][k]["written"] is None for rank in r.ranks for k in sends):
+        pytest.skip("bytes written to sockets are read on Linux (/proc/self/io) only")
+    share = {k: sum(rank["sends"][k]["written"] for rank in r.ranks) / n / sends[k]["counted"] for k in sends}
+    for kind in ("all-reduce", "all-gather", "broadcast"):
+        assert share[kind] == pytest.approx(zero.sent_share(kind, n), rel=0.02), (kind, share)
+    assert share["reduce-scatter"] == pytest.approx(2 * (n - 1) / n, rel=0.03), share

@@ -64,6 +64,9 @@ def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(laun
     sent = {s: zero.bytes_sent(coll(s), n) for s in zero.STAGES}
     assert sent[0] == pytest.approx(zero.data_parallel_traffic(psi, n, 0, grad_bytes=4, param_bytes=4))
     assert sent[1] == pytest.approx(1.5 * sent[0]) and sent[3] == pytest.approx(1.5 * sent[0], rel=0.01)
+    # stage 2 (FSDP2 keeping the gathered parameters): a reduce-scatter and one all-gather, the volume of DDP's all-reduce
+    # (the paper's stage 2; 07 cell 27613262 and the tables of 662425f2 say so)
+    assert sent[2] == pytest.approx(sent[0], rel=0.01)
     if all(rank["runs"][str(s)]["written_last_step"] is not None for rank in ranks for s in (0, 1)):  # Linux (/proc/self/io)
         written = {s: sum(rank["runs"][str(s)]["written_last_step"] for rank in ranks) / n for s in (0, 1)}
         assert written[0] == pytest.approx(sent[0], rel=0.01) and written[1] == pytest.approx(sent[1], rel=0.01)

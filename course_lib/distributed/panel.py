@@ -285,5 +285,15 @@ def plot_rank_bytes(results: list[RunResult], ax):
     return ax.figure
 
 
+def shipped_runs(strategies, folder=None) -> list[tuple]:
+    """(file, run, metadata) for every shipped reference run (reference.load_reference; default folder data/reference/)
+    that this runner made with one of `strategies` (its details["strategy"]): a panel's results saved on a GPU node
+    (widgets.Panel's save_to) and committed there. The shipped ladders (`ladder --json`) hold no such run."""
+    from .. import reference
+
+    return [(f, r, meta) for f, results, meta in reference.load_reference(folder=folder) for r in results
+            if r.details.get("strategy") in strategies]
+
+
 def _devices(results: list[RunResult]) -> str:
     return " / ".join(sorted({r.provenance.get("device", "?") for r in results})) or "?"
