@@ -2,7 +2,8 @@
 
 config -> model -> techniques -> train -> measure -> results -> plots / widgets, with data feeding train.
 """
-from .config import ConfigError, ModelConfig, TrainConfig, ladder_configs, preset
+from .config import ConfigError, ModelConfig, TrainConfig, preset
+from .ladder import ladder_configs
 from .results import RunResult
 
 __all__ = ["ConfigError", "ModelConfig", "TrainConfig", "RunResult", "ladder_configs", "preset"]

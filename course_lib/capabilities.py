@@ -28,6 +28,8 @@ import torch
 
 from .cache import cache_dir, write_atomic
 from .config import PRECISIONS, TECHNIQUES, ConfigError, TrainConfig
+from .tf32 import matmul_precision
+from .timing import time_fn
 
 # ---- the device's name --------------------------------------------------------------------------
 
@@ -301,10 +303,7 @@ _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
 
 def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20) -> float:
     """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed
-    repeats after a warm-up (kernel selection, first touch of the output), timed as every step is (measure.time_fn)."""
-    from .measure import time_fn
-    from .techniques import matmul_precision
-
+    repeats after a warm-up (kernel selection, first touch of the output), timed as every step is (timing.time_fn)."""
     dev = torch.device(device)
     a = torch.randn(m, k, device=dev, dtype=_DTYPES[precision])
     b = torch.randn(k, n, device=dev, dtype=_DTYPES[precision])

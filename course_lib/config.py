@@ -493,23 +493,3 @@ def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> 
         return e
 
 
-def ladder_configs(base: TrainConfig, options: dict[str, object] | None = None,
-                   leave_out: dict[str, str] | None = None) -> list[tuple[Rung, TrainConfig | ConfigError]]:
-    """The fixed ladder: each rung's config, cumulative from the naive baseline, every rung the device can run switched
-    on (course_lib.ladder climbs it keeping only what helps). A rung the device cannot run gives its ConfigError,
-    and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
-    `options` {technique: value} makes that technique's rung set another value (activation_checkpointing="selective")."""
-    from .capabilities import capabilities  # asked here, when a ladder starts (capabilities imports this module)
-
-    check_ladder_arguments(options, leave_out)
-    caps, leave_out = capabilities(base.device), leave_out or {}
-    out, cfg = [], naive(base)
-    for rung in LADDER:
-        if rung.name in leave_out:
-            out.append((rung, ConfigError(leave_out[rung.name])))
-            continue
-        up = rung_up(cfg, rung, caps, options)
-        out.append((rung, up))
-        if isinstance(up, TrainConfig):  # a rung the device cannot run is skipped: the climb goes on from the one below
-            cfg = up
-    return out

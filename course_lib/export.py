@@ -48,6 +48,7 @@ from . import data as data_mod
 from . import model as model_mod
 from . import techniques as T
 from .config import ConfigError, TrainConfig
+from .ladder import ladder_configs
 
 # ---- rendering the course's own source -------------------------------------------------------------------------
 
@@ -907,7 +908,7 @@ def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> Tr
         for r in C.LADDER[: names.index(rung) + 1]:
             cfg = r.apply(cfg, C.rung_option(r, options))
         return cfg
-    for r, cfg in C.ladder_configs(base, options):
+    for r, cfg in ladder_configs(base, options):
         if r.name == rung:
             if isinstance(cfg, ConfigError):
                 raise ConfigError(f"the rung {rung!r} cannot run on this device: {cfg}")

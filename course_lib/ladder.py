@@ -142,6 +142,26 @@ class _Loop:
         return self.trainer.cfg
 
 
+def ladder_configs(base: C.TrainConfig, options: dict[str, object] | None = None,
+                   leave_out: dict[str, str] | None = None) -> list[tuple[C.Rung, C.TrainConfig | C.ConfigError]]:
+    """The fixed ladder: each rung's config, cumulative from the naive baseline, every rung the device can run switched
+    on (run_ladder climbs it keeping only what helps). A rung the device cannot run gives its ConfigError,
+    and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
+    `options` {technique: value} makes that technique's rung set another value (activation_checkpointing="selective")."""
+    C.check_ladder_arguments(options, leave_out)
+    caps, leave_out = capabilities(base.device), leave_out or {}
+    out, cfg = [], C.naive(base)
+    for rung in C.LADDER:
+        if rung.name in leave_out:
+            out.append((rung, C.ConfigError(leave_out[rung.name])))
+            continue
+        up = C.rung_up(cfg, rung, caps, options)
+        out.append((rung, up))
+        if isinstance(up, C.TrainConfig):  # a rung the device cannot run is skipped: the climb goes on from the one below
+            cfg = up
+    return out
+
+
 def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable[[str], None] | None = None,
                rungs: list[str] | None = None, leave_out: dict[str, str] | None = None,
                options: dict[str, object] | None = None, fixed: bool = False,
@@ -358,7 +378,7 @@ def everything_on(base: C.TrainConfig) -> C.TrainConfig:
     look (notebook 01); run_ladder measures which rungs really help here."""
     caps = capabilities(base.device)
     leave_out = {} if caps.fast_16bit()[0] else {"+ 16-bit autocast": caps.fast_16bit()[1]}
-    return [cfg for _, cfg in C.ladder_configs(base, leave_out=leave_out) if isinstance(cfg, C.TrainConfig)][-1]
+    return [cfg for _, cfg in ladder_configs(base, leave_out=leave_out) if isinstance(cfg, C.TrainConfig)][-1]
 
 
 # ---- reading a climb ---------------------------------------------------------------------------------------------

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import statistics
-import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -24,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from .capabilities import device_name  # noqa: F401 - re-exported: the notebooks use measure.device_name
+from .timing import StepTimer, median_excluding, synchronize, time_fn  # noqa: F401 - re-exported: measurement's one home
 
 GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
@@ -35,52 +34,7 @@ def mib_text(n_bytes: int | None, digits: int = 2) -> str:
     return "not measured" if n_bytes is None else f"{n_bytes / 2**20:.{digits}f} MiB"
 
 
-# ---- time --------------------------------------------------------------------------------------
-
-def synchronize(device: str | torch.device) -> None:
-    """Wait for the device's queued work, so that a clock read afterwards times it."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    elif dev.type == "mps":
-        torch.mps.synchronize()
-
-
-class StepTimer:
-    """Wall time of each step, with the device synchronised before the clock is read."""
-
-    def __init__(self, device: str | torch.device):
-        self.device = device
-        self.times: list[float] = []
-
-    @contextlib.contextmanager
-    def step(self):
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.times.append(time.perf_counter() - t0)
-
-
-def time_fn(fn, device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0,
-            max_repeats: int | None = None) -> float:
-    """Median wall time of fn() in seconds, after `warmup` calls: `repeats` timed calls, or more (up to
-    `max_repeats`) until `min_time_s` has passed, each timed by a StepTimer (the device synchronised around it)."""
-    for _ in range(warmup):
-        fn()
-    timer, start = StepTimer(device), time.perf_counter()
-    while len(timer.times) < max(1, repeats) or (time.perf_counter() - start < min_time_s and len(timer.times) < (max_repeats or repeats)):
-        with timer.step():
-            fn()
-    return statistics.median(timer.times)
-
-
-def median_excluding(times: list[float], excluded: set[int]) -> float:
-    kept = [t for i, t in enumerate(times) if i not in excluded]
-    if not kept:
-        raise ValueError("no timed steps left after warm-up: raise steps above timing_warmup")
-    return statistics.median(kept)
-
+# ---- time: course_lib.timing (below the device's capabilities, which time a matmul with it) -------------------
 
 # ---- memory ------------------------------------------------------------------------------------
 

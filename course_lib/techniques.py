@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX
+from .tf32 import matmul_precision  # noqa: F401 - TF32's switch, below the device's capabilities, which time with it
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,30 +163,6 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
     for i, block in enumerate(blocks):
         if not isinstance(block, CheckpointedBlock):
             blocks[i] = CheckpointedBlock(block, mode)
-
-
-@contextlib.contextmanager
-def matmul_precision(precision: str):
-    """While inside: TF32 for fp32 matmuls and cuDNN convolutions on CUDA when `precision` is "tf32", exact
-    fp32 otherwise; the previous settings come back on exit. Set through torch's `fp32_precision` API (mixing it
-    with the legacy `allow_tf32` flags raises). Only CUDA's backends are touched: TF32 is a GPU lesson, and
-    oneDNN's CPU matmuls keep full fp32."""
-    mode = "tf32" if precision == "tf32" else "ieee"
-    matmul, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
-    if not hasattr(matmul, "fp32_precision") or conv is None:  # torch before 2.9: the legacy flags
-        before = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = mode == "tf32"
-        try:
-            yield
-        finally:
-            matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-        return
-    before = (matmul.fp32_precision, conv.fp32_precision)
-    matmul.fp32_precision = conv.fp32_precision = mode
-    try:
-        yield
-    finally:
-        matmul.fp32_precision, conv.fp32_precision = before
 
 
 def autocast_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:

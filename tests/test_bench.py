@@ -13,8 +13,8 @@ def test_time_fn_returns_the_median_of_the_timed_calls(monkeypatch):
     # is neither the mean (27 ms) nor anything that counts a warm-up call.
     durations = iter([1.0, 1.0, 0.010, 0.050, 0.020])
     now = [0.0]
-    from course_lib import measure
-    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    from course_lib import timing
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
     def fn():

@@ -9,6 +9,7 @@ import torch
 
 from course_lib import capabilities as K
 from course_lib import config as C
+from course_lib.ladder import ladder_configs
 from course_lib.results import RunResult, table_rows
 
 
@@ -87,7 +88,7 @@ def test_compile_without_a_cxx_compiler_is_refused_with_the_fix(monkeypatch):
     assert not caps.compile.ok and caps.unavailable()["compile=True"] == caps.compile.note
     with pytest.raises(C.ConfigError, match=r"needs a C\+\+ compiler"):
         caps.require(dataclasses.replace(C.tiny_preset("cpu"), compile=True))
-    rungs = dict((r.name, c) for r, c in C.ladder_configs(C.cpu_preset("cpu")))
+    rungs = dict((r.name, c) for r, c in ladder_configs(C.cpu_preset("cpu")))
     assert isinstance(rungs["+ compile"], C.ConfigError)
     assert isinstance(rungs["+ fused AdamW"], C.TrainConfig) and not rungs["+ fused AdamW"].compile
 
@@ -123,10 +124,10 @@ def test_measured_peak_is_cached_per_machine(tmp_path, monkeypatch):
 
 def test_matmul_speed_counts_2mkn_flops(monkeypatch):
     """A matmul that takes exactly 1 ms (a fake clock) at 100 x 200 x 300 is 2*100*200*300 / 1e-3 FLOP/s."""
-    from course_lib import measure
+    from course_lib import timing
 
     ticks = iter(range(10_000))
-    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(ticks) * 1e-3)
     tflops = K.matmul_tflops("cpu", "fp32", 100, 200, 300, min_time_s=0.0, max_reps=3)
     assert tflops == pytest.approx(2 * 100 * 200 * 300 / 1e-3 / 1e12)
 

@@ -2,6 +2,7 @@ import pytest
 
 from course_lib import config as C
 from course_lib.capabilities import capabilities
+from course_lib.ladder import ladder_configs
 
 
 def test_presets_are_valid_and_shaped_as_documented():
@@ -44,7 +45,7 @@ def test_config_round_trips_through_dict():
 
 
 def test_ladder_is_cumulative_from_naive():
-    rungs = C.ladder_configs(C.cpu_preset("cpu"))
+    rungs = ladder_configs(C.cpu_preset("cpu"))
     cfgs = [c for _, c in rungs]
     assert all(isinstance(c, C.TrainConfig) for c in cfgs)
     first, last = cfgs[0], cfgs[-1]

@@ -3,7 +3,7 @@ made-up timings are in test_ladder.py."""
 import pytest
 
 from course_lib import config as C
-from course_lib.ladder import OPTIMISED, optimised_config, rungs_of, run_ladder
+from course_lib.ladder import OPTIMISED, ladder_configs, optimised_config, rungs_of, run_ladder
 
 
 @pytest.fixture
@@ -47,11 +47,11 @@ def test_a_name_that_is_not_a_rung_is_an_error_and_naive_cannot_be_left_out(one_
 
 
 def test_a_ladder_option_changes_what_a_rung_sets(one_block):
-    rungs = dict((r.name, c) for r, c in C.ladder_configs(one_block, options={"activation_checkpointing": "selective"}))
+    rungs = dict((r.name, c) for r, c in ladder_configs(one_block, options={"activation_checkpointing": "selective"}))
     assert rungs["+ checkpointing"].activation_checkpointing == "selective"
     assert rungs["+ chunked loss"].activation_checkpointing == "none" and rungs["+ set_to_none"].activation_checkpointing == "none"
     with pytest.raises(C.ConfigError, match="not techniques of the ladder"):
-        C.ladder_configs(one_block, options={"checkpointing": "selective"})
+        ladder_configs(one_block, options={"checkpointing": "selective"})
 
 
 def test_the_fixed_ladder_keeps_every_rung_it_runs(one_block):
