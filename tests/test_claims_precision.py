@@ -123,3 +123,15 @@ def test_adams_state_is_4_bytes_per_parameter_each_8_together():
 def test_hand_adagrad_and_rmsprop_at_torchs_defaults(hand, ref):
     """05's AdaGrad and RMSProp cell checked the non-default options in front of the learner; torch's defaults here."""
     assert optim.max_difference_after_steps(hand, ref, C.tiny_preset("cpu").model, steps=3, weight_decay=0.1) < 1e-10
+
+
+def test_tensor_kind_finds_exactly_the_layernorm_gains():
+    """precision.tensor_kind sorts 03's updates lost by kind and picks 05's LayerNorm gains (cell 0e8246e3): its
+    "LayerNorm gains" are the weights of the model's nn.LayerNorm modules, found here by module type, not by name."""
+    from course_lib.precision import tensor_kind
+
+    model = GPT(C.tiny_preset("cpu").model)
+    by_type = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)}
+    by_kind = {id(p) for n, p in model.named_parameters() if tensor_kind(n, p) == "LayerNorm gains"}
+    assert by_type and by_kind == by_type
+    assert all(tensor_kind(n, p) == "matrices, embeddings" for n, p in model.named_parameters() if p.dim() >= 2)
