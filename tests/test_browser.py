@@ -61,6 +61,9 @@ class PanelCase:
         return self.notebook.split("_")[0]
 
 
+# The bytes lesson of 07's and 08's panels, in each row's note (distributed/panel.py's _note).
+BYTES_LESSON = ("sent per rank", "counted x ring share", *(("written to sockets",) if Path("/proc/self/io").exists() else ()))
+
 # Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
 PANELS = [
     # 01 and 02: each run's row sets the formula's peak beside the measured one (memory.run_beside_estimate), which the
@@ -77,10 +80,13 @@ PANELS = [
     PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
               ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token")),
     PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
-    # 07: a ZeRO stage the old panel did not reach (ZeRO-2: gradients and optimizer state sharded, parameters kept gathered)
-    PanelCase("07_data_parallelism.ipynb", (("strategy", "ZeRO-2"),), ("strategy=zero2", "ZeRO-2 x2")),
-    # 08: expert parallelism (MoE), which the old panel did not reach
-    PanelCase("08_model_parallelism.ipynb", (("strategy", "MoE, expert parallel"),), ("strategy=moe", "MoE, expert parallel x2")),
+    # 07: a ZeRO stage the old panel did not reach (ZeRO-2: gradients and optimizer state sharded, parameters kept gathered),
+    # with the note's bytes lesson: what each rank sent (counted x ring share), and what it wrote to its sockets where gloo
+    # can read that (Linux: /proc/self/io)
+    PanelCase("07_data_parallelism.ipynb", (("strategy", "ZeRO-2"),), ("strategy=zero2", "ZeRO-2 x2", *BYTES_LESSON)),
+    # 08: expert parallelism (MoE), which the old panel did not reach: the bytes lesson and what only the MoE note says
+    PanelCase("08_model_parallelism.ipynb", (("strategy", "MoE, expert parallel"),),
+              ("strategy=moe", "MoE, expert parallel x2", "4 experts top-2", "assignments", *BYTES_LESSON)),
     # (the panel starts from the loop the ladder kept, with 8 chunks where the chunked loss was kept: 4 always differs)
     PanelCase("09_putting_it_together.ipynb", (("loss chunks", "4"),), ("loss_chunks=4",)),
 ]
