@@ -45,7 +45,7 @@ def test_the_papers_accounting_and_this_courses_stage_1(n):
     ddp = {"all-reduce": {"calls": 1, "bytes": 4 * PSI}}
     zero1 = {**ddp, "broadcast": {"calls": n, "bytes": 4 * PSI}}
     assert Z.bytes_sent(zero1, n) == pytest.approx(1.5 * Z.bytes_sent(ddp, n))
-    # measured shares replace the ring's where given (gloo's reduce-scatter, measured in notebook 07, sends an all-reduce's)
+    # measured shares replace the ring's where given (this torch's gloo: its reduce-scatter, measured in notebook 07 and test_distributed, sends an all-reduce's)
     fsdp = {"all-gather": {"calls": 2, "bytes": 8 * PSI}, "reduce-scatter": {"calls": 1, "bytes": 4 * PSI}}
     assert Z.bytes_sent(fsdp, n) == pytest.approx(1.5 * Z.bytes_sent(ddp, n))
     assert Z.bytes_sent(fsdp, n, {"reduce-scatter": 2 * (n - 1) / n}) == pytest.approx(2 * Z.bytes_sent(ddp, n))
