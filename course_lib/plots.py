@@ -211,13 +211,15 @@ def plot_formula_beside_measured(pairs: dict[str, tuple[dict, dict | None]], ax=
     fig, ax = _new_axes(ax)
     total = lambda d: sum(v or 0 for v in d.values())  # noqa: E731
     unit, size = ("GiB", 2**30) if max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30 else ("MiB", 2**20)
-    present = [c for c in CATEGORIES if any((d or {}).get(c) for p in pairs.values() for d in p)]
+    # the course's categories, then any a caller merged (plot_memory_vs_estimate on CUDA), in their order
+    keys = [*CATEGORIES, *dict.fromkeys(k for p in pairs.values() for d in p for k in (d or {}) if k not in CATEGORIES)]
+    present = [c for c in keys if any((d or {}).get(c) for p in pairs.values() for d in p)]
     for i, (name, (predicted, measured)) in enumerate(pairs.items()):
         for j, d in enumerate((predicted, measured)):
             bottom = 0.0
             for cat in present:
                 v = ((d or {}).get(cat) or 0) / size
-                ax.bar(3 * i + j, v, bottom=bottom, color=CATEGORY_COLORS[cat], hatch="//" if j == 0 else None, edgecolor="white",
+                ax.bar(3 * i + j, v, bottom=bottom, color=CATEGORY_COLORS.get(cat, "#d0d0d0"), hatch="//" if j == 0 else None, edgecolor="white",
                        label=cat if (i, j) == (0, 1) else None)
                 bottom += v
         if measured:
@@ -231,15 +233,38 @@ def plot_formula_beside_measured(pairs: dict[str, tuple[dict, dict | None]], ax=
     return fig
 
 
+def _measured_apart(predicted: dict, measured: dict) -> tuple[dict, dict, str]:
+    """The formula and the measurement over only the categories the device measured apart. The CUDA allocator gives
+    one peak: the tensors' own sizes give parameters, optimizer state (and gradients when they live all step), and
+    the rest of the peak, activations and logits among it, is one number ("other"). The categories measured as None
+    are merged with "other" on both sides into one bar, so that no bar claims a split nobody measured. Returns
+    (predicted, measured, the merged bar's name, or "" when every category was measured)."""
+    merged = [c for c in CATEGORIES if c != "other" and measured.get(c) is None]
+    if not merged:
+        return predicted, measured, ""
+    name = f"{' + '.join(merged)} + other (one total)"
+    fold = lambda d: {**{c: v for c, v in d.items() if c not in merged and c != "other"},  # noqa: E731
+                      name: sum(d.get(c) or 0 for c in (*merged, "other"))}
+    return fold(predicted), fold(measured), name
+
+
 def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) -> Figure:
     """The last `last` runs that carry the formula's prediction (memory.run_beside_estimate: details["estimate"]), each
-    as memory.estimate's peak beside the measured peak, category by category (plot_formula_beside_measured)."""
+    as memory.estimate's peak beside the measured peak, category by category (plot_formula_beside_measured). On CUDA
+    only the categories the allocator's peak lets apart are compared (_measured_apart), and the title says so."""
     shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
-    fig = plot_formula_beside_measured({r.label: (r.details["estimate"]["by_category"], r.memory["by_category"]) for r in shown},
-                                       ax, "Peak by category")
+    pairs, merged = {}, set()
+    for r in shown:
+        predicted, measured, name = _measured_apart(r.details["estimate"]["by_category"], r.memory["by_category"])
+        pairs[r.label] = (predicted, measured)
+        merged.update([name] if name else [])
+    fig = plot_formula_beside_measured(pairs, ax, "Peak by category")
     ax = ax or fig.axes[0]
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in shown})
-    ax.set_title(f"{ax.get_title()}\n{'; '.join(methods) or 'no run with an estimate'}, {_devices(shown or results)}", fontsize=9)
+    note = "; ".join(methods) or "no run with an estimate"
+    if merged:
+        note += " (the allocator gives only the peak, not its split: " + "; ".join(n.removesuffix(" (one total)") for n in sorted(merged)) + " drawn as one bar)"
+    ax.set_title(f"{ax.get_title()}\n{note}, {_devices(shown or results)}", fontsize=9)
     return fig
 
 

@@ -66,3 +66,41 @@ def test_many_runs_stay_readable_short_ticks_and_a_legend_beside_the_curves():
     assert len(texts) == plots.MAX_LEGEND and "the last" in texts[0] and texts[-1].startswith("#15")
     assert legend.get_bbox_to_anchor().x0 > ax_loss.get_window_extent().x0  # placed beside the axes, not over the curves
     plt.close(fig)
+
+
+def test_memory_vs_estimate_on_cuda_compares_only_what_the_allocator_measures_apart():
+    """A CUDA run records the allocator's peak: parameters and optimizer state from the tensors, gradients None with
+    set_to_none, activations and logits None, and the rest of the peak as "other" (train.Trainer.finish through
+    measure.cuda_memory_report, called here as it writes it). The panel must not draw the formula's activations beside a
+    measured "other" that holds them: both bars show parameters, optimizer state and one merged rest, equal to the peak
+    less the measured parts, and the title says the allocator gives only the peak."""
+    from course_lib import measure
+    from course_lib.measure import CATEGORIES
+
+    MiB = 2**20
+    static = {"parameters": 10 * MiB, "gradients": None, "optimizer state": 20 * MiB}
+    mem = measure.cuda_memory_report("cuda", static, peak=100 * MiB, reserved=128 * MiB).to_dict()
+    assert mem["by_category"]["activations"] is None and mem["method"].startswith("CUDA:")
+    formula = {"parameters": 10 * MiB, "gradients": 10 * MiB, "optimizer state": 20 * MiB, "activations": 40 * MiB, "logits": 15 * MiB,
+               "other": 0}
+    r = RunResult(label="gpu", status="ok", config={}, provenance=provenance("NVIDIA H100 (test)"), median_step_s=0.1,
+                  memory=mem, details={"estimate": {"by_category": formula, "peak_bytes": sum(formula.values())}})
+    ax = plots.plot_memory_vs_estimate([r]).axes[0]
+    # one bar per category shown, the formula's first (x = 0), then the measurement's (x = 1, the ones in the legend)
+    names = [c.get_label() for c in ax.containers if not c.get_label().startswith("_")]
+    assert len(ax.containers) == 2 * len(names)
+    bars = {(x, name): c.patches[0].get_height() for x in (0, 1) for name, c in zip(names, ax.containers[x * len(names):])}
+    names = set(names)
+    assert not names & {"activations", "logits", "gradients", "other"}, names  # none claims a split nobody measured
+    rest = [n for n in names if n not in CATEGORIES]
+    assert len(rest) == 1 and all(c in rest[0] for c in ("activations", "logits", "gradients", "other")), names
+    assert bars[(1, "parameters")] == 10 and bars[(1, "optimizer state")] == 20 and bars[(1, rest[0])] == 70  # 100 - 10 - 20
+    assert bars[(0, rest[0])] == 10 + 40 + 15  # the formula's gradients, activations, logits and other, together
+    title = ax.get_title()
+    assert "CUDA" in title and "only the peak" in title and "activations" in title
+    # a CPU ledger run (every category measured) keeps its categories apart
+    cpu = RunResult(label="cpu", status="ok", config={}, provenance=provenance("CPU (test)"), median_step_s=0.1,
+                    memory={"peak_bytes": 95 * MiB, "by_category": formula, "method": "CPU ledger: x"},
+                    details={"estimate": {"by_category": formula, "peak_bytes": 95 * MiB}})
+    ax = plots.plot_memory_vs_estimate([cpu]).axes[0]
+    assert {c.get_label() for c in ax.containers} >= {"activations", "logits"} and "only the peak" not in ax.get_title()
