@@ -7,6 +7,7 @@ Markers, given here by where a test lives, so that `pytest -m "not notebook and 
 loop: unit (the default), distributed (starts torchrun processes), notebook (an nbval cell), browser (a real
 JupyterLab in Chromium), cuda (needs a GPU; skipped elsewhere with the reason).
 """
+
 import dataclasses
 import os
 
@@ -40,9 +41,17 @@ DISTRIBUTED_FILES = {"test_distributed.py", "test_doctor.py"}
 # share a worker, so that torch.compile's start-up (importing dynamo, AOTAutograd and inductor) is paid once; the doctor
 # and the exporter's compile case compile the same model with inductor: compiled once, then read from its cache.
 # The files that check the strategies run in the session fixture `launched` share a worker, so that it launches once.
-FILE_GROUPS = {"test_browser.py": "browser", "test_export.py": "compile", "test_compile.py": "compile", "test_doctor.py": "compile",
-               "test_accumulation.py": "accumulation", "test_selective_checkpointing.py": "selective checkpointing",
-               **dict.fromkeys(("test_distributed.py", "test_zero_stages.py", "test_tensor_parallel.py", "test_moe.py"), "launched")}
+FILE_GROUPS = {
+    "test_browser.py": "browser",
+    "test_export.py": "compile",
+    "test_compile.py": "compile",
+    "test_doctor.py": "compile",
+    "test_accumulation.py": "accumulation",
+    "test_selective_checkpointing.py": "selective checkpointing",
+    **dict.fromkeys(
+        ("test_distributed.py", "test_zero_stages.py", "test_tensor_parallel.py", "test_moe.py"), "launched"
+    ),
+}
 # The longest units are handed out first (on 2 cores with a cold compile cache: the browser cases ~2.5 min, the compile
 # group ~2 min, then the notebooks, 8-70 s each), so that no worker starts a long one while the other runs out of work.
 FIRST = ("browser", "compile", ".ipynb")
@@ -119,9 +128,11 @@ LAUNCHED = [
     ("fsdp", {"steps": 2}),
     ("pipeline", {"microbatches": [2, 4], "steps": 2, "n_layer": 4, "batch_size": 4}),
     ("zero_stages", {"steps": 3}),
-    ("tensor_parallel", {"repeats": 1, "sequence_parallel": True}),  # sequence parallelism runs plain tensor parallelism too
+    # sequence parallelism runs plain tensor parallelism too
+    ("tensor_parallel", {"repeats": 1, "sequence_parallel": True}),
     ("expert_parallel", {"n_experts": 4, "top_k": 2, "capacity_factor": 0.75}),
-    ("selftest", {"measure_bytes": 2**20}),  # each collective once on 1 MiB: what a rank writes to its sockets (gloo, Linux)
+    # each collective once on 1 MiB: what a rank writes to its sockets (gloo, Linux)
+    ("selftest", {"measure_bytes": 2**20}),
 ]
 
 
@@ -133,9 +144,16 @@ def launched(tmp_path_factory):
     from course_lib import config
     from course_lib.distributed import launch
 
-    clipped = dataclasses.replace(config.tiny_preset("cpu"), clip_norm=0.05)  # the pipeline's: small enough that every step clips
-    return launch.launch_series(LAUNCHED, 2, cfgs={"pipeline": clipped}, device="cpu", timeout_s=600,
-                                out_dir=tmp_path_factory.mktemp("launched"))
+    # the pipeline's: small enough that every step clips
+    clipped = dataclasses.replace(config.tiny_preset("cpu"), clip_norm=0.05)
+    return launch.launch_series(
+        LAUNCHED,
+        2,
+        cfgs={"pipeline": clipped},
+        device="cpu",
+        timeout_s=600,
+        out_dir=tmp_path_factory.mktemp("launched"),
+    )
 
 
 @pytest.fixture
@@ -160,7 +178,9 @@ def pyflakes():
     def check(*paths) -> str:
         if importlib.util.find_spec("pyflakes") is None:
             pytest.skip("pyflakes is missing: pip install -e '.[test]'")
-        proc = subprocess.run([sys.executable, "-m", "pyflakes", *map(str, paths)], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pyflakes", *map(str, paths)], capture_output=True, text=True, timeout=120
+        )
         return "" if proc.returncode == 0 else (proc.stdout + proc.stderr or f"pyflakes exited {proc.returncode}")
 
     return check
@@ -176,6 +196,10 @@ def tiny_model():
 
     def make(**changes):
         torch.manual_seed(0)
-        return GPT(config.ModelConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 64, **changes}))
+        return GPT(
+            config.ModelConfig(
+                **{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "vocab_size": 64, **changes}
+            )
+        )
 
     return make

@@ -2,6 +2,7 @@
 
 config -> model -> techniques -> train -> measure -> results -> plots / widgets, with data feeding train.
 """
+
 from .config import ConfigError, ModelConfig, TrainConfig, preset
 from .ladder import ladder_configs
 from .results import RunResult

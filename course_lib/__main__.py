@@ -1,12 +1,18 @@
 """The course's command line.
 
-    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed] [--json PATH]
-    python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME | --ladder PATH] [--out train.py]
-    python -m course_lib profile [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME] [--trace PATH]
+    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed]
+        [--json PATH]
+    python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...]
+        [--rung NAME | --ladder PATH] [--out train.py]
+    python -m course_lib profile [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME]
+        [--trace PATH]
     python -m course_lib info [--device D]
     python -m course_lib doctor [--device D] [--json PATH]
     python -m course_lib bpe            (retrain the shipped tokenizer ranks from the corpus)
+
+`python -m course_lib COMMAND --help` describes each command's options.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,14 +37,17 @@ def cmd_ladder(args) -> int:
         base = C.preset(args.preset, args.device)
         if args.steps is not None:
             base = dataclasses.replace(base, steps=args.steps)
-        caps = capabilities(base.device)  # before anything runs: a device this machine lacks is a message, not a traceback
+        # before anything runs: a device this machine lacks is a message, not a traceback
+        caps = capabilities(base.device)
         rungs = _rung_names(args.rungs, "--rungs") if args.rungs else None
         left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out else []
         options = {}
         for item in args.set or []:
             name, _, value = item.partition("=")
             if name not in C.TECHNIQUE or not value:
-                raise C.ConfigError(f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}")
+                raise C.ConfigError(
+                    f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}"
+                )
             options[name] = C.parse_setting(name, value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         C.check_ladder_arguments(options, leave_out)  # (run_ladder checks the options' values before its first rung)
@@ -48,12 +57,20 @@ def cmd_ladder(args) -> int:
     except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
-          f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
-          f"batch {base.batch_size}, {base.steps} steps per rung ({base.timing_warmup} warm-up); "
-          + ("the fixed ladder: every rung kept" if args.fixed else "a rung is kept only where it helps here"), file=sys.stderr)
-    meta = dict(preset=args.preset, base_config=base.to_dict(), fixed=args.fixed, **provenance(caps.name),
-                **({"cpu": caps.cpu.summary()} if caps.cpu else {}))
+    print(
+        f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
+        f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
+        f"batch {base.batch_size}, {base.steps} steps per rung ({base.timing_warmup} warm-up); "
+        + ("the fixed ladder: every rung kept" if args.fixed else "a rung is kept only where it helps here"),
+        file=sys.stderr,
+    )
+    meta = dict(
+        preset=args.preset,
+        base_config=base.to_dict(),
+        fixed=args.fixed,
+        **provenance(caps.name),
+        **({"cpu": caps.cpu.summary()} if caps.cpu else {}),
+    )
     saved: list = []
 
     def save(results) -> None:
@@ -62,15 +79,25 @@ def cmd_ladder(args) -> int:
             save_results(results, out, **meta)
 
     try:
-        results = run_ladder(base, progress=lambda text: print(text, file=sys.stderr), rungs=rungs, options=options,
-                             leave_out=leave_out, fixed=args.fixed, on_result=save)
+        results = run_ladder(
+            base,
+            progress=lambda text: print(text, file=sys.stderr),
+            rungs=rungs,
+            options=options,
+            leave_out=leave_out,
+            fixed=args.fixed,
+            on_result=save,
+        )
     except C.ConfigError as e:  # what run_ladder refuses before its first rung
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         where = f", saved in {out}" if out is not None and saved else ""
-        print(f"\ninterrupted: {len(saved)} rung(s) measured{where}. Run the same command again (with --force) to "
-              "climb again; --rungs measures some rungs only.", file=sys.stderr)
+        print(
+            f"\ninterrupted: {len(saved)} rung(s) measured{where}. Run the same command again (with --force) to "
+            "climb again; --rungs measures some rungs only.",
+            file=sys.stderr,
+        )
         if saved:
             print(ladder_table(saved))
         return 130
@@ -82,7 +109,10 @@ def cmd_ladder(args) -> int:
     print()
     print(verdict(results))
     if out is not None:
-        print(f"wrote {out} (`python -m course_lib export --ladder {out}` writes its optimised loop as a script)", file=sys.stderr)
+        print(
+            f"wrote {out} (`python -m course_lib export --ladder {out}` writes its optimised loop as a script)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -97,7 +127,8 @@ def _rung_names(indices: str, flag: str) -> list[str]:
 def chosen_config(args) -> C.TrainConfig:
     """The config that `export` and `profile` name: the preset, changed by --set, or the ladder's cumulative config
     at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in `ladder --set`, and other
-    fields change the preset the ladder climbs from). Raises ConfigError, TypeError or ValueError saying what to change."""
+    fields change the preset the ladder climbs from). Raises ConfigError, TypeError or ValueError saying what to
+    change."""
     from . import export
 
     if getattr(args, "ladder", None):
@@ -109,8 +140,10 @@ def chosen_config(args) -> C.TrainConfig:
         try:
             results, _meta = load_results(args.ladder)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"--ladder {args.ladder}: not a ladder's results file ({e}); write one with "
-                             "`python -m course_lib ladder --json PATH`") from None
+            raise ValueError(
+                f"--ladder {args.ladder}: not a ladder's results file ({e}); write one with "
+                "`python -m course_lib ladder --json PATH`"
+            ) from None
         base = optimised_config(results)
         if args.device:
             base = dataclasses.replace(base, device=args.device)
@@ -122,8 +155,10 @@ def chosen_config(args) -> C.TrainConfig:
     for item in args.set or []:
         name, _, value = item.partition("=")
         if not name or not value:
-            raise ValueError(f"--set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
-                             f"model.<field>), got {item!r}")
+            raise ValueError(
+                f"--set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
+                f"model.<field>), got {item!r}"
+            )
         if args.rung is not None and name in C.TECHNIQUE:
             options[name] = C.parse_setting(name, value)
         else:
@@ -177,25 +212,36 @@ def cmd_profile(args) -> int:
     from .results import efficiency_text
 
     try:
-        trace = _new_file(args.trace, args.force, "--trace") if args.trace else None  # before the run: checked, not found out after
+        # before the run: checked, not found out after
+        trace = _new_file(args.trace, args.force, "--trace") if args.trace else None
         cfg = chosen_config(args)
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
         active = args.steps if args.steps is not None else 3
-        p = profile_run(cfg, active=active, trace=trace,
-                        progress=lambda step, steps: print(f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""),
-                                                           file=sys.stderr))
+        p = profile_run(
+            cfg,
+            active=active,
+            trace=trace,
+            progress=lambda step, steps: print(
+                f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""), file=sys.stderr
+            ),
+        )
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     r = p.result
-    print(f"{r.provenance['device']}, torch {torch.__version__}; batch {cfg.batch_size} x context {cfg.context}, "
-          f"{cfg.model.n_layer} blocks, width {cfg.model.n_embd}; precision {cfg.precision}, compile {cfg.compile}, "
-          f"attention {cfg.model.attention}")
-    print(f"steps: {len(r.step_times)} ({len(p.active)} recorded after {p.active[0]} warm-up); median step "
-          f"{r.median_step_s * 1e3:.1f} ms with the profiler on; {'MFU' if r.mfu_basis == 'data-sheet peak' else 'efficiency'} "
-          f"{efficiency_text(r)}")
+    print(
+        f"{r.provenance['device']}, torch {torch.__version__}; batch {cfg.batch_size} x context {cfg.context}, "
+        f"{cfg.model.n_layer} blocks, width {cfg.model.n_embd}; precision {cfg.precision}, compile {cfg.compile}, "
+        f"attention {cfg.model.attention}"
+    )
+    print(
+        f"steps: {len(r.step_times)} ({len(p.active)} recorded after {p.active[0]} warm-up); median step "
+        f"{r.median_step_s * 1e3:.1f} ms with the profiler on; "
+        f"{'MFU' if r.mfu_basis == 'data-sheet peak' else 'efficiency'} "
+        f"{efficiency_text(r)}"
+    )
     print(summary(p, rows=args.rows))
     if trace is not None:
         if not trace.is_file():
@@ -224,9 +270,14 @@ def cmd_doctor(args) -> int:
 
     try:
         if args.json:
-            _new_file(args.json, args.force, "--json")  # a folder, an unwritable path or an earlier file: said now, not after
-        report = run_doctor(args.device, quick=args.quick, json_path=args.json,
-                            progress=lambda name: print(f"  checking {name} ...", file=sys.stderr))
+            # a folder, an unwritable path or an earlier file: said now, not after
+            _new_file(args.json, args.force, "--json")
+        report = run_doctor(
+            args.device,
+            quick=args.quick,
+            json_path=args.json,
+            progress=lambda name: print(f"  checking {name} ...", file=sys.stderr),
+        )
     except (C.ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -250,19 +301,28 @@ def cmd_bpe(args) -> int:
         out = data.RANKS_FILE.resolve()
         checkout = out.parent.name == "data" and (out.parent.parent / "pyproject.toml").is_file()
         if not checkout or not os.access(out.parent, os.W_OK):
-            print(f"error: the tokenizer ranks are package data in {out.parent}, which is not a writable data/ folder of "
-                  "the course's repository (`pip install .` or a wheel puts it inside site-packages). Retrain them in "
-                  "a checkout installed with `pip install -e .`, or write them elsewhere with "
-                  "`python -m course_lib bpe --out PATH`.", file=sys.stderr)
+            print(
+                f"error: the tokenizer ranks are package data in {out.parent}, which is not a writable data/ folder of "
+                "the course's repository (`pip install .` or a wheel puts it inside site-packages). Retrain them in "
+                "a checkout installed with `pip install -e .`, or write them elsewhere with "
+                "`python -m course_lib bpe --out PATH`.",
+                file=sys.stderr,
+            )
             return 2
     if out.exists():  # said before the minutes of training, so that a Ctrl-C keeps the old file
-        print(f"retraining the ranks; {out} will be replaced when done (git restores the shipped one; --out writes elsewhere)",
-              file=sys.stderr)
+        print(
+            f"retraining the ranks; {out} will be replaced when done "
+            "(git restores the shipped one; --out writes elsewhere)",
+            file=sys.stderr,
+        )
     ranks = bpe.train_bpe(data.corpus_text(), data.N_RANKS)
     try:
         bpe.save_ranks(ranks, out)
     except OSError as e:
-        print(f"error: could not write the ranks to {out} ({e}): pass `--out PATH` to write them elsewhere", file=sys.stderr)
+        print(
+            f"error: could not write the ranks to {out} ({e}): pass `--out PATH` to write them elsewhere",
+            file=sys.stderr,
+        )
         return 2
     print(f"wrote {len(ranks)} ranks to {out}")
     return 0
@@ -273,41 +333,78 @@ def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help=steps)
-    p.add_argument("--set", action="append", metavar="FIELD=VALUE",
-                   help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
-                        "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable")
-    p.add_argument("--rung", default=None, metavar="NAME",
-                   help="the fixed ladder's cumulative config at this rung (its name, e.g. '+ compile', or index)")
-    p.add_argument("--ladder", default=None, metavar="PATH",
-                   help="the optimised loop a ladder run found on its device (the file `ladder --json PATH` wrote)")
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
+        "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable",
+    )
+    p.add_argument(
+        "--rung",
+        default=None,
+        metavar="NAME",
+        help="the fixed ladder's cumulative config at this rung (its name, e.g. '+ compile', or index)",
+    )
+    p.add_argument(
+        "--ladder",
+        default=None,
+        metavar="PATH",
+        help="the optimised loop a ladder run found on its device (the file `ladder --json PATH` wrote)",
+    )
 
 
 def _rungs_and_presets() -> str:
     """--help's list of the ladder's rungs (by index, with what each is for) and of the presets (their sizes)."""
-    rungs = "\n".join(f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(C.LADDER))
-    presets = "\n".join(f"  {name:<11} {c.model.n_layer} blocks, width {c.model.n_embd}, {c.model.n_head} heads, vocabulary "
-                        f"{c.model.vocab_size}, context {c.context}, batch {c.batch_size}"
-                        for name, c in ((name, C.preset(name, "cpu")) for name in C.PRESETS))
+    rungs = "\n".join(
+        f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(C.LADDER)
+    )
+    presets = "\n".join(
+        f"  {name:<11} {c.model.n_layer} blocks, width {c.model.n_embd}, {c.model.n_head} heads, vocabulary "
+        f"{c.model.vocab_size}, context {c.context}, batch {c.batch_size}"
+        for name, c in ((name, C.preset(name, "cpu")) for name in C.PRESETS)
+    )
     return f"rungs (--rungs, --leave-out take their indices):\n{rungs}\n\npresets (--preset):\n{presets}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib", description="Optimising the training loop: measurements from the command line")
+    parser = argparse.ArgumentParser(
+        prog="python -m course_lib", description="Optimising the training loop: measurements from the command line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ladder", help="climb the techniques from naive fp32, keeping each one only where it helps on this device",
-                       epilog=_rungs_and_presets(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "ladder",
+        help="climb the techniques from naive fp32, keeping each one only where it helps on this device",
+        epilog=_rungs_and_presets(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
     p.add_argument("--rungs", default=None, help="only these rungs, by index (0 = naive fp32), e.g. 0,2,3")
-    p.add_argument("--leave-out", default=None, metavar="INDICES",
-                   help="climb without these rungs, by index (e.g. 4: the ladder without compile); they are reported as skipped")
-    p.add_argument("--set", action="append", metavar="TECHNIQUE=VALUE",
-                   help="what a technique's rung sets instead of its default, e.g. activation_checkpointing=selective")
+    p.add_argument(
+        "--leave-out",
+        default=None,
+        metavar="INDICES",
+        help="climb without these rungs, by index (e.g. 4: the ladder without compile); they are reported as skipped",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="TECHNIQUE=VALUE",
+        help="what a technique's rung sets instead of its default, e.g. activation_checkpointing=selective",
+    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
-    p.add_argument("--fixed", action="store_true",
-                   help="climb the fixed ladder: keep every rung this device can run, whether it helped or not (for comparison)")
-    p.add_argument("--json", default=None, help="write every result, with device, torch version, date and config, here (rung by rung)")
+    p.add_argument(
+        "--fixed",
+        action="store_true",
+        help="climb the fixed ladder: keep every rung this device can run, whether it helped or not (for comparison)",
+    )
+    p.add_argument(
+        "--json",
+        default=None,
+        help="write every result, with device, torch version, date and config, here (rung by rung)",
+    )
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_ladder)
     p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
@@ -315,7 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="the script's path (default: standard output)")
     p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     p.set_defaults(func=cmd_export)
-    p = sub.add_parser("profile", help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up")
+    p = sub.add_parser(
+        "profile", help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up"
+    )
     add_config_arguments(p, steps="steps to record, after the config's warm-up steps (default: 3)")
     p.add_argument("--rows", type=int, default=20, help="operators to list (default: 20)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
@@ -330,8 +429,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the table as JSON here")
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_doctor)
-    p = sub.add_parser("bpe", help="retrain the course tokenizer's BPE ranks from the corpus (replaces the shipped "
-                       "data/shakespeare_bpe.tiktoken unless --out says where)")
+    p = sub.add_parser(
+        "bpe",
+        help="retrain the course tokenizer's BPE ranks from the corpus (replaces the shipped "
+        "data/shakespeare_bpe.tiktoken unless --out says where)",
+    )
     p.add_argument("--out", default=None, help="write the ranks here instead of replacing the shipped file in data/")
     p.set_defaults(func=cmd_bpe)
     args = parser.parse_args(argv)

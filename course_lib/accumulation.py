@@ -13,6 +13,7 @@ accumulated batch). This module only
 - runs the one loop (course_lib.train.train) on the same data as one big batch and as micro-batches,
 - sweeps accumulation steps at a fixed effective batch through course_lib.train.run.
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -30,18 +31,29 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 NORMALISATIONS = {
     "global": "sum of the loss over each micro-batch / real target tokens in the whole batch (correct)",
-    "mean_of_means": "mean loss of each micro-batch / number of micro-steps (right only if every micro-batch has as many real tokens)",
+    "mean_of_means": (
+        "mean loss of each micro-batch / number of micro-steps "
+        "(right only if every micro-batch has as many real tokens)"
+    ),
     "no_division": "mean loss of each micro-batch, not divided by the number of micro-steps (K times too large)",
-    "divide_after_backward": "loss.backward() first, loss / K afterwards (the division comes too late to change the gradient)",
+    "divide_after_backward": (
+        "loss.backward() first, loss / K afterwards (the division comes too late to change the gradient)"
+    ),
     "zero_grad_inside": "zero_grad() inside the micro-batch loop (only the last micro-batch's gradient survives)",
 }
 
 
 # ---- the arithmetic of the batch ----------------------------------------------------------------
 
+
 def tokens_per_optimizer_step(micro_batch: int, context: int, accum_steps: int = 1, processes: int = 1) -> int:
     """Tokens that one optimizer step sees: micro-batch x context x accumulation steps x processes."""
-    for name, v in (("micro_batch", micro_batch), ("context", context), ("accum_steps", accum_steps), ("processes", processes)):
+    for name, v in (
+        ("micro_batch", micro_batch),
+        ("context", context),
+        ("accum_steps", accum_steps),
+        ("processes", processes),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     return micro_batch * context * accum_steps * processes
@@ -55,15 +67,19 @@ def accumulation_steps_for(target_tokens: int, micro_batch: int, context: int, p
     per_micro_step = tokens_per_optimizer_step(micro_batch, context, 1, processes)
     steps, rest = divmod(target_tokens, per_micro_step)
     if rest or steps < 1:
-        raise ValueError(f"target_tokens={target_tokens} is not a whole multiple of micro_batch x context x processes = "
-                         f"{micro_batch} x {context} x {processes} = {per_micro_step}: change the micro-batch or the target")
+        raise ValueError(
+            f"target_tokens={target_tokens} is not a whole multiple of micro_batch x context x processes = "
+            f"{micro_batch} x {context} x {processes} = {per_micro_step}: change the micro-batch or the target"
+        )
     return steps
 
 
 # ---- data ----------------------------------------------------------------------------------------
 
-def padded_micro_batches(stream: torch.Tensor, lengths: list[int], micro_batch: int, context: int, pad: int,
-                         seed: int = 0) -> list[Batch]:
+
+def padded_micro_batches(
+    stream: torch.Tensor, lengths: list[int], micro_batch: int, context: int, pad: int, seed: int = 0
+) -> list[Batch]:
     """One micro-batch per entry of `lengths`: `micro_batch` random text pieces with `lengths[i]` real target
     tokens each, padded to `context` (padded targets are IGNORE_INDEX). Different lengths give micro-batches with
     different numbers of real tokens, the situation where a mean of per-micro-batch means goes wrong."""
@@ -77,7 +93,9 @@ def padded_micro_batches(stream: torch.Tensor, lengths: list[int], micro_batch: 
     return out
 
 
-def full_micro_batches(stream: torch.Tensor, n_micro: int, micro_batch: int, context: int, seed: int = 0) -> list[Batch]:
+def full_micro_batches(
+    stream: torch.Tensor, n_micro: int, micro_batch: int, context: int, seed: int = 0
+) -> list[Batch]:
     """`n_micro` micro-batches of random windows with no padding."""
     gen = torch.Generator().manual_seed(seed)
     return [data_mod.random_windows(stream, micro_batch, context, gen) for _ in range(n_micro)]
@@ -94,6 +112,7 @@ def target_counts(micro: list[Batch]) -> list[int]:
 
 
 # ---- gradients -----------------------------------------------------------------------------------
+
 
 def make_model(cfg: TrainConfig, seed: int | None = None) -> GPT:
     """A freshly initialised GPT of cfg.model (same seed, same weights), in training mode, on cfg.device."""
@@ -152,7 +171,9 @@ def norm_ratio(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
     return float(flat(grads).norm() / flat(reference).norm())
 
 
-def compare_normalisations(model: torch.nn.Module, micro: list[Batch], normalisations=tuple(NORMALISATIONS)) -> dict[str, dict[str, float]]:
+def compare_normalisations(
+    model: torch.nn.Module, micro: list[Batch], normalisations=tuple(NORMALISATIONS)
+) -> dict[str, dict[str, float]]:
     """Each normalisation's gradient against the big batch's: {name: {"relative_error", "norm_ratio"}}."""
     ref = big_batch_gradients(model, *concat(micro))
     out = {}
@@ -164,7 +185,10 @@ def compare_normalisations(model: torch.nn.Module, micro: list[Batch], normalisa
 
 # ---- the one loop, big batch against accumulation -------------------------------------------------
 
-def loop_equivalence(cfg: TrainConfig, micro_per_step: Callable[[int], list[Batch]], label: str = "") -> tuple[RunResult, RunResult]:
+
+def loop_equivalence(
+    cfg: TrainConfig, micro_per_step: Callable[[int], list[Batch]], label: str = ""
+) -> tuple[RunResult, RunResult]:
     """Train the same model on the same data twice with course_lib.train.train: once as one big batch per step
     (grad_accum_steps=1), once as the micro-batches (grad_accum_steps=K). Returns (big, accumulated) results;
     their losses and gradient norms should agree to rounding."""
@@ -172,7 +196,9 @@ def loop_equivalence(cfg: TrainConfig, micro_per_step: Callable[[int], list[Batc
 
     k = len(micro_per_step(0))
     base = replace(cfg, batch_size=k * cfg.micro_batch_size, measure_memory=False)
-    big = train(replace(base, grad_accum_steps=1), f"{label}big batch", batches=lambda step: [concat(micro_per_step(step))])
+    big = train(
+        replace(base, grad_accum_steps=1), f"{label}big batch", batches=lambda step: [concat(micro_per_step(step))]
+    )
     acc = train(replace(base, grad_accum_steps=k), f"{label}{k} micro-batches", batches=micro_per_step)
     return big, acc
 
@@ -185,8 +211,13 @@ def max_relative_difference(a: list[float], b: list[float]) -> float:
 
 # ---- the cost: accumulation steps at a fixed effective batch ---------------------------------------
 
-def accumulation_sweep(base: TrainConfig, accum_steps: list[int], callback: Callable[[int, RunResult], None] | None = None,
-                       runner: Callable[..., RunResult] | None = None) -> list[RunResult]:
+
+def accumulation_sweep(
+    base: TrainConfig,
+    accum_steps: list[int],
+    callback: Callable[[int, RunResult], None] | None = None,
+    runner: Callable[..., RunResult] | None = None,
+) -> list[RunResult]:
     """One run of the one loop (course_lib.train.run) per number of accumulation steps, all with the effective
     batch base.batch_size; the micro-batch is batch_size / K."""
     from .train import run
@@ -201,6 +232,7 @@ def accumulation_sweep(base: TrainConfig, accum_steps: list[int], callback: Call
 
 # ---- the panel (notebook 06): one accumulated batch with uneven padding, under one normalisation ------
 
+
 def imbalanced_lengths(context: int, k: int, imbalance: float) -> list[int]:
     """Real tokens per sequence for each of `k` micro-batches, from `context` down to context / imbalance
     geometrically: imbalance 1 means no padding, 8 means the last micro-batch holds 8 times fewer real tokens."""
@@ -209,8 +241,15 @@ def imbalanced_lengths(context: int, k: int, imbalance: float) -> list[int]:
     return [max(1, round(context / imbalance ** (i / max(1, k - 1)))) for i in range(k)]
 
 
-def normalisation_run(cfg: TrainConfig, stream: torch.Tensor, pad: int, imbalance: float, normalisation: str,
-                      label: str, callback: Callable[[int, RunResult], None] | None = None) -> tuple[RunResult, dict]:
+def normalisation_run(
+    cfg: TrainConfig,
+    stream: torch.Tensor,
+    pad: int,
+    imbalance: float,
+    normalisation: str,
+    label: str,
+    callback: Callable[[int, RunResult], None] | None = None,
+) -> tuple[RunResult, dict]:
     """The gradient of one accumulated batch of cfg.grad_accum_steps micro-batches of cfg.micro_batch_size
     sequences, padded unevenly (imbalanced_lengths), under `normalisation`, against the big batch's gradient.
     The accumulated gradient is computed cfg.steps times on a fresh model of cfg (timed, the first
@@ -224,8 +263,14 @@ def normalisation_run(cfg: TrainConfig, stream: torch.Tensor, pad: int, imbalanc
     model = make_model(cfg)
     ref = big_batch_gradients(model, *concat(micro))
     dev = torch.device(cfg.device)
-    result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(measure.device_name(dev)),
-                       n_params=model.num_params(), tokens_per_step=sum(y.numel() for _, y in micro))
+    result = RunResult(
+        label=label,
+        status="ok",
+        config=cfg.to_dict(),
+        provenance=provenance(measure.device_name(dev)),
+        n_params=model.num_params(),
+        tokens_per_step=sum(y.numel() for _, y in micro),
+    )
     timer = measure.StepTimer(dev)
     for step in range(cfg.steps):
         with timer.step():
@@ -240,8 +285,14 @@ def normalisation_run(cfg: TrainConfig, stream: torch.Tensor, pad: int, imbalanc
     error, ratio = relative_error(grads, ref), norm_ratio(grads, ref)
     result.grad_norms = [float(flat(grads).norm())]
     result.reason = f"gradient vs big batch: relative error {error:.2e}, norm ratio {ratio:.3f}"
-    details = {"normalisation": normalisation, "imbalance": imbalance, "lengths": lengths, "target_counts": target_counts(micro),
-               "relative_error": error, "norm_ratio": ratio}
+    details = {
+        "normalisation": normalisation,
+        "imbalance": imbalance,
+        "lengths": lengths,
+        "target_counts": target_counts(micro),
+        "relative_error": error,
+        "norm_ratio": ratio,
+    }
     return result, details
 
 
@@ -253,7 +304,13 @@ def plot_gradient_errors(results: list[RunResult], ax):
     for i, r in enumerate(runs):
         d = r.details
         bar = ax.bar(i, max(d["relative_error"], 1e-12), color=colors.get(d["normalisation"], "#888888"))[0]
-        ax.annotate(f"x{d['norm_ratio']:.2f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
+        ax.annotate(
+            f"x{d['norm_ratio']:.2f}",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=7,
+        )
     ax.axhline(1e-6, ls=":", color="#888888", lw=1, label="fp32 rounding (1e-6)")
     ax.set_yscale("log")
     ax.set_xticks(range(len(runs)), [r.label for r in runs], rotation=30, ha="right", fontsize=7)

@@ -10,10 +10,10 @@
 And the measurements: which SDPA backend actually runs (`sdpa_backend`), and a context-length sweep that
 times naive against SDPA attention and measures their peak memory (`context_sweep`).
 """
+
 from __future__ import annotations
 
 import gc
-
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -23,18 +23,35 @@ import torch
 from .bench import peak_bytes, time_fn
 from .model import naive_attention, sdpa_attention
 
-__all__ = ["naive_attention", "sdpa_attention", "tiled_attention", "windowed_attention", "max_abs_diff", "sdpa_backend",
-           "AttentionPoint", "context_sweep", "IMPLS", "scores_bytes"]
+__all__ = [
+    "naive_attention",
+    "sdpa_attention",
+    "tiled_attention",
+    "windowed_attention",
+    "max_abs_diff",
+    "sdpa_backend",
+    "AttentionPoint",
+    "context_sweep",
+    "IMPLS",
+    "scores_bytes",
+]
 
 
-def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: int = 64, block_k: int = 64,
-                    causal: bool = True, return_lse: bool = False):
+def tiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_q: int = 64,
+    block_k: int = 64,
+    causal: bool = True,
+    return_lse: bool = False,
+):
     """Exact (causal) softmax attention, one tile at a time, with an online softmax.
 
     For each block of queries we walk over the blocks of keys and keep, per query row, three running
-    quantities: the largest score seen so far `m`, the sum of exp(score - m) `l`, and the weighted sum of
-    values `acc` (also relative to exp(-m)). When a new tile raises the maximum from m to m', the old `l`
-    and `acc` are rescaled by exp(m - m'), so at the end acc / l is exactly softmax(scores) @ v.
+    quantities: the largest score seen so far `m`, the sum of exp(score - m) `ell`, and the weighted sum of
+    values `acc` (also relative to exp(-m)). When a new tile raises the maximum from m to m', the old `ell`
+    and `acc` are rescaled by exp(m - m'), so at the end acc / ell is exactly softmax(scores) @ v.
     Only a (block_q x block_k) tile of scores exists at a time: the s x s matrix never does.
 
     q, k, v: (..., s, head_dim). Returns the output (and the log-sum-exp per query when `return_lse`).
@@ -50,7 +67,7 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
         i1 = min(i0 + block_q, s_q)
         qi = q[..., i0:i1, :] * scale
         m = qi.new_full(qi.shape[:-1], float("-inf"))  # running max per query row
-        l = qi.new_zeros(qi.shape[:-1])  # running sum of exp(score - m)
+        ell = qi.new_zeros(qi.shape[:-1])  # running sum of exp(score - m)
         acc = qi.new_zeros(qi.shape)  # running sum of exp(score - m) * v
         k_end = i1 if causal else s_k  # keys after the block's last query are all masked
         for j0 in range(0, k_end, block_k):
@@ -63,11 +80,11 @@ def tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_q: 
             m_new = torch.maximum(m, scores.amax(dim=-1))
             p = torch.exp(scores - m_new.unsqueeze(-1))
             correction = torch.exp(m - m_new)  # rescales what was summed under the old maximum
-            l = l * correction + p.sum(dim=-1)
+            ell = ell * correction + p.sum(dim=-1)
             acc = acc * correction.unsqueeze(-1) + p @ v[..., j0:j1, :]
             m = m_new
-        outs.append(acc / l.unsqueeze(-1))
-        lses.append(m + torch.log(l))
+        outs.append(acc / ell.unsqueeze(-1))
+        lses.append(m + torch.log(ell))
     out = torch.cat(outs, dim=-2)
     return (out, torch.cat(lses, dim=-1)) if return_lse else out
 
@@ -102,8 +119,16 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def random_qkv(batch: int, heads: int, s: int, head_dim: int, device="cpu", dtype=torch.float32, seed: int = 0,
-               requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def random_qkv(
+    batch: int,
+    heads: int,
+    s: int,
+    head_dim: int,
+    device="cpu",
+    dtype=torch.float32,
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     out = [torch.randn(batch, heads, s, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
     for t in out:
@@ -149,6 +174,7 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
 # ---- the context-length sweep --------------------------------------------------------------------
 
+
 def scores_bytes(batch: int, heads: int, s: int, dtype=torch.float32) -> int:
     """Bytes of one (batch, heads, s, s) matrix: what naive attention materialises (scores, then probs)."""
     return batch * heads * s * s * torch.tensor([], dtype=dtype).element_size()
@@ -172,8 +198,18 @@ class AttentionPoint:
         return asdict(self)
 
 
-def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int = 4, head_dim: int = 64, backward: bool = True,
-                  device="cpu", dtype=torch.float32, repeats: int = 3, progress: Callable[[str, int], None] | None = None) -> list[AttentionPoint]:
+def context_sweep(
+    contexts,
+    impls=("naive", "sdpa"),
+    batch: int = 4,
+    heads: int = 4,
+    head_dim: int = 64,
+    backward: bool = True,
+    device="cpu",
+    dtype=torch.float32,
+    repeats: int = 3,
+    progress: Callable[[str, int], None] | None = None,
+) -> list[AttentionPoint]:
     """Time and peak memory of each attention implementation at each context length.
 
     Time: median of `repeats` calls after one warm-up, device synchronised. Memory: the peak of what the call
@@ -187,7 +223,9 @@ def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int 
     for s in contexts:
         for impl in impls:
             if impl in out_of_memory:  # a longer context will not fit either
-                points.append(AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom"))
+                points.append(
+                    AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom")
+                )
                 continue
             fn = IMPLS[impl]
             q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=backward)
@@ -208,7 +246,9 @@ def context_sweep(contexts, impls=("naive", "sdpa"), batch: int = 4, heads: int 
                 points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
             except torch.OutOfMemoryError:
                 out_of_memory.add(impl)
-                points.append(AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom"))
+                points.append(
+                    AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom")
+                )
             if progress:
                 progress(impl, s)
             del q, k, v, call
@@ -229,14 +269,21 @@ def plot_sweep(points: list[AttentionPoint], title: str = ""):
         pts = [p for p in points if p.impl == impl and p.status == "ok"]
         for p in points:
             if p.impl == impl and p.status == "oom":
-                ax_m.annotate(f"{impl}: OOM", (p.context, max((q.peak_bytes for q in pts), default=1) / 2**20), fontsize=7, color="#c44e52")
+                ax_m.annotate(
+                    f"{impl}: OOM",
+                    (p.context, max((q.peak_bytes for q in pts), default=1) / 2**20),
+                    fontsize=7,
+                    color="#c44e52",
+                )
         xs = [p.context for p in pts]
         ax_t.plot(xs, [p.ms for p in pts], "o-", label=impl)
         ax_m.plot(xs, [p.peak_bytes / 2**20 for p in pts], "o-", label=impl)
     if points:
         p0 = points[0]
         xs = sorted({p.context for p in points})
-        ax_m.plot(xs, [scores_bytes(p0.batch, p0.heads, s) / 2**20 for s in xs], "k:", lw=1, label="one b·a·s·s fp32 matrix")
+        ax_m.plot(
+            xs, [scores_bytes(p0.batch, p0.heads, s) / 2**20 for s in xs], "k:", lw=1, label="one b·a·s·s fp32 matrix"
+        )
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
     for ax in (ax_t, ax_m):

@@ -3,6 +3,7 @@ and what torch.compile does when shapes change. The training runs themselves go 
 
 Every function returns what it measured (plain numbers, with units in the names); nothing is hard-coded.
 """
+
 from __future__ import annotations
 
 import gc
@@ -14,8 +15,8 @@ import torch.nn.functional as F
 
 from .measure import MemoryLedger, time_fn
 
-
 # ---- one call: time and memory -------------------------------------------------------------------
+
 
 def peak_bytes(fn: Callable[[], object], device="cpu") -> tuple[int, str]:
     """Peak bytes that fn() allocates on top of what already exists, and how that was measured.
@@ -43,6 +44,7 @@ def peak_bytes(fn: Callable[[], object], device="cpu") -> tuple[int, str]:
 
 # ---- ugly numbers ---------------------------------------------------------------------------------
 
+
 @dataclass
 class SizePoint:
     n: int
@@ -54,7 +56,9 @@ class SizePoint:
         return self.n % 64 == 0
 
 
-def matmul_sweep(sizes: Sequence[int], m: int = 1024, k: int = 256, device="cpu", dtype=torch.float32, repeats: int = 5) -> list[SizePoint]:
+def matmul_sweep(
+    sizes: Sequence[int], m: int = 1024, k: int = 256, device="cpu", dtype=torch.float32, repeats: int = 5
+) -> list[SizePoint]:
     """(m x k) @ (k x n) for each n: median time and achieved GFLOP/s (2·m·k·n FLOPs)."""
     out = []
     a = torch.randn(m, k, device=device, dtype=dtype)
@@ -65,7 +69,9 @@ def matmul_sweep(sizes: Sequence[int], m: int = 1024, k: int = 256, device="cpu"
     return out
 
 
-def lm_head_time(vocab: int, tokens: int = 1024, width: int = 256, device="cpu", dtype=torch.float32, repeats: int = 5) -> float:
+def lm_head_time(
+    vocab: int, tokens: int = 1024, width: int = 256, device="cpu", dtype=torch.float32, repeats: int = 5
+) -> float:
     """Seconds for the output layer and its loss, forward and backward: logits = h @ W^T (tokens x vocab), then
     cross-entropy. The part of a GPT step whose shape the vocabulary size sets."""
     gen = torch.Generator().manual_seed(0)
@@ -86,7 +92,9 @@ def lm_head_time(vocab: int, tokens: int = 1024, width: int = 256, device="cpu",
 ADAMW_IMPLS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
-def adamw_step_times(params: Sequence[torch.Tensor], impls=tuple(ADAMW_IMPLS), repeats: int = 10, device="cpu") -> dict[str, float]:
+def adamw_step_times(
+    params: Sequence[torch.Tensor], impls=tuple(ADAMW_IMPLS), repeats: int = 10, device="cpu"
+) -> dict[str, float]:
     """Median seconds of optimizer.step() for each AdamW implementation on copies of `params` with random
     gradients (the same for each implementation). An implementation this build cannot run is left out."""
     gen = torch.Generator().manual_seed(0)
@@ -156,6 +164,7 @@ def adamw_results_agree(params: Sequence[torch.Tensor], steps: int = 3) -> float
 
 # ---- torch.compile: compile events -------------------------------------------------------------------
 
+
 class CompileCounter:
     """A torch.compile backend that runs the captured graph as it is (no code generation, so it is quick) and
     records every graph Dynamo hands it, with its input shapes: each entry is one (re)compilation.
@@ -170,9 +179,15 @@ class CompileCounter:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         shapes = [tuple(str(d) for d in t.shape) if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
         n_ops = sum(1 for node in gm.graph.nodes if node.op in ("call_function", "call_method", "call_module"))
-        self.graphs.append({"input_shapes": shapes, "ops": n_ops, "dynamic": any(isinstance(t, torch.SymInt) for t in example_inputs)
-                            or any(not s.isdigit() for sh in shapes if isinstance(sh, tuple) for s in sh),
-                            "code": gm.code})
+        self.graphs.append(
+            {
+                "input_shapes": shapes,
+                "ops": n_ops,
+                "dynamic": any(isinstance(t, torch.SymInt) for t in example_inputs)
+                or any(not s.isdigit() for sh in shapes if isinstance(sh, tuple) for s in sh),
+                "code": gm.code,
+            }
+        )
         return gm.forward
 
     @property

@@ -3,6 +3,7 @@
 The course ships the ranks it trained on the Shakespeare corpus (data/shakespeare_bpe.tiktoken), so
 nothing is downloaded. `python -m course_lib bpe` trains them again.
 """
+
 from __future__ import annotations
 
 import base64

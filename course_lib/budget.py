@@ -3,6 +3,7 @@
 Set COURSE_BUDGET=smoke (the test suite does) to run every experiment with few steps and small shapes on a
 2-core CPU; unset, or COURSE_BUDGET=full, gives the learner the full experiment.
 """
+
 from __future__ import annotations
 
 import os

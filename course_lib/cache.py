@@ -2,6 +2,7 @@
 
 Every entry is named or keyed by what it was computed from, so it is never read stale; deleting the folder is always
 safe (the next run measures or computes again)."""
+
 from __future__ import annotations
 
 import contextlib

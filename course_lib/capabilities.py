@@ -11,6 +11,7 @@ Speed: a known GPU's peak comes from its data sheet. Any other device (every CPU
 peak *measured* with a matmul benchmark per precision, cached per machine, and efficiency is then labelled
 "of measured matmul peak", so a CPU learner sees how far a run is from what their hardware can do.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,10 +60,24 @@ def device_name(device: str | torch.device) -> str:
 
 # oneDNN's ISA levels, lowest first; ONEDNN_MAX_CPU_ISA caps the kernels at one of them (names that are
 # aliases share a level). A feature above the cap is present in the silicon but not used by the matmuls.
-_ONEDNN_LEVELS = {"SSE41": 1, "AVX": 2, "AVX2": 3, "AVX2_VNNI": 4, "AVX2_VNNI_2": 5, "AVX512_CORE": 6,
-                  "AVX512_CORE_VNNI": 7, "AVX512_CORE_BF16": 8, "AVX512_CORE_FP16": 9, "AVX10_1_512": 9,
-                  "AVX512_CORE_AMX": 10, "AVX10_1_512_AMX": 10, "AVX512_CORE_AMX_FP16": 11,
-                  "AVX10_1_512_AMX_FP16": 11, "AVX10_2_512": 12, "AVX10_2_512_AMX_2": 13}
+_ONEDNN_LEVELS = {
+    "SSE41": 1,
+    "AVX": 2,
+    "AVX2": 3,
+    "AVX2_VNNI": 4,
+    "AVX2_VNNI_2": 5,
+    "AVX512_CORE": 6,
+    "AVX512_CORE_VNNI": 7,
+    "AVX512_CORE_BF16": 8,
+    "AVX512_CORE_FP16": 9,
+    "AVX10_1_512": 9,
+    "AVX512_CORE_AMX": 10,
+    "AVX10_1_512_AMX": 10,
+    "AVX512_CORE_AMX_FP16": 11,
+    "AVX10_1_512_AMX_FP16": 11,
+    "AVX10_2_512": 12,
+    "AVX10_2_512_AMX_2": 13,
+}
 _FEATURE_LEVEL = {"avx2": 3, "avx512": 6, "avx512_bf16": 8, "avx512_fp16": 9, "amx_bf16": 10, "amx_fp16": 11}
 
 
@@ -92,11 +107,15 @@ class CpuFeatures:
     @classmethod
     def detect(cls) -> "CpuFeatures":
         probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())  # noqa: E731
-        return cls(avx2=probe("_is_avx2_supported"), avx512=probe("_is_avx512_supported"),
-                   avx512_bf16=probe("_is_avx512_bf16_supported"),
-                   avx512_fp16="avx512_fp16" in _cpuinfo_flags(),  # torch has no probe for it
-                   amx_bf16=probe("_is_amx_tile_supported"), amx_fp16=probe("_is_amx_fp16_supported"),
-                   onednn_cap=(os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None))
+        return cls(
+            avx2=probe("_is_avx2_supported"),
+            avx512=probe("_is_avx512_supported"),
+            avx512_bf16=probe("_is_avx512_bf16_supported"),
+            avx512_fp16="avx512_fp16" in _cpuinfo_flags(),  # torch has no probe for it
+            amx_bf16=probe("_is_amx_tile_supported"),
+            amx_fp16=probe("_is_amx_fp16_supported"),
+            onednn_cap=(os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None),
+        )
 
     def usable(self, feature: str) -> bool:
         """Present in the CPU and not above ONEDNN_MAX_CPU_ISA."""
@@ -119,6 +138,7 @@ class CpuFeatures:
 
 # ---- support for each thing the course can switch on -------------------------------------------
 
+
 @dataclass(frozen=True)
 class Support:
     ok: bool  # the course can run it on this device
@@ -132,9 +152,16 @@ class Support:
 
 # NVIDIA's GPU generations by compute capability (major, minor), and the formats their tensor cores take (data sheets,
 # not measured here): Volta and Turing have fp16 tensor cores only; bf16 and TF32 tensor cores start with Ampere.
-GPU_GENERATIONS = {(6, 0): "Pascal (P100)", (6, 1): "Pascal (GTX 10)", (7, 0): "Volta (V100)", (7, 5): "Turing (T4, RTX 20)",
-                   (8, 0): "Ampere (A100)", (8, 6): "Ampere (RTX 30, A10)", (8, 9): "Ada (L4, L40, RTX 40)",
-                   (9, 0): "Hopper (H100, H200)"}
+GPU_GENERATIONS = {
+    (6, 0): "Pascal (P100)",
+    (6, 1): "Pascal (GTX 10)",
+    (7, 0): "Volta (V100)",
+    (7, 5): "Turing (T4, RTX 20)",
+    (8, 0): "Ampere (A100)",
+    (8, 6): "Ampere (RTX 30, A10)",
+    (8, 9): "Ada (L4, L40, RTX 40)",
+    (9, 0): "Hopper (H100, H200)",
+}
 
 
 def gpu_precisions(major: int, minor: int, name: str = "this GPU") -> dict[str, Support]:
@@ -145,14 +172,32 @@ def gpu_precisions(major: int, minor: int, name: str = "this GPU") -> dict[str, 
     cc = f"compute capability {major}.{minor}"
     ampere, volta = major >= 8, major >= 7
     return {
-        "tf32": (Support(True, f"tensor-core TF32 for fp32 matmuls ({cc})", True) if ampere
-                 else Support(False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor}")),
-        "bf16": (Support(True, f"bf16 tensor cores ({cc})", True) if ampere
-                 else Support(False, f"{name} has no bf16 tensor cores ({cc}; they start with Ampere, 8.0): bf16 would get no "
-                                     "speed-up here; use fp16 with loss scaling" + (", which its tensor cores run" if volta else ""))),
-        "fp16": (Support(True, f"fp16 tensor cores ({cc})", True) if volta
-                 else Support(True, f"no tensor cores before Volta (compute capability 7.0; this is {major}.{minor}): fp16 runs "
-                                    "without them", False)),
+        "tf32": (
+            Support(True, f"tensor-core TF32 for fp32 matmuls ({cc})", True)
+            if ampere
+            else Support(
+                False, f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor}"
+            )
+        ),
+        "bf16": (
+            Support(True, f"bf16 tensor cores ({cc})", True)
+            if ampere
+            else Support(
+                False,
+                f"{name} has no bf16 tensor cores ({cc}; they start with Ampere, 8.0): bf16 would get no "
+                "speed-up here; use fp16 with loss scaling" + (", which its tensor cores run" if volta else ""),
+            )
+        ),
+        "fp16": (
+            Support(True, f"fp16 tensor cores ({cc})", True)
+            if volta
+            else Support(
+                True,
+                f"no tensor cores before Volta (compute capability 7.0; this is {major}.{minor}): fp16 runs "
+                "without them",
+                False,
+            )
+        ),
     }
 
 
@@ -169,6 +214,7 @@ def fast_16bit(precisions: dict[str, Support], name: str) -> tuple[str | None, s
 def gpu_generation_rows() -> list[dict[str, str]]:
     """What gpu_precisions answers for each generation of GPU_GENERATIONS (the environment cell on such a GPU says the
     same): data-sheet facts by compute capability, nothing measured."""
+
     def word(s: Support) -> str:
         return "tensor cores" if s.ok and s.native else "runs, no tensor cores" if s.ok else "refused"
 
@@ -176,8 +222,14 @@ def gpu_generation_rows() -> list[dict[str, str]]:
     for (major, minor), gen in GPU_GENERATIONS.items():
         p = gpu_precisions(major, minor)
         fast = fast_16bit(p, gen)[0]  # config.rung_up: else bf16, which such a GPU refuses: the rung is skipped
-        rows.append({"compute capability": f"{major}.{minor}", "generation": gen, **{f: word(p[f]) for f in ("fp16", "bf16", "tf32")},
-                     "the ladder's 16-bit rung": fast or "skipped (no 16-bit tensor cores)"})
+        rows.append(
+            {
+                "compute capability": f"{major}.{minor}",
+                "generation": gen,
+                **{f: word(p[f]) for f in ("fp16", "bf16", "tf32")},
+                "the ladder's 16-bit rung": fast or "skipped (no 16-bit tensor cores)",
+            }
+        )
     return rows
 
 
@@ -196,13 +248,17 @@ def _precisions(dev: torch.device, cpu: CpuFeatures | None) -> dict[str, Support
                 out["bf16"] = Support(True, "AVX512-BF16 dot-product instructions", True)
             else:
                 why = " (present but capped by ONEDNN_MAX_CPU_ISA)" if (cpu.amx_bf16 or cpu.avx512_bf16) else ""
-                out["bf16"] = Support(True, f"no bf16 instructions in use{why}: converted in software, often slower than fp32", False)
+                out["bf16"] = Support(
+                    True, f"no bf16 instructions in use{why}: converted in software, often slower than fp32", False
+                )
             if cpu.usable("amx_fp16"):
                 out["fp16"] = Support(True, "AMX-FP16 matrix tiles", True)
             elif cpu.usable("avx512_fp16"):
                 out["fp16"] = Support(True, "AVX512-FP16 instructions", True)
             else:
-                out["fp16"] = Support(True, "no fp16 arithmetic instructions in use: a slow software path (fp16 is a GPU format)", False)
+                out["fp16"] = Support(
+                    True, "no fp16 arithmetic instructions in use: a slow software path (fp16 is a GPU format)", False
+                )
     elif dev.type == "mps":
         out["tf32"] = Support(False, "TF32 is an NVIDIA tensor-core format; MPS has no such mode")
         out["bf16"] = Support(True, "bf16 on Apple GPU (macOS 14+)", True)
@@ -218,8 +274,13 @@ def _compile_support(dev: torch.device) -> Support:
         return Support(False, "this torch has no torch.compile")
     if dev.type == "cpu":
         cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-        return (Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}") if cxx
-                else Support(False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"))
+        return (
+            Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}")
+            if cxx
+            else Support(
+                False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
+            )
+        )
     if dev.type == "cuda":
         try:
             import triton  # noqa: F401
@@ -232,7 +293,12 @@ def _compile_support(dev: torch.device) -> Support:
     return Support(False, f"the course does not offer torch.compile on {dev.type!r}")
 
 
-_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "memory-efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+_SDPA_BACKENDS = {
+    "flash": "FLASH_ATTENTION",
+    "memory-efficient": "EFFICIENT_ATTENTION",
+    "cudnn": "CUDNN_ATTENTION",
+    "math": "MATH",
+}
 
 
 def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
@@ -301,7 +367,9 @@ def datasheet_tflops(name: str) -> dict[str, float] | None:
 _DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20) -> float:
+def matmul_tflops(
+    device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20
+) -> float:
     """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed
     repeats after a warm-up (kernel selection, first touch of the output), timed as every step is (timing.time_fn)."""
     dev = torch.device(device)
@@ -336,20 +404,31 @@ def _read_cache() -> dict:
     except (OSError, ValueError):
         return {}
     if not isinstance(entries, dict):
-        print(f"course_lib: {cache_dir() / 'matmul_peaks.json'} holds no table of peaks: ignored, measuring again", file=sys.stderr)
+        print(
+            f"course_lib: {cache_dir() / 'matmul_peaks.json'} holds no table of peaks: ignored, measuring again",
+            file=sys.stderr,
+        )
         return {}
     good = {k: v for k, v in entries.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     if len(good) < len(entries):
-        print(f"course_lib: {len(entries) - len(good)} unreadable entr{'y' if len(entries) - len(good) == 1 else 'ies'} of "
-              f"{cache_dir() / 'matmul_peaks.json'} dropped: measured again when needed", file=sys.stderr)
+        print(
+            f"course_lib: {len(entries) - len(good)} unreadable "
+            f"entr{'y' if len(entries) - len(good) == 1 else 'ies'} of "
+            f"{cache_dir() / 'matmul_peaks.json'} dropped: measured again when needed",
+            file=sys.stderr,
+        )
     return good
 
 
 def _write_cache(entries: dict) -> None:
-    write_atomic(cache_dir() / "matmul_peaks.json", lambda f: f.write_text(json.dumps(entries, indent=1, sort_keys=True)))
+    write_atomic(
+        cache_dir() / "matmul_peaks.json", lambda f: f.write_text(json.dumps(entries, indent=1, sort_keys=True))
+    )
 
 
-def measured_tflops(device: str, precision: str, shape: tuple[int, int, int] | None = None, refresh: bool = False) -> float:
+def measured_tflops(
+    device: str, precision: str, shape: tuple[int, int, int] | None = None, refresh: bool = False
+) -> float:
     """This machine's matmul speed in `precision`, cached per machine (device name with thread count, torch
     version, oneDNN cap). Without `shape`: the peak over square sizes, growing until a matmul takes long
     enough to be a fair measure (2048 on a CPU, 8192 on a GPU). With `shape` (m, k, n): that shape only.
@@ -385,10 +464,14 @@ def model_matmul_shapes(cfg: TrainConfig) -> dict[str, tuple[int, int, int]]:
     """The largest matmuls of one micro-batch's forward: (tokens x width) @ (width x 4·width) in the MLP and
     (tokens x width) @ (width x vocab) in the output layer."""
     tokens, width = cfg.micro_batch_size * cfg.context, cfg.model.n_embd
-    return {"MLP up-projection": (tokens, width, 4 * width), "output layer": (tokens, width, cfg.model.padded_vocab_size)}
+    return {
+        "MLP up-projection": (tokens, width, 4 * width),
+        "output layer": (tokens, width, cfg.model.padded_vocab_size),
+    }
 
 
 # ---- the answer ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -416,7 +499,7 @@ class Capabilities:
         return fast_16bit(self.precisions, self.name)
 
     def unavailable(self) -> dict[str, str]:
-        """"field=value" -> why this device cannot run that value of a technique (course_lib.config.TECHNIQUES):
+        """ "field=value" -> why this device cannot run that value of a technique (course_lib.config.TECHNIQUES):
         what the panel disables and the ladder skips."""
         out = {f"precision={p}": s.note for p, s in self.precisions.items() if not s.ok}
         if not self.compile.ok:
@@ -436,8 +519,10 @@ class Capabilities:
             if why:
                 out.append(f"{t.name}={t.value(cfg)!r} cannot run on {self.device}: {why}")
         if cfg.compile and cfg.data_parallel != "none":
-            out.append(f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "
-                       "turn compile off in notebook 07's strategies")
+            out.append(
+                f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "
+                "turn compile off in notebook 07's strategies"
+            )
         return out
 
     def require(self, cfg: TrainConfig) -> TrainConfig:
@@ -491,7 +576,9 @@ def _normalise(device: str | torch.device | None) -> str:
     try:
         return str(torch.device(device))
     except (RuntimeError, TypeError):
-        raise ConfigError(f"device={device!r} is not a torch device: use 'cpu', or 'cuda' on a machine with an NVIDIA GPU") from None
+        raise ConfigError(
+            f"device={device!r} is not a torch device: use 'cpu', or 'cuda' on a machine with an NVIDIA GPU"
+        ) from None
 
 
 def capabilities(device: str | torch.device | None = None) -> Capabilities:
@@ -504,19 +591,34 @@ def capabilities(device: str | torch.device | None = None) -> Capabilities:
 def _capabilities(device: str) -> Capabilities:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        build = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-        raise ConfigError(f"device={device!r} but CUDA is not available here: {build}. Use device='cpu', or on a machine "
-                          "with an NVIDIA GPU install torch's CUDA build (see the README, 'On a GPU')")
+        build = (
+            "this torch is a CPU-only build"
+            if torch.version.cuda is None
+            else "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+        )
+        raise ConfigError(
+            f"device={device!r} but CUDA is not available here: {build}. Use device='cpu', or on a machine "
+            "with an NVIDIA GPU install torch's CUDA build (see the README, 'On a GPU')"
+        )
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError(f"device={device!r} but MPS is not available here: use device='cpu'")
     cpu = CpuFeatures.detect() if dev.type == "cpu" else None
     cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     name = device_name(dev)
     sdpa_dtype = torch.bfloat16 if cc and cc[0] >= 8 else torch.float16 if dev.type == "cuda" else torch.float32
-    return Capabilities(device=device, type=dev.type, name=name, torch_version=torch.__version__,
-                        precisions=_precisions(dev, cpu), compile=_compile_support(dev), sdpa=_sdpa_support(dev, sdpa_dtype),
-                        fused_adamw=_fused_adamw_support(dev), cpu=cpu, compute_capability=cc,
-                        datasheet=datasheet_tflops(name) if dev.type == "cuda" else None)
+    return Capabilities(
+        device=device,
+        type=dev.type,
+        name=name,
+        torch_version=torch.__version__,
+        precisions=_precisions(dev, cpu),
+        compile=_compile_support(dev),
+        sdpa=_sdpa_support(dev, sdpa_dtype),
+        fused_adamw=_fused_adamw_support(dev),
+        cpu=cpu,
+        compute_capability=cc,
+        datasheet=datasheet_tflops(name) if dev.type == "cuda" else None,
+    )
 
 
 capabilities.cache_clear = _capabilities.cache_clear  # tests change the environment and ask again
@@ -527,7 +629,9 @@ def require(cfg: TrainConfig) -> TrainConfig:
     return capabilities(cfg.device).require(cfg)
 
 
-def efficiency(tokens_per_s: float, flops_per_token: int, device: str, precision: str, measure: bool = True) -> tuple[float | None, str]:
+def efficiency(
+    tokens_per_s: float, flops_per_token: int, device: str, precision: str, measure: bool = True
+) -> tuple[float | None, str]:
     """(model FLOP/s over the device's peak, what the peak is): MFU against the data sheet on a known GPU,
     or against this machine's measured matmul peak elsewhere."""
     peak, basis = capabilities(device).peak_tflops(precision, measure=measure)

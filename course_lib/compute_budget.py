@@ -12,6 +12,7 @@ Activation checkpointing buys memory with compute: `checkpointing_costs` runs no
 course's loop and puts beside each the memory the ledger measured, what memory.estimate predicted, the work of one
 step counted from the shapes (`step_work`), and the forward and backward times measured on the device.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. (2022): about 20 training to
 
 
 # ---- the budget ----------------------------------------------------------------------------------
+
 
 def training_flops(n_params: float, tokens: float) -> float:
     """C = 6·N·D: FLOPs to train N parameters on D tokens (2N per token forward, 4N backward)."""
@@ -80,14 +82,20 @@ def budget_rows(runs: dict[str, tuple[float, float]], devices: dict[str, float])
     rows = []
     for name, (n, d) in runs.items():
         c = training_flops(n, d)
-        row = {"run": name, "parameters": f"{n:.3g}", "tokens": f"{d:.3g}", "FLOPs (6ND)": f"{c:.3g}",
-               "PF-days": f"{pf_days(c):.3g}"}
+        row = {
+            "run": name,
+            "parameters": f"{n:.3g}",
+            "tokens": f"{d:.3g}",
+            "FLOPs (6ND)": f"{c:.3g}",
+            "PF-days": f"{pf_days(c):.3g}",
+        }
         row.update({label: human_duration(time_to_train(c, speed)) for label, speed in devices.items()})
         rows.append(row)
     return rows
 
 
 # ---- what recompute costs: activation checkpointing -----------------------------------------------
+
 
 @dataclass
 class StepWork:
@@ -130,10 +138,11 @@ def step_work(cfg: TrainConfig) -> StepWork:
 
 def forward_backward_seconds(cfg: TrainConfig, repeats: int = 5, splits: Splits | None = None) -> dict[str, float]:
     """Median seconds of one micro-batch's forward (with the loss, keeping what backward needs) and of its backward,
-    on cfg.device, timed as every step is (a warm-up, the clock read with the device synchronised, the median). The model
-    and its techniques are the loop's own (train.Trainer). Backward is timed on its own, after an untimed forward in each
-    repeat (a difference of two medians, (forward + backward) less forward, went negative on a busy machine). With the
-    loss in slices (loss_chunks > 1) the output layer's gradients are made in the forward pass: their time is in "forward"."""
+    on cfg.device, timed as every step is (a warm-up, the clock read with the device synchronised, the median). The
+    model and its techniques are the loop's own (train.Trainer). Backward is timed on its own, after an untimed forward
+    in each repeat (a difference of two medians, (forward + backward) less forward, went negative on a busy machine).
+    With the loss in slices (loss_chunks > 1) the output layer's gradients are made in the forward pass: their time is
+    in "forward"."""
     trainer = train.Trainer(cfg, splits=splits)
     setup, dev = trainer.setup, trainer.dev
     x, y = (t.to(dev) for t in trainer.batches(0)[0])
@@ -164,24 +173,33 @@ class CheckpointingCost:
     seconds: dict[str, float]  # forward_backward_seconds
 
 
-def checkpointing_costs(base: TrainConfig, modes=("none", "selective", "full"), repeats: int = 5,
-                        splits: Splits | None = None) -> list[CheckpointingCost]:
+def checkpointing_costs(
+    base: TrainConfig, modes=("none", "selective", "full"), repeats: int = 5, splits: Splits | None = None
+) -> list[CheckpointingCost]:
     """Each activation-checkpointing mode of `base`, run through the course's loop with the same seed and batches."""
     costs = []
     for mode in modes:
         cfg = dataclasses.replace(base, activation_checkpointing=mode)
-        costs.append(CheckpointingCost(mode=mode, result=train.run(cfg, f"checkpointing {mode}", splits=splits),
-                                       estimate=memory.estimate(cfg), work=step_work(cfg),
-                                       seconds=forward_backward_seconds(cfg, repeats, splits)))
+        costs.append(
+            CheckpointingCost(
+                mode=mode,
+                result=train.run(cfg, f"checkpointing {mode}", splits=splits),
+                estimate=memory.estimate(cfg),
+                work=step_work(cfg),
+                seconds=forward_backward_seconds(cfg, repeats, splits),
+            )
+        )
     return costs
 
 
 def recompute_share(cost: CheckpointingCost, baseline: CheckpointingCost) -> dict[str, float]:
     """What `cost`'s recompute adds to `baseline`'s step (checkpointing "none"), as fractions of the baseline:
     counted matmul FLOPs, counted element-wise values, and measured backward time."""
-    return {"matmul FLOPs": cost.work.matmul_flops / baseline.work.matmul_flops - 1,
-            "element-wise values": cost.work.elementwise_values / baseline.work.elementwise_values - 1,
-            "backward time": cost.seconds["backward"] / baseline.seconds["backward"] - 1}
+    return {
+        "matmul FLOPs": cost.work.matmul_flops / baseline.work.matmul_flops - 1,
+        "element-wise values": cost.work.elementwise_values / baseline.work.elementwise_values - 1,
+        "backward time": cost.seconds["backward"] / baseline.seconds["backward"] - 1,
+    }
 
 
 def checkpointing_rows(costs: list[CheckpointingCost]) -> list[dict[str, str]]:
@@ -192,16 +210,18 @@ def checkpointing_rows(costs: list[CheckpointingCost]) -> list[dict[str, str]]:
         mem = c.result.memory or {}
         act = (mem.get("by_category") or {}).get("activations")
         share = recompute_share(c, costs[0])
-        rows.append({
-            "checkpointing": c.mode,
-            "activations MiB (measured)": "not measured" if act is None else f"{act / MiB:.2f}",
-            "activations MiB (estimate)": f"{c.estimate.by_category['activations'] / MiB:.2f}",
-            "peak MiB (measured)": f"{mem['peak_bytes'] / MiB:.2f}" if mem else "",
-            "peak MiB (estimate)": f"{c.estimate.peak_bytes / MiB:.2f}",
-            "step ms": f"{c.result.median_step_s * 1e3:.1f}" if c.result.ok else c.result.status,
-            "forward ms": f"{c.seconds['forward'] * 1e3:.1f}",
-            "backward ms": f"{c.seconds['backward'] * 1e3:.1f}",
-            "recomputed matmul FLOPs": f"{share['matmul FLOPs']:+.1%}",
-            "recomputed element-wise values": f"{share['element-wise values']:+.1%}",
-        })
+        rows.append(
+            {
+                "checkpointing": c.mode,
+                "activations MiB (measured)": "not measured" if act is None else f"{act / MiB:.2f}",
+                "activations MiB (estimate)": f"{c.estimate.by_category['activations'] / MiB:.2f}",
+                "peak MiB (measured)": f"{mem['peak_bytes'] / MiB:.2f}" if mem else "",
+                "peak MiB (estimate)": f"{c.estimate.peak_bytes / MiB:.2f}",
+                "step ms": f"{c.result.median_step_s * 1e3:.1f}" if c.result.ok else c.result.status,
+                "forward ms": f"{c.seconds['forward'] * 1e3:.1f}",
+                "backward ms": f"{c.seconds['backward'] * 1e3:.1f}",
+                "recomputed matmul FLOPs": f"{share['matmul FLOPs']:+.1%}",
+                "recomputed element-wise values": f"{share['element-wise values']:+.1%}",
+            }
+        )
     return rows

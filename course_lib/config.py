@@ -3,6 +3,7 @@
 `ModelConfig` says what the network is; `TrainConfig` says how it is trained, with one typed field per
 technique. Both check themselves at construction and say what to change when a combination is invalid.
 """
+
 from __future__ import annotations
 
 import ast
@@ -40,11 +41,14 @@ def _check(condition: bool, message: str) -> None:
 
 
 def _choice(name: str, value, allowed) -> None:
-    _check(value in allowed, f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}{did_you_mean(value, allowed)}")
+    _check(
+        value in allowed,
+        f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}{did_you_mean(value, allowed)}",
+    )
 
 
 def did_you_mean(name, names) -> str:
-    """" (did you mean 'x'?)" for the closest of `names`, or ""."""
+    """ " (did you mean 'x'?)" for the closest of `names`, or ""."""
     close = difflib.get_close_matches(str(name), [str(n) for n in names], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -53,6 +57,7 @@ def did_you_mean(name, names) -> str:
 # The dataclasses' annotations are the declaration: __post_init__ checks each value against its field's type (a bool
 # is not an int here, a float is finite, a Literal one of its values), and parse_setting reads a field's value from
 # text by the same type (the command line's --set, a launch's options). The ranges are checked in __post_init__.
+
 
 @functools.cache
 def _field_types(cls) -> dict[str, object]:
@@ -76,7 +81,9 @@ def _conforms(value, hint) -> bool:
     if origin in (typing.Union, types.UnionType):
         return any(_conforms(value, a) for a in args)
     if origin is tuple:
-        return isinstance(value, tuple) and len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+        return (
+            isinstance(value, tuple) and len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+        )
     return isinstance(value, hint) if isinstance(hint, type) else True
 
 
@@ -102,8 +109,11 @@ def _check_types(obj) -> None:
         value = getattr(obj, name)
         if not _conforms(value, hint):
             close = did_you_mean(value, typing.get_args(hint)) if typing.get_origin(hint) is Literal else ""
-            raise ConfigError(f"{name}={value!r} is not {_describe(hint)}{close}" if typing.get_origin(hint) is Literal
-                              else f"{name}={value!r}: {name} takes {_describe(hint)}")
+            raise ConfigError(
+                f"{name}={value!r} is not {_describe(hint)}{close}"
+                if typing.get_origin(hint) is Literal
+                else f"{name}={value!r}: {name} takes {_describe(hint)}"
+            )
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -156,7 +166,8 @@ def parse_value(name: str, hint, text: str):
 
 
 def setting_type(name: str):
-    """The declared type of a setting: a TrainConfig field, "model.<field>", or a technique's name (config.TECHNIQUE)."""
+    """The declared type of a setting: a TrainConfig field, "model.<field>", or a technique's name
+    (config.TECHNIQUE)."""
     if name in TECHNIQUE:
         name = TECHNIQUE[name].field
     train, model = _field_types(TrainConfig), _field_types(ModelConfig)
@@ -165,8 +176,10 @@ def setting_type(name: str):
     if name in train and name != "model":
         return train[name]
     known = [*TECHNIQUE, *(k for k in train if k != "model"), *(f"model.{k}" for k in model)]
-    raise ConfigError(f"{name!r} is not a setting: use a technique ({', '.join(TECHNIQUE)}), a TrainConfig field or "
-                      f"model.<ModelConfig field>{did_you_mean(name, known)}")
+    raise ConfigError(
+        f"{name!r} is not a setting: use a technique ({', '.join(TECHNIQUE)}), a TrainConfig field or "
+        f"model.<ModelConfig field>{did_you_mean(name, known)}"
+    )
 
 
 def parse_setting(name: str, text: str):
@@ -189,8 +202,15 @@ class ModelConfig:
     def __post_init__(self):
         _check_types(self)
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple"):
-            _check(isinstance(getattr(self, name), int) and getattr(self, name) >= 1, f"{name} must be a positive int, got {getattr(self, name)!r}")
-        _check(self.n_embd % self.n_head == 0, f"n_head={self.n_head} must divide n_embd={self.n_embd}: change one so that n_embd/n_head is a whole head size")
+            _check(
+                isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                f"{name} must be a positive int, got {getattr(self, name)!r}",
+            )
+        _check(
+            self.n_embd % self.n_head == 0,
+            f"n_head={self.n_head} must divide n_embd={self.n_embd}: "
+            "change one so that n_embd/n_head is a whole head size",
+        )
         _choice("attention", self.attention, ATTENTIONS)
         _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
 
@@ -266,33 +286,57 @@ class TrainConfig:
         _check_types(self)
         for name in ("batch_size", "grad_accum_steps", "context", "steps", "loss_chunks"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive int, got {v!r}")
-        _check(isinstance(self.timing_warmup, int) and self.timing_warmup >= 0, f"timing_warmup must be an int >= 0, got {self.timing_warmup!r}")
-        _check(self.batch_size % self.grad_accum_steps == 0,
-               f"batch_size={self.batch_size} does not divide into grad_accum_steps={self.grad_accum_steps} equal micro-batches: "
-               f"make batch_size a multiple of grad_accum_steps (e.g. batch_size={self.batch_size // self.grad_accum_steps * self.grad_accum_steps or self.grad_accum_steps})")
-        _check(self.context <= self.model.block_size,
-               f"context={self.context} is longer than the model's block_size={self.model.block_size}: shorten the context or raise ModelConfig.block_size")
+            _check(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive int, got {v!r}"
+            )
+        _check(
+            isinstance(self.timing_warmup, int) and self.timing_warmup >= 0,
+            f"timing_warmup must be an int >= 0, got {self.timing_warmup!r}",
+        )
+        _check(
+            self.batch_size % self.grad_accum_steps == 0,
+            f"batch_size={self.batch_size} does not divide into grad_accum_steps={self.grad_accum_steps} "
+            "equal micro-batches: make batch_size a multiple of grad_accum_steps (e.g. batch_size="
+            f"{self.batch_size // self.grad_accum_steps * self.grad_accum_steps or self.grad_accum_steps})",
+        )
+        _check(
+            self.context <= self.model.block_size,
+            f"context={self.context} is longer than the model's block_size={self.model.block_size}: "
+            "shorten the context or raise ModelConfig.block_size",
+        )
         _choice("precision", self.precision, PRECISIONS)
         _choice("optimizer", self.optimizer, ("adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop"))
         _choice("schedule", self.schedule, ("constant", "cosine", "wsd", "inverse_sqrt", "exponential"))
-        _check(self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1,
-               "schedule='inverse_sqrt' peaks at the end of the warmup: set lr_warmup_steps >= 1")
+        _check(
+            self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1,
+            "schedule='inverse_sqrt' peaks at the end of the warmup: set lr_warmup_steps >= 1",
+        )
         _choice("compile_mode", self.compile_mode, ("default", "reduce-overhead", "max-autotune"))
         _choice("data_parallel", self.data_parallel, ("none", "ddp", "fsdp"))
         _choice("activation_checkpointing", self.activation_checkpointing, ("none", "selective", "full"))
         _check(self.eval_every >= 0 and self.eval_batches >= 1, "eval_every must be >= 0 and eval_batches >= 1")
         _check(self.lr > 0, f"lr must be positive, got {self.lr}")
-        _check(self.clip_norm is None or self.clip_norm > 0, f"clip_norm must be positive or None (off), got {self.clip_norm}")
+        _check(
+            self.clip_norm is None or self.clip_norm > 0,
+            f"clip_norm must be positive or None (off), got {self.clip_norm}",
+        )
         _choice("clip_kind", self.clip_kind, CLIP_KINDS)
         _check(0 <= self.lr_warmup_steps, f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         _check(self.eps > 0, f"eps must be > 0 (it keeps Adam's division finite), got {self.eps}")
-        _check(all(0 <= b < 1 for b in self.betas), f"betas must each be in [0, 1) (decay rates of moving averages), got {self.betas}")
+        _check(
+            all(0 <= b < 1 for b in self.betas),
+            f"betas must each be in [0, 1) (decay rates of moving averages), got {self.betas}",
+        )
         _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
-        _check(self.loss_scale_init > 0 and isinstance(self.loss_scale_growth_interval, int) and self.loss_scale_growth_interval >= 1,
-               f"loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}")
+        _check(
+            self.loss_scale_init > 0
+            and isinstance(self.loss_scale_growth_interval, int)
+            and self.loss_scale_growth_interval >= 1,
+            "loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, "
+            f"got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}",
+        )
         try:
             torch.device(self.device)
         except RuntimeError as e:
@@ -319,10 +363,19 @@ class TrainConfig:
         """The config a dict describes (to_dict's, a JSON file, a launch's --config); a key that is no field is an error
         that names the closest field."""
         if not isinstance(d, dict) or not isinstance(d.get("model", {}), dict):
-            raise ConfigError(f"a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; got {type(d).__name__}")
-        for obj, names, where in ((d, _field_types(cls), "TrainConfig"), (d.get("model", {}), _field_types(ModelConfig), "ModelConfig")):
+            raise ConfigError(
+                "a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; "
+                f"got {type(d).__name__}"
+            )
+        for obj, names, where in (
+            (d, _field_types(cls), "TrainConfig"),
+            (d.get("model", {}), _field_types(ModelConfig), "ModelConfig"),
+        ):
             if unknown := [k for k in obj if k not in names]:
-                raise ConfigError(f"{where} has no field {unknown[0]!r}{did_you_mean(unknown[0], names)}; its fields: {', '.join(names)}")
+                raise ConfigError(
+                    f"{where} has no field {unknown[0]!r}{did_you_mean(unknown[0], names)}; "
+                    f"its fields: {', '.join(names)}"
+                )
         d = dict(d)
         d["model"] = ModelConfig(**d.get("model", {}))
         return cls(**d)
@@ -333,10 +386,17 @@ class TrainConfig:
 
 # ---- Presets: start from a baseline and change a few fields -------------------------------------
 
+
 def reference_preset(device: str | None = None) -> TrainConfig:
     """The course's reference model: 4 blocks, context 512, width 256, 4 heads, batch 32."""
-    return TrainConfig(model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=512), device=device or default_device(),
-                       batch_size=32, context=512, steps=20, timing_warmup=3)
+    return TrainConfig(
+        model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=512),
+        device=device or default_device(),
+        batch_size=32,
+        context=512,
+        steps=20,
+        timing_warmup=3,
+    )
 
 
 def cpu_preset(device: str | None = None) -> TrainConfig:
@@ -344,22 +404,40 @@ def cpu_preset(device: str | None = None) -> TrainConfig:
     model: the same context (512) and the same attention-to-rest ratio in the activation formula (5as/h = 40),
     so attention and the logits are as real a share of the work as on a GPU."""
     base = reference_preset(device or "cpu")
-    return replace(base, model=replace(base.model, n_layer=2, n_head=2, n_embd=128, block_size=512),
-                   batch_size=8, context=512, steps=8, timing_warmup=2)
+    return replace(
+        base,
+        model=replace(base.model, n_layer=2, n_head=2, n_embd=128, block_size=512),
+        batch_size=8,
+        context=512,
+        steps=8,
+        timing_warmup=2,
+    )
 
 
 def tiny_preset(device: str | None = None) -> TrainConfig:
     """For tests: a few milliseconds a step."""
     base = cpu_preset(device)
-    return replace(base, model=replace(base.model, n_layer=2, n_head=2, n_embd=32, block_size=64),
-                   batch_size=4, context=64, steps=4, timing_warmup=1)
+    return replace(
+        base,
+        model=replace(base.model, n_layer=2, n_head=2, n_embd=32, block_size=64),
+        batch_size=4,
+        context=64,
+        steps=4,
+        timing_warmup=1,
+    )
 
 
 def gpt2_small_preset(device: str | None = None) -> TrainConfig:
     """GPT-2 small, 124M parameters: 12 blocks, width 768, 12 heads, context 1024, GPT-2's vocab of 50257."""
     base = reference_preset(device)
-    return replace(base, model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),
-                   batch_size=16, context=1024, steps=20, timing_warmup=3)
+    return replace(
+        base,
+        model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),
+        batch_size=16,
+        context=1024,
+        steps=20,
+        timing_warmup=3,
+    )
 
 
 PRESETS: dict[str, Callable[..., TrainConfig]] = {
@@ -407,26 +485,80 @@ class Technique:
         return getattr(cfg.model, self.name) if self.field.startswith("model.") else getattr(cfg, self.field)
 
     def set(self, cfg: TrainConfig, value) -> TrainConfig:
-        return cfg.with_model(**{self.name: value}) if self.field.startswith("model.") else replace(cfg, **{self.field: value})
+        return (
+            cfg.with_model(**{self.name: value})
+            if self.field.startswith("model.")
+            else replace(cfg, **{self.field: value})
+        )
 
 
 TECHNIQUES: tuple[Technique, ...] = (
-    Technique("precision", "precision", "fp32", (
-        ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
-        ("+ 16-bit autocast", FAST_16BIT, "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 "
-                                          "is fast), fp32 weights"))),
-    Technique("model.attention", "attention", "naive", (("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
-              aims=(SPEED, MEMORY)),
-    Technique("compile", "compile", False, (("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),)),
-    Technique("model.vocab_multiple", "pad vocab to x", 1, (("+ vocab to x64", 64, "embedding padded to a multiple of 64"),), choices=(1, 8, 64, 128)),
-    Technique("fused_adamw", "fused AdamW", False, (("+ fused AdamW", True, "one fused optimizer kernel for every tensor"),)),
-    Technique("set_to_none", "zero_grad(set_to_none)", False,
-              (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),), aims=(MEMORY,)),
-    Technique("loss_chunks", "loss chunks", 1, (("+ chunked loss", 8, "output layer and loss in 8 token slices, gradients made in forward: "
-                                                                    "one slice of logits at a time, nothing recomputed"),),
-              choices=(1, 2, 4, 8, 16), aims=(MEMORY,)),
-    Technique("activation_checkpointing", "activation checkpointing", "none",
-              (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),), aims=(MEMORY,)),
+    Technique(
+        "precision",
+        "precision",
+        "fp32",
+        (
+            ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
+            (
+                "+ 16-bit autocast",
+                FAST_16BIT,
+                "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 "
+                "is fast), fp32 weights",
+            ),
+        ),
+    ),
+    Technique(
+        "model.attention",
+        "attention",
+        "naive",
+        (("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
+        aims=(SPEED, MEMORY),
+    ),
+    Technique(
+        "compile",
+        "compile",
+        False,
+        (("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),),
+    ),
+    Technique(
+        "model.vocab_multiple",
+        "pad vocab to x",
+        1,
+        (("+ vocab to x64", 64, "embedding padded to a multiple of 64"),),
+        choices=(1, 8, 64, 128),
+    ),
+    Technique(
+        "fused_adamw", "fused AdamW", False, (("+ fused AdamW", True, "one fused optimizer kernel for every tensor"),)
+    ),
+    Technique(
+        "set_to_none",
+        "zero_grad(set_to_none)",
+        False,
+        (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),),
+        aims=(MEMORY,),
+    ),
+    Technique(
+        "loss_chunks",
+        "loss chunks",
+        1,
+        (
+            (
+                "+ chunked loss",
+                8,
+                "output layer and loss in 8 token slices, gradients made in forward: "
+                "one slice of logits at a time, nothing recomputed",
+            ),
+        ),
+        choices=(1, 2, 4, 8, 16),
+        aims=(MEMORY,),
+    ),
+    Technique(
+        "activation_checkpointing",
+        "activation checkpointing",
+        "none",
+        (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),),
+        aims=(MEMORY,),
+    ),
 )
 TECHNIQUE = {t.name: t for t in TECHNIQUES}
 
@@ -452,8 +584,10 @@ class Rung:
 
 
 # The ladder: naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
-LADDER: tuple[Rung, ...] = (Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
-                            *(Rung(name, what, t, value) for t in TECHNIQUES for name, value, what in t.rungs))
+LADDER: tuple[Rung, ...] = (
+    Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
+    *(Rung(name, what, t, value) for t in TECHNIQUES for name, value, what in t.rungs),
+)
 
 
 def naive(cfg: TrainConfig) -> TrainConfig:
@@ -491,5 +625,3 @@ def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> 
         return caps.require(rung.apply(cfg, value))
     except ConfigError as e:
         return e
-
-

@@ -3,6 +3,7 @@
 Nothing here touches the network: the plays are package data and the BPE ranks ship in data/ (installed as the
 package data `course_lib._data`, see `data_dir`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -157,7 +158,9 @@ def load_splits(val_fraction: float = 0.05, kind: str = "shakespeare") -> Splits
     return Splits(stream[:-n_val], stream[-n_val:], pad_id(enc), enc.n_vocab)
 
 
-def random_windows(stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_windows(
+    stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch, context) inputs and the same windows shifted by one token as targets (teacher forcing)."""
     if len(stream) <= context + 1:
         raise ValueError(f"The stream has {len(stream)} tokens, too few for context {context}")

@@ -6,6 +6,7 @@ n/a (this device has no such path, and why) or skipped (left out on request). No
 that did not run. The table goes to the terminal and, with --json, to a file with the device, the CPU's
 instruction sets and torch's version beside it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,7 +70,9 @@ class _NotApplicable(Exception):
 def check_config(device: str, **changes) -> C.TrainConfig:
     """The run every check trains: the tiny preset, 3 steps, no memory ledger (tests that compile use it too, so that
     torch.compile's kernels for it are compiled once per test run)."""
-    return dataclasses.replace(C.tiny_preset(device), **{"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes})
+    return dataclasses.replace(
+        C.tiny_preset(device), **{"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes}
+    )
 
 
 def _checked_run(cfg: C.TrainConfig):
@@ -105,6 +108,7 @@ def _reference_run(cfg: C.TrainConfig) -> Callable[[], RunResult]:
 
 # ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError -----------------
 
+
 def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunResult]) -> str:
     """fp32(): the fp32 run of check_config, trained once per doctor run (fp32's own check, the others' reference)."""
     support = caps.supports(precision)
@@ -123,7 +127,9 @@ def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunRe
     rel = abs(loss - fp32_loss) / abs(fp32_loss)
     assert rel <= tol, f"first-step loss {loss:.5f} differs from fp32's {fp32_loss:.5f} by {rel:.2e} (> {tol:g})"
     hw = "" if support.native is not False else ", without hardware support"
-    return f"{result.tokens_per_s:,.0f} tokens/s, first loss within {rel:.1e} of fp32's{hw} ({support.note or precision})"
+    return (
+        f"{result.tokens_per_s:,.0f} tokens/s, first loss within {rel:.1e} of fp32's{hw} ({support.note or precision})"
+    )
 
 
 def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
@@ -146,9 +152,11 @@ def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
         e, c = getattr(reference, what), getattr(compiled, what)
         rel[what] = max(abs(ci - ei) / max(abs(ei), 1e-12) for ei, ci in zip(e, c, strict=True))
         assert rel[what] <= 1e-4, f"compiled {what} {c} differ from eager's {e} by up to {rel[what]:.1e} (relative)"
-    return (f"compiled training agrees with eager over {len(reference.losses)} steps (largest relative difference: losses "
-            f"{rel['losses']:.1e}, gradient norms {rel['grad_norms']:.1e}); first step {compiled.step_times[0]:.1f} s, "
-            f"whole check {time.perf_counter() - t0:.0f} s")
+    return (
+        f"compiled training agrees with eager over {len(reference.losses)} steps (largest relative difference: losses "
+        f"{rel['losses']:.1e}, gradient norms {rel['grad_norms']:.1e}); first step {compiled.step_times[0]:.1f} s, "
+        f"whole check {time.perf_counter() - t0:.0f} s"
+    )
 
 
 def check_sdpa(caps: Capabilities, backend: str) -> str:
@@ -160,7 +168,13 @@ def check_sdpa(caps: Capabilities, backend: str) -> str:
     support = caps.sdpa[backend]
     if not support.ok:
         raise _NotApplicable(support.note)
-    dtype = torch.bfloat16 if caps.precisions["bf16"].ok and caps.type == "cuda" else torch.float16 if caps.type == "cuda" else torch.float32
+    dtype = (
+        torch.bfloat16
+        if caps.precisions["bf16"].ok and caps.type == "cuda"
+        else torch.float16
+        if caps.type == "cuda"
+        else torch.float32
+    )
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 128, 32, generator=gen).to(caps.device, dtype) for _ in range(3))
     with sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[backend])]):
@@ -232,14 +246,16 @@ def check_reserved(caps: Capabilities) -> str:
     run(check_config(caps.device), "doctor reserved")
     alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     assert reserved >= alloc, f"reserved {reserved} < allocated {alloc}"
-    return f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB (the caching allocator keeps blocks)"
+    return (
+        f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB "
+        "(the caching allocator keeps blocks)"
+    )
 
 
 def check_oom(caps: Capabilities) -> str:
     _cuda_only(caps)
-    from .train import run
-
     from .measure import cuda_index, warm_up_cuda_libraries
+    from .train import run
 
     index = cuda_index(caps.device)
     warm_up_cuda_libraries(index)  # cuBLAS's workspaces, allocated by the first run otherwise, are not the OOM's
@@ -262,8 +278,10 @@ def check_oom(caps: Capabilities) -> str:
     assert after <= before + 2**20, f"{(after - before) / 2**20:.1f} MiB still allocated after the OOM"
     again = run(base, "doctor after oom")
     assert again.ok, f"the next run failed: {again.status} {again.reason}"
-    return (f"batch {batch} reported as OOM at a cap of {cap / 2**30:.1f} GiB for this process, memory back to "
-            f"{after / 2**20:.1f} MiB, the next run succeeded")
+    return (
+        f"batch {batch} reported as OOM at a cap of {cap / 2**30:.1f} GiB for this process, memory back to "
+        f"{after / 2**20:.1f} MiB, the next run succeeded"
+    )
 
 
 def check_tf32(caps: Capabilities) -> str:
@@ -279,8 +297,13 @@ def check_tf32(caps: Capabilities) -> str:
     for mode in ("fp32", "tf32"):
         with matmul_precision(mode):
             errors[mode] = ((a.float() @ b.float()).double() - exact).norm().item() / exact.norm().item()
-    assert errors["tf32"] > 10 * errors["fp32"], f"TF32 error {errors['tf32']:.1e} is not above fp32's {errors['fp32']:.1e}: TF32 did not switch on"
-    return f"fp32_precision API: relative error fp32 {errors['fp32']:.1e}, tf32 {errors['tf32']:.1e}; the setting is restored afterwards"
+    assert errors["tf32"] > 10 * errors["fp32"], (
+        f"TF32 error {errors['tf32']:.1e} is not above fp32's {errors['fp32']:.1e}: TF32 did not switch on"
+    )
+    return (
+        f"fp32_precision API: relative error fp32 {errors['fp32']:.1e}, tf32 {errors['tf32']:.1e}; "
+        "the setting is restored afterwards"
+    )
 
 
 def check_snapshot(caps: Capabilities) -> str:
@@ -300,7 +323,8 @@ def check_snapshot(caps: Capabilities) -> str:
 
 def _checks(caps: Capabilities, quick: bool) -> list[tuple[str, Callable[[], str], bool]]:
     """(name, check, slow) in the order they run."""
-    # The fp32 run of check_config is every precision's reference and compile's eager run: trained once, when first asked.
+    # The fp32 run of check_config is every precision's reference and compile's eager run: trained once, when first
+    # asked.
     fp32 = _reference_run(check_config(caps.device))
     out = [(f"train step {p}", (lambda p=p: check_precision(caps, p, fp32)), False) for p in C.PRECISIONS]
     out.append(("compile", lambda: check_compile(caps, fp32), True))
@@ -316,8 +340,13 @@ def _checks(caps: Capabilities, quick: bool) -> list[tuple[str, Callable[[], str
     return out
 
 
-def run_doctor(device: str | None = None, quick: bool = False, json_path: str | Path | None = None,
-               only: list[str] | None = None, progress: Callable[[str], None] | None = None) -> DoctorReport:
+def run_doctor(
+    device: str | None = None,
+    quick: bool = False,
+    json_path: str | Path | None = None,
+    only: list[str] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DoctorReport:
     """Run every check (or those named in `only`) on `device` and return the report (written to `json_path`)."""
     caps = capabilities(device)
     report = DoctorReport(device=caps.name, provenance=provenance(caps.name), capabilities=dict(caps.rows()))

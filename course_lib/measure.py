@@ -10,6 +10,7 @@
   per storage, with saved_tensors_hooks.
 - FLOPs: 6N + 12·L·h·s per token (PaLM, appendix B), checkable against FlopCounterMode.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,10 @@ def mib_text(n_bytes: int | None, digits: int = 2) -> str:
 
 # ---- memory ------------------------------------------------------------------------------------
 
+
 def cuda_index(device: str | torch.device) -> int:
-    """The GPU's index ("cuda" alone means the current one): torch.cuda's memory-limit calls reject a device without one."""
+    """The GPU's index ("cuda" alone means the current one): torch.cuda's memory-limit calls reject a device without
+    one."""
     device = torch.device(device)
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -103,11 +106,17 @@ class MemoryReport:
         return {k: v / GiB for k, v in self.by_category.items()}
 
     def to_dict(self) -> dict:
-        return {"peak_bytes": self.peak_bytes, "by_category": self.by_category, "saved_for_backward_bytes": self.saved_for_backward_bytes,
-                "reserved_bytes": self.reserved_bytes, "method": self.method}
+        return {
+            "peak_bytes": self.peak_bytes,
+            "by_category": self.by_category,
+            "saved_for_backward_bytes": self.saved_for_backward_bytes,
+            "reserved_bytes": self.reserved_bytes,
+            "method": self.method,
+        }
 
 
-_LEDGER_IDS = itertools.count()  # one sequence for every ledger: an id an earlier ledger left on a storage never matches
+# one sequence for every ledger: an id an earlier ledger left on a storage never matches
+_LEDGER_IDS = itertools.count()
 
 
 def plain_tensors(t: torch.Tensor):
@@ -146,7 +155,13 @@ class MemoryLedger(TorchDispatchMode):
     gradient made in backward is counted as a gradient, not as a temporary.
     """
 
-    PHASE_CATEGORY = {"forward": "activations", "loss": "logits", "backward": "other", "optimizer": "other", "other": "other"}
+    PHASE_CATEGORY = {
+        "forward": "activations",
+        "loss": "logits",
+        "backward": "other",
+        "optimizer": "other",
+        "other": "other",
+    }
 
     def __init__(self, keep_timeline: bool = True):
         super().__init__()
@@ -257,6 +272,7 @@ class MemoryLedger(TorchDispatchMode):
                 with ledger.phase("backward"): loss.backward()
                 with ledger.phase("optimizer"): opt.step()
         """
+
         def pack(t: torch.Tensor):
             if self._phase in ("forward", "loss") and self.category_of(t) != "parameters":
                 for plain in plain_tensors(t):
@@ -279,8 +295,11 @@ class MemoryLedger(TorchDispatchMode):
             self.register([output], "logits")
 
         saved_token = object()  # this watch's mark on the storages it has counted
-        handles = ([output_layer.register_forward_pre_hook(into_loss), output_layer.register_forward_hook(logits_out)]
-                   if output_layer is not None else [])
+        handles = (
+            [output_layer.register_forward_pre_hook(into_loss), output_layer.register_forward_hook(logits_out)]
+            if output_layer is not None
+            else []
+        )
         try:
             with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
@@ -305,11 +324,17 @@ class MemoryLedger(TorchDispatchMode):
         by = dict.fromkeys(CATEGORIES, 0)
         for nbytes, category in self._peak_members.values():
             by[category] += nbytes
-        return MemoryReport(peak_bytes=self.peak, by_category=by, saved_for_backward_bytes=self.saved_bytes,
-                            method="CPU ledger: every tensor storage followed through one training step", timeline=list(self.timeline))
+        return MemoryReport(
+            peak_bytes=self.peak,
+            by_category=by,
+            saved_for_backward_bytes=self.saved_bytes,
+            method="CPU ledger: every tensor storage followed through one training step",
+            timeline=list(self.timeline),
+        )
 
 
 # ---- how one step is watched: the same step body either way ------------------------------------------
+
 
 class NotMeasured:
     """The step runs as it is: every hook of the step body is a no-op. The ledger's twin below has the same
@@ -334,11 +359,16 @@ NOT_MEASURED = NotMeasured()
 def static_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
     """What a model and its optimizer hold between steps: parameters, gradients (when they exist), optimizer state."""
     params = list(model.parameters())
-    return {"parameters": params, "gradients": [p.grad for p in params if p.grad is not None],
-            "optimizer state": optimizer_state_tensors(optimizer)}
+    return {
+        "parameters": params,
+        "gradients": [p.grad for p in params if p.grad is not None],
+        "optimizer state": optimizer_state_tensors(optimizer),
+    }
 
 
-def static_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, gradients_at_parameter_size: bool = False) -> dict[str, int]:
+def static_bytes(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, gradients_at_parameter_size: bool = False
+) -> dict[str, int]:
     """Bytes this process holds in parameters, gradients and optimizer state (each storage once, a DTensor's local
     shard). gradients_at_parameter_size: count the gradients as they are at the end of backward, whether or not
     zero_grad(set_to_none=True) has freed them since."""
@@ -379,8 +409,9 @@ class LedgerMeasurement(NotMeasured):
         return self.ledger.report()
 
 
-def cuda_memory_report(device, static: dict[str, int | None], peak: int | None = None, baseline: int = 0,
-                       reserved: int | None = None) -> MemoryReport:
+def cuda_memory_report(
+    device, static: dict[str, int | None], peak: int | None = None, baseline: int = 0, reserved: int | None = None
+) -> MemoryReport:
     """CUDA: the allocator's peak (`peak`, else max_memory_allocated since the last reset), less `baseline` (what was
     allocated before the run: an earlier run's leftovers must not inflate this one). Parameters, gradients and optimizer
     state come from the tensors themselves (None where they cannot be known at the peak); activations and logits are
@@ -391,13 +422,17 @@ def cuda_memory_report(device, static: dict[str, int | None], peak: int | None =
     by: dict[str, int | None] = dict.fromkeys(CATEGORIES, None)
     by.update(static)
     by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
-    return MemoryReport(peak_bytes=peak, by_category=by,
-                        reserved_bytes=torch.cuda.max_memory_reserved(device) if reserved is None else reserved,
-                        method="CUDA: torch.cuda.max_memory_allocated over the run's timed steps (the peak reset before each), "
-                               "less what was allocated before the run; activations and logits are not measured separately (inside 'other')")
+    return MemoryReport(
+        peak_bytes=peak,
+        by_category=by,
+        reserved_bytes=torch.cuda.max_memory_reserved(device) if reserved is None else reserved,
+        method="CUDA: torch.cuda.max_memory_allocated over the run's timed steps (the peak reset before each), "
+        "less what was allocated before the run; activations and logits are not measured separately (inside 'other')",
+    )
 
 
 # ---- FLOPs and MFU ------------------------------------------------------------------------------
+
 
 def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, context: int) -> int:
     """Training FLOPs per token, forward and backward: 6N for the weight matmuls and 12·L·h·s for

@@ -20,6 +20,7 @@ that a model too big for this machine (GPT-2 small at batch 32, context 1024) is
 It is one step for accounting only (no data, no timing, no results): the training loop is course_lib.train.
 Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator (course_lib.distributed.zero).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,13 +36,16 @@ from .measure import CATEGORIES, GiB, MemoryReport
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
 BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # Optimizer states per parameter: SGD keeps none, momentum one buffer, Adam/AdamW two moments (m and v).
-OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}  # adagrad: sum of g^2; rmsprop: its average
-# PyTorch's Adam/AdamW (and Adagrad, RMSprop) also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar tensor.
+# adagrad: sum of g^2; rmsprop: its average
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}
+# PyTorch's Adam/AdamW (and Adagrad, RMSprop) also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar
+# tensor.
 STEP_COUNTER_BYTES = {"sgd": 0, "sgd_momentum": 0, "adamw": 4, "adagrad": 4, "rmsprop": 4}
 GB = 10**9  # decimal gigabyte, as papers and blog posts often quote
 
 
 # ---- counting parameters -------------------------------------------------------------------------
+
 
 def count_params(m: ModelConfig) -> int:
     """Parameters of the course's GPT from its shape (the tied embedding once).
@@ -61,7 +65,9 @@ def count_param_tensors(m: ModelConfig) -> int:
     return 2 + m.n_layer * per_block + (2 if m.bias else 1)
 
 
-def static_bytes(n_params: int, optimizer: str = "adamw", bytes_per_value: int = 4, n_param_tensors: int = 0) -> dict[str, int]:
+def static_bytes(
+    n_params: int, optimizer: str = "adamw", bytes_per_value: int = 4, n_param_tensors: int = 0
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state: num_params x bytes x count.
 
     count is 1 for parameters, 1 for gradients and OPTIMIZER_STATES[optimizer] for the state; AdamW's per-tensor
@@ -70,12 +76,15 @@ def static_bytes(n_params: int, optimizer: str = "adamw", bytes_per_value: int =
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_STATES)}")
     n_states = OPTIMIZER_STATES[optimizer]
-    return {"parameters": n_params * bytes_per_value,
-            "gradients": n_params * bytes_per_value,
-            "optimizer state": n_states * n_params * bytes_per_value + STEP_COUNTER_BYTES[optimizer] * n_param_tensors}
+    return {
+        "parameters": n_params * bytes_per_value,
+        "gradients": n_params * bytes_per_value,
+        "optimizer state": n_states * n_params * bytes_per_value + STEP_COUNTER_BYTES[optimizer] * n_param_tensors,
+    }
 
 
 # ---- activations ---------------------------------------------------------------------------------
+
 
 def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
     """Bytes per transformer layer, term by term, as Korthikanti et al. count them: 16-bit values (2 bytes),
@@ -108,8 +117,17 @@ def korthikanti_bytes(s: int, b: int, h: int, a: int, bits: int = 16, flash: boo
     return total * (bits // 16)
 
 
-def layer_activation_terms(s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive",
-                           dropout: bool = False, norm_bytes: int | None = None, mask_bytes: int = 1) -> dict[str, int]:
+def layer_activation_terms(
+    s: int,
+    b: int,
+    h: int,
+    a: int,
+    value_bytes: int = 4,
+    attention: str = "naive",
+    dropout: bool = False,
+    norm_bytes: int | None = None,
+    mask_bytes: int = 1,
+) -> dict[str, int]:
     """Bytes one block of the course's GPT (course_lib.model.Block) keeps for backward, term by term.
 
     Sixteen sbh-sized values, as in the paper: two LayerNorm inputs, the QKV input, Q, K and V, the attention
@@ -147,15 +165,19 @@ def layer_activation_terms(s: int, b: int, h: int, a: int, value_bytes: int = 4,
     return terms
 
 
-def selective_activation_terms(s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive",
-                               residual_bytes: int | None = None) -> dict[str, int]:
+def selective_activation_terms(
+    s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive", residual_bytes: int | None = None
+) -> dict[str, int]:
     """Bytes one block keeps with selective activation checkpointing (techniques._SAVED_BY_SELECTIVE): its input and
     the outputs of its matmuls and of attention, which are what is expensive to recompute. The element-wise work
     (LayerNorm, GELU, softmax, the causal mask, dropout, autocast's weight casts) is recomputed in backward, so none of
-    its inputs or outputs are kept. residual_bytes: bytes of the block input (the fp32 residual stream under autocast)."""
+    its inputs or outputs are kept. residual_bytes: bytes of the block input (the fp32 residual stream under
+    autocast)."""
     B, sbh = value_bytes, s * b * h
-    terms = {"block input (sbh)": sbh * (B if residual_bytes is None else residual_bytes),
-             "QKV matmul output (3 x sbh)": 3 * sbh * B}
+    terms = {
+        "block input (sbh)": sbh * (B if residual_bytes is None else residual_bytes),
+        "QKV matmul output (3 x sbh)": 3 * sbh * B,
+    }
     if attention == "naive":
         terms["QK^T matmul output (a s^2 b)"] = a * s * s * b * B
         terms["softmax x V matmul output (sbh)"] = sbh * B
@@ -178,16 +200,26 @@ def weight_copy_bytes(m: ModelConfig) -> int:
     return 2 * (12 * h * h + (9 * h if m.bias else 0))
 
 
-def outside_activation_terms(s: int, b: int, h: int, value_bytes: int = 4, dropout: bool = False, mask_bytes: int = 1,
-                             output_input_bytes: int | None = None) -> dict[str, int]:
+def outside_activation_terms(
+    s: int,
+    b: int,
+    h: int,
+    value_bytes: int = 4,
+    dropout: bool = False,
+    mask_bytes: int = 1,
+    output_input_bytes: int | None = None,
+) -> dict[str, int]:
     """What the model keeps outside its blocks: position ids, the final LayerNorm's input and statistics, and the
     output layer's input. (The token ids are the batch itself: they exist before the forward pass.)
     output_input_bytes: bytes per value of the output layer's input (default value_bytes); 0 where the output layer
     keeps a copy of its own instead (under autocast: a 16-bit copy made inside it, counted with the logits)."""
     sbh = s * b * h
     out_bytes = value_bytes if output_input_bytes is None else output_input_bytes
-    terms = {"position ids (int64)": s * 8, "final LayerNorm input (sbh)": sbh * value_bytes,
-             "final LayerNorm mean and 1/std": 2 * b * s * 4}
+    terms = {
+        "position ids (int64)": s * 8,
+        "final LayerNorm input (sbh)": sbh * value_bytes,
+        "final LayerNorm mean and 1/std": 2 * b * s * 4,
+    }
     if out_bytes:
         terms["output layer input (sbh)"] = sbh * out_bytes
     if dropout:
@@ -201,8 +233,11 @@ def logits_terms(b: int, s: int, vocab: int) -> dict[str, int]:
     are alive: the saved log-softmax, the gradient arriving at it, and the gradient of the logits.
     (With the chunked loss the tokens are one chunk's: see loss_terms.)"""
     tv = b * s * vocab * 4
-    return {"log-softmax output, saved (b s V fp32)": tv, "gradient of the log-softmax (b s V fp32)": tv,
-            "gradient of the logits (b s V fp32)": tv}
+    return {
+        "log-softmax output, saved (b s V fp32)": tv,
+        "gradient of the log-softmax (b s V fp32)": tv,
+        "gradient of the logits (b s V fp32)": tv,
+    }
 
 
 def _precision(cfg: TrainConfig) -> tuple[bool, int]:
@@ -237,14 +272,20 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     mask = _mask_bytes(cfg)
     attention, causal_mask = _attention(cfg)
     # LayerNorm runs in fp32 under autocast, and the residual stream stays fp32 (fp32 + 16-bit adds to fp32)
-    terms = layer_activation_terms(s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask)
+    terms = layer_activation_terms(
+        s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask
+    )
     layer = sum(terms.values()) - (0 if causal_mask else terms.get("causal mask (s x s bool)", 0))
     if autocast:  # the 16-bit copies of the block's weights, which its matmuls keep
         layer += weight_copy_bytes(m)
     # The output layer's input: the final LayerNorm's output (fp32), kept by the output layer's matmul. Under autocast
     # that keeps only its 16-bit copy (a logit term); the chunked loss keeps none (it makes its gradients in forward).
     out_input = 4 if (not autocast and cfg.loss_chunks == 1) else 0
-    outside = sum(outside_activation_terms(s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask, output_input_bytes=out_input).values())
+    outside = sum(
+        outside_activation_terms(
+            s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask, output_input_bytes=out_input
+        ).values()
+    )
     ck = cfg.activation_checkpointing
     if ck == "full":
         kept = s * b * h * (4 if autocast else vb)  # the block's input, the fp32 residual stream
@@ -253,8 +294,14 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     else:
         kept = layer
     recompute = 0 if ck == "none" else layer
-    return {"per layer": layer, "kept per layer": kept, "layers": m.n_layer * kept, "outside layers": outside,
-            "total": m.n_layer * kept + outside, "recompute": recompute}
+    return {
+        "per layer": layer,
+        "kept per layer": kept,
+        "layers": m.n_layer * kept,
+        "outside layers": outside,
+        "total": m.n_layer * kept + outside,
+        "recompute": recompute,
+    }
 
 
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
@@ -290,8 +337,8 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
         mlp["the block's saved tensors, recomputed"] = ("other", saved - X * R)
     elif ck == "selective":
         # still cached from the forward: the block input, the MLP's first matmul output (= GELU's saved input) and, with
-        # SDPA, the QKV output and attention output (= what SDPA saves); the recompute stops before the MLP's second matmul
-        # runs, so its cached output is never taken and stays too
+        # SDPA, the QKV output and attention output (= what SDPA saves); the recompute stops before the MLP's second
+        # matmul runs, so its cached output is never taken and stays too
         cached = X * R + 4 * X * B + (3 * X * B + X * B + b * a * s * 4 if attention == "sdpa" else 0)
         mlp["kept by selective checkpointing, still cached"] = ("activations", cached + X * B)
         mlp["the block's other saved tensors, recomputed"] = ("other", saved - cached)
@@ -309,8 +356,14 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
         return points
 
     # naive attention: what is left of the block at softmax's backward
-    left = {"LayerNorm input (sbh)": X * R, "LayerNorm mean and 1/std": T * 8, "QKV matmul input (sbh)": X * B,
-            "Q and K (2 sbh)": 2 * X * B, "softmax output (a s^2 b)": S2 * B, "causal mask (s x s bool)": s * s if causal_mask else 0}
+    left = {
+        "LayerNorm input (sbh)": X * R,
+        "LayerNorm mean and 1/std": T * 8,
+        "QKV matmul input (sbh)": X * B,
+        "Q and K (2 sbh)": 2 * X * B,
+        "softmax output (a s^2 b)": S2 * B,
+        "causal mask (s x s bool)": s * s if causal_mask else 0,
+    }
     if m.dropout > 0:
         left["attention dropout mask and output (a s^2 b)"] = S2 * (_mask_bytes(cfg) + B)
     att: dict[str, tuple[str, int]] = {}
@@ -325,8 +378,12 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     att["gradient of the softmax output (a s^2 b)"] = ("other", S2 * B)
     att["gradient of the scores (a s^2 b)"] = ("other", S2 * B)
     if fresh_grads:  # no .grad before: the gradients made so far stay, as .grad
-        nb = 1 if m.bias else 0  # the MLP's and the projection's weights (9h^2) and biases (6h), two LayerNorms (2h each)
-        att["gradients made so far (MLP, projection, LayerNorms)"] = ("gradients", 4 * (9 * h * h + 6 * h * nb + 2 * h * (1 + nb)))
+        # the MLP's and the projection's weights (9h^2) and biases (6h), two LayerNorms (2h each)
+        nb = 1 if m.bias else 0
+        att["gradients made so far (MLP, projection, LayerNorms)"] = (
+            "gradients",
+            4 * (9 * h * h + 6 * h * nb + 2 * h * (1 + nb)),
+        )
     points["attention backward"] = att
     if ck == "none":
         return points
@@ -334,7 +391,10 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     # checkpointing, naive attention: the recompute at softmax x V
     rec: dict[str, tuple[str, int]] = {}
     if ck == "selective":  # cached: the block input and every matmul output not yet taken by the recompute
-        rec["kept by selective checkpointing, still cached"] = ("activations", X * R + 3 * X * B + X * B + X * B + 4 * X * B + X * B)
+        rec["kept by selective checkpointing, still cached"] = (
+            "activations",
+            X * R + 3 * X * B + X * B + X * B + 4 * X * B + X * B,
+        )
     else:
         rec["block input, kept"] = ("activations", X * R)
         rec["QKV matmul output, recomputed (3 sbh)"] = ("other", 3 * X * B)  # alive while q, k, v are local variables
@@ -374,17 +434,20 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast, B = _precision(cfg)
-    c = T if k == 1 else -(-T // k)  # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
+    # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
+    c = T if k == 1 else -(-T // k)
 
     fwd: dict[str, tuple[str, int]] = {}
-    if autocast and cfg.activation_checkpointing != "none":  # without checkpointing the blocks keep these copies: activations
+    # without checkpointing the blocks keep these copies: activations
+    if autocast and cfg.activation_checkpointing != "none":
         fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
     if k == 1:
         if autocast:
             fwd["16-bit copy of the output layer's input (T h)"] = ("logits", T * h * 2)
             fwd["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
             fwd["16-bit logits (T V)"] = ("logits", T * V * 2)
-        fwd["logits in fp32 (T V)"] = ("logits", T * V * 4)  # the output layer's, or under autocast the loss's fp32 copy
+        # the output layer's, or under autocast the loss's fp32 copy
+        fwd["logits in fp32 (T V)"] = ("logits", T * V * 4)
         fwd["log-softmax output (T V fp32)"] = ("logits", T * V * 4)
         terms: dict[str, tuple[str, int]] = {}
         if autocast:  # the output layer's matmul keeps the 16-bit copies it multiplied
@@ -392,11 +455,14 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
             terms["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
         lt = logits_terms(cfg.micro_batch_size, cfg.context, V)
         for i, (name, nbytes) in enumerate(lt.items()):
-            terms[name] = ("logits" if i == 0 else "other", nbytes)  # the saved output is made in the loss, its gradients in backward
+            # the saved output is made in the loss, its gradients in backward
+            terms[name] = ("logits" if i == 0 else "other", nbytes)
         return {"forward: the loss": fwd, "start of backward": terms}
 
-    kept = {"input gradient, made in forward and kept (T h fp32)": ("activations", T * h * 4),
-            "weight gradient, made in forward and kept (V h fp32)": ("activations", V * h * 4)}
+    kept = {
+        "input gradient, made in forward and kept (T h fp32)": ("activations", T * h * 4),
+        "weight gradient, made in forward and kept (V h fp32)": ("activations", V * h * 4),
+    }
     fwd["the output layer's input, the final LayerNorm's output (T h fp32)"] = ("activations", T * h * 4)
     fwd.update(kept)
     fwd["the slice's per-token numbers (target, mask, target logit, max, sum)"] = ("logits", c * (8 + 1 + 4 + 4 + 4))
@@ -430,8 +496,11 @@ def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     st = static_bytes(count_params(m), cfg.optimizer, 4, count_param_tensors(m))
     act = activation_bytes(cfg)
     grads_before = 0 if (cfg.set_to_none and cfg.grad_accum_steps == 1) else st["gradients"]
-    static = {"parameters": ("parameters", st["parameters"]), "optimizer state": ("optimizer state", st["optimizer state"]),
-              "gradients": ("gradients", grads_before)}
+    static = {
+        "parameters": ("parameters", st["parameters"]),
+        "optimizer state": ("optimizer state", st["optimizer state"]),
+        "gradients": ("gradients", grads_before),
+    }
     cands: dict[str, dict[str, tuple[str, int]]] = {}
     for moment, terms in loss_terms(cfg).items():
         cands[moment] = {**static, "activations, all the forward kept": ("activations", act["total"]), **terms}
@@ -440,17 +509,24 @@ def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     still = s * 8 + (s * b * h * _mask_bytes(cfg) if m.dropout > 0 else 0)  # what the embedding's backward needs
     for moment, terms in block_backward_terms(cfg).items():
         cands[f"last block's backward: {moment}"] = {
-            **static, f"the other {L - 1} blocks' kept activations": ("activations", (L - 1) * act["kept per layer"]),
+            **static,
+            f"the other {L - 1} blocks' kept activations": ("activations", (L - 1) * act["kept per layer"]),
             "position ids (and embedding dropout mask)": ("activations", still),
-            "output layer's weight gradient, waiting for the embedding's (V h fp32)": ("other", V * h * 4), **terms}
+            "output layer's weight gradient, waiting for the embedding's (V h fp32)": ("other", V * h * 4),
+            **terms,
+        }
 
     emb_grad = V * h * 4
-    cands["end of backward"] = {**static, "gradients": ("gradients", st["gradients"]),
-                                "tied embedding's gradients, summed into .grad": ("other", (2 if grads_before == 0 else 3) * emb_grad)}
+    cands["end of backward"] = {
+        **static,
+        "gradients": ("gradients", st["gradients"]),
+        "tied embedding's gradients, summed into .grad": ("other", (2 if grads_before == 0 else 3) * emb_grad),
+    }
     return cands
 
 
 # ---- the peak of a step, and "will it fit?" --------------------------------------------------------
+
 
 @dataclass
 class Estimate:
@@ -471,7 +547,7 @@ class Estimate:
         return self.peak_bytes / GiB
 
     def verdict(self, device_gib: float, margin: float = 0.1) -> str:
-        """"fits", "tight" (within the margin kept for the CUDA context and fragmentation) or "does not fit"."""
+        """ "fits", "tight" (within the margin kept for the CUDA context and fragmentation) or "does not fit"."""
         if self.peak_gib <= device_gib * (1 - margin):
             return "fits"
         if self.peak_gib <= device_gib:
@@ -483,10 +559,10 @@ def estimate(cfg: TrainConfig) -> Estimate:
     """Predict the steady-state peak of one optimizer step of `cfg` (a later step: the optimizer state exists).
 
     The largest of peak_candidates wins. Every lever the ledger measures moves a term: precision (16-bit activations
-    and weight copies under autocast, fp32 LayerNorm inputs and logits), attention (the a s^2 b terms of naive attention),
-    activation checkpointing (what each block keeps, and the recompute of one block in backward), loss_chunks (one
-    chunk of logits at a time), set_to_none and accumulation (whether gradients exist before backward), the
-    micro-batch size, the optimizer (its state) and vocabulary padding (V is the padded vocabulary).
+    and weight copies under autocast, fp32 LayerNorm inputs and logits), attention (the a s^2 b terms of naive
+    attention), activation checkpointing (what each block keeps, and the recompute of one block in backward),
+    loss_chunks (one chunk of logits at a time), set_to_none and accumulation (whether gradients exist before backward),
+    the micro-batch size, the optimizer (its state) and vocabulary padding (V is the padded vocabulary).
     """
     cands = peak_candidates(cfg)
     phases = {name: sum(nbytes for _, nbytes in terms.values()) for name, terms in cands.items()}
@@ -497,8 +573,14 @@ def estimate(cfg: TrainConfig) -> Estimate:
     notes = ["activations and logits are for one micro-batch of %d sequences" % cfg.micro_batch_size]
     if cfg.model.dropout > 0:
         notes.append("with dropout the gradients in flight inside a block's backward are approximate")
-    return Estimate(by_category=by, peak_bytes=phases[when], when=when, phases=phases, notes=notes,
-                    terms={name: nbytes for name, (_, nbytes) in cands[when].items()})
+    return Estimate(
+        by_category=by,
+        peak_bytes=phases[when],
+        when=when,
+        phases=phases,
+        notes=notes,
+        terms={name: nbytes for name, (_, nbytes) in cands[when].items()},
+    )
 
 
 def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tuple[Estimate, str]:
@@ -509,8 +591,9 @@ def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tup
     return est, est.verdict(device_gib, margin)
 
 
-def calculator_config(preset: str = "gpt2-small", batch_size: int = 32, context: int = 1024, attention: str = "naive",
-                      **changes) -> TrainConfig:
+def calculator_config(
+    preset: str = "gpt2-small", batch_size: int = 32, context: int = 1024, attention: str = "naive", **changes
+) -> TrainConfig:
     """The calculator's config (notebook 02): a preset's network at any batch and context (its position table grown to
     the context where needed), with its attention and any TrainConfig fields changed (precision, optimizer,
     activation_checkpointing, loss_chunks, set_to_none...). On the CPU: the formula and FakeTensorMode need no GPU."""
@@ -524,12 +607,19 @@ def calculator_config(preset: str = "gpt2-small", batch_size: int = 32, context:
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
     """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not. The search goes
     up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit)."""
-    fits = lambda bs: estimate(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1)).verdict(device_gib, margin) == "fits"  # noqa: E731
+
+    def fits(bs: int) -> bool:
+        return (
+            estimate(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1)).verdict(device_gib, margin) == "fits"
+        )
+
     if not fits(1):
         return 0
     if fits(limit):
-        raise ConfigError(f"every batch up to limit={limit} fits in {device_gib:g} GiB: the search stops there; pass a larger "
-                          "limit to look further")
+        raise ConfigError(
+            f"every batch up to limit={limit} fits in {device_gib:g} GiB: the search stops there; pass a larger "
+            "limit to look further"
+        )
     lo, hi = 1, limit  # fits(lo), not fits(hi): the peak grows with the batch
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -545,8 +635,14 @@ def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[s
     peak = measured["peak_bytes"] if isinstance(measured, dict) else measured.peak_bytes
     rows = []
     for name, pred, meas in [*((c, est.by_category[c], by.get(c)) for c in CATEGORIES), ("peak", est.peak_bytes, peak)]:
-        rows.append({"": name, "formula MiB": f"{pred / 2**20:.2f}", "measured MiB": measure.mib_text(meas).removesuffix(" MiB"),
-                     "formula - measured": "" if meas is None else f"{(pred - meas) / peak:+.2%} of the peak"})
+        rows.append(
+            {
+                "": name,
+                "formula MiB": f"{pred / 2**20:.2f}",
+                "measured MiB": measure.mib_text(meas).removesuffix(" MiB"),
+                "formula - measured": "" if meas is None else f"{(pred - meas) / peak:+.2%} of the peak",
+            }
+        )
     rows[-1][""] = f"peak ({est.when})"
     return rows
 
@@ -563,13 +659,19 @@ def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
         return result
     est = estimate(cfg)
     peak = result.memory["peak_bytes"]
-    note = (f"peak: formula {fmt_bytes(est.peak_bytes)}, measured {fmt_bytes(peak)} ({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%}), "
-            f"{est.when}" + (" (the formula counts eager PyTorch, not compiled code)" if cfg.compile else ""))
+    note = (
+        f"peak: formula {fmt_bytes(est.peak_bytes)}, measured {fmt_bytes(peak)} "
+        f"({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%}), "
+        f"{est.when}" + (" (the formula counts eager PyTorch, not compiled code)" if cfg.compile else "")
+    )
     result.reason = "; ".join(filter(None, (result.reason, note)))
-    return result.with_details(estimate={"by_category": est.by_category, "peak_bytes": est.peak_bytes, "when": est.when})
+    return result.with_details(
+        estimate={"by_category": est.by_category, "peak_bytes": est.peak_bytes, "when": est.when}
+    )
 
 
 # ---- accounting one step with the ledger, optionally without allocating ----------------------------
+
 
 def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> MemoryReport:
     """The memory of one training step of `cfg`, by the CPU ledger, with a per-op timeline of live bytes.
@@ -586,9 +688,11 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
     from .train import run_step
 
     if fake and cfg.precision == "fp16":
-        raise ValueError("precision='fp16' cannot be accounted under FakeTensorMode: its GradScaler reads the loss scale with "
-                         ".item(), which a fake tensor cannot answer. Use fake=False on a config that fits, or bf16 (the same "
-                         "bytes but for the scaler's few scalars).")
+        raise ValueError(
+            "precision='fp16' cannot be accounted under FakeTensorMode: its GradScaler reads the loss scale with "
+            ".item(), which a fake tensor cannot answer. Use fake=False on a config that fits, or bf16 (the same "
+            "bytes but for the scaler's few scalars)."
+        )
     cfg = dataclasses.replace(cfg, compile=False, device="cpu")
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     torch.manual_seed(cfg.seed)
@@ -597,16 +701,25 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
         setup = techniques.build(cfg, model)
         params = list(model.parameters())
         V = cfg.model.vocab_size
-        micro = [(torch.randint(0, V, (cfg.micro_batch_size, cfg.context)), torch.randint(0, V, (cfg.micro_batch_size, cfg.context)))
-                 for _ in range(cfg.grad_accum_steps)]
+        micro = [
+            (
+                torch.randint(0, V, (cfg.micro_batch_size, cfg.context)),
+                torch.randint(0, V, (cfg.micro_batch_size, cfg.context)),
+            )
+            for _ in range(cfg.grad_accum_steps)
+        ]
         n_targets = cfg.batch_size * cfg.context  # random ids: no padding
         for _ in range(warm_steps):  # so that the optimizer state exists, as in a steady-state step
             run_step(setup, cfg, params, micro, n_targets=n_targets)
         meter = measure.LedgerMeasurement(setup.parts.head)
-        run_step(setup, cfg, params, micro, meter, n_targets=n_targets)  # the loop's own step body, watched by the ledger
+        # the loop's own step body, watched by the ledger
+        run_step(setup, cfg, params, micro, meter, n_targets=n_targets)
         report = meter.report()
-    report.method = ("CPU ledger under FakeTensorMode: shapes only, nothing allocated" if fake
-                     else "CPU ledger: every tensor storage followed through one training step")
+    report.method = (
+        "CPU ledger under FakeTensorMode: shapes only, nothing allocated"
+        if fake
+        else "CPU ledger: every tensor storage followed through one training step"
+    )
     return report
 
 

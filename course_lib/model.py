@@ -3,6 +3,7 @@
 No autocast, no compile, no timing, no loss here: techniques wrap the model from outside
 (course_lib.techniques), so the same module serves every rung of the ladder.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from .config import ModelConfig
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False
+) -> torch.Tensor:
     """Causal attention written out: materialises the (batch, heads, s, s) scores and probabilities."""
     s = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
@@ -25,7 +28,9 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p
     return probs @ v
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False
+) -> torch.Tensor:
     """The same function through scaled_dot_product_attention, which picks a fused kernel (flash,
     memory-efficient or math) and, for flash, never stores the s x s matrix."""
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
@@ -147,8 +152,14 @@ class GPT(nn.Module):
         return self.head(self._through_blocks(idx))
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+    def generate(
+        self,
+        idx: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
         """Sample continuations; padded vocabulary rows are never sampled."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size :])[:, -1, : self.config.vocab_size] / temperature

@@ -18,6 +18,7 @@ to the training loss, so the course's unchanged loop (course_lib.train) trains t
 
 Expert parallelism (course_lib.distributed.expert_parallel) subclasses MoE and replaces only `expert_outputs`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -104,8 +105,15 @@ class MoE(nn.Module):
     router: Linear(width, E). experts: the experts this module computes, all E here (under expert parallelism a
     rank's share, experts[0] being global expert `first_expert`)."""
 
-    def __init__(self, router: nn.Linear, experts, top_k: int = 2, capacity_factor: float = 1.25, aux_coef: float = 0.01,
-                 first_expert: int = 0):
+    def __init__(
+        self,
+        router: nn.Linear,
+        experts,
+        top_k: int = 2,
+        capacity_factor: float = 1.25,
+        aux_coef: float = 0.01,
+        first_expert: int = 0,
+    ):
         super().__init__()
         self.n_experts = router.out_features
         if not 1 <= top_k <= self.n_experts:
@@ -122,7 +130,9 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.size(-1))  # (T, width): routing is per token, the batch and sequence do not matter
         routing = route(self.router(flat), self.top_k, self.capacity_factor)
         self.last_load = routing.load()
-        weighted = [y * gate.unsqueeze(1).to(y.dtype) for gate, y in zip(routing.gates, self.expert_outputs(flat, routing))]
+        weighted = [
+            y * gate.unsqueeze(1).to(y.dtype) for gate, y in zip(routing.gates, self.expert_outputs(flat, routing))
+        ]
         # a token's k outputs add up, gate-weighted (index_put with accumulate: far faster than index_add on a CPU)
         out = torch.zeros_like(flat).index_put((torch.cat(routing.tokens),), torch.cat(weighted), accumulate=True)
         out = AddAuxLoss.apply(out, routing.aux_loss, self.aux_coef) if self.training and self.aux_coef else out
@@ -133,11 +143,19 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def moe_gpt(cfg: ModelConfig, n_experts: int, top_k: int = 2, capacity_factor: float = 1.25, aux_coef: float = 0.01) -> GPT:
+def moe_gpt(
+    cfg: ModelConfig, n_experts: int, top_k: int = 2, capacity_factor: float = 1.25, aux_coef: float = 0.01
+) -> GPT:
     """The course's GPT with every block's dense MLP replaced by an MoE layer of `n_experts` experts."""
     model = GPT(cfg)
     for block in model.blocks:
-        layer = MoE(nn.Linear(cfg.n_embd, n_experts, bias=False), [MLP(cfg) for _ in range(n_experts)], top_k, capacity_factor, aux_coef)
+        layer = MoE(
+            nn.Linear(cfg.n_embd, n_experts, bias=False),
+            [MLP(cfg) for _ in range(n_experts)],
+            top_k,
+            capacity_factor,
+            aux_coef,
+        )
         layer.apply(GPT._init_weights)
         for expert in layer.experts:  # GPT-2's scaled init of residual projections, as GPT.__init__ gives the dense MLP
             nn.init.normal_(expert.c_proj.weight, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))

@@ -1,9 +1,9 @@
 """The optimiser and its hyperparameters from first principles (notebook 05).
 
 - AdamW written from its update rule (`adamw_update`, `HandAdamW`), checked equal to torch.optim.AdamW; what its
-  bias correction does (`bias_correction_ratio`, `adam_step_sizes`) and per-step updates of any optimizer (`step_updates`).
-  Its ancestors AdaGrad and RMSProp the same way (`adagrad_update`, `rmsprop_update`), all on one loop (`HandOptimizer`),
-  each compared with torch's over real steps (`max_difference_after_steps`).
+  bias correction does (`bias_correction_ratio`, `adam_step_sizes`) and per-step updates of any optimizer
+  (`step_updates`). Its ancestors AdaGrad and RMSProp the same way (`adagrad_update`, `rmsprop_update`), all on one loop
+  (`HandOptimizer`), each compared with torch's over real steps (`max_difference_after_steps`).
 - Learning-rate schedules as plain functions of the step (written once, in techniques, where the loop's
   `lr_at` uses them): constant, linear warmup + cosine decay, inverse square root, step decay,
   warmup-stable-decay and exponential decay; and the torch.optim.lr_scheduler constructions they are checked against.
@@ -14,6 +14,7 @@
 
 Nothing here trains a model: the experiments run through course_lib.train.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,9 +33,18 @@ from .techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay
 
 
 @torch.no_grad()
-def adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, t: int, lr: float,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 bias_correction: bool = True) -> None:
+def adamw_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    t: int,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    bias_correction: bool = True,
+) -> None:
     """One AdamW step for one tensor, in place. `t` is the step number, starting at 1.
 
         theta <- theta - lr * wd * theta                 (decoupled weight decay: not part of the gradient)
@@ -63,8 +73,9 @@ def bias_correction_ratio(t: int, betas: tuple[float, float]) -> float:
     return (1 - b1**t) / math.sqrt(1 - b2**t)
 
 
-def adam_step_sizes(grads: Iterable[float], lr: float, betas: tuple[float, float], eps: float = 1e-8,
-                    bias_correction: bool = True) -> list[float]:
+def adam_step_sizes(
+    grads: Iterable[float], lr: float, betas: tuple[float, float], eps: float = 1e-8, bias_correction: bool = True
+) -> list[float]:
     """|update| of `adamw_update` at each step, for one scalar parameter (float64, no weight decay) fed the
     gradients `grads` in turn: the update rule run, to check the closed form above against."""
     p, m, v = (torch.zeros(1, dtype=torch.float64) for _ in range(3))
@@ -76,8 +87,9 @@ def adam_step_sizes(grads: Iterable[float], lr: float, betas: tuple[float, float
     return sizes
 
 
-def step_updates(make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 grads: list[torch.Tensor]) -> list[torch.Tensor]:
+def step_updates(
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], grads: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """The update theta_t - theta_(t-1) at each step of the optimizer `make_optimizer([param])`, for one parameter
     that starts at zero and is fed the gradients `grads` in turn (use float64 gradients to compare optimizers)."""
     p = nn.Parameter(torch.zeros_like(grads[0]))
@@ -92,8 +104,16 @@ def step_updates(make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Opti
 
 
 @torch.no_grad()
-def adagrad_update(p: torch.Tensor, g: torch.Tensor, s: torch.Tensor, t: int, lr: float, eps: float = 1e-10,
-                   weight_decay: float = 0.0, lr_decay: float = 0.0) -> None:
+def adagrad_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    s: torch.Tensor,
+    t: int,
+    lr: float,
+    eps: float = 1e-10,
+    weight_decay: float = 0.0,
+    lr_decay: float = 0.0,
+) -> None:
     """One AdaGrad step (Duchi et al., 2011) for one tensor, in place, as torch.optim.Adagrad does it:
 
         g <- g + wd * theta                   (L2 weight decay: added to the gradient, not decoupled)
@@ -110,9 +130,18 @@ def adagrad_update(p: torch.Tensor, g: torch.Tensor, s: torch.Tensor, t: int, lr
 
 
 @torch.no_grad()
-def rmsprop_update(p: torch.Tensor, g: torch.Tensor, v: torch.Tensor, lr: float, alpha: float = 0.99, eps: float = 1e-8,
-                   weight_decay: float = 0.0, momentum_buffer: torch.Tensor | None = None, momentum: float = 0.0,
-                   grad_avg: torch.Tensor | None = None) -> None:
+def rmsprop_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    v: torch.Tensor,
+    lr: float,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum_buffer: torch.Tensor | None = None,
+    momentum: float = 0.0,
+    grad_avg: torch.Tensor | None = None,
+) -> None:
     """One RMSProp step (Hinton's lecture notes, 2012) for one tensor, in place, as torch.optim.RMSprop does it:
 
         g <- g + wd * theta                   (L2 weight decay, as in AdaGrad)
@@ -157,7 +186,8 @@ class HandOptimizer(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["t"] = 0  # a Python int: no tensor, no bytes (torch keeps a 4-byte tensor per parameter tensor)
+                    # a Python int: no tensor, no bytes (torch keeps a 4-byte tensor per parameter tensor)
+                    state["t"] = 0
                     state.update({name: torch.zeros_like(p) for name in self.state_names(group)})
                 state["t"] += 1
                 self.update(p, p.grad, state, group)
@@ -166,15 +196,23 @@ class HandOptimizer(torch.optim.Optimizer):
 class HandAdamW(HandOptimizer):
     """AdamW built on `adamw_update`; two state tensors (m, v) per parameter, as in torch's."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def state_names(self, group):
         return ("m", "v")
 
     def update(self, p, g, state, group):
-        adamw_update(p, g, state["m"], state["v"], state["t"], group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        adamw_update(
+            p, g, state["m"], state["v"], state["t"], group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        )
 
 
 class HandAdagrad(HandOptimizer):
@@ -187,27 +225,55 @@ class HandAdagrad(HandOptimizer):
         return ("s",)
 
     def update(self, p, g, state, group):
-        adagrad_update(p, g, state["s"], state["t"], group["lr"], group["eps"], group["weight_decay"], group["lr_decay"])
+        adagrad_update(
+            p, g, state["s"], state["t"], group["lr"], group["eps"], group["weight_decay"], group["lr_decay"]
+        )
 
 
 class HandRMSprop(HandOptimizer):
-    """RMSProp built on `rmsprop_update`; one state tensor (v) per parameter, one more for momentum, one more centered."""
+    """RMSProp built on `rmsprop_update`; one state tensor (v) per parameter, one more for momentum, one more
+    centered."""
 
-    def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum: float = 0.0, centered: bool = False):
-        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered))
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+    ):
+        super().__init__(
+            params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, centered=centered)
+        )
 
     def state_names(self, group):
         return ("v",) + (("b",) if group["momentum"] else ()) + (("gbar",) if group["centered"] else ())
 
     def update(self, p, g, state, group):
-        rmsprop_update(p, g, state["v"], group["lr"], group["alpha"], group["eps"], group["weight_decay"],
-                       state.get("b"), group["momentum"], state.get("gbar"))
+        rmsprop_update(
+            p,
+            g,
+            state["v"],
+            group["lr"],
+            group["alpha"],
+            group["eps"],
+            group["weight_decay"],
+            state.get("b"),
+            group["momentum"],
+            state.get("gbar"),
+        )
 
 
-def max_difference_after_steps(make_a: Callable[[list[dict]], torch.optim.Optimizer],
-                               make_b: Callable[[list[dict]], torch.optim.Optimizer], model_cfg, steps: int = 4,
-                               weight_decay: float = 0.0, seed: int = 0) -> float:
+def max_difference_after_steps(
+    make_a: Callable[[list[dict]], torch.optim.Optimizer],
+    make_b: Callable[[list[dict]], torch.optim.Optimizer],
+    model_cfg,
+    steps: int = 4,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+) -> float:
     """Train two float64 copies of the course's GPT (same initial weights, same batches) `steps` steps, one with the
     optimizer `make_a(param_groups)`, one with `make_b(param_groups)`; the largest |difference| of any parameter.
     float64, so that rounding cannot hide a real difference between two update rules."""
@@ -230,8 +296,12 @@ def max_difference_after_steps(make_a: Callable[[list[dict]], torch.optim.Optimi
 # ---- learning-rate schedules: the functions the loop's techniques.lr_at uses, and torch's own ------------
 
 SCHEDULES: dict[str, Callable[..., float]] = {
-    "constant": constant_lr, "cosine": warmup_cosine_lr, "inverse sqrt": inverse_sqrt_lr,
-    "step": step_decay_lr, "wsd": wsd_lr, "exponential": exponential_lr,
+    "constant": constant_lr,
+    "cosine": warmup_cosine_lr,
+    "inverse sqrt": inverse_sqrt_lr,
+    "step": step_decay_lr,
+    "wsd": wsd_lr,
+    "exponential": exponential_lr,
 }
 
 
@@ -240,14 +310,17 @@ def curve(fn: Callable[[int], float], steps: int) -> list[float]:
 
 
 def schedule_curves(peak: float, warmup: int, steps: int) -> dict[str, list[float]]:
-    """Notebook 05's schedules over `steps` steps, peaking at `peak` after `warmup` warm-up steps: cosine and exponential
-    decay to 10%, constant, inverse square root, step decay (x0.5 every steps/4), WSD (cool-down over the last 20%)."""
-    fns = {"warm-up + cosine to 10% (GPT-3)": lambda t: warmup_cosine_lr(t, peak, warmup, steps, 0.1),
-           "constant after warm-up": lambda t: constant_lr(t, peak, warmup),
-           "inverse square root": lambda t: inverse_sqrt_lr(t, peak, warmup),
-           "step decay (x0.5 every S/4)": lambda t: step_decay_lr(t, peak, step_size=max(1, steps // 4), gamma=0.5),
-           "warmup-stable-decay": lambda t: wsd_lr(t, peak, warmup, steps, decay_fraction=0.2),
-           "exponential decay to 10%": lambda t: exponential_lr(t, peak, warmup, steps, 0.1)}
+    """Notebook 05's schedules over `steps` steps, peaking at `peak` after `warmup` warm-up steps: cosine and
+    exponential decay to 10%, constant, inverse square root, step decay (x0.5 every steps/4), WSD (cool-down over the
+    last 20%)."""
+    fns = {
+        "warm-up + cosine to 10% (GPT-3)": lambda t: warmup_cosine_lr(t, peak, warmup, steps, 0.1),
+        "constant after warm-up": lambda t: constant_lr(t, peak, warmup),
+        "inverse square root": lambda t: inverse_sqrt_lr(t, peak, warmup),
+        "step decay (x0.5 every S/4)": lambda t: step_decay_lr(t, peak, step_size=max(1, steps // 4), gamma=0.5),
+        "warmup-stable-decay": lambda t: wsd_lr(t, peak, warmup, steps, decay_fraction=0.2),
+        "exponential decay to 10%": lambda t: exponential_lr(t, peak, warmup, steps, 0.1),
+    }
     return {name: curve(fn, steps) for name, fn in fns.items()}
 
 
@@ -255,8 +328,9 @@ def _dummy_optimizer(lr: float) -> torch.optim.Optimizer:
     return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
 
 
-def torch_scheduler_curve(make: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler], lr: float,
-                          steps: int) -> list[float]:
+def torch_scheduler_curve(
+    make: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler], lr: float, steps: int
+) -> list[float]:
     """The lr a torch.optim.lr_scheduler construction gives at each of `steps` steps (read before each step,
     as the training loop reads it)."""
     opt = _dummy_optimizer(lr)
@@ -273,7 +347,9 @@ def torch_warmup_cosine(opt: torch.optim.Optimizer, warmup: int, total: int, min
     """The warmup + cosine schedule from torch's own building blocks: LinearLR from lr/warmup to lr over the
     first `warmup` steps, then CosineAnnealingLR down to min_lr_ratio * lr at the last step."""
     lr = opt.param_groups[0]["lr"]
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=max(1, total - 1 - warmup), eta_min=min_lr_ratio * lr)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(
+        opt, T_max=max(1, total - 1 - warmup), eta_min=min_lr_ratio * lr
+    )
     if warmup == 0:
         return cosine
     if warmup == 1:
@@ -284,6 +360,7 @@ def torch_warmup_cosine(opt: torch.optim.Optimizer, warmup: int, total: int, min
 
 
 # ---- gradient clipping ----------------------------------------------------------------------------
+
 
 def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
@@ -326,8 +403,13 @@ def cosine_similarity(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return dot / (na * nb)
 
 
-def update_norm(model: nn.Module, grads: list[torch.Tensor], scale: float,
-                make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], clip: float | None = None) -> float:
+def update_norm(
+    model: nn.Module,
+    grads: list[torch.Tensor],
+    scale: float,
+    make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    clip: float | None = None,
+) -> float:
     """||theta_after - theta_before|| of ONE optimizer step from fresh state, on a copy of `model`, with the
     gradient `grads` multiplied by `scale` (and clipped to `clip` first when given). A small illustration of
     what the gradient's scale does to the update, not a training run."""
@@ -343,6 +425,7 @@ def update_norm(model: nn.Module, grads: list[torch.Tensor], scale: float,
 
 
 # ---- optimizer state --------------------------------------------------------------------------------
+
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's state tensors (moments, step counters), measured from the tensors."""
@@ -395,6 +478,7 @@ def measured_state_bytes(kind: str, model: nn.Module, x: torch.Tensor, y: torch.
 
 # ---- weight-decay groups ------------------------------------------------------------------------------
 
+
 def describe_param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
     """The groups techniques.param_groups builds (what the loop's optimizer gets), with names and counts."""
     names = {}
@@ -402,21 +486,34 @@ def describe_param_groups(model: nn.Module, weight_decay: float, decay_2d_only: 
         names.setdefault(id(p), name)
     rows = []
     for i, g in enumerate(techniques.param_groups(model, weight_decay, decay_2d_only)):
-        rows.append({"group": i, "weight_decay": g["weight_decay"], "tensors": len(g["params"]),
-                     "parameters": sum(p.numel() for p in g["params"]),
-                     "names": [f"{names[id(p)]} {tuple(p.shape)}" for p in g["params"]]})
+        rows.append(
+            {
+                "group": i,
+                "weight_decay": g["weight_decay"],
+                "tensors": len(g["params"]),
+                "parameters": sum(p.numel() for p in g["params"]),
+                "names": [f"{names[id(p)]} {tuple(p.shape)}" for p in g["params"]],
+            }
+        )
     return rows
 
 
 # ---- batch sources for train(..., batches=...) ---------------------------------------------------------
+
 
 def default_batches(splits: data_mod.Splits, cfg, seed: int | None = None):
     """The loop's own default batches (random windows of the training text, same generator and order)."""
     return data_mod.random_batches(splits.train, cfg, cfg.seed if seed is None else seed)
 
 
-def with_bad_batch(splits: data_mod.Splits, cfg, bad_steps: Iterable[int], kind: str = "repeated", token: int = 0,
-                   seed: int | None = None):
+def with_bad_batch(
+    splits: data_mod.Splits,
+    cfg,
+    bad_steps: Iterable[int],
+    kind: str = "repeated",
+    token: int = 0,
+    seed: int | None = None,
+):
     """The default batches, except that at `bad_steps` the targets are corrupted: kind="repeated" makes every
     target the same token (`token`, by default id 0, a byte that never occurs in the plays), like a broken document
     of one repeated character; kind="random" draws the targets uniformly at random. The good steps get exactly the
@@ -460,13 +557,21 @@ def ramped_batches(splits: data_mod.Splits, cfg, start: int, ramp_steps: int, se
 
 # ---- notebook 05's figures (outside pyplot: plots.new_figure) ------------------------------------------
 
+
 def bias_correction_runs(betas: dict[str, tuple[float, float]], steps: int) -> tuple[dict, dict]:
     """For a constant gradient (|g| = 1, so eps = 1e-8 is negligible): ({name: the closed-form ratio of the uncorrected
     to the corrected step, per step}, {name: the same ratio measured by running adamw_update with and without the
     correction})."""
     closed = {n: [bias_correction_ratio(t, b) for t in range(1, steps + 1)] for n, b in betas.items()}
-    ran = {n: [u / c for u, c in zip(adam_step_sizes([1.0] * steps, 1e-3, b, bias_correction=False),
-                                     adam_step_sizes([1.0] * steps, 1e-3, b))] for n, b in betas.items()}
+    ran = {
+        n: [
+            u / c
+            for u, c in zip(
+                adam_step_sizes([1.0] * steps, 1e-3, b, bias_correction=False), adam_step_sizes([1.0] * steps, 1e-3, b)
+            )
+        ]
+        for n, b in betas.items()
+    }
     return closed, ran
 
 
@@ -481,14 +586,36 @@ def plot_bias_correction(closed: dict, ran: dict):
     marks = sorted({round(10 ** (k / 8)) for k in range(0, 28) if round(10 ** (k / 8)) <= steps})
     for name in closed:
         (line,) = ax.plot(range(1, steps + 1), closed[name], lw=1.5, label=f"betas {name}: closed form")
-        ax.plot(marks, [ran[name][t - 1] for t in marks], "o", color=line.get_color(), ms=3, label=f"betas {name}: update rule run")
+        ax.plot(
+            marks,
+            [ran[name][t - 1] for t in marks],
+            "o",
+            color=line.get_color(),
+            ms=3,
+            label=f"betas {name}: update rule run",
+        )
     first = next(iter(ran.values()))
     peak = max(range(steps), key=first.__getitem__)
     ax.axhline(1, color="grey", lw=0.8, ls=":")
-    ax.annotate(f"step 1: {first[0]:.2f}x", (1, first[0]), xytext=(1.5, first[0] - 1.6), fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.6))
-    ax.annotate(f"peak: {first[peak]:.2f}x at step {peak + 1}", (peak + 1, first[peak]), xytext=(1.2, first[peak] - 0.3), fontsize=8,
-                arrowprops=dict(arrowstyle="->", lw=0.6))
+    ax.annotate(
+        f"step 1: {first[0]:.2f}x",
+        (1, first[0]),
+        xytext=(1.5, first[0] - 1.6),
+        fontsize=8,
+        arrowprops=dict(arrowstyle="->", lw=0.6),
+    )
+    ax.annotate(
+        f"peak: {first[peak]:.2f}x at step {peak + 1}",
+        (peak + 1, first[peak]),
+        xytext=(1.2, first[peak] - 0.3),
+        fontsize=8,
+        arrowprops=dict(arrowstyle="->", lw=0.6),
+    )
     ax.set(xscale="log", xlabel="optimizer step t", ylabel="|uncorrected step| / |corrected step|")
-    ax.set_title(f"What Adam's bias correction removes, constant gradient\n(arithmetic: the same on every device), torch {torch.__version__}", fontsize=9)
+    ax.set_title(
+        "What Adam's bias correction removes, constant gradient\n"
+        f"(arithmetic: the same on every device), torch {torch.__version__}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="upper right")
     return fig

@@ -5,6 +5,7 @@ registered with pyplot's global figure manager, so nothing accumulates there (no
 built in a widget's callback (widgets.Panel) is never shown a second time by the inline backend. In a cell,
 show one with `display(fig)` or by leaving `fig` as the cell's last expression (`plt.show()` shows only pyplot's
 own figures, not these)."""
+
 from __future__ import annotations
 
 import io
@@ -97,7 +98,14 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     for i, r in enumerate(results):
         if not r.ok or not r.memory:
-            ax.annotate(r.status.upper() if not r.ok else "not measured", (i, 0), ha="center", va="bottom", fontsize=8, color="#c44e52")
+            ax.annotate(
+                r.status.upper() if not r.ok else "not measured",
+                (i, 0),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                color="#c44e52",
+            )
     ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("peak memory (GiB)")
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in results if r.ok and r.memory})
@@ -165,7 +173,13 @@ def plot_step_times(results: list[RunResult], ax=None) -> Figure:
         ex = [i for i in r.excluded_steps if i < len(ms)]
         ax.plot(ex, [ms[i] for i in ex], "o", mfc="none", color=line.get_color(), ms=6)
     ax.set_yscale("log")
-    _label(ax, "step (hollow: warm-up / compile or memory-ledger steps, left out of the median)", "step time (ms)", "Step times", results)
+    _label(
+        ax,
+        "step (hollow: warm-up / compile or memory-ledger steps, left out of the median)",
+        "step time (ms)",
+        "Step times",
+        results,
+    )
     return fig
 
 
@@ -185,7 +199,13 @@ def plot_grad_norms(results: list[RunResult], ax=None) -> Figure:
         if clip:
             ax.axhline(clip, ls="--", lw=0.9, color=line.get_color())
     ax.set_yscale("log")
-    _label(ax, "optimizer step (dashed: clipping threshold)", "global gradient norm, before clipping", "Gradient norm", results)
+    _label(
+        ax,
+        "optimizer step (dashed: clipping threshold)",
+        "global gradient norm, before clipping",
+        "Gradient norm",
+        results,
+    )
     return fig
 
 
@@ -200,17 +220,26 @@ def plot_lrs(results: list[RunResult], ax=None) -> Figure:
 
 
 def _pair_ticks(ax, names: list[str]) -> None:
-    ax.set_xticks([3 * i + j for i in range(len(names)) for j in range(2)],
-                  [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")], rotation=35, ha="right", fontsize=7)
+    ax.set_xticks(
+        [3 * i + j for i in range(len(names)) for j in range(2)],
+        [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")],
+        rotation=35,
+        ha="right",
+        fontsize=7,
+    )
 
 
-def plot_formula_beside_measured(pairs: dict[str, tuple[dict, dict | None]], ax=None, title: str = "Memory by category") -> Figure:
+def plot_formula_beside_measured(
+    pairs: dict[str, tuple[dict, dict | None]], ax=None, title: str = "Memory by category"
+) -> Figure:
     """Formula beside measurement, category by category: for each name a pair of stacked bars, the formula's bytes
     (hatched) and the measured bytes (solid; a category the device could not measure, None, has no bar), the measured
     bar labelled with its total's difference from the formula's. MiB, or GiB where a total passes 1 GiB."""
     fig, ax = _new_axes(ax)
     total = lambda d: sum(v or 0 for v in d.values())  # noqa: E731
-    unit, size = ("GiB", 2**30) if max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30 else ("MiB", 2**20)
+    unit, size = (
+        ("GiB", 2**30) if max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30 else ("MiB", 2**20)
+    )
     # the course's categories, then any a caller merged (plot_memory_vs_estimate on CUDA), in their order
     keys = [*CATEGORIES, *dict.fromkeys(k for p in pairs.values() for d in p for k in (d or {}) if k not in CATEGORIES)]
     present = [c for c in keys if any((d or {}).get(c) for p in pairs.values() for d in p)]
@@ -219,12 +248,24 @@ def plot_formula_beside_measured(pairs: dict[str, tuple[dict, dict | None]], ax=
             bottom = 0.0
             for cat in present:
                 v = ((d or {}).get(cat) or 0) / size
-                ax.bar(3 * i + j, v, bottom=bottom, color=CATEGORY_COLORS.get(cat, "#d0d0d0"), hatch="//" if j == 0 else None, edgecolor="white",
-                       label=cat if (i, j) == (0, 1) else None)
+                ax.bar(
+                    3 * i + j,
+                    v,
+                    bottom=bottom,
+                    color=CATEGORY_COLORS.get(cat, "#d0d0d0"),
+                    hatch="//" if j == 0 else None,
+                    edgecolor="white",
+                    label=cat if (i, j) == (0, 1) else None,
+                )
                 bottom += v
         if measured:
-            ax.annotate(f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}", (3 * i + 1, total(measured) / size), ha="center",
-                        va="bottom", fontsize=7)
+            ax.annotate(
+                f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}",
+                (3 * i + 1, total(measured) / size),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     _pair_ticks(ax, list(pairs))
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(f"{title}: formula (hatched) beside measured", fontsize=9)
@@ -243,8 +284,13 @@ def _measured_apart(predicted: dict, measured: dict) -> tuple[dict, dict, str]:
     if not merged:
         return predicted, measured, ""
     name = f"{' + '.join(merged)} + other (one total)"
-    fold = lambda d: {**{c: v for c, v in d.items() if c not in merged and c != "other"},  # noqa: E731
-                      name: sum(d.get(c) or 0 for c in (*merged, "other"))}
+
+    def fold(d: dict) -> dict:
+        return {
+            **{c: v for c, v in d.items() if c not in merged and c != "other"},
+            name: sum(d.get(c) or 0 for c in (*merged, "other")),
+        }
+
     return fold(predicted), fold(measured), name
 
 
@@ -263,21 +309,32 @@ def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) ->
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in shown})
     note = "; ".join(methods) or "no run with an estimate"
     if merged:
-        note += " (the allocator gives only the peak, not its split: " + "; ".join(n.removesuffix(" (one total)") for n in sorted(merged)) + " drawn as one bar)"
+        note += (
+            " (the allocator gives only the peak, not its split: "
+            + "; ".join(n.removesuffix(" (one total)") for n in sorted(merged))
+            + " drawn as one bar)"
+        )
     ax.set_title(f"{ax.get_title()}\n{note}, {_devices(shown or results)}", fontsize=9)
     return fig
 
 
 def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figure:
-    """Time, formula beside measurement: for the last `last` ok runs with an MFU, the time the model's FLOPs (6N + 12·L·h·s
-    per token, measure.flops_per_token) take at the device's peak (hatched: a data sheet's, or the matmul peak measured
-    on this machine), which is the measured step time x MFU, beside the measured median step (solid), labelled with the
-    MFU. Log scale: on a CPU the two are orders of magnitude apart."""
+    """Time, formula beside measurement: for the last `last` ok runs with an MFU, the time the model's FLOPs (6N +
+    12·L·h·s per token, measure.flops_per_token) take at the device's peak (hatched: a data sheet's, or the matmul peak
+    measured on this machine), which is the measured step time x MFU, beside the measured median step (solid), labelled
+    with the MFU. Log scale: on a CPU the two are orders of magnitude apart."""
     fig, ax = _new_axes(ax)
     shown = [r for r in results if r.ok and r.median_step_s and r.mfu][-last:]
     for i, r in enumerate(shown):
         ms = r.median_step_s * 1e3
-        ax.bar(3 * i, ms * r.mfu, color="white", edgecolor="#4c72b0", hatch="//", label="6N + 12Lhs FLOPs at the peak" if i == 0 else None)
+        ax.bar(
+            3 * i,
+            ms * r.mfu,
+            color="white",
+            edgecolor="#4c72b0",
+            hatch="//",
+            label="6N + 12Lhs FLOPs at the peak" if i == 0 else None,
+        )
         ax.bar(3 * i + 1, ms, color="#4c72b0", label="measured median step" if i == 0 else None)
         ax.annotate(f"MFU {r.mfu:.1%}", (3 * i + 1, ms), ha="center", va="bottom", fontsize=7)
     _pair_ticks(ax, [r.label for r in shown])
@@ -290,7 +347,8 @@ def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figu
 
 
 def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
-    """A predicted peak (memory.Estimate) as one bar stacked by category, beside a device's memory (the vertical line)."""
+    """A predicted peak (memory.Estimate) as one bar stacked by category, beside a device's memory (the vertical
+    line)."""
     fig = new_figure((7, 2.2))
     ax = fig.add_subplot()
     left = 0.0
@@ -306,12 +364,19 @@ def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
     return fig
 
 
-PHASE_COLORS = {"forward": "#4c72b0", "loss": "#8172b3", "backward": "#c44e52", "optimizer": "#55a868", "other": "#a0a0a0"}
+PHASE_COLORS = {
+    "forward": "#4c72b0",
+    "loss": "#8172b3",
+    "backward": "#c44e52",
+    "optimizer": "#55a868",
+    "other": "#a0a0a0",
+}
 
 
 def plot_step_timelines(reports: dict, title: str = "") -> Figure:
-    """Live tensor memory after every operation of one step, a panel per report ({name: measure.MemoryReport}: the ledger's
-    timeline of (phase, live bytes)), coloured by phase, a dotted line at the report's peak; the panels share the y axis."""
+    """Live tensor memory after every operation of one step, a panel per report ({name: measure.MemoryReport}: the
+    ledger's timeline of (phase, live bytes)), coloured by phase, a dotted line at the report's peak; the panels share
+    the y axis."""
     fig = new_figure((5.5 * len(reports), 3.4))
     axes = fig.subplots(1, len(reports), sharey=True, squeeze=False)[0]
     for ax, (name, rep) in zip(axes, reports.items()):
@@ -330,8 +395,16 @@ def plot_step_timelines(reports: dict, title: str = "") -> Figure:
     return fig
 
 
-PLOTS = {"speed": plot_speed, "memory": plot_memory, "loss": plot_losses, "step_times": plot_step_times,
-         "grad_norm": plot_grad_norms, "lr": plot_lrs, "memory_vs_estimate": plot_memory_vs_estimate, "time_vs_flops": plot_time_vs_flops}
+PLOTS = {
+    "speed": plot_speed,
+    "memory": plot_memory,
+    "loss": plot_losses,
+    "step_times": plot_step_times,
+    "grad_norm": plot_grad_norms,
+    "lr": plot_lrs,
+    "memory_vs_estimate": plot_memory_vs_estimate,
+    "time_vs_flops": plot_time_vs_flops,
+}
 # One panel of a figure: a name in PLOTS, or fn(results, ax) drawing every run on the Axes it is given.
 PlotSpec = Union[str, Callable[[list, object], object]]
 
@@ -377,16 +450,29 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
     mine = ladder_speedups(results)
     kept = {i: v for i, v in mine.items() if (results[i].ladder or {}).get("kept", True)}
     if kept:
-        ax_speed.plot(list(kept), list(kept.values()), "o-", color="#4c72b0", label=f"this machine, kept: {_devices(results)}")
+        ax_speed.plot(
+            list(kept), list(kept.values()), "o-", color="#4c72b0", label=f"this machine, kept: {_devices(results)}"
+        )
     dropped = {i: v for i, v in mine.items() if i not in kept}
     if dropped:
-        ax_speed.plot(list(dropped), list(dropped.values()), "x", color="#999999", ms=8, mew=2, label="measured, not kept")
+        ax_speed.plot(
+            list(dropped), list(dropped.values()), "x", color="#999999", ms=8, mew=2, label="measured, not kept"
+        )
     for i, v in mine.items():
-        ax_speed.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8,
-                          color="#4c72b0" if i in kept else "#777777")
+        ax_speed.annotate(
+            f"{v:.2f}x",
+            (i, v),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+            color="#4c72b0" if i in kept else "#777777",
+        )
     for i, r in zip(xs, results):
         if not r.ok:
-            ax_speed.annotate(r.status.upper(), (i, 1.0), ha="center", va="bottom", fontsize=8, color="#c44e52", rotation=90)
+            ax_speed.annotate(
+                r.status.upper(), (i, 1.0), ha="center", va="bottom", fontsize=8, color="#c44e52", rotation=90
+            )
     if reference:
         ref = {r.label: v for r, v in ((reference[i], v) for i, v in ladder_speedups(reference).items())}
         rpts = [(i, ref[lab]) for i, lab in zip(xs, labels) if lab in ref]
@@ -405,8 +491,14 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
     base = next((r for r in results if r.ok and r.peak_gib), None)
     for i, r in zip(xs, results):  # short labels: eleven bars side by side
         if r.ok and base and r.peak_gib:
-            ax_mem.annotate(f"{r.peak_gib / base.peak_gib:.2f}x", (i, r.peak_gib), textcoords="offset points", xytext=(0, 3),
-                            ha="center", fontsize=7)
+            ax_mem.annotate(
+                f"{r.peak_gib / base.peak_gib:.2f}x",
+                (i, r.peak_gib),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=7,
+            )
     if base:
         ax_mem.set_title(ax_mem.get_title().replace("\n", f"; labels: peak over {base.label}'s\n", 1), fontsize=9)
     ax_mem.margins(y=0.15)

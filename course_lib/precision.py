@@ -13,6 +13,7 @@
 
 The training runs go through course_lib.train (or low_precision.train, the same loop); nothing here is a second loop.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,6 +44,7 @@ def short(dtype: torch.dtype) -> str:
 
 # ---- the formats -------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class FloatFormat:
     name: str
@@ -69,23 +71,46 @@ class FloatFormat:
 def from_finfo(name: str, dtype: torch.dtype) -> FloatFormat:
     fi = torch.finfo(dtype)
     mant = round(-math.log2(fi.eps))
-    return FloatFormat(name=name, bits=fi.bits, exponent_bits=fi.bits - 1 - mant, mantissa_bits=mant, max=float(fi.max),
-                       smallest_normal=float(fi.smallest_normal), smallest_subnormal=float(fi.smallest_normal) * float(fi.eps),
-                       eps=float(fi.eps), dtype=dtype, source=f"torch.finfo({dtype})")
+    return FloatFormat(
+        name=name,
+        bits=fi.bits,
+        exponent_bits=fi.bits - 1 - mant,
+        mantissa_bits=mant,
+        max=float(fi.max),
+        smallest_normal=float(fi.smallest_normal),
+        smallest_subnormal=float(fi.smallest_normal) * float(fi.eps),
+        eps=float(fi.eps),
+        dtype=dtype,
+        source=f"torch.finfo({dtype})",
+    )
 
 
 def tf32_format() -> FloatFormat:
     """TF32: fp32's 8 exponent bits with fp16's 10 mantissa bits (19 bits; stored in 32). From the bit layout."""
     e, m = 8, 10
     bias = 2 ** (e - 1) - 1
-    return FloatFormat(name="tf32", bits=19, exponent_bits=e, mantissa_bits=m, max=(2 - 2.0**-m) * 2.0**bias,
-                       smallest_normal=2.0 ** (1 - bias), smallest_subnormal=2.0 ** (1 - bias - m), eps=2.0**-m, dtype=None,
-                       source="bit layout (1 + 8 + 10 bits); tensor cores round fp32 matmul inputs to it")
+    return FloatFormat(
+        name="tf32",
+        bits=19,
+        exponent_bits=e,
+        mantissa_bits=m,
+        max=(2 - 2.0**-m) * 2.0**bias,
+        smallest_normal=2.0 ** (1 - bias),
+        smallest_subnormal=2.0 ** (1 - bias - m),
+        eps=2.0**-m,
+        dtype=None,
+        source="bit layout (1 + 8 + 10 bits); tensor cores round fp32 matmul inputs to it",
+    )
 
 
 def formats(include_fp8: bool = True) -> list[FloatFormat]:
     """fp32, tf32, bf16, fp16 and, where this torch has them, the two fp8 formats used for training."""
-    out = [from_finfo("fp32", torch.float32), tf32_format(), from_finfo("bf16", torch.bfloat16), from_finfo("fp16", torch.float16)]
+    out = [
+        from_finfo("fp32", torch.float32),
+        tf32_format(),
+        from_finfo("bf16", torch.bfloat16),
+        from_finfo("fp16", torch.float16),
+    ]
     if include_fp8:
         for attr, name in (("float8_e4m3fn", "fp8 e4m3"), ("float8_e5m2", "fp8 e5m2")):
             if hasattr(torch, attr):
@@ -99,10 +124,21 @@ def _pow2(x: float) -> str:
 
 def format_rows(fmts: list[FloatFormat]) -> list[dict[str, str]]:
     """Rows for results.text_table / html_table."""
-    return [{"format": f.name, "bits": str(f.bits), "exponent": str(f.exponent_bits), "mantissa": str(f.mantissa_bits),
-             "max": f"{f.max:.4g}", "smallest normal": f"{f.smallest_normal:.3g} ({_pow2(f.smallest_normal)})",
-             "smallest subnormal": f"{f.smallest_subnormal:.3g} ({_pow2(f.smallest_subnormal)})", "eps": f"{f.eps:.3g} ({_pow2(f.eps)})",
-             "~decimal digits": f"{f.decimal_digits:.1f}", "from": f.source} for f in fmts]
+    return [
+        {
+            "format": f.name,
+            "bits": str(f.bits),
+            "exponent": str(f.exponent_bits),
+            "mantissa": str(f.mantissa_bits),
+            "max": f"{f.max:.4g}",
+            "smallest normal": f"{f.smallest_normal:.3g} ({_pow2(f.smallest_normal)})",
+            "smallest subnormal": f"{f.smallest_subnormal:.3g} ({_pow2(f.smallest_subnormal)})",
+            "eps": f"{f.eps:.3g} ({_pow2(f.eps)})",
+            "~decimal digits": f"{f.decimal_digits:.1f}",
+            "from": f.source,
+        }
+        for f in fmts
+    ]
 
 
 def representable_values(dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +149,9 @@ def representable_values(dtype: torch.dtype) -> torch.Tensor:
     elif bits == 8:
         patterns = torch.arange(0, 2**7, dtype=torch.int32).to(torch.uint8)
     else:
-        raise ValueError(f"{dtype} has {bits} bits: only 8- and 16-bit formats can be enumerated (fp32 has 2^31 patterns)")
+        raise ValueError(
+            f"{dtype} has {bits} bits: only 8- and 16-bit formats can be enumerated (fp32 has 2^31 patterns)"
+        )
     values = patterns.view(dtype).to(torch.float64)
     return values[torch.isfinite(values) & (values > 0)]
 
@@ -161,8 +199,12 @@ def magnitude_classes(values: torch.Tensor, dtype: torch.dtype) -> dict[str, flo
     c = v.to(dtype).to(torch.float64).abs()
     tiny = torch.finfo(dtype).smallest_normal
     n = v.numel()
-    return {"zero": (c == 0).sum().item() / n, "subnormal": ((c > 0) & (c < tiny)).sum().item() / n,
-            "normal": ((c >= tiny) & torch.isfinite(c)).sum().item() / n, "overflow": torch.isinf(c).sum().item() / n}
+    return {
+        "zero": (c == 0).sum().item() / n,
+        "subnormal": ((c > 0) & (c < tiny)).sum().item() / n,
+        "normal": ((c >= tiny) & torch.isfinite(c)).sum().item() / n,
+        "overflow": torch.isinf(c).sum().item() / n,
+    }
 
 
 def flush_fraction(values: torch.Tensor, dtype: torch.dtype) -> float:
@@ -178,8 +220,25 @@ def lost_to_zero(reference: torch.Tensor, test: torch.Tensor) -> float:
 
 # ---- what autocast does to each operation -----------------------------------------------------
 
-VIEW_OPS = {"view", "_unsafe_view", "t", "transpose", "split", "expand", "detach", "alias", "permute", "slice", "select",
-            "unsqueeze", "squeeze", "reshape", "as_strided", "unbind", "_reshape_alias"}
+VIEW_OPS = {
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "split",
+    "expand",
+    "detach",
+    "alias",
+    "permute",
+    "slice",
+    "select",
+    "unsqueeze",
+    "squeeze",
+    "reshape",
+    "as_strided",
+    "unbind",
+    "_reshape_alias",
+}
 
 
 @dataclass(frozen=True)
@@ -203,7 +262,11 @@ class _DtypeRecorder(TorchDispatchMode):
         op = func.overloadpacket.__name__
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if outs and not (self.skip_views and op in VIEW_OPS):
-            ins = tuple(short(t.dtype) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point())
+            ins = tuple(
+                short(t.dtype)
+                for t in tree_flatten((args, kwargs))[0]
+                if isinstance(t, torch.Tensor) and t.is_floating_point()
+            )
             self.records.append(OpRecord(self.phase, self.module, op, ins, short(outs[0].dtype)))
         return out
 
@@ -215,8 +278,9 @@ def _generic_name(name: str) -> str:
     return ".".join(parts)
 
 
-def record_dtypes(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str, backward: bool = True,
-                  skip_views: bool = True) -> list[OpRecord]:
+def record_dtypes(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str, backward: bool = True, skip_views: bool = True
+) -> list[OpRecord]:
     """Run forward and loss under the autocast of `precision` (as the training loop does), then backward
     outside it, recording the dtype of every operation. Gradients are left in the model's .grad."""
     from .techniques import autocast_context, loss_sum
@@ -258,8 +322,10 @@ def summarize_ops(records: list[OpRecord], phases=("forward", "loss", "backward"
         if r.phase in phases:
             key = (r.phase, r.module if r.phase != "backward" else "", r.op, r.inputs, r.output)
             counts[key] = counts.get(key, 0) + 1
-    return [{"phase": p, "module": m or "-", "op": op, "inputs": ", ".join(ins) or "-", "output": out, "count": str(n)}
-            for (p, m, op, ins, out), n in counts.items()]
+    return [
+        {"phase": p, "module": m or "-", "op": op, "inputs": ", ".join(ins) or "-", "output": out, "count": str(n)}
+        for (p, m, op, ins, out), n in counts.items()
+    ]
 
 
 def output_dtypes(records: list[OpRecord], op: str, phase: str | None = None) -> set[str]:
@@ -268,6 +334,7 @@ def output_dtypes(records: list[OpRecord], op: str, phase: str | None = None) ->
 
 
 # ---- gradients of one real step ---------------------------------------------------------------
+
 
 @dataclass
 class GradientSample:
@@ -304,8 +371,13 @@ def fresh_model(cfg: TrainConfig) -> nn.Module:
     return GPT(cfg.model).to(cfg.device)
 
 
-def gradient_sample(cfg: TrainConfig, precision: str = "fp32", loss_scale: float = 1.0, model: nn.Module | None = None,
-                    batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> GradientSample:
+def gradient_sample(
+    cfg: TrainConfig,
+    precision: str = "fp32",
+    loss_scale: float = 1.0,
+    model: nn.Module | None = None,
+    batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> GradientSample:
     """One forward + backward of the model of `cfg` on one batch, under the autocast of `precision`, the loss
     (mean over target tokens, as in the loop) multiplied by `loss_scale` before backward. No optimizer step."""
     from .data import count_targets
@@ -334,12 +406,18 @@ def gradient_sample(cfg: TrainConfig, precision: str = "fp32", loss_scale: float
     finally:
         for h in handles:
             h.remove()
-    params = torch.cat([p.grad.detach().abs().flatten().to(torch.float64).cpu() / loss_scale
-                        for p in {id(p): p for p in model.parameters()}.values() if p.grad is not None])
+    params = torch.cat(
+        [
+            p.grad.detach().abs().flatten().to(torch.float64).cpu() / loss_scale
+            for p in {id(p): p for p in model.parameters()}.values()
+            if p.grad is not None
+        ]
+    )
     return GradientSample(precision, loss_scale, params, torch.cat(acts), "/".join(sorted(dtypes)), loss.item())
 
 
 # ---- error against fp64 ------------------------------------------------------------------------
+
 
 def rel_error(test: torch.Tensor, ref: torch.Tensor) -> float:
     """||test - ref|| / ||ref|| (Frobenius), computed in fp64."""
@@ -350,7 +428,8 @@ def rel_error(test: torch.Tensor, ref: torch.Tensor) -> float:
 def matmul_errors(n: int = 512, device: str = "cpu", seed: int = 0) -> dict[str, float]:
     """Relative error of an (n x n) @ (n x n) matmul of N(0,1) matrices in each format against fp64.
     fp32: plain fp32. tf32 (emulated): inputs rounded to TF32, product in fp32, on any device. bf16 and fp16:
-    inputs and output in that dtype, sums accumulated in fp32. On CUDA Ampere+, also the real TF32 tensor-core matmul."""
+    inputs and output in that dtype, sums accumulated in fp32. On CUDA Ampere+, also the real TF32 tensor-core
+    matmul."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     a = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     b = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
@@ -364,10 +443,12 @@ def matmul_errors(n: int = 512, device: str = "cpu", seed: int = 0) -> dict[str,
         # measure the format, with fp32 accumulation: no TF32, no 16-bit partial sums in split-K kernels
         m.allow_fp16_reduced_precision_reduction = m.allow_bf16_reduced_precision_reduction = False
         with matmul_precision("fp32"):
-            out = {"fp32": rel_error(a.float() @ b.float(), ref),
-                   "tf32 (emulated)": rel_error(round_to_tf32(a.float()) @ round_to_tf32(b.float()), ref),
-                   "bf16": rel_error(a.bfloat16() @ b.bfloat16(), ref),
-                   "fp16": rel_error(a.half() @ b.half(), ref)}
+            out = {
+                "fp32": rel_error(a.float() @ b.float(), ref),
+                "tf32 (emulated)": rel_error(round_to_tf32(a.float()) @ round_to_tf32(b.float()), ref),
+                "bf16": rel_error(a.bfloat16() @ b.bfloat16(), ref),
+                "fp16": rel_error(a.half() @ b.half(), ref),
+            }
         if torch.device(device).type == "cuda" and capabilities(device).precisions["tf32"].ok:
             with matmul_precision("tf32"):
                 out["tf32 (tensor cores)"] = rel_error(a.float() @ b.float(), ref)
@@ -386,7 +467,9 @@ class StepError:
     note: str = ""
 
 
-def one_step_errors(cfg: TrainConfig, precisions=("fp32", "bf16", "fp16"), fp16_loss_scale: float = 2.0**16) -> list[StepError]:
+def one_step_errors(
+    cfg: TrainConfig, precisions=("fp32", "bf16", "fp16"), fp16_loss_scale: float = 2.0**16
+) -> list[StepError]:
     """One step's loss and parameter gradients in each precision against the same step in fp64 (same initial
     weights, same batch). fp16 runs with and without `fp16_loss_scale`. TF32 is measured on CUDA Ampere+ only."""
     from .capabilities import capabilities
@@ -399,16 +482,29 @@ def one_step_errors(cfg: TrainConfig, precisions=("fp32", "bf16", "fp16"), fp16_
     for p in precisions:
         runs = [(p, 1.0)] + ([("fp16", fp16_loss_scale)] if p == "fp16" and fp16_loss_scale != 1.0 else [])
         for prec, scale in runs:
-            if prec == "tf32" and not (torch.device(cfg.device).type == "cuda" and capabilities(cfg.device).precisions["tf32"].ok):
-                out.append(StepError("tf32", float("nan"), float("nan"), float("nan"), note="skipped: TF32 needs CUDA on Ampere or newer"))
+            if prec == "tf32" and not (
+                torch.device(cfg.device).type == "cuda" and capabilities(cfg.device).precisions["tf32"].ok
+            ):
+                out.append(
+                    StepError(
+                        "tf32",
+                        float("nan"),
+                        float("nan"),
+                        float("nan"),
+                        note="skipped: TF32 needs CUDA on Ampere or newer",
+                    )
+                )
                 continue
             loss, grads = gradient_sample_with_grads(model, batch, prec, scale)
             out.append(StepError(prec, loss, abs(loss - ref64[0]) / abs(ref64[0]), rel_error(grads, ref64[1]), scale))
     return out
 
 
-def gradient_sample_with_grads(model: nn.Module, batch, precision: str, loss_scale: float) -> tuple[float, torch.Tensor]:
-    """(loss, all parameter gradients as one flat fp64 vector, unscaled) of one forward + backward on a copy of `model`."""
+def gradient_sample_with_grads(
+    model: nn.Module, batch, precision: str, loss_scale: float
+) -> tuple[float, torch.Tensor]:
+    """(loss, all parameter gradients as one flat fp64 vector, unscaled) of one forward + backward on a copy of
+    `model`."""
     from .data import count_targets
     from .techniques import autocast_context, loss_sum, matmul_precision
 
@@ -425,17 +521,25 @@ def gradient_sample_with_grads(model: nn.Module, batch, precision: str, loss_sca
 
 # ---- why master weights: one real update, stored in each format ---------------------------------------
 
+
 def tensor_kind(name: str, p: torch.Tensor) -> str:
-    """"matrices, embeddings" (>= 2-D), "LayerNorm gains" or "biases, LayerNorm shifts"."""
+    """ "matrices, embeddings" (>= 2-D), "LayerNorm gains" or "biases, LayerNorm shifts"."""
     if p.dim() >= 2:
         return "matrices, embeddings"
-    return "LayerNorm gains" if name.split(".")[-2].startswith("ln") and name.endswith("weight") else "biases, LayerNorm shifts"
+    return (
+        "LayerNorm gains"
+        if name.split(".")[-2].startswith("ln") and name.endswith("weight")
+        else "biases, LayerNorm shifts"
+    )
 
 
-def updates_lost_by_format(cfg: TrainConfig, optimizers: dict, formats=("fp32", "bf16", "fp16")) -> tuple[dict, list[dict]]:
+def updates_lost_by_format(
+    cfg: TrainConfig, optimizers: dict, formats=("fp32", "bf16", "fp16")
+) -> tuple[dict, list[dict]]:
     """One real optimizer step on the model of `cfg` (the fp32 gradient of one batch), from fresh state with each of
-    `optimizers` {label: make(params) -> Optimizer}, added exactly to the weights stored in each format and rounded once:
-    ({(label, kind, format): share of the weights with a nonzero update whose stored value did not change}, table rows)."""
+    `optimizers` {label: make(params) -> Optimizer}, added exactly to the weights stored in each format and rounded
+    once: ({(label, kind, format): share of the weights with a nonzero update whose stored value did not change}, table
+    rows)."""
     from .data import count_targets
     from .techniques import loss_sum
 
@@ -456,10 +560,17 @@ def updates_lost_by_format(cfg: TrainConfig, optimizers: dict, formats=("fp32", 
             w = torch.cat([p.detach().flatten() for n, p in named if tensor_kind(n, p) == kind]).cpu()
             d = torch.cat([u.flatten() for (n, p), u in zip(named, deltas) if tensor_kind(n, p) == kind]).cpu()
             w, d = w[d != 0], d[d != 0]
-            row = {"update": label, "tensors": kind, "median |update|": f"{d.abs().median():.1e}", "median |weight|": f"{w.abs().median():.2g}"}
+            row = {
+                "update": label,
+                "tensors": kind,
+                "median |update|": f"{d.abs().median():.1e}",
+                "median |weight|": f"{w.abs().median():.2g}",
+            }
             for fmt in formats:
                 stored = w.to(DTYPES[fmt])
-                lost[(label, kind, fmt)] = float(((stored.double() + d.double()).to(DTYPES[fmt]) == stored).double().mean())
+                lost[(label, kind, fmt)] = float(
+                    ((stored.double() + d.double()).to(DTYPES[fmt]) == stored).double().mean()
+                )
                 row[f"{fmt}: not moved"] = f"{100 * lost[(label, kind, fmt)]:.1f}%"
             rows.append(row)
     return lost, rows
@@ -467,19 +578,33 @@ def updates_lost_by_format(cfg: TrainConfig, optimizers: dict, formats=("fp32", 
 
 # ---- speed of one matmul ------------------------------------------------------------------------
 
-def matmul_tflops(n: int, precision: str, device: str = "cpu", min_time_s: float = 0.3, max_reps: int = 50) -> tuple[float | None, str]:
+
+def matmul_tflops(
+    n: int, precision: str, device: str = "cpu", min_time_s: float = 0.3, max_reps: int = 50
+) -> tuple[float | None, str]:
     """Achieved TFLOP/s of an n x n matmul in `precision` on `device` (course_lib.capabilities.matmul_tflops),
     or (None, why) where it would not mean anything (TF32 off CUDA Ampere+)."""
     from . import capabilities as caps
 
-    if precision == "tf32" and not (torch.device(device).type == "cuda" and caps.capabilities(device).precisions["tf32"].ok):
+    if precision == "tf32" and not (
+        torch.device(device).type == "cuda" and caps.capabilities(device).precisions["tf32"].ok
+    ):
         return None, "TF32 is a CUDA tensor-core mode (Ampere or newer): on this device it would time plain fp32"
-    return caps.matmul_tflops(device, precision, n, n, n, min_time_s=min_time_s, max_reps=max_reps), "median of timed matmuls"
+    return caps.matmul_tflops(
+        device, precision, n, n, n, min_time_s=min_time_s, max_reps=max_reps
+    ), "median of timed matmuls"
 
 
 # ---- plots ---------------------------------------------------------------------------------------
 
-FORMAT_COLORS = {"fp32": "#4c72b0", "tf32": "#64b5cd", "bf16": "#dd8452", "fp16": "#55a868", "fp8 e4m3": "#c44e52", "fp8 e5m2": "#8172b3"}
+FORMAT_COLORS = {
+    "fp32": "#4c72b0",
+    "tf32": "#64b5cd",
+    "bf16": "#dd8452",
+    "fp16": "#55a868",
+    "fp8 e4m3": "#c44e52",
+    "fp8 e5m2": "#8172b3",
+}
 
 
 def plot_formats(fmts: list[FloatFormat]):
@@ -549,7 +674,11 @@ def plot_loss_scale(result, ax=None):
     ax.set_yscale("log", base=2)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss scale")
-    ax.set_title(f"GradScaler over time: {result.label}\n{result.provenance.get('device', '?')}, torch {result.provenance.get('torch', '?')}", fontsize=9)
+    ax.set_title(
+        f"GradScaler over time: {result.label}\n"
+        f"{result.provenance.get('device', '?')}, torch {result.provenance.get('torch', '?')}",
+        fontsize=9,
+    )
     ax.legend(fontsize=7)
     return fig
 
@@ -570,11 +699,25 @@ def plot_scaler_trace(results, ax):
         skipped = [i for i, g in enumerate(r.grad_norms) if not math.isfinite(g)]
         u = (getattr(r, "details", None) or {}).get("underflow")
         zeros = f"; fp16 lost {u['lost_to_zero']:.1%} to zero at S=2^{math.log2(u['scale']):g}" if u else ""
-        (line,) = ax.step(range(len(scales)), scales, where="post", lw=1.3,
-                          label=f"{r.label}: {r.skipped_optimizer_steps} of {len(scales)} steps skipped{zeros}")
+        (line,) = ax.step(
+            range(len(scales)),
+            scales,
+            where="post",
+            lw=1.3,
+            label=f"{r.label}: {r.skipped_optimizer_steps} of {len(scales)} steps skipped{zeros}",
+        )
         ax.plot(skipped, [scales[i] for i in skipped], "x", color=line.get_color(), ms=8)
     if not ax.lines:
-        ax.text(0.5, 0.5, "no fp16 run yet\n(precision: fp16)", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
+        ax.text(
+            0.5,
+            0.5,
+            "no fp16 run yet\n(precision: fp16)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=8,
+            color="grey",
+        )
     else:
         ax.set_yscale("log", base=2)
     ax.set_xlabel("optimizer step (x: step skipped, inf/nan gradient)")
@@ -584,7 +727,6 @@ def plot_scaler_trace(results, ax):
     if ax.lines:
         ax.legend(fontsize=7)
     return ax.figure
-
 
 
 def plot_op_dtypes(results, ax, last: int = 6):
@@ -598,8 +740,16 @@ def plot_op_dtypes(results, ax, last: int = 6):
     for j, r in enumerate(runs):
         for i, g in enumerate(rows):
             dt = r.details["op_dtypes"].get(g, "")
-            ax.add_patch(Rectangle((j, i), 1, 1, facecolor=FORMAT_COLORS.get(dt.split(",")[0], "#eeeeee"), edgecolor="white",
-                                   alpha=0.55 if dt else 1.0))
+            ax.add_patch(
+                Rectangle(
+                    (j, i),
+                    1,
+                    1,
+                    facecolor=FORMAT_COLORS.get(dt.split(",")[0], "#eeeeee"),
+                    edgecolor="white",
+                    alpha=0.55 if dt else 1.0,
+                )
+            )
             ax.text(j + 0.5, i + 0.5, dt or "-", ha="center", va="center", fontsize=7)
     ax.set_xlim(0, max(1, len(runs)))
     ax.set_ylim(len(rows), 0)
@@ -616,12 +766,24 @@ def plot_op_dtypes(results, ax, last: int = 6):
 
 # Groups of operations shown on the panel: (phase, aten ops). The matmuls and attention are on autocast's 16-bit list,
 # the loss on its fp32 list; the rest follows its inputs (so the residual stream stays fp32 with fp32 weights).
-OP_GROUPS = {"matmuls (addmm, mm)": ("forward", ("addmm", "mm")),
-             "attention (bmm or SDPA)": ("forward", ("bmm", "_scaled_dot_product_flash_attention_for_cpu",
-                                                     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention")),
-             "softmax": ("forward", ("_softmax",)), "GELU": ("forward", ("gelu",)), "layer norm": ("forward", ("native_layer_norm",)),
-             "residual add": ("forward", ("add",)), "loss (log_softmax)": ("loss", ("_log_softmax",)),
-             "backward matmuls": ("backward", ("mm", "bmm"))}
+OP_GROUPS = {
+    "matmuls (addmm, mm)": ("forward", ("addmm", "mm")),
+    "attention (bmm or SDPA)": (
+        "forward",
+        (
+            "bmm",
+            "_scaled_dot_product_flash_attention_for_cpu",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+        ),
+    ),
+    "softmax": ("forward", ("_softmax",)),
+    "GELU": ("forward", ("gelu",)),
+    "layer norm": ("forward", ("native_layer_norm",)),
+    "residual add": ("forward", ("add",)),
+    "loss (log_softmax)": ("loss", ("_log_softmax",)),
+    "backward matmuls": ("backward", ("mm", "bmm")),
+}
 
 
 def op_dtypes(records: list[OpRecord], model: nn.Module | None = None) -> dict[str, str]:
@@ -650,7 +812,8 @@ def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp
     from .config import ConfigError
     from .train import run
 
-    require(cfg)  # before the dtype recording runs anything this device cannot (bf16 on a V100: a ConfigError, the fix named)
+    # before the dtype recording runs anything this device cannot (bf16 on a V100: a ConfigError, the fix named)
+    require(cfg)
     dtype, rounding = L.SCHEMES[weights]
     if dtype != torch.float32 and cfg.precision != "bf16":
         raise ConfigError(f"weights in bf16 train under bf16 autocast: set precision to bf16 (it is {cfg.precision})")
@@ -661,16 +824,23 @@ def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp
     else:
         result = L.train(cfg, rounding, dtype, label=label, callback=callback)
     result.with_details(op_dtypes=ops)
-    note = [f"matmuls in {ops.get('matmuls (addmm, mm)', '-')}, layer norm {ops.get('layer norm', '-')}, "
-            f"loss {ops.get('loss (log_softmax)', '-')}, weights {ops['weights']}"]
+    note = [
+        f"matmuls in {ops.get('matmuls (addmm, mm)', '-')}, layer norm {ops.get('layer norm', '-')}, "
+        f"loss {ops.get('loss (log_softmax)', '-')}, weights {ops['weights']}"
+    ]
     if cfg.precision == "fp16":
         S = cfg.loss_scale_init
         g32, g16 = gradient_sample(cfg, "fp32"), gradient_sample(cfg, "fp16", loss_scale=S)
-        u = {"scale": S, "lost_to_zero": lost_to_zero(g32.activations, g16.activations),
-             "overflow": torch.isinf(g16.activations).double().mean().item()}
+        u = {
+            "scale": S,
+            "lost_to_zero": lost_to_zero(g32.activations, g16.activations),
+            "overflow": torch.isinf(g16.activations).double().mean().item(),
+        }
         result.with_details(underflow=u)
-        note.append(f"{result.skipped_optimizer_steps} steps skipped, fp16 lost {u['lost_to_zero']:.2%} of the activation "
-                    f"gradients to zero at S=2^{math.log2(S):g}")
+        note.append(
+            f"{result.skipped_optimizer_steps} steps skipped, fp16 lost {u['lost_to_zero']:.2%} of the activation "
+            f"gradients to zero at S=2^{math.log2(S):g}"
+        )
     if (lost := L.update_lost(result)) is not None:
         note.append(f"{round(100 * lost, 2) + 0.0:.2f}% of the updates lost over the run")  # + 0.0: no "-0.00"
     if result.ok:

@@ -6,6 +6,7 @@ its per-step callback, so the warm-up steps (compiling, the allocator's first re
 their own, on the device that did the work: the GPU's kernels on CUDA, the CPU's operators otherwise. The notebook 01
 section "Where the time goes" reads a profile by hand; this is the same reading for any config, from the command line
 (`python -m course_lib profile`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,12 @@ class Profile:
         return "self_device_time_total" if self.device == "cuda" else "self_cpu_time_total"
 
 
-def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = None,
-                progress: Callable[[int, int], None] | None = None) -> Profile:
+def profile_run(
+    cfg: TrainConfig,
+    active: int = 3,
+    trace: str | Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Profile:
     """Train cfg for its warm-up steps and then `active` recorded steps. With `trace`, also write the record as a
     Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev). `progress(step, steps)` hears each step."""
     if active < 1:
@@ -54,6 +59,7 @@ def profile_run(cfg: TrainConfig, active: int = 3, trace: str | Path | None = No
 
     trainer = Trainer(cfg)
     with profile(activities=activities, schedule=when) as prof:
+
         def after(step: int, _r) -> None:
             prof.step()
             if progress:
@@ -74,7 +80,10 @@ def busy_s(p: Profile) -> float:
     from torch.autograd import DeviceType
 
     kind = DeviceType.CUDA if p.device == "cuda" else DeviceType.CPU
-    return sum(getattr(e, p.self_time) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation) / 1e6
+    return (
+        sum(getattr(e, p.self_time) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation)
+        / 1e6
+    )
 
 
 def summary(p: Profile, rows: int = 20) -> str:
@@ -83,8 +92,10 @@ def summary(p: Profile, rows: int = 20) -> str:
     table = p.prof.key_averages().table(sort_by=p.self_time, row_limit=rows, max_name_column_width=60)
     wall_s, work_s = p.active_wall_s, busy_s(p)
     if p.device == "cuda":
-        busy = (f"the GPU's kernels and copies: {work_s * 1e3:.1f} ms = {work_s / wall_s:.0%} of it (the rest: the GPU "
-                f"idle, waiting for the CPU to launch work or for a synchronisation)")
+        busy = (
+            f"the GPU's kernels and copies: {work_s * 1e3:.1f} ms = {work_s / wall_s:.0%} of it (the rest: the GPU "
+            f"idle, waiting for the CPU to launch work or for a synchronisation)"
+        )
     else:
         busy = f"the operators' own CPU time, all threads: {work_s * 1e3:.1f} ms"
     return f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}"

@@ -1,6 +1,7 @@
 """Reference results measured on GPUs and shipped with the course in data/reference/ (JSON written by
 `python -m course_lib ladder --json`). Each file says its device, torch version and date. Installed, they are
 package data: `data.DATA_DIR` finds them in an editable install, `pip install .` and a wheel alike."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,6 +36,8 @@ def measured_cpus(preset: str | None = None) -> list[tuple[Path, list[RunResult]
 
 
 def describe_missing() -> str:
-    return ("No GPU reference results are shipped yet: they are measured on a real GPU with "
-            "`python -m course_lib ladder --preset reference --json data/reference/<device>.json` and committed with "
-            "the device name, torch version and date. None are invented.")
+    return (
+        "No GPU reference results are shipped yet: they are measured on a real GPU with "
+        "`python -m course_lib ladder --preset reference --json data/reference/<device>.json` and committed with "
+        "the device name, torch version and date. None are invented."
+    )

@@ -1,4 +1,5 @@
 """The result record of one run and its JSON form. Every record says where its numbers came from."""
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -16,8 +17,13 @@ from .measure import CATEGORIES, GiB
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -25,8 +31,13 @@ def git_commit() -> str | None:
 
 def provenance(device_name: str) -> dict:
     """Where a number came from: device, torch (and CUDA) version, date, commit."""
-    return {"device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": git_commit()}
+    return {
+        "device": device_name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+    }
 
 
 @dataclass
@@ -55,7 +66,8 @@ class RunResult:
     loss_scales: list[float] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # what a notebook's own runner measured for its plots (JSON-able)
     stopped_early: str = ""  # why the run ended before cfg.steps (the ladder gives up on a far slower rung), if it did
-    ladder: dict = field(default_factory=dict)  # a ladder rung's verdict against the best loop so far (course_lib.ladder)
+    # a ladder rung's verdict against the best loop so far (course_lib.ladder)
+    ladder: dict = field(default_factory=dict)
 
     def with_details(self, **details) -> "RunResult":
         """This result with more of what a notebook's runner measured (kept in panel.results and saved with it)."""
@@ -93,7 +105,9 @@ def check_writable(path: str | Path) -> Path:
         raise IsADirectoryError(f"{path} is a folder: give a file name, e.g. {path / 'results.json'}")
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
     if not folder.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise PermissionError(f"cannot write {path}: {folder if not path.exists() else path} is not writable; choose another path")
+        raise PermissionError(
+            f"cannot write {path}: {folder if not path.exists() else path} is not writable; choose another path"
+        )
     return path
 
 
@@ -121,25 +135,61 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
     base = baseline or next((r for r in results if r.ok), None)
     rows = []
     for r in results:
-        if r.ok and base is not None and not same_model(r, base):  # another network: a ratio to this baseline means nothing
-            rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
-                         "speed-up": "other model", "peak GiB": fmt(r.peak_gib, ".4f"), "memory vs base": "other model",
-                         "MFU": efficiency_text(r), "compile s": fmt(r.compile_s, ".1f", missing=""), "note": r.reason})
+        # another network: a ratio to this baseline means nothing
+        if r.ok and base is not None and not same_model(r, base):
+            rows.append(
+                {
+                    "run": r.label,
+                    "status": "ok",
+                    "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
+                    "tokens/s": fmt(r.tokens_per_s, ",.0f"),
+                    "speed-up": "other model",
+                    "peak GiB": fmt(r.peak_gib, ".4f"),
+                    "memory vs base": "other model",
+                    "MFU": efficiency_text(r),
+                    "compile s": fmt(r.compile_s, ".1f", missing=""),
+                    "note": r.reason,
+                }
+            )
             continue
         if not r.ok:
-            rows.append({"run": r.label, "status": r.status.upper(), "ms/step": "", "tokens/s": "", "speed-up": "",
-                         "peak GiB": "", "memory vs base": "", "MFU": "", "compile s": "", "note": r.reason})
+            rows.append(
+                {
+                    "run": r.label,
+                    "status": r.status.upper(),
+                    "ms/step": "",
+                    "tokens/s": "",
+                    "speed-up": "",
+                    "peak GiB": "",
+                    "memory vs base": "",
+                    "MFU": "",
+                    "compile s": "",
+                    "note": r.reason,
+                }
+            )
             continue
         speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
-        mem = r.peak_gib / base.peak_gib if base and base.peak_gib and r.peak_gib is not None else None  # a run stopped early: none
-        rows.append({"run": r.label, "status": "ok", "ms/step": fmt(r.median_step_s * 1e3, ".1f"), "tokens/s": fmt(r.tokens_per_s, ",.0f"),
-                     "speed-up": fmt(speed, ".2f") + "x" if speed else "", "peak GiB": fmt(r.peak_gib, ".4f"),
-                     "memory vs base": fmt(mem, ".2f") + "x" if mem else "", "MFU": efficiency_text(r),
-                     "compile s": fmt(r.compile_s, ".1f", missing=""), "note": r.reason})
+        # a run stopped early: none
+        mem = r.peak_gib / base.peak_gib if base and base.peak_gib and r.peak_gib is not None else None
+        rows.append(
+            {
+                "run": r.label,
+                "status": "ok",
+                "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
+                "tokens/s": fmt(r.tokens_per_s, ",.0f"),
+                "speed-up": fmt(speed, ".2f") + "x" if speed else "",
+                "peak GiB": fmt(r.peak_gib, ".4f"),
+                "memory vs base": fmt(mem, ".2f") + "x" if mem else "",
+                "MFU": efficiency_text(r),
+                "compile s": fmt(r.compile_s, ".1f", missing=""),
+                "note": r.reason,
+            }
+        )
     return rows
 
 
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size")  # what makes two runs the same network (not its techniques)
+# what makes two runs the same network (not its techniques)
+ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size")
 
 
 def same_model(a: RunResult, b: RunResult) -> bool:

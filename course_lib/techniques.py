@@ -11,6 +11,7 @@ the loop in train.py has one code path. Each technique is declared once, as a co
 and the optimizer always holds the original parameters. What a technique needs to know about the model (its
 blocks, its body and its output layer) is given explicitly as `ModelParts`: no attribute name is assumed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,9 +56,19 @@ class ModelParts:
 # torchtitan uses it. Korthikanti et al.'s own choice differs: they recompute the attention core (QK^T, softmax,
 # its dropout, the product with V), whose s x s outputs are large but cheap to redo; here the matmul outputs,
 # the s x s scores of naive attention among them, are kept (notebook 02 measures what each mode keeps).
-_SAVED_BY_SELECTIVE = tuple(getattr(torch.ops.aten, name).default for name in (
-    "mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(torch.ops.aten, name))
+_SAVED_BY_SELECTIVE = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
 
 
 def _selective_policy(_ctx, op, *args, **kwargs):
@@ -80,14 +91,20 @@ class CheckpointedBlock(nn.Module):
         if self.mode == "selective":
             from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-            return checkpoint(self.block, x, use_reentrant=False,
-                              context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy))
+            return checkpoint(
+                self.block,
+                x,
+                use_reentrant=False,
+                context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy),
+            )
         return checkpoint(self.block, x, use_reentrant=False)
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
 
 
 class HeadLossInSlices(torch.autograd.Function):
@@ -102,14 +119,18 @@ class HeadLossInSlices(torch.autograd.Function):
     plain loss's forward and backward; the memory is one slice's logits instead of three (T, V) fp32 tensors."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int) -> torch.Tensor:
-        hidden = hidden.detach()  # this function makes the gradients itself: its slices are plain tensors (no autograd history)
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int
+    ) -> torch.Tensor:
+        # this function makes the gradients itself: its slices are plain tensors (no autograd history)
+        hidden = hidden.detach()
         grad_hidden = torch.empty_like(hidden)  # (T, d), filled slice by slice
         grad_weight = torch.zeros_like(weight)  # (V, d), the slices' shares summed
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for h, t, gh in zip(hidden.chunk(chunks), targets.chunk(chunks), grad_hidden.chunk(chunks)):
             logits = head(h)  # (c, V), 16-bit under autocast
-            p = logits.float()  # the loss in fp32: a copy of 16-bit logits, or the fp32 logits themselves, used up in place
+            # the loss in fp32: a copy of 16-bit logits, or the fp32 logits themselves, used up in place
+            p = logits.float()
             valid = t != IGNORE_INDEX  # (c,)
             t0 = t.clamp(min=0)[:, None]  # (c, 1): padding's index made a valid one; its row is zeroed below
             picked = p.gather(1, t0).squeeze(1)  # the target's logit (c,)
@@ -117,7 +138,8 @@ class HeadLossInSlices(torch.autograd.Function):
             p.sub_(m).exp_()
             s = p.sum(dim=-1, keepdim=True)
             total = total + ((m.squeeze(1) + s.log().squeeze(1) - picked) * valid).sum()  # log-sum-exp - target logit
-            p.div_(s).scatter_add_(1, t0, -valid[:, None].to(p.dtype)).mul_(valid[:, None])  # softmax - onehot; 0 on padding
+            # softmax - onehot; 0 on padding
+            p.div_(s).scatter_add_(1, t0, -valid[:, None].to(p.dtype)).mul_(valid[:, None])
             g = p.to(logits.dtype)  # d loss / d logits (c, V), in the matmul's dtype
             gh.copy_(g @ weight)  # (c, d)
             grad_weight += (g.t() @ h).float()  # (V, d)
@@ -145,10 +167,14 @@ class LossModule(nn.Module):
         self.model, self.loss_chunks = model, loss_chunks
         self._body, self.head = (parts.body, parts.head) if parts else (None, None)
         if loss_chunks > 1 and (self._body is None or self.head is None):
-            raise ConfigError("loss_chunks > 1 needs the model's body and output layer: pass ModelParts(body=..., head=...) "
-                              "or set loss_chunks=1")
+            raise ConfigError(
+                "loss_chunks > 1 needs the model's body and output layer: pass ModelParts(body=..., head=...) "
+                "or set loss_chunks=1"
+            )
         if loss_chunks > 1 and (not isinstance(self.head, nn.Linear) or self.head.bias is not None):
-            raise ConfigError("loss_chunks > 1 needs an output layer nn.Linear(..., bias=False): use such a head or set loss_chunks=1")
+            raise ConfigError(
+                "loss_chunks > 1 needs an output layer nn.Linear(..., bias=False): use such a head or set loss_chunks=1"
+            )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.loss_chunks == 1:
@@ -175,8 +201,12 @@ def autocast_context(precision: str, device: str) -> Callable[[], contextlib.Abs
 
 def make_grad_scaler(cfg: TrainConfig) -> torch.amp.GradScaler:
     """Loss scaling only for fp16 (its narrow exponent flushes small gradients to zero); bf16 needs none."""
-    return torch.amp.GradScaler(torch.device(cfg.device).type, init_scale=cfg.loss_scale_init,
-                                growth_interval=cfg.loss_scale_growth_interval, enabled=cfg.precision == "fp16")
+    return torch.amp.GradScaler(
+        torch.device(cfg.device).type,
+        init_scale=cfg.loss_scale_init,
+        growth_interval=cfg.loss_scale_growth_interval,
+        enabled=cfg.precision == "fp16",
+    )
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
@@ -190,12 +220,22 @@ def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = Tr
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def optimizer_for(kind: str, params, lr: float, *, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                  momentum: float = 0.9, fused: bool = False) -> torch.optim.Optimizer:
+def optimizer_for(
+    kind: str,
+    params,
+    lr: float,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.9,
+    fused: bool = False,
+) -> torch.optim.Optimizer:
     """Every optimizer the course uses, made in one place. AdamW's baseline is the for-loop implementation
     (foreach=False), the naive loop's; fused is one kernel for all tensors."""
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {"foreach": False}))
+        return torch.optim.AdamW(
+            params, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {"foreach": False})
+        )
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if kind == "sgd_momentum":
@@ -210,11 +250,19 @@ def optimizer_for(kind: str, params, lr: float, *, betas: tuple[float, float] = 
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    return optimizer_for(cfg.optimizer, param_groups(model, cfg.weight_decay, cfg.decay_2d_only), cfg.lr, betas=cfg.betas,
-                         eps=cfg.eps, momentum=cfg.momentum, fused=cfg.fused_adamw)
+    return optimizer_for(
+        cfg.optimizer,
+        param_groups(model, cfg.weight_decay, cfg.decay_2d_only),
+        cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        momentum=cfg.momentum,
+        fused=cfg.fused_adamw,
+    )
 
 
 # ---- learning-rate schedules: the lr of optimizer step `step` (0-based), as plain functions ----------
+
 
 def _warmup(step: int, lr: float, warmup: int) -> float:
     return lr * (step + 1) / warmup
@@ -244,13 +292,16 @@ def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
 
 
 def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
-    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) / step_size)."""
+    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) /
+    step_size)."""
     if step < warmup:
         return _warmup(step, lr, warmup)
     return lr * gamma ** ((step - warmup) // step_size)
 
 
-def wsd_lr(step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0) -> float:
+def wsd_lr(
+    step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0
+) -> float:
     """Warmup-stable-decay: linear warmup, a long flat stretch at `lr`, then a linear cool-down over the last
     `decay_fraction` of the steps, reaching min_lr_ratio * lr at the last step (total - 1)."""
     if step < warmup:
@@ -325,10 +376,14 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise ConfigError(f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
-                          "(course_lib.distributed.launch) or set data_parallel='none'")
+        raise ConfigError(
+            f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
+            "(course_lib.distributed.launch) or set data_parallel='none'"
+        )
     if cfg.loss_chunks != 1:
-        raise ConfigError("data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)")
+        raise ConfigError(
+            "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
+        )
     dev = torch.device(cfg.device)
     if cfg.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -340,8 +395,13 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
     return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
 
 
-def shard_with_fsdp2(model: nn.Module, parts: ModelParts, device_type: str, reshard_after_forward: bool | None = None,
-                     offload: bool = False) -> None:
+def shard_with_fsdp2(
+    model: nn.Module,
+    parts: ModelParts,
+    device_type: str,
+    reshard_after_forward: bool | None = None,
+    offload: bool = False,
+) -> None:
     """FSDP2 in place, inside an initialised process group: fully_shard on every block, then on the root (embeddings,
     final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
     1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward: None is fully_shard's own
@@ -390,8 +450,12 @@ def make_clipper(cfg: TrainConfig) -> Callable[[list[torch.Tensor], torch.Tensor
     return functools.partial(CLIPPERS[cfg.clip_kind], max_norm=cfg.clip_norm)
 
 
-def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
-                   on_grads: Callable[[list[torch.Tensor]], None] | None = None) -> tuple[torch.Tensor, float, float]:
+def optimizer_step(
+    setup: "Setup",
+    cfg: TrainConfig,
+    params: list[torch.Tensor],
+    on_grads: Callable[[list[torch.Tensor]], None] | None = None,
+) -> tuple[torch.Tensor, float, float]:
     """The end of every training step, written once: unscale (fp16), clip (setup.clip), step, scaler update,
     zero_grad, schedule. Returns (gradient norm before clipping, learning rate used, loss scale used).
     `on_grads` sees the gradients before zero_grad may free them (the memory ledger names them)."""
@@ -407,12 +471,16 @@ def optimizer_step(setup: "Setup", cfg: TrainConfig, params: list[torch.Tensor],
     setup.scaler.update()
     setup.optimizer.zero_grad(set_to_none=cfg.set_to_none)
     with warnings.catch_warnings():  # a step the fp16 scaler skipped still advances the schedule, on purpose
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`")
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
+        )
         setup.scheduler.step()
     return norm, lr, scale
 
 
-def accumulate_micro_batches(setup: "Setup", micro: list[tuple[torch.Tensor, torch.Tensor]], n_targets: int, meter) -> torch.Tensor:
+def accumulate_micro_batches(
+    setup: "Setup", micro: list[tuple[torch.Tensor, torch.Tensor]], n_targets: int, meter
+) -> torch.Tensor:
     """Forward and backward of a step's micro-batches (one when accumulation is off), their gradients summing in
     .grad; returns the step's loss per target token. `meter` names the phases (a no-op unless it measures)."""
     loss_fn = meter.loss_fn(setup)
@@ -452,11 +520,25 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
     parts = parts if parts is not None else ModelParts.of(model)
     if cfg.activation_checkpointing != "none":
         if parts.blocks is None:
-            raise ConfigError("activation checkpointing needs the model's blocks: pass ModelParts(blocks=...) or turn it off")
+            raise ConfigError(
+                "activation checkpointing needs the model's blocks: pass ModelParts(blocks=...) or turn it off"
+            )
         apply_activation_checkpointing(parts.blocks, cfg.activation_checkpointing)
     loss_module = LossModule(wrap_data_parallel(cfg, model, parts), cfg.loss_chunks, parts)
-    loss_fn = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode) if cfg.compile else loss_module
+    loss_fn = (
+        torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
+        if cfg.compile
+        else loss_module
+    )
     optimizer = make_optimizer(cfg, model)
-    return Setup(model=model, loss_module=loss_module, loss_fn=loss_fn, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer),
-                 autocast=autocast_context(cfg.precision, cfg.device), scaler=make_grad_scaler(cfg), parts=parts,
-                 clip=make_clipper(cfg))
+    return Setup(
+        model=model,
+        loss_module=loss_module,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        scheduler=make_scheduler(cfg, optimizer),
+        autocast=autocast_context(cfg.precision, cfg.device),
+        scaler=make_grad_scaler(cfg),
+        parts=parts,
+        clip=make_clipper(cfg),
+    )

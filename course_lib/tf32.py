@@ -3,6 +3,7 @@
 At the bottom of the package: the training loop applies it (course_lib.techniques re-exports it), and the device's
 capabilities time a matmul under it.
 """
+
 from __future__ import annotations
 
 import contextlib

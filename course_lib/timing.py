@@ -3,6 +3,7 @@
 The bottom layer of measurement (course_lib.measure re-exports it): the device's capabilities time a matmul with it, and
 the training loop its steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,14 +38,22 @@ class StepTimer:
         self.times.append(time.perf_counter() - t0)
 
 
-def time_fn(fn, device: str | torch.device = "cpu", repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0,
-            max_repeats: int | None = None) -> float:
+def time_fn(
+    fn,
+    device: str | torch.device = "cpu",
+    repeats: int = 5,
+    warmup: int = 1,
+    min_time_s: float = 0.0,
+    max_repeats: int | None = None,
+) -> float:
     """Median wall time of fn() in seconds, after `warmup` calls: `repeats` timed calls, or more (up to
     `max_repeats`) until `min_time_s` has passed, each timed by a StepTimer (the device synchronised around it)."""
     for _ in range(warmup):
         fn()
     timer, start = StepTimer(device), time.perf_counter()
-    while len(timer.times) < max(1, repeats) or (time.perf_counter() - start < min_time_s and len(timer.times) < (max_repeats or repeats)):
+    while len(timer.times) < max(1, repeats) or (
+        time.perf_counter() - start < min_time_s and len(timer.times) < (max_repeats or repeats)
+    ):
         with timer.step():
             fn()
     return statistics.median(timer.times)

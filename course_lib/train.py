@@ -14,6 +14,7 @@ replaces it with its schedule, which runs the micro-batches' forwards and backwa
 exposes what it built (`.setup`) before `fit()` trains; `train(cfg, ...)` is the two in one call, and `run`
 turns an out-of-memory error into a result.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,14 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_b
     return total / count
 
 
-def run_step(setup: techniques.Setup, cfg: TrainConfig, params: list[torch.Tensor], micro: list[tuple[torch.Tensor, torch.Tensor]],
-             meter: measure.NotMeasured = measure.NOT_MEASURED, n_targets: int | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def run_step(
+    setup: techniques.Setup,
+    cfg: TrainConfig,
+    params: list[torch.Tensor],
+    micro: list[tuple[torch.Tensor, torch.Tensor]],
+    meter: measure.NotMeasured = measure.NOT_MEASURED,
+    n_targets: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """One optimizer step over its micro-batches, watched by `meter` (a no-op unless it measures).
     Returns (loss per target token, gradient norm before clipping, learning rate used, loss scale used).
     `n_targets` defaults to the count of non-padding targets (give it where tensors hold no values: FakeTensorMode)."""
@@ -82,8 +89,16 @@ class Trainer:
     at it or hook into it (DDP's communication hook) before `fit()`.
     """
 
-    def __init__(self, cfg: TrainConfig, model: torch.nn.Module | None = None, *, parts: techniques.ModelParts | None = None,
-                 batches: Batches | None = None, splits: data_mod.Splits | None = None, flops_per_token: int | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model: torch.nn.Module | None = None,
+        *,
+        parts: techniques.ModelParts | None = None,
+        batches: Batches | None = None,
+        splits: data_mod.Splits | None = None,
+        flops_per_token: int | None = None,
+    ):
         self.caps = caps_mod.capabilities(cfg.device)
         self.caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
         # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
@@ -97,7 +112,10 @@ class Trainer:
         if splits is None and (batches is None or cfg.eval_every):
             splits = data_mod.load_splits()
         if model is None and splits is not None and cfg.model.vocab_size < splits.vocab_size:
-            raise ConfigError(f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} tokens: raise vocab_size")
+            raise ConfigError(
+                f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} "
+                "tokens: raise vocab_size"
+            )
         self.splits = splits
         self.batches = batches or data_mod.random_batches(splits.train, cfg, cfg.seed)
         # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors, cuBLAS's workspaces)
@@ -107,8 +125,12 @@ class Trainer:
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)
         self.setup = techniques.build(cfg, model, parts)
         self.flops_per_token = flops_per_token or (
-            measure.flops_per_token(model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context)
-            if isinstance(model, GPT) else None)  # any other model: counted on the first batch, in fit()
+            measure.flops_per_token(
+                model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context
+            )
+            if isinstance(model, GPT)
+            else None
+        )  # any other model: counted on the first batch, in fit()
         self.params = list(self.setup.model.parameters())  # what the optimizer updates (read again when fit() starts:
         # a caller may replace .setup before)
         self.step_index = 0  # the next step's index: what batches() is asked for
@@ -116,7 +138,9 @@ class Trainer:
 
     def _count_flops_per_token(self, x: torch.Tensor, y: torch.Tensor) -> int:
         """FlopCounterMode over one forward and backward, on a copy of the model (its gradients stay untouched)."""
-        return measure.counted_flops_per_token(copy.deepcopy(self.setup.model), x, lambda out: techniques.loss_sum(out, y), tokens=y.numel())
+        return measure.counted_flops_per_token(
+            copy.deepcopy(self.setup.model), x, lambda out: techniques.loss_sum(out, y), tokens=y.numel()
+        )
 
     def fit(self, label: str = "run", callback: Callable[[int, RunResult], None] | None = None) -> RunResult:
         """Train `cfg.steps` optimizer steps and return what was measured. `callback(step, result)` is called after
@@ -128,8 +152,11 @@ class Trainer:
                 self.step()
                 if not math.isfinite(result.losses[-1]):  # nothing after a non-finite loss is training: say so and stop
                     result.status = "diverged"
-                    result.reason = (f"diverged: the loss became {result.losses[-1]} at step {step} (learning rate {result.lrs[-1]:g}): "
-                                     "lower lr, or add warm-up (lr_warmup_steps) or clipping (clip_norm)")
+                    result.reason = (
+                        f"diverged: the loss became {result.losses[-1]} at step {step} "
+                        f"(learning rate {result.lrs[-1]:g}): "
+                        "lower lr, or add warm-up (lr_warmup_steps) or clipping (clip_norm)"
+                    )
                 if callback:
                     callback(step, result)
                 if result.status == "diverged":
@@ -141,14 +168,25 @@ class Trainer:
     def _start(self, label: str) -> RunResult:
         cfg, dev = self.cfg, self.dev
         self.params = params = list(self.setup.model.parameters())
-        self.result = RunResult(label=label, status="ok", config=cfg.to_dict(), provenance=provenance(self.caps.name),
-                                n_params=sum(p.numel() for p in {id(p): p for p in params}.values()), flops_per_token=self.flops_per_token)
+        self.result = RunResult(
+            label=label,
+            status="ok",
+            config=cfg.to_dict(),
+            provenance=provenance(self.caps.name),
+            n_params=sum(p.numel() for p in {id(p): p for p in params}.values()),
+            flops_per_token=self.flops_per_token,
+        )
         self._timer = measure.StepTimer(dev)
         self._ledger_step = cfg.steps - 1 if (dev.type == "cpu" and cfg.measure_memory) else None
-        self._excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | ({self._ledger_step} if self._ledger_step is not None else set())
+        self._excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | (
+            {self._ledger_step} if self._ledger_step is not None else set()
+        )
         if len(self._excluded) >= cfg.steps:
-            raise ConfigError(f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
-                              f"{' and the memory-ledger step' if self._ledger_step is not None else ''}: raise steps to at least {len(self._excluded) + 1}")
+            raise ConfigError(
+                f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
+                f"{' and the memory-ledger step' if self._ledger_step is not None else ''}: "
+                f"raise steps to at least {len(self._excluded) + 1}"
+            )
         self._ledger = measure.LedgerMeasurement(self.setup.parts.head) if self._ledger_step is not None else None
         self._cuda_peak = self._cuda_reserved = None
         return self.result
@@ -167,11 +205,15 @@ class Trainer:
         recording = result is not None
         micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
         if not micro:
-            raise ConfigError(f"batches({step}) returned no micro-batches: it must return a list of (inputs, targets) pairs, "
-                              "one per micro-batch (cfg.grad_accum_steps of them)")
+            raise ConfigError(
+                f"batches({step}) returned no micro-batches: it must return a list of (inputs, targets) pairs, "
+                "one per micro-batch (cfg.grad_accum_steps of them)"
+            )
         if recording and step == 0:
             result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
-            result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(*micro[0])
+            result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(
+                *micro[0]
+            )
         # CUDA: the allocator's peak over this run's own timed steps, each read on its own, so that another loop's steps
         # taken in between (the ladder's pairs) never count in it.
         cuda_peak = recording and dev.type == "cuda" and step >= min(cfg.timing_warmup, cfg.steps - 1)
@@ -211,12 +253,16 @@ class Trainer:
             self.result = None
             return result
         if taken == len(excluded):
-            raise ConfigError(f"the run {result.label!r} stopped after {taken} step(s), before any timed step: {result.stopped_early}")
+            raise ConfigError(
+                f"the run {result.label!r} stopped after {taken} step(s), before any timed step: {result.stopped_early}"
+            )
         result.median_step_s = measure.median_excluding(result.step_times, excluded)
         result.tokens_per_s = result.tokens_per_step / result.median_step_s
         if cfg.compile:
             result.compile_s = max(0.0, result.step_times[0] - result.median_step_s)
-        result.mfu, result.mfu_basis = caps_mod.efficiency(result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision)
+        result.mfu, result.mfu_basis = caps_mod.efficiency(
+            result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision
+        )
         if self._ledger is not None and taken > self._ledger_step:
             result.memory = self._ledger.report().to_dict()
         elif dev.type == "cuda" and self._cuda_peak is not None:
@@ -225,15 +271,22 @@ class Trainer:
             # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
             static: dict = measure.static_bytes(setup.model, setup.optimizer, gradients_at_parameter_size=True)
             static["gradients"] = None if cfg.set_to_none else static["gradients"]
-            result.memory = measure.cuda_memory_report(dev, static, peak=self._cuda_peak, baseline=self.cuda_baseline,
-                                                       reserved=self._cuda_reserved).to_dict()
+            result.memory = measure.cuda_memory_report(
+                dev, static, peak=self._cuda_peak, baseline=self.cuda_baseline, reserved=self._cuda_reserved
+            ).to_dict()
         self.result = None
         return result
 
 
-def train(cfg: TrainConfig, label: str = "run", callback: Callable[[int, RunResult], None] | None = None,
-          splits: data_mod.Splits | None = None, batches: Batches | None = None, model: torch.nn.Module | None = None,
-          **trainer_kwargs) -> RunResult:
+def train(
+    cfg: TrainConfig,
+    label: str = "run",
+    callback: Callable[[int, RunResult], None] | None = None,
+    splits: data_mod.Splits | None = None,
+    batches: Batches | None = None,
+    model: torch.nn.Module | None = None,
+    **trainer_kwargs,
+) -> RunResult:
     """Build and train in one call: `Trainer(cfg, model, ...).fit(label, callback)`."""
     return Trainer(cfg, model, batches=batches, splits=splits, **trainer_kwargs).fit(label, callback)
 
@@ -270,4 +323,10 @@ def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str)
         del oom
     # Leaving the except block drops `e`, its traceback and the frames, so their memory can be freed now.
     free_memory()
-    return RunResult(label=label, status="oom", config=cfg.to_dict(), provenance=provenance(measure.device_name(cfg.device)), reason=reason)
+    return RunResult(
+        label=label,
+        status="oom",
+        config=cfg.to_dict(),
+        provenance=provenance(measure.device_name(cfg.device)),
+        reason=reason,
+    )

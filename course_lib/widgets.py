@@ -20,14 +20,16 @@ numbers and lists), so that it is in `panel.results` and its saved file too: `re
 The code: under the plots, a collapsed "Code" section shows what the current configuration changes in the exported
 training script against naive fp32 (course_lib.export.diff_html against config.naive of the panel's base), redrawn
 whenever a control changes while it is open; "Export this configuration" writes that script (export.script) next to
-the notebook. A runner whose runs are not the config as it stands (the strategies of notebooks 07 and 08) says what its runs train
-with an attribute `runner.export_config(cfg, **extras) -> TrainConfig` (or raises ConfigError: not exportable).
+the notebook. A runner whose runs are not the config as it stands (the strategies of notebooks 07 and 08) says what its
+runs train with an attribute `runner.export_config(cfg, **extras) -> TrainConfig` (or raises ConfigError: not
+exportable).
 """
+
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import html
+import inspect
 import math
 import re
 import typing
@@ -40,13 +42,28 @@ from IPython.display import display
 from . import config as C
 from . import export
 from .capabilities import capabilities
+from .measure import device_name
 from .plots import PlotSpec, figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
-from .measure import device_name
 
 MODEL_FIELDS = tuple(t.name for t in C.TECHNIQUES if t.field.startswith("model."))
-ALL_CONTROLS = ("preset", "precision", "attention", "compile", "compile_mode", "fused_adamw", "activation_checkpointing",
-                "set_to_none", "loss_chunks", "vocab_multiple", "batch_size", "grad_accum_steps", "context", "steps")
+ALL_CONTROLS = (
+    "preset",
+    "precision",
+    "attention",
+    "compile",
+    "compile_mode",
+    "fused_adamw",
+    "activation_checkpointing",
+    "set_to_none",
+    "loss_chunks",
+    "vocab_multiple",
+    "batch_size",
+    "grad_accum_steps",
+    "context",
+    "steps",
+)
+
 
 def fewest_steps(cfg: C.TrainConfig) -> int:
     """The fewest steps a run of cfg can time: its warm-up, one timed step, and the memory ledger's on a CPU."""
@@ -70,11 +87,20 @@ CHOICES: dict[str, tuple] = {t.name: t.choices for t in C.TECHNIQUES if t.choice
 CHOICES["loss_scale_init"] = tuple(2.0**e for e in range(0, 41))
 # How a value is written in a dropdown and in a run's label (default: str).
 FORMATS: dict[str, Callable[[object], str]] = {"loss_scale_init": lambda v: f"2^{math.log2(v):g}"}
-LABELS = {"grad_accum_steps": "accumulation steps", "batch_size": "batch size", "compile_mode": "compile mode",
-          "clip_norm": "clip threshold (0: off)", "clip_kind": "clipping", "lr_warmup_steps": "LR warm-up steps",
-          "weight_decay": "weight decay", "decay_2d_only": "decay only >=2-D", "loss_scale_init": "loss scale start",
-          "loss_scale_growth_interval": "scale growth interval", "data_parallel": "data parallel",
-          **{t.name: t.label for t in C.TECHNIQUES}}
+LABELS = {
+    "grad_accum_steps": "accumulation steps",
+    "batch_size": "batch size",
+    "compile_mode": "compile mode",
+    "clip_norm": "clip threshold (0: off)",
+    "clip_kind": "clipping",
+    "lr_warmup_steps": "LR warm-up steps",
+    "weight_decay": "weight decay",
+    "decay_2d_only": "decay only >=2-D",
+    "loss_scale_init": "loss scale start",
+    "loss_scale_growth_interval": "scale growth interval",
+    "data_parallel": "data parallel",
+    **{t.name: t.label for t in C.TECHNIQUES},
+}
 
 
 def _field_types() -> dict[str, object]:
@@ -92,9 +118,17 @@ def _text(name: str, value) -> str:
 
 
 class Panel:
-    def __init__(self, base: C.TrainConfig | None = None, controls: Sequence[str] = ALL_CONTROLS, *, title: str = "Technique panel",
-                 runner: Callable[..., RunResult] | None = None, plots: Sequence[PlotSpec] = ("speed", "memory"),
-                 extras: dict[str, W.ValueWidget] | None = None, save_to: str | Path | None = None):
+    def __init__(
+        self,
+        base: C.TrainConfig | None = None,
+        controls: Sequence[str] = ALL_CONTROLS,
+        *,
+        title: str = "Technique panel",
+        runner: Callable[..., RunResult] | None = None,
+        plots: Sequence[PlotSpec] = ("speed", "memory"),
+        extras: dict[str, W.ValueWidget] | None = None,
+        save_to: str | Path | None = None,
+    ):
         """base: the starting config; controls: TrainConfig/ModelConfig field names, one control each; runner, extras
         and plots: the notebook's own Run, controls and plots (module docstring); save_to: a JSON file kept current."""
         self.base = base or C.cpu_preset()
@@ -103,9 +137,13 @@ class Panel:
             raise ValueError(f"extra controls ({', '.join(self.extras)}) need a runner that reads them: pass runner=")
         if self.extras and runner is not None:
             params = inspect.signature(runner).parameters
-            missing = [k for k in self.extras if k not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values())]
+            missing = [
+                k for k in self.extras if k not in params and not any(p.kind is p.VAR_KEYWORD for p in params.values())
+            ]
             if missing:
-                raise ValueError(f"the runner takes no argument named {', '.join(missing)}: its extra controls reach it as keywords")
+                raise ValueError(
+                    f"the runner takes no argument named {', '.join(missing)}: its extra controls reach it as keywords"
+                )
         self.runner = runner or self._default_runner
         self.plot_names = tuple(plots)
         self.save_to, self.save_note = self._file_of_its_own(save_to) if save_to else (None, "")
@@ -130,31 +168,65 @@ class Panel:
         self.status = W.HTML(self.save_note)
         self.table = W.HTML(html_table([]))
         # The figure is PNG bytes in one persistent Image widget, replaced on every redraw: a figure displayed into an
-        # Output widget from the Run button's callback came out blank or half drawn in JupyterLab (tests/test_browser.py).
-        self.plot_image = W.Image(format="png", layout=W.Layout(display="none", align_self="flex-start", max_width="100%", height="auto"))
-        for w, css in ((self.run_button, "course-run"), (self.clear_button, "course-clear"), (self.table, "course-table"), (self.plot_image, "course-plots")):
+        # Output widget from the Run button's callback came out blank or half drawn in JupyterLab
+        # (tests/test_browser.py).
+        self.plot_image = W.Image(
+            format="png", layout=W.Layout(display="none", align_self="flex-start", max_width="100%", height="auto")
+        )
+        for w, css in (
+            (self.run_button, "course-run"),
+            (self.clear_button, "course-clear"),
+            (self.table, "course-table"),
+            (self.plot_image, "course-plots"),
+        ):
             w.add_class(css)  # stable hooks for the browser test
         self.run_button.on_click(lambda _b: self._safe_run())
         self.clear_button.on_click(lambda _b: self.clear())
         self._code_section(runner)
-        header = W.HTML(f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
-                        + "".join(f"<br><small>&#9888; {n}</small>" for n in notes))
-        grid = W.GridBox(list(self.controls.values()) + list(self.extras.values()), layout=W.Layout(grid_template_columns="repeat(3, 330px)"))
-        self.widget = W.VBox([header, grid, W.HBox([self.run_button, self.clear_button, self.progress]), self.status,
-                              self.plot_image, self.table, self.code, W.HBox([self.export_button, self.export_status])])
+        header = W.HTML(
+            f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
+            + "".join(f"<br><small>&#9888; {n}</small>" for n in notes)
+        )
+        grid = W.GridBox(
+            list(self.controls.values()) + list(self.extras.values()),
+            layout=W.Layout(grid_template_columns="repeat(3, 330px)"),
+        )
+        self.widget = W.VBox(
+            [
+                header,
+                grid,
+                W.HBox([self.run_button, self.clear_button, self.progress]),
+                self.status,
+                self.plot_image,
+                self.table,
+                self.code,
+                W.HBox([self.export_button, self.export_status]),
+            ]
+        )
 
     # ---- the code: the configuration as a training script ---------------------------------------
     def _code_section(self, runner) -> None:
         """The collapsed diff against naive fp32, kept current while open, and the export button (module docstring)."""
         self.export_config = getattr(runner, "export_config", None)
         self.code_view = W.HTML()
-        self.code = W.Accordion(children=[self.code_view], titles=("Code: this configuration's training script against naive fp32",),
-                                selected_index=None)  # collapsed: the plots come first
-        self.export_button = W.Button(description="Export this configuration", icon="download", layout=W.Layout(width="240px"),
-                                      tooltip="write this configuration's standalone training script next to the notebook")
+        self.code = W.Accordion(
+            children=[self.code_view],
+            titles=("Code: this configuration's training script against naive fp32",),
+            selected_index=None,
+        )  # collapsed: the plots come first
+        self.export_button = W.Button(
+            description="Export this configuration",
+            icon="download",
+            layout=W.Layout(width="240px"),
+            tooltip="write this configuration's standalone training script next to the notebook",
+        )
         self.export_status = W.HTML()
-        for w, css in ((self.code, "course-code"), (self.code_view, "course-diff"), (self.export_button, "course-export"),
-                       (self.export_status, "course-export-status")):
+        for w, css in (
+            (self.code, "course-code"),
+            (self.code_view, "course-diff"),
+            (self.export_button, "course-export"),
+            (self.export_status, "course-export-status"),
+        ):
             w.add_class(css)
         # Formatting a diff takes a fraction of a second: redraw it on a change only while someone is looking at it.
         for w in [*self.controls.values(), *self.extras.values()]:
@@ -172,7 +244,10 @@ class Panel:
         try:
             return export.diff_html(C.naive(self.base), self.export_target(), "naive fp32 -> this configuration")
         except (C.ConfigError, ValueError) as e:
-            return f"<span style='color:#c44e52'>No script for this configuration: {html.escape(str(e), quote=False)}</span>"
+            return (
+                "<span style='color:#c44e52'>No script for this configuration: "
+                f"{html.escape(str(e), quote=False)}</span>"
+            )
 
     def _refresh_code_if_open(self) -> None:
         if self.code.selected_index == 0:
@@ -185,14 +260,18 @@ class Panel:
             cfg = self.export_target()
             text = export.script(cfg)
         except (C.ConfigError, ValueError) as e:
-            self.export_status.value = f"<span style='color:#c44e52'>Not exported: {html.escape(str(e), quote=False)}</span>"
+            self.export_status.value = (
+                f"<span style='color:#c44e52'>Not exported: {html.escape(str(e), quote=False)}</span>"
+            )
             return None
         what = re.sub(r"[^A-Za-z0-9]+", "_", self.label(cfg).partition(" ")[2]).strip("_")[:60]
         path = Path(directory or Path.cwd()) / f"train_{what or 'baseline'}.py"
         path.write_text(text, encoding="utf-8")
         run = "torchrun --nproc_per_node=2" if cfg.data_parallel != "none" else "python"
-        self.export_status.value = (f"Wrote <code>{html.escape(str(path.resolve()))}</code> ({text.count(chr(10))} lines); "
-                                    f"run it with <code>{run} {html.escape(path.name)}</code>")
+        self.export_status.value = (
+            f"Wrote <code>{html.escape(str(path.resolve()))}</code> ({text.count(chr(10))} lines); "
+            f"run it with <code>{run} {html.escape(path.name)}</code>"
+        )
         return path
 
     # ---- building controls ----------------------------------------------------------------------
@@ -200,11 +279,16 @@ class Panel:
         style, layout = {"description_width": "150px"}, W.Layout(width="320px")
         desc = LABELS.get(name, name.replace("_", " "))
         if name == "preset":
-            return W.Dropdown(options=list(C.PRESETS), value=self._matching_preset(), description="preset", style=style, layout=layout)
+            return W.Dropdown(
+                options=list(C.PRESETS), value=self._matching_preset(), description="preset", style=style, layout=layout
+            )
         if name == "device":
             import torch
+
             opts = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-            return W.Dropdown(options=opts, value=str(self.base.device), description="device", style=style, layout=layout)
+            return W.Dropdown(
+                options=opts, value=str(self.base.device), description="device", style=style, layout=layout
+            )
         value = _current(self.base, name)
         hint = self._types.get(f"model.{name}" if name in MODEL_FIELDS else name)
         if name == "precision":
@@ -214,12 +298,22 @@ class Panel:
                     notes.append(f"{p} is not offered: {self.reasons[f'precision={p}']}")
             if self.base.device == "cpu" or str(self.base.device).startswith("cpu"):
                 notes.append("tf32 runs on a CPU but changes nothing there (it is a CUDA tensor-core mode)")
-            return W.Dropdown(options=options, value=value if value in options else "fp32", description=desc, style=style, layout=layout)
+            return W.Dropdown(
+                options=options,
+                value=value if value in options else "fp32",
+                description=desc,
+                style=style,
+                layout=layout,
+            )
         if name in CHOICES:
             opts = sorted(set(CHOICES[name]) | {value})
-            return W.Dropdown(options=[(_text(name, v), v) for v in opts], value=value, description=desc, style=style, layout=layout)
+            return W.Dropdown(
+                options=[(_text(name, v), v) for v in opts], value=value, description=desc, style=style, layout=layout
+            )
         if typing.get_origin(hint) is typing.Literal:
-            return W.Dropdown(options=list(typing.get_args(hint)), value=value, description=desc, style=style, layout=layout)
+            return W.Dropdown(
+                options=list(typing.get_args(hint)), value=value, description=desc, style=style, layout=layout
+            )
         if hint is bool:
             w = W.Checkbox(value=bool(value), description=desc, indent=False, layout=layout)
             why = self.reasons.get(f"{name}=True")
@@ -232,11 +326,29 @@ class Panel:
         if name in SLIDERS:
             lo, hi, step = SLIDERS[name]
             lo, hi = (lo(self.base) if callable(lo) else lo), (hi(self.base) if callable(hi) else hi)
-            return W.IntSlider(value=value, min=min(lo, value), max=max(hi, value), step=step, description=desc, style=style,
-                               layout=layout, continuous_update=False)
+            return W.IntSlider(
+                value=value,
+                min=min(lo, value),
+                max=max(hi, value),
+                step=step,
+                description=desc,
+                style=style,
+                layout=layout,
+                continuous_update=False,
+            )
         if name == "lr":
-            return W.FloatLogSlider(value=value, base=10, min=-5, max=-1, step=0.1, description=desc, style=style, layout=layout,
-                                    readout_format=".1e", continuous_update=False)
+            return W.FloatLogSlider(
+                value=value,
+                base=10,
+                min=-5,
+                max=-1,
+                step=0.1,
+                description=desc,
+                style=style,
+                layout=layout,
+                readout_format=".1e",
+                continuous_update=False,
+            )
         if name == "clip_norm":
             return W.FloatText(value=value or 0.0, description=desc, style=style, layout=layout)
         if hint is int or typing.get_origin(hint) is None and isinstance(value, int):
@@ -273,7 +385,9 @@ class Panel:
         if "betas" in values and isinstance(values["betas"], str):
             values["betas"] = tuple(float(v) for v in values["betas"].split(","))
         if "context" in values:
-            values["context"] = min(values["context"], base.model.block_size) if "preset" in self.controls else values["context"]
+            values["context"] = (
+                min(values["context"], base.model.block_size) if "preset" in self.controls else values["context"]
+            )
         cfg = dataclasses.replace(base, **values)
         cfg = cfg.with_model(**model_changes) if model_changes else cfg
         return capabilities(cfg.device).require(cfg)
@@ -294,13 +408,17 @@ class Panel:
             if isinstance(w, W.FloatLogSlider):  # its min and max are exponents of its base
                 lo, hi = w.base**w.min, w.base**w.max
             if isinstance(v, (int, float)) and not isinstance(v, bool) and lo is not None and not lo <= v <= hi:
-                raise C.ConfigError(f"{k}={v} is outside this control's range {lo}..{hi} (a slider would clamp it): "
-                                    "choose a value in the range")
+                raise C.ConfigError(
+                    f"{k}={v} is outside this control's range {lo}..{hi} (a slider would clamp it): "
+                    "choose a value in the range"
+                )
             options = getattr(w, "options", None)
             if options is not None and v not in [o[1] if isinstance(o, tuple) else o for o in options]:
                 shown = [o[1] if isinstance(o, tuple) else o for o in options]
-                raise C.ConfigError(f"{k}={v!r} is not offered here: choose one of {', '.join(map(repr, shown))}"
-                                    f"{C.did_you_mean(v, shown)}")
+                raise C.ConfigError(
+                    f"{k}={v!r} is not offered here: choose one of {', '.join(map(repr, shown))}"
+                    f"{C.did_you_mean(v, shown)}"
+                )
             w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
         return self
 
@@ -338,8 +456,11 @@ class Panel:
     def label(self, cfg: C.TrainConfig) -> str:
         """A short name for a run: what differs from the panel's starting config."""
         parts = []
-        for k in ("preset", "device"):  # another model or device: its runs are not comparable with the others, so say it first
-            if k in self.controls and self.controls[k].value != (self._matching_preset() if k == "preset" else str(self.base.device)):
+        # another model or device: its runs are not comparable with the others, so say it first
+        for k in ("preset", "device"):
+            if k in self.controls and self.controls[k].value != (
+                self._matching_preset() if k == "preset" else str(self.base.device)
+            ):
                 parts.append(f"{k}={self.controls[k].value}")
         for k in self.controls:
             if k in ("preset", "device"):
@@ -363,8 +484,13 @@ class Panel:
         try:
             cfg = self.config()
         except (C.ConfigError, ValueError) as e:
-            result = RunResult(label=label or f"#{len(self.results) + 1} invalid", status="skipped", config={},
-                               provenance=provenance(device_name(self.base.device)), reason=str(e))
+            result = RunResult(
+                label=label or f"#{len(self.results) + 1} invalid",
+                status="skipped",
+                config={},
+                provenance=provenance(device_name(self.base.device)),
+                reason=str(e),
+            )
             self.status.value = f"<span style='color:#c44e52'>Not run: {e}</span>"
             return self._record(result)
         label = label or self.label(cfg)
@@ -379,14 +505,22 @@ class Panel:
         except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why; the panel stays usable
             status = "skipped" if isinstance(e, C.ConfigError) else "error"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            result = RunResult(label=label, status=status, config=cfg.to_dict(), provenance=provenance(device_name(cfg.device)),
-                               reason=f"{type(e).__name__}: {first}" if status == "error" else first)
+            result = RunResult(
+                label=label,
+                status=status,
+                config=cfg.to_dict(),
+                provenance=provenance(device_name(cfg.device)),
+                reason=f"{type(e).__name__}: {first}" if status == "error" else first,
+            )
         self.progress.description = "done" if result.ok else result.status
         result = self._record(result)  # recorded first: nothing below can lose it
         peak = f", peak {result.peak_gib:.4f} GiB" if result.peak_gib is not None else ", memory not measured"
         speed = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None else "done"
-        self.status.value = (f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.reason})" if result.reason else "") if result.ok
-                             else f"<b>{result.label}</b>: {result.status.upper()} {result.reason}")
+        self.status.value = (
+            f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.reason})" if result.reason else "")
+            if result.ok
+            else f"<b>{result.label}</b>: {result.status.upper()} {result.reason}"
+        )
         return result
 
     def _safe_run(self) -> None:
@@ -427,6 +561,8 @@ def show_environment(device: str) -> None:
     """The environment cell: device, torch version and what this device supports (course_lib.capabilities)."""
     import html
 
-    rows = "".join(f"<tr><td>{html.escape(k)}</td><td style='text-align:left'>{html.escape(v)}</td></tr>"
-                   for k, v in capabilities(device).rows())
+    rows = "".join(
+        f"<tr><td>{html.escape(k)}</td><td style='text-align:left'>{html.escape(v)}</td></tr>"
+        for k, v in capabilities(device).rows()
+    )
     display(W.HTML(f"<table>{rows}</table>"))

@@ -1,5 +1,6 @@
 """Gradient accumulation: the batch arithmetic, exact equality with the big batch (with and without padding),
 the classic mistakes measured as wrong, the one loop's equivalence, and the memory sweep."""
+
 from dataclasses import replace
 
 import pytest

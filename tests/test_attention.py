@@ -1,9 +1,9 @@
 """course_lib.attention: naive, tiled and SDPA attention are the same function; the sweep measures what it claims."""
+
 import pytest
 import torch
 
 from course_lib import attention as A
-
 
 SHAPES = [(1, 1, 1, 8), (2, 3, 37, 16), (1, 2, 128, 32), (2, 2, 200, 64)]
 
@@ -22,7 +22,7 @@ def test_tiled_non_causal_and_lse():
     out, lse = A.tiled_attention(q, k, v, 16, 16, causal=False, return_lse=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert A.max_abs_diff(out, ref) < 1e-5
-    scores = q @ k.transpose(-2, -1) / 16 ** 0.5
+    scores = q @ k.transpose(-2, -1) / 16**0.5
     assert A.max_abs_diff(lse, torch.logsumexp(scores, dim=-1)) < 1e-5
 
 
@@ -56,6 +56,7 @@ def test_sdpa_backend_names_a_kernel():
 def test_sdpa_backend_sees_math_fallback():
     q, k, v = A.random_qkv(1, 2, 64, 16)
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     with sdpa_kernel(SDPBackend.MATH):
         backend, op = A.sdpa_backend(q, k, v)
     assert backend.startswith("math"), (backend, op)
@@ -74,17 +75,23 @@ def test_context_sweep_memory_quadratic_vs_linear():
 
 
 def test_context_sweep_forward_only_tiled_is_linear():
-    pts = A.context_sweep([128, 512], impls=("naive", "tiled"), batch=1, heads=1, head_dim=16, backward=False, repeats=1)
+    pts = A.context_sweep(
+        [128, 512], impls=("naive", "tiled"), batch=1, heads=1, head_dim=16, backward=False, repeats=1
+    )
     by = {(p.impl, p.context): p.peak_bytes for p in pts}
     assert by["naive", 512] >= A.scores_bytes(1, 1, 512)
     assert by["tiled", 512] < A.scores_bytes(1, 1, 512)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU backends (flash / memory-efficient) only exist there")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: the GPU backends (flash / memory-efficient) only exist there"
+)
 def test_cuda_sdpa_backend_and_memory():
     q, k, v = A.random_qkv(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16)
     backend, _ = A.sdpa_backend(q, k, v)
     assert not backend.startswith("math")
-    pts = A.context_sweep([1024], impls=("naive", "sdpa"), batch=2, heads=4, device="cuda", dtype=torch.bfloat16, repeats=2)
+    pts = A.context_sweep(
+        [1024], impls=("naive", "sdpa"), batch=2, heads=4, device="cuda", dtype=torch.bfloat16, repeats=2
+    )
     by = {p.impl: p.peak_bytes for p in pts}
     assert by["sdpa"] < by["naive"]

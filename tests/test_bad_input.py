@@ -2,6 +2,7 @@
 clear message (on the command line: one `error:` line and exit 2, no traceback, nothing run), or in a labelled skipped,
 diverged or failed row; and nothing already written is damaged. The cases are a learner's typos and a workshop's
 accidents; each one's message is checked to say what to change."""
+
 import dataclasses
 import json
 import math
@@ -24,7 +25,10 @@ CLI = [
     (["ladder", "--preset", "tiny", "--leave-out", "0"], "baseline every rung is measured against"),
     (["ladder", "--preset", "tiny", "--threads", "0"], "--threads takes a number of CPU threads >= 1"),
     (["ladder", "--preset", "tiny", "--threads", "-4"], "--threads takes a number of CPU threads >= 1"),
-    (["ladder", "--preset", "tiny", "--set", "activation_checkpointing=sometimes"], "is not one of 'none', 'selective', 'full'"),
+    (
+        ["ladder", "--preset", "tiny", "--set", "activation_checkpointing=sometimes"],
+        "is not one of 'none', 'selective', 'full'",
+    ),
     (["ladder", "--preset", "tiny", "--set", "checkpointing=full"], "--set takes TECHNIQUE=VALUE"),
     (["ladder", "--preset", "tiny", "--rungs", "99"], "--rungs takes indices 0..9"),
     (["ladder", "--preset", "tiny", "--leave-out", "compile"], "--leave-out takes indices"),
@@ -49,8 +53,10 @@ CLI = [
     (["profile", "--preset", "tiny", "--set", "steps=0"], "steps must be a positive int"),
 ]
 if NO_CUDA:
-    CLI += [(["ladder", "--preset", "tiny", "--device", "cuda"], "CUDA is not available here"),
-            (["profile", "--preset", "tiny", "--device", "cuda"], "CUDA is not available here")]
+    CLI += [
+        (["ladder", "--preset", "tiny", "--device", "cuda"], "CUDA is not available here"),
+        (["profile", "--preset", "tiny", "--device", "cuda"], "CUDA is not available here"),
+    ]
 
 
 @pytest.mark.parametrize("args, says", CLI, ids=[" ".join(a) for a, _ in CLI])
@@ -64,8 +70,12 @@ def test_the_command_line_refuses_with_one_line(args, says, capsys):
 def test_a_folder_or_an_unwritable_path_is_refused_before_the_run(tmp_path, capsys):
     folder = tmp_path / "out"
     folder.mkdir()
-    for args in (["ladder", "--json", str(folder)], ["export", "--out", str(folder)], ["profile", "--trace", str(folder)],
-                 ["doctor", "--quick", "--json", str(folder)]):
+    for args in (
+        ["ladder", "--json", str(folder)],
+        ["export", "--out", str(folder)],
+        ["profile", "--trace", str(folder)],
+        ["doctor", "--quick", "--json", str(folder)],
+    ):
         assert cli([*args, "--preset", "tiny"] if args[0] != "doctor" else args) == 2, args
         err = capsys.readouterr().err
         assert "is a folder: give a file name" in err and "step 1 of" not in err and "checking" not in err, (args, err)
@@ -86,13 +96,23 @@ def test_an_existing_file_is_kept_unless_forced(tmp_path, capsys):
 
 
 def test_ctrl_c_during_a_ladder_keeps_the_rungs_measured(tmp_path, capsys, monkeypatch):
-    """The climb saves after every rung; an interrupt ends cleanly with exit 130, says what was saved and how to go on."""
+    """The climb saves after every rung; an interrupt ends cleanly with exit 130, says what was saved and how to go
+    on."""
     from course_lib import ladder as ladder_mod
     from course_lib.results import RunResult, load_results, provenance
 
     def interrupted(base, on_result=None, **_):
-        done = [RunResult("naive fp32", "ok", base.to_dict(), provenance("test"), tokens_per_s=1.0, median_step_s=1.0,
-                          ladder={"kept": True, "why": "the baseline"})]
+        done = [
+            RunResult(
+                "naive fp32",
+                "ok",
+                base.to_dict(),
+                provenance("test"),
+                tokens_per_s=1.0,
+                median_step_s=1.0,
+                ladder={"kept": True, "why": "the baseline"},
+            )
+        ]
         on_result(done)
         raise KeyboardInterrupt
 
@@ -120,7 +140,10 @@ API = [
     (lambda: C.ModelConfig(dropout=1.5), "dropout must be in [0, 1)"),
     (lambda: C.ModelConfig(attention="flash"), "is not one of 'naive', 'sdpa'"),
     (lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "stepz": 3}), "did you mean 'steps'"),
-    (lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "model": {"n_layers": 2}}), "did you mean 'n_layer'"),
+    (
+        lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "model": {"n_layers": 2}}),
+        "did you mean 'n_layer'",
+    ),
     (lambda: C.TrainConfig.from_dict([1, 2]), "a TrainConfig is a dict of its fields"),
     (lambda: C.preset("cpu-large"), "Unknown preset"),
     (lambda: C.parse_setting("warmup", "3"), "is not a setting"),
@@ -148,10 +171,12 @@ def test_a_run_that_diverges_stops_and_says_so(tiny):
 
 # ---- the panels: a row that says why, never a crash or a silent change ----------------------------------------------
 
+
 def test_panel_inputs():
     base = C.tiny_preset("cpu")
     p = widgets.Panel(base, controls=("preset", "attention", "batch_size", "grad_accum_steps", "steps"))
-    assert p.controls["steps"].min == widgets.fewest_steps(base) == base.timing_warmup + 2  # the slider cannot go below a run
+    # the slider cannot go below a run
+    assert p.controls["steps"].min == widgets.fewest_steps(base) == base.timing_warmup + 2
     with pytest.raises(C.ConfigError, match="outside this control's range"):
         p.set(steps=1)  # a slider would clamp it silently
     with pytest.raises(C.ConfigError, match="outside this control's range"):
@@ -184,7 +209,9 @@ def test_a_panel_run_that_raises_is_a_row_and_the_panel_lives_on():
     def runner(cfg, label, callback):
         raise RuntimeError("the runner fell over")
 
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=runner)
+    p = widgets.Panel(
+        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=runner
+    )
     r = p.run()
     assert r.status == "error" and "RuntimeError: the runner fell over" in r.reason and p.results == [r]
     assert p.progress.description == "error"
@@ -194,8 +221,12 @@ def test_a_comparison_across_networks_is_labelled_not_computed():
     from course_lib.results import RunResult, provenance, table_rows
 
     tiny, cpu = C.tiny_preset("cpu"), C.cpu_preset("cpu")
-    a = RunResult("tiny", "ok", tiny.to_dict(), provenance("t"), tokens_per_s=100.0, median_step_s=1.0, memory={"peak_bytes": 100})
-    b = RunResult("cpu", "ok", cpu.to_dict(), provenance("t"), tokens_per_s=30.0, median_step_s=1.0, memory={"peak_bytes": 600})
+    a = RunResult(
+        "tiny", "ok", tiny.to_dict(), provenance("t"), tokens_per_s=100.0, median_step_s=1.0, memory={"peak_bytes": 100}
+    )
+    b = RunResult(
+        "cpu", "ok", cpu.to_dict(), provenance("t"), tokens_per_s=30.0, median_step_s=1.0, memory={"peak_bytes": 600}
+    )
     row = table_rows([a, b])[1]
     assert row["speed-up"] == row["memory vs base"] == "other model"
 
@@ -205,9 +236,12 @@ def test_a_comparison_across_networks_is_labelled_not_computed():
 LAUNCH = [
     (dict(strategy="ddp", nproc=0), "a launch needs a whole number of processes >= 1"),
     (dict(strategy="ddp", nproc=2, options={"stepz": 3}), "did you mean 'steps'"),
-    (dict(strategy="ddp", nproc=2, options={"steps": "three"}), "steps=\"three\": takes an integer"),
+    (dict(strategy="ddp", nproc=2, options={"steps": "three"}), 'steps="three": takes an integer'),
     (dict(strategy="tensor_parallel", nproc=2, options={"sequence_parallel": 1}), "takes true or false"),
-    (dict(strategy="series", nproc=2, options={"runs": [{"strategy": "fsdp", "options": {"step": 1}}]}), "fsdp has no option 'step'"),
+    (
+        dict(strategy="series", nproc=2, options={"runs": [{"strategy": "fsdp", "options": {"step": 1}}]}),
+        "fsdp has no option 'step'",
+    ),
     (dict(strategy="dpp", nproc=2), "unknown strategy 'dpp'"),
 ]
 
@@ -233,8 +267,11 @@ def test_a_damaged_cache_entry_is_dropped_and_measured_again(tmp_path, monkeypat
     from course_lib import capabilities as K
 
     monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
-    for damaged, says in (("null", "holds no table of peaks"), ("[1, 2]", "holds no table of peaks"),
-                          (json.dumps({"a key": None, "another": "fast", "good": 0.5}), "2 unreadable entries")):
+    for damaged, says in (
+        ("null", "holds no table of peaks"),
+        ("[1, 2]", "holds no table of peaks"),
+        (json.dumps({"a key": None, "another": "fast", "good": 0.5}), "2 unreadable entries"),
+    ):
         (tmp_path / "matmul_peaks.json").write_text(damaged)
         kept = K._read_cache()
         assert says in capsys.readouterr().err

@@ -1,4 +1,5 @@
 """course_lib.bench: timing, peak memory, ugly sizes, AdamW implementations, compile events."""
+
 import time
 import types
 
@@ -14,6 +15,7 @@ def test_time_fn_returns_the_median_of_the_timed_calls(monkeypatch):
     durations = iter([1.0, 1.0, 0.010, 0.050, 0.020])
     now = [0.0]
     from course_lib import timing
+
     monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     calls = []
 
@@ -36,6 +38,7 @@ def test_peak_bytes_counts_the_largest_live_allocation():
         b = torch.empty(2000, dtype=torch.float32)  # 8000 bytes, alive with a
         del a, b
         return torch.empty(10, dtype=torch.float32)
+
     peak, method = B.peak_bytes(f)
     assert 12000 <= peak < 13000, peak
     assert method
@@ -84,6 +87,7 @@ def test_adamw_implementations_agree_and_are_timed():
 
 def test_compile_counter_sees_recompiles():
     import torch._dynamo
+
     torch._dynamo.reset()
     counter = B.CompileCounter()
     f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1, backend=counter)

@@ -19,6 +19,7 @@ Screenshots of each panel after its last click go to $BROWSER_TEST_SHOTS (defaul
 Needs Debian's `chromium` (installed by .ci/run) and the Python `playwright` package (the test extra).
 Skipped, with the reason in the summary, only where those cannot be had.
 """
+
 from __future__ import annotations
 
 import base64
@@ -41,18 +42,28 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 SETUP_TAG, PANEL_TAG = "panel-setup", "panel"
 
 
 @dataclasses.dataclass(frozen=True)
 class PanelCase:
     """One notebook's panel as the browser test drives it: choose options of its dropdowns, press Run `clicks` times."""
+
     notebook: str  # file in notebooks/
     settings: tuple[tuple[str, str], ...]  # (a dropdown's label in the panel, the option's text to choose)
     expect: tuple[str, ...]  # text the new row of the results table holds
-    clicks: int = 2  # a figure drawn into an Output widget from a callback went blank after the first or the second click
+    # a figure drawn into an Output widget from a callback went blank after the first or the second click
+    clicks: int = 2
     # After the clicks, the code section (one panel is enough: it is the same widget everywhere): opened, it shows the
     # diff against naive fp32; (a dropdown's label, an option, text the diff then holds); then the export button.
     code: tuple[str, str, str] | None = None
@@ -62,31 +73,53 @@ class PanelCase:
 
 
 # The bytes lesson of 07's and 08's panels, in each row's note (distributed/panel.py's _note).
-BYTES_LESSON = ("sent per rank", "counted x ring share", *(("written to sockets",) if Path("/proc/self/io").exists() else ()))
+BYTES_LESSON = (
+    "sent per rank",
+    "counted x ring share",
+    *(("written to sockets",) if Path("/proc/self/io").exists() else ()),
+)
 
 # Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
 PANELS = [
     # 01 and 02: each run's row sets the formula's peak beside the measured one (memory.run_beside_estimate), which the
     # figure draws category by category
-    PanelCase("01_naive_loop.ipynb", (("attention", "sdpa"),), ("attention=sdpa", "peak: formula", "measured"),
-              code=("activation checkpointing", "full", "CheckpointedBlock(block)")),
-    PanelCase("02_memory_accounting.ipynb", (("activation checkpointing", "selective"),),
-              ("activation_checkpointing=selective", "peak: formula", "measured")),
+    PanelCase(
+        "01_naive_loop.ipynb",
+        (("attention", "sdpa"),),
+        ("attention=sdpa", "peak: formula", "measured"),
+        code=("activation checkpointing", "full", "CheckpointedBlock(block)"),
+    ),
+    PanelCase(
+        "02_memory_accounting.ipynb",
+        (("activation checkpointing", "selective"),),
+        ("activation_checkpointing=selective", "peak: formula", "measured"),
+    ),
     # 03: pure bf16 with stochastic rounding (the note names the dtype each op ran in and the updates lost)
-    PanelCase("03_mixed_precision.ipynb", (("precision", "bf16"), ("weights", "pure bf16, stochastic rounding")),
-              ("precision=bf16", "weights=pure bf16, stochastic rounding", "layer norm bf16", "of the updates lost")),
+    PanelCase(
+        "03_mixed_precision.ipynb",
+        (("precision", "bf16"), ("weights", "pure bf16, stochastic rounding")),
+        ("precision=bf16", "weights=pure bf16, stochastic rounding", "layer norm bf16", "of the updates lost"),
+    ),
     # compile is 04's other lesson, but a compiled run costs a minute of a 2-core CPU: flash attention is cheap
     PanelCase("04_compile_and_flash_attention.ipynb", (("attention", "sdpa"),), ("attention=sdpa",)),
-    PanelCase("05_algorithmic_hyperparameters.ipynb", (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
-              ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token")),
-    PanelCase("06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)),
-    # 07: a ZeRO stage the old panel did not reach (ZeRO-2: gradients and optimizer state sharded, parameters kept gathered),
-    # with the note's bytes lesson: what each rank sent (counted x ring share), and what it wrote to its sockets where gloo
-    # can read that (Linux: /proc/self/io)
+    PanelCase(
+        "05_algorithmic_hyperparameters.ipynb",
+        (("schedule", "wsd"), ("clipping", "per_tensor"), ("bad batch at steps/2", "repeated token")),
+        ("schedule=wsd", "clip_kind=per_tensor", "bad_batch=repeated token"),
+    ),
+    PanelCase(
+        "06_gradient_accumulation.ipynb", (("normalisation", "mean_of_means"),), ("normalisation=mean_of_means",)
+    ),
+    # 07: a ZeRO stage the old panel did not reach (ZeRO-2: gradients and optimizer state sharded, parameters kept
+    # gathered), with the note's bytes lesson: what each rank sent (counted x ring share), and what it wrote to its
+    # sockets where gloo can read that (Linux: /proc/self/io)
     PanelCase("07_data_parallelism.ipynb", (("strategy", "ZeRO-2"),), ("strategy=zero2", "ZeRO-2 x2", *BYTES_LESSON)),
     # 08: expert parallelism (MoE), which the old panel did not reach: the bytes lesson and what only the MoE note says
-    PanelCase("08_model_parallelism.ipynb", (("strategy", "MoE, expert parallel"),),
-              ("strategy=moe", "MoE, expert parallel x2", "4 experts top-2", "assignments", *BYTES_LESSON)),
+    PanelCase(
+        "08_model_parallelism.ipynb",
+        (("strategy", "MoE, expert parallel"),),
+        ("strategy=moe", "MoE, expert parallel x2", "4 experts top-2", "assignments", *BYTES_LESSON),
+    ),
     # (the panel starts from the loop the ladder kept, with 8 chunks where the chunked loss was kept: 4 always differs)
     PanelCase("09_putting_it_together.ipynb", (("loss chunks", "4"),), ("loss_chunks=4",)),
 ]
@@ -134,7 +167,9 @@ def test_every_panel_is_driven_and_its_cells_are_tagged():
         cells = panel_cells(case.notebook)["cells"]
         tags = [c["metadata"]["tags"] for c in cells]
         assert SETUP_TAG in tags[0] and PANEL_TAG in tags[-1], (case.notebook, tags)
-        assert re.search(r"^panel\s*$", "".join(cells[-1]["source"]), flags=re.M), f"{case.notebook}: the panel cell should show `panel`"
+        assert re.search(r"^panel\s*$", "".join(cells[-1]["source"]), flags=re.M), (
+            f"{case.notebook}: the panel cell should show `panel`"
+        )
 
 
 def test_each_panel_copy_runs_on_its_own_cells(tmp_path, pyflakes, monkeypatch):
@@ -143,35 +178,64 @@ def test_each_panel_copy_runs_on_its_own_cells(tmp_path, pyflakes, monkeypatch):
     kernel needs (nbval runs every whole notebook in a fresh kernel)."""
     monkeypatch.setenv("PYFLAKES_BUILTINS", "display")  # a name IPython gives every kernel
     for case in PANELS:
-        code = "\n\n".join("".join(c["source"]) for c in panel_cells(case.notebook)["cells"] if c["cell_type"] == "code")
+        code = "\n\n".join(
+            "".join(c["source"]) for c in panel_cells(case.notebook)["cells"] if c["cell_type"] == "code"
+        )
         (tmp_path / f"copy_{case}.py").write_text(code + "\n")
         found = pyflakes(tmp_path / f"copy_{case}.py").splitlines()
-        # what matters here: names used but not defined, and code pyflakes cannot read (an IPython magic, a syntax error)
-        undefined = [ln for ln in found if "undefined name" in ln or not re.match(r"^\S+:\d+:\d+:? \S", ln) or "syntax" in ln.lower()]
-        assert undefined == [], f"{case.notebook}: its panel-setup and panel cells use names defined elsewhere: {undefined}"
+        # what matters here: names used but not defined, and code pyflakes cannot read (an IPython magic, a syntax
+        # error)
+        undefined = [
+            ln
+            for ln in found
+            if "undefined name" in ln or not re.match(r"^\S+:\d+:\d+:? \S", ln) or "syntax" in ln.lower()
+        ]
+        assert undefined == [], (
+            f"{case.notebook}: its panel-setup and panel cells use names defined elsewhere: {undefined}"
+        )
 
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 with a token, serving the panel copies of every case's notebook; stopped afterwards."""
+    """A JupyterLab server on 127.0.0.1 with a token, serving the panel copies of every case's notebook; stopped
+    afterwards."""
     tmp_path = tmp_path_factory.mktemp("lab")
     work = tmp_path / "work"
     work.mkdir()
     for case in PANELS:
-        (work / case.notebook).write_text(json.dumps(panel_cells(case.notebook), indent=1, ensure_ascii=False), encoding="utf-8")
+        (work / case.notebook).write_text(
+            json.dumps(panel_cells(case.notebook), indent=1, ensure_ascii=False), encoding="utf-8"
+        )
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
     # Render every cell (JupyterLab 4 otherwise only puts the cells near the viewport in the page).
     notebook_settings = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
     notebook_settings.mkdir(parents=True)
     (notebook_settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port, token = free_port(), secrets.token_hex(16)
-    env = {**{k: v for k, v in os.environ.items() if k != "MPLBACKEND"}, "COURSE_BUDGET": os.environ.get("COURSE_BUDGET", "smoke"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")}
-    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={work}", "--ServerApp.open_browser=False", f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
-           "--LabApp.expose_app_in_browser=True"]  # window.jupyterapp: the next notebook opens in the same tab
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "MPLBACKEND"},
+        "COURSE_BUDGET": os.environ.get("COURSE_BUDGET", "smoke"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyterlab",
+        "--no-browser",
+        f"--port={port}",
+        "--ip=127.0.0.1",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={work}",
+        "--ServerApp.open_browser=False",
+        f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+        "--LabApp.expose_app_in_browser=True",
+    ]  # window.jupyterapp: the next notebook opens in the same tab
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.append("--allow-root")
     log = open(tmp_path / "jupyterlab.log", "w")
@@ -185,7 +249,9 @@ def lab(tmp_path_factory):
                 break
             except OSError:
                 if server.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start:\n{(tmp_path / 'jupyterlab.log').read_text()[-3000:]}")
+                    raise RuntimeError(
+                        f"JupyterLab did not start:\n{(tmp_path / 'jupyterlab.log').read_text()[-3000:]}"
+                    )
                 time.sleep(0.5)
         yield url, token
     finally:
@@ -202,7 +268,9 @@ def browser_context():
     exe = chromium_path()
     if exe is None:
         pytest.skip("Debian's chromium is not installed here (.ci/run installs it: apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is missing: pip install -e '.[test]'")
+    sync_api = pytest.importorskip(
+        "playwright.sync_api", reason="the playwright package is missing: pip install -e '.[test]'"
+    )
     with sync_api.sync_playwright() as p:
         b = p.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
         try:
@@ -250,7 +318,9 @@ def lab_tab(browser_context, lab):
 NEXT_NOTEBOOK_JS = """async (path) => {
   const app = window.jupyterapp;
   const kernel = app.shell.currentWidget.sessionContext.session.kernel;
-  await kernel.requestExecute({code: "import ipywidgets; ipywidgets.Widget.close_all()", silent: true, store_history: false}).done;
+  await kernel.requestExecute(
+    {code: "import ipywidgets; ipywidgets.Widget.close_all()", silent: true, store_history: false}
+  ).done;
   for (const w of Array.from(app.shell.widgets('main'))) {
     if (w.context) { w.context.model.dirty = false; w.dispose(); }
   }
@@ -264,7 +334,9 @@ def shut_down_kernels(url: str, token: str) -> None:
     req = urllib.request.Request(f"{url}/api/sessions?token={token}")
     for session in json.loads(urllib.request.urlopen(req, timeout=10).read()):
         try:
-            urllib.request.urlopen(urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE"), timeout=30)
+            urllib.request.urlopen(
+                urllib.request.Request(f"{url}/api/sessions/{session['id']}?token={token}", method="DELETE"), timeout=30
+            )
         except urllib.error.HTTPError as e:  # gone with a session before it that had the same kernel
             if e.code != 404:
                 raise
@@ -287,7 +359,10 @@ READ_FIGURE_JS = """async (sel) => {
   const px = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
   let ink = 0;
   for (let i = 0; i < px.length; i += 4) if (px[i + 3] > 16 && Math.min(px[i], px[i + 1], px[i + 2]) < 235) ink++;
-  return {src, decoded: true, b64: btoa(bin), width: img.naturalWidth, height: img.naturalHeight, browser_ink: ink / (px.length / 4)};
+  return {
+    src, decoded: true, b64: btoa(bin), width: img.naturalWidth, height: img.naturalHeight,
+    browser_ink: ink / (px.length / 4),
+  };
 }"""
 
 
@@ -319,8 +394,10 @@ def describe(fig: dict | None) -> str:
         return "no figure in the page"
     if not fig.get("decoded"):
         return f"an image the browser could not decode ({fig['src'][:40]}...)"
-    return (f"{fig['size'][0]}x{fig['size'][1]} px, {fig['bytes']:,} bytes, {fig['ink']:.2%} of pixels drawn "
-            f"(the browser's canvas: {fig['browser_ink']:.2%})")
+    return (
+        f"{fig['size'][0]}x{fig['size'][1]} px, {fig['bytes']:,} bytes, {fig['ink']:.2%} of pixels drawn "
+        f"(the browser's canvas: {fig['browser_ink']:.2%})"
+    )
 
 
 @pytest.mark.parametrize("case", PANELS, ids=str)
@@ -373,22 +450,34 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab_tab, 
             new_row = table_rows.nth(rows_before).inner_text()
             assert all(e in new_row for e in case.expect) and "ok" in new_row.split(), new_row
             # The row comes before the figure: wait for a new image, then for it to hold a drawn figure.
-            page.wait_for_function("([sel, before]) => { const i = document.querySelector(sel); return i && i.src && i.src !== before; }",
-                                   arg=[FIGURE, before["src"] if before else ""], timeout=60_000)
+            page.wait_for_function(
+                "([sel, before]) => { const i = document.querySelector(sel); return i && i.src && i.src !== before; }",
+                arg=[FIGURE, before["src"] if before else ""],
+                timeout=60_000,
+            )
             deadline = time.time() + 30
             while True:
                 after = read_figure(page)
-                good = (after and after.get("decoded") and after["ink"] >= MIN_INK and after["browser_ink"] >= MIN_INK
-                        and (before is None or after["bytes"] >= MIN_BYTES_RATIO * before["bytes"]))
+                good = (
+                    after
+                    and after.get("decoded")
+                    and after["ink"] >= MIN_INK
+                    and after["browser_ink"] >= MIN_INK
+                    and (before is None or after["bytes"] >= MIN_BYTES_RATIO * before["bytes"])
+                )
                 if good or time.time() > deadline:
                     break
                 time.sleep(POLL_S)
             report.append(f"click {click} ({time.time() - t_click:.0f} s): {describe(after)}")
             if click == case.clicks or not good:
                 page.locator(".jp-CodeCell", has=page.locator(".course-run")).first.screenshot(
-                    path=str(shots / f"browser_test_{case}_click{click}.png"))
-            assert good, (f"the panel's figure is not a drawn figure after click {click} on Run "
-                          f"(needs >= {MIN_INK:.0%} drawn pixels and >= {MIN_BYTES_RATIO:.0%} of the bytes before):\n" + "\n".join(report))
+                    path=str(shots / f"browser_test_{case}_click{click}.png")
+                )
+            assert good, (
+                f"the panel's figure is not a drawn figure after click {click} on Run "
+                f"(needs >= {MIN_INK:.0%} drawn pixels and >= {MIN_BYTES_RATIO:.0%} of the bytes before):\n"
+                + "\n".join(report)
+            )
             before = after
         if case.code:
             report.append(_check_code_and_export(page, *case.code))
@@ -401,7 +490,9 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab_tab, 
 
 def _choose(page, label: str, option: str) -> None:
     """Choose `option` in the panel's dropdown labelled `label`."""
-    dropdown = page.locator(".widget-dropdown").filter(has=page.locator("label", has_text=re.compile(rf"^{re.escape(label)}$")))
+    dropdown = page.locator(".widget-dropdown").filter(
+        has=page.locator("label", has_text=re.compile(rf"^{re.escape(label)}$"))
+    )
     assert dropdown.count() == 1, f"the panel has {dropdown.count()} dropdowns labelled {label!r}"
     dropdown.locator("select").select_option(label=option)
 
@@ -436,8 +527,11 @@ def _run_all_cells(page) -> None:
     connecting can be lost on a loaded machine: the notebook then sits idle with every prompt empty)."""
     for _ in range(3):
         try:
-            page.wait_for_function("() => /\\bIdle\\b/.test(document.querySelector('#jp-main-statusbar')?.innerText || '')"
-                                   " || !!document.querySelector(\".jp-Notebook-ExecutionIndicator[data-status='idle']\")", timeout=90_000)
+            page.wait_for_function(
+                "() => /\\bIdle\\b/.test(document.querySelector('#jp-main-statusbar')?.innerText || '')"
+                " || !!document.querySelector(\".jp-Notebook-ExecutionIndicator[data-status='idle']\")",
+                timeout=90_000,
+            )
         except Exception:  # noqa: BLE001 - the status bar differs between versions: fall back to a pause
             time.sleep(5)
         time.sleep(1)  # the kernel may still be connecting: a click made now can be lost
@@ -445,7 +539,9 @@ def _run_all_cells(page) -> None:
         page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
         deadline = time.time() + 30
         while time.time() < deadline:
-            if any(re.search(r"\[(\*|\d+)\]", t) for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()):
+            if any(
+                re.search(r"\[(\*|\d+)\]", t) for t in page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+            ):
                 return
             time.sleep(POLL_S)
     pytest.fail("Run All Cells started no cell (3 tries)")

@@ -1,4 +1,5 @@
 """course_lib.capabilities: the one answer to "what can this device run, and how fast"."""
+
 import dataclasses
 import json
 import subprocess
@@ -20,29 +21,53 @@ def fresh_capabilities():
     K.capabilities.cache_clear()
 
 
-@pytest.mark.parametrize("name, key", [
-    ("NVIDIA L40", "L40"), ("NVIDIA L40S", "L40S"), ("NVIDIA L4", "L4"),  # "L4" must not be found inside "L40"
-    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100 PCIe"), ("NVIDIA H100 NVL", "H100 NVL"),
-    ("NVIDIA H200", "H200"), ("NVIDIA H200 NVL", "H200 NVL"),
-    ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A10G", "A10G"), ("NVIDIA A10", "A10"), ("Tesla T4", "T4"),
-    ("NVIDIA GeForce RTX 4090", "RTX 4090"),
-])
+@pytest.mark.parametrize(
+    "name, key",
+    [
+        ("NVIDIA L40", "L40"),
+        ("NVIDIA L40S", "L40S"),
+        ("NVIDIA L4", "L4"),  # "L4" must not be found inside "L40"
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA A100-SXM4-80GB", "A100"),
+        ("NVIDIA A10G", "A10G"),
+        ("NVIDIA A10", "A10"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+    ],
+)
 def test_datasheet_matches_whole_names(name, key):
     assert K.datasheet_tflops(name) is K.DATASHEET_TFLOPS[key]
 
 
-@pytest.mark.parametrize("name", ["NVIDIA L400X", "NVIDIA A1000", "NVIDIA GeForce RTX 3060", "CPU (AMD EPYC, 2 threads)"])
+@pytest.mark.parametrize(
+    "name", ["NVIDIA L400X", "NVIDIA A1000", "NVIDIA GeForce RTX 3060", "CPU (AMD EPYC, 2 threads)"]
+)
 def test_an_unknown_device_has_no_datasheet_peak(name):
     assert K.datasheet_tflops(name) is None
 
 
 def _cpu(**flags):
-    base = dict(avx2=True, avx512=True, avx512_bf16=False, avx512_fp16=False, amx_bf16=False, amx_fp16=False, onednn_cap=None)
+    base = dict(
+        avx2=True, avx512=True, avx512_bf16=False, avx512_fp16=False, amx_bf16=False, amx_fp16=False, onednn_cap=None
+    )
     return K.CpuFeatures(**{**base, **flags})
 
 
-@pytest.mark.parametrize("cap, usable", [(None, True), ("AVX512_CORE_BF16", True), ("avx512_core_amx", True), ("ALL", True),
-                                         ("AVX512_CORE", False), ("AVX2", False)])
+@pytest.mark.parametrize(
+    "cap, usable",
+    [
+        (None, True),
+        ("AVX512_CORE_BF16", True),
+        ("avx512_core_amx", True),
+        ("ALL", True),
+        ("AVX512_CORE", False),
+        ("AVX2", False),
+    ],
+)
 def test_onednn_cap_hides_bf16_instructions(cap, usable):
     assert _cpu(avx512_bf16=True, onednn_cap=cap).usable("avx512_bf16") is usable
 
@@ -98,6 +123,7 @@ def test_a_precision_the_device_cannot_run_is_refused_when_the_run_starts(monkey
     monkeypatch.setattr(K, "_precisions", lambda dev, cpu: {**real(dev, cpu), "bf16": K.Support(False, "no bf16 here")})
     cfg = dataclasses.replace(C.tiny_preset("cpu"), precision="bf16")  # constructing it is fine: it is data
     from course_lib.train import train
+
     with pytest.raises(C.ConfigError, match="precision='bf16' cannot run on cpu: no bf16 here"):
         train(cfg)
 
@@ -145,6 +171,7 @@ def test_efficiency_is_against_the_measured_peak_off_the_datasheet(monkeypatch):
 def test_a_cpu_run_reports_efficiency_of_the_measured_peak(monkeypatch, tmp_path):
     monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
     from course_lib.train import train
+
     r = train(dataclasses.replace(C.tiny_preset("cpu"), steps=3, measure_memory=False))
     peak = json.loads((tmp_path / "matmul_peaks.json").read_text())
     (measured,) = peak.values()
@@ -154,6 +181,7 @@ def test_a_cpu_run_reports_efficiency_of_the_measured_peak(monkeypatch, tmp_path
 
 def test_tf32_is_set_through_the_current_api_and_restored():
     from course_lib.techniques import matmul_precision
+
     m = torch.backends.cuda.matmul
     if not hasattr(m, "fp32_precision"):
         pytest.skip(f"torch {torch.__version__} has no fp32_precision API (the legacy flags are used)")
@@ -168,7 +196,9 @@ def test_tf32_is_set_through_the_current_api_and_restored():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_info_on_cuda_without_cuda_is_a_message_not_a_traceback():
-    proc = subprocess.run([sys.executable, "-m", "course_lib", "info", "--device", "cuda"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "course_lib", "info", "--device", "cuda"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "CUDA is not available here" in proc.stderr and "device='cpu'" in proc.stderr
 
@@ -176,9 +206,13 @@ def test_info_on_cuda_without_cuda_is_a_message_not_a_traceback():
 # ---- a GPU by its compute capability (no GPU needed: torch.cuda's answers are replaced) ----------------------------
 # (compute capability, name, bf16 fast, fp16 fast, TF32, the ladder's 16-bit rung): bf16 and TF32 tensor cores from
 # Ampere (8.0) on, fp16 tensor cores from Volta (7.0); a V100 or a T4 gets no bf16 speed-up, so its rung is fp16.
-GPUS = [((6, 0), "Tesla P100-PCIE-16GB", False, False, False, None), ((7, 0), "Tesla V100-SXM2-16GB", False, True, False, "fp16"),
-        ((7, 5), "Tesla T4", False, True, False, "fp16"), ((8, 0), "NVIDIA A100-SXM4-80GB", True, True, True, "bf16"),
-        ((9, 0), "NVIDIA H100 80GB HBM3", True, True, True, "bf16")]
+GPUS = [
+    ((6, 0), "Tesla P100-PCIE-16GB", False, False, False, None),
+    ((7, 0), "Tesla V100-SXM2-16GB", False, True, False, "fp16"),
+    ((7, 5), "Tesla T4", False, True, False, "fp16"),
+    ((8, 0), "NVIDIA A100-SXM4-80GB", True, True, True, "bf16"),
+    ((9, 0), "NVIDIA H100 80GB HBM3", True, True, True, "bf16"),
+]
 
 
 def _gpu(monkeypatch, cc, name):
@@ -192,7 +226,9 @@ def _gpu(monkeypatch, cc, name):
     return K.capabilities("cuda")
 
 
-@pytest.mark.parametrize("cc, name, bf16, fp16, tf32, rung", GPUS, ids=lambda v: "sm_%d%d" % v if isinstance(v, tuple) else None)
+@pytest.mark.parametrize(
+    "cc, name, bf16, fp16, tf32, rung", GPUS, ids=lambda v: "sm_%d%d" % v if isinstance(v, tuple) else None
+)
 def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, name, bf16, fp16, tf32, rung):
     caps = _gpu(monkeypatch, cc, name)
     p = caps.precisions
@@ -202,7 +238,11 @@ def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, na
     info = dict(caps.rows())  # what the environment cells and `python -m course_lib info` print
     assert info["compute capability"] == "%d.%d" % cc
     if not bf16:
-        assert info["bf16"].startswith("no: ") and "no bf16 tensor cores" in info["bf16"] and "fp16 with loss scaling" in info["bf16"]
+        assert (
+            info["bf16"].startswith("no: ")
+            and "no bf16 tensor cores" in info["bf16"]
+            and "fp16 with loss scaling" in info["bf16"]
+        )
         assert "precision=bf16" in caps.unavailable()  # the panel disables it, a config asking for it is refused
     else:
         assert info["bf16"] == "yes: bf16 tensor cores (compute capability %d.%d)" % cc
@@ -219,5 +259,9 @@ def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, na
 def test_the_gpu_generation_table_is_gpu_precisions():
     rows = {r["compute capability"]: r for r in K.gpu_generation_rows()}
     assert rows["7.0"]["bf16"] == rows["7.5"]["bf16"] == "refused" and rows["7.5"]["fp16"] == "tensor cores"
-    assert rows["8.0"]["bf16"] == rows["9.0"]["bf16"] == "tensor cores" and rows["6.0"]["fp16"] == "runs, no tensor cores"
-    assert [r["the ladder's 16-bit rung"] for r in rows.values()][:4] == ["skipped (no 16-bit tensor cores)"] * 2 + ["fp16"] * 2
+    assert (
+        rows["8.0"]["bf16"] == rows["9.0"]["bf16"] == "tensor cores" and rows["6.0"]["fp16"] == "runs, no tensor cores"
+    )
+    assert [r["the ladder's 16-bit rung"] for r in rows.values()][:4] == ["skipped (no 16-bit tensor cores)"] * 2 + [
+        "fp16"
+    ] * 2

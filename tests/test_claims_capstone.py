@@ -1,4 +1,6 @@
-"""Claims of notebooks 04 and 09 that are bookkeeping rather than a lesson, moved out of their "Check yourself" cells."""
+"""Claims of notebooks 04 and 09 that are bookkeeping rather than a lesson, moved out of their "Check yourself"
+cells."""
+
 import torch
 
 from course_lib import bench

@@ -5,7 +5,9 @@ is checked here, with what the notebooks' panels put beside each run (the formul
 Checked elsewhere, and so not again here: tokens/s recomputed from the raw step times, the first loss near ln V and the
 ledger's 4N / 4N / 8N (tests/test_train.py); padding adds nothing to the loss (tests/test_data.py); GPT-3's 3,640
 PF-days, a PF-day's 8.64e19 FLOPs, 4,430,769 s on an A100 at its fp32 peak and the budget table
-(tests/test_compute_budget.py); the quoted 1.4 GB, 16 bytes per parameter with AdamW and the 69 GB (tests/test_memory.py)."""
+(tests/test_compute_budget.py); the quoted 1.4 GB, 16 bytes per parameter with AdamW and the 69 GB
+(tests/test_memory.py)."""
+
 import dataclasses
 import inspect
 import json
@@ -16,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import capabilities
+from course_lib import capabilities, export, plots, train
 from course_lib import compute_budget as CB
 from course_lib import config as C
-from course_lib import export, memory as M, plots, train
+from course_lib import memory as M
 from course_lib.measure import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,32 +29,47 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ---- selective checkpointing: what Korthikanti et al. propose, and what the course's `selective` does ----
 
+
 def test_the_exported_script_and_the_config_say_whose_selective_checkpointing_it_is():
     """Korthikanti et al. (2022) recompute the attention core (QK^T, softmax, dropout, the product with V) and keep the
     rest; the course's `selective` keeps the matmul outputs and recomputes the element-wise work. The old text said the
     course's policy was the paper's ("as Korthikanti et al. propose")."""
     script = export.script(dataclasses.replace(C.tiny_preset("cpu"), activation_checkpointing="selective"))
-    comment = script[script.index("# Selective checkpointing"):script.index("SAVED_BY_SELECTIVE = (")]
+    comment = script[script.index("# Selective checkpointing") : script.index("SAVED_BY_SELECTIVE = (")]
     field_help = inspect.getsource(C.TrainConfig)
-    field_help = field_help[field_help.index('# "full": each block'):field_help.index("activation_checkpointing: Checkpointing")]
+    field_help = field_help[
+        field_help.index('# "full": each block') : field_help.index("activation_checkpointing: Checkpointing")
+    ]
     for text in (comment, field_help):
         assert "as Korthikanti et al. propose" not in text and "work (Korthikanti et al.)" not in text
         assert "recompute the attention core" in text and "QK^T, softmax" in text, text
         assert "element-wise work" in text and "keep" in text, text
     # nowhere in the course is the keep-the-matmuls policy attributed to the paper again
-    sources = [*(ROOT / "course_lib").rglob("*.py"), *(ROOT / "notebooks").glob("*.ipynb"), ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    sources = [
+        *(ROOT / "course_lib").rglob("*.py"),
+        *(ROOT / "notebooks").glob("*.ipynb"),
+        ROOT / "README.md",
+        ROOT / "CONTRIBUTING.md",
+    ]
     for path in sources:
         text = path.read_text(encoding="utf-8")
-        assert "as Korthikanti et al. propose" not in text and "element-wise work (Korthikanti et al.)" not in text, path
+        assert "as Korthikanti et al. propose" not in text and "element-wise work (Korthikanti et al.)" not in text, (
+            path
+        )
 
 
-@pytest.mark.parametrize("shape", [dict(preset="gpt2-small", batch_size=32, context=1024),   # a s = 12288 > 5h = 3840
-                                   dict(preset="cpu", batch_size=8, context=512),             # 1024 > 640
-                                   dict(preset="cpu", batch_size=4, context=128),             # 256 < 640
-                                   dict(preset="tiny", batch_size=4, context=64)])            # 128 < 160
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(preset="gpt2-small", batch_size=32, context=1024),  # a s = 12288 > 5h = 3840
+        dict(preset="cpu", batch_size=8, context=512),  # 1024 > 640
+        dict(preset="cpu", batch_size=4, context=128),  # 256 < 640
+        dict(preset="tiny", batch_size=4, context=64),
+    ],
+)  # 128 < 160
 def test_the_papers_selection_keeps_less_than_the_courses_exactly_when_as_exceeds_5h(shape):
-    """Per block (fp32, naive attention) the paper's selection drops the a s^2 b values and keeps what SDPA keeps (16 sbh
-    and a log-sum-exp per query); the course's drops 5 sbh and keeps the scores. Notebook 02 measures one shape."""
+    """Per block (fp32, naive attention) the paper's selection drops the a s^2 b values and keeps what SDPA keeps (16
+    sbh and a log-sum-exp per query); the course's drops 5 sbh and keeps the scores. Notebook 02 measures one shape."""
     cfg = M.calculator_config(**shape)
     m = cfg.model
     course = M.activation_bytes(dataclasses.replace(cfg, activation_checkpointing="selective"))["kept per layer"]
@@ -62,10 +79,16 @@ def test_the_papers_selection_keeps_less_than_the_courses_exactly_when_as_exceed
 
 # ---- notebook 02: when the logits outweigh the activations ----
 
-@pytest.mark.parametrize("shape, logits_win", [(dict(preset="gpt2-small", batch_size=32, context=1024), False),
-                                               (dict(preset="reference", batch_size=32, context=512), False),
-                                               (dict(preset="cpu", batch_size=8, context=512), True),
-                                               (dict(preset="tiny", batch_size=4, context=64), True)])
+
+@pytest.mark.parametrize(
+    "shape, logits_win",
+    [
+        (dict(preset="gpt2-small", batch_size=32, context=1024), False),
+        (dict(preset="reference", batch_size=32, context=512), False),
+        (dict(preset="cpu", batch_size=8, context=512), True),
+        (dict(preset="tiny", batch_size=4, context=64), True),
+    ],
+)
 def test_the_logits_outweigh_the_activations_where_3v_exceeds_l_16h_plus_as(shape, logits_win):
     """The old text said the logits were the largest item; that holds for small models only. The condition the notebook
     states, 3V > L(16h + as) per token (fp32, naive attention), agrees with the memory model's full count."""
@@ -77,6 +100,7 @@ def test_the_logits_outweigh_the_activations_where_3v_exceeds_l_16h_plus_as(shap
 
 
 # ---- notebook 01: a PF-day, in tokens ----
+
 
 def _notebook_cell(name: str, cell_id: str) -> str:
     cells = json.loads((ROOT / "notebooks" / name).read_text(encoding="utf-8"))["cells"]
@@ -100,15 +124,18 @@ def test_a_pf_day_buys_a_1b_model_about_14b_tokens():
         text = " ".join(_notebook_cell("01_naive_loop.ipynb", cell_id).split())
         written = re.findall(r"about (\d+)B tokens", text)
         assert written and all(int(w) == round(tokens / 1e9) for w in written), (cell_id, written)
-    said_share = re.findall(r"about (0\.\d+) of what Chinchilla", " ".join(_notebook_cell("01_naive_loop.ipynb", "9d2b4c61").split()))
+    said_share = re.findall(
+        r"about (0\.\d+) of what Chinchilla", " ".join(_notebook_cell("01_naive_loop.ipynb", "9d2b4c61").split())
+    )
     assert said_share and float(said_share[0]) == round(share, 1), said_share
 
 
 # ---- the panels' runner: the formula beside the measurement ----
 
+
 def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledger(splits, tiny):
-    """memory.run_beside_estimate is train.run (the same losses) with memory.estimate's prediction in its details and its
-    note; the step clock fits inside the wall clock."""
+    """memory.run_beside_estimate is train.run (the same losses) with memory.estimate's prediction in its details and
+    its note; the step clock fits inside the wall clock."""
     cfg = tiny(steps=4, timing_warmup=1)
     t0 = time.perf_counter()
     r = M.run_beside_estimate(cfg, "panel", splits=splits)
@@ -117,7 +144,8 @@ def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledge
     assert sum(r.step_times) <= wall
     est = r.details["estimate"]
     assert set(est["by_category"]) == set(CATEGORIES) and est["peak_bytes"] == sum(est["by_category"].values())
-    for c in CATEGORIES:  # the formula against the ledger, category by category (tests/test_memory_estimate.py: every lever)
+    # the formula against the ledger, category by category (tests/test_memory_estimate.py: every lever)
+    for c in CATEGORIES:
         assert abs(est["by_category"][c] - r.memory["by_category"][c]) <= 0.01 * r.memory["peak_bytes"], c
     assert r.reason.startswith("peak: formula ") and "measured" in r.reason and est["when"] in r.reason
     rows = M.beside_measured(M.estimate(cfg), r.memory)
@@ -127,11 +155,19 @@ def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledge
 
 def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
     cfg = tiny(steps=3, timing_warmup=1)
-    runs = [M.run_beside_estimate(cfg, "a", splits=splits), M.run_beside_estimate(cfg.with_model(attention="sdpa"), "b", splits=splits)]
+    runs = [
+        M.run_beside_estimate(cfg, "a", splits=splits),
+        M.run_beside_estimate(cfg.with_model(attention="sdpa"), "b", splits=splits),
+    ]
     fig = plots.plot_results(runs, ("memory_vs_estimate", "time_vs_flops"))
     mem_ax, time_ax = fig.axes[:2]
     assert "formula (hatched) beside measured" in mem_ax.get_title() and "MiB" in mem_ax.get_ylabel()
-    assert [t.get_text() for t in mem_ax.get_xticklabels()] == ["a (formula)", "a (measured)", "b (formula)", "b (measured)"]
+    assert [t.get_text() for t in mem_ax.get_xticklabels()] == [
+        "a (formula)",
+        "a (measured)",
+        "b (formula)",
+        "b (measured)",
+    ]
     # the stacked bars: each pair's totals are the formula's and the ledger's peaks
     totals = {}
     for p in mem_ax.patches:
@@ -165,7 +201,13 @@ def test_the_notebooks_other_figures_draw():
 
 def test_the_calculator_config_grows_the_position_table():
     cfg = M.calculator_config("cpu", batch_size=2, context=2048, attention="sdpa", precision="bf16")
-    assert (cfg.batch_size, cfg.context, cfg.model.block_size, cfg.model.attention, cfg.precision) == (2, 2048, 2048, "sdpa", "bf16")
+    assert (cfg.batch_size, cfg.context, cfg.model.block_size, cfg.model.attention, cfg.precision) == (
+        2,
+        2048,
+        2048,
+        "sdpa",
+        "bf16",
+    )
     assert M.calculator_config() == dataclasses.replace(C.gpt2_small_preset("cpu"), batch_size=32, context=1024)
 
 

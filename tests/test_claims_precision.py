@@ -1,11 +1,13 @@
 """Bookkeeping behind notebooks 03 (mixed precision) and 05 (algorithmic hyperparameters): the identities and constants
-their "Check yourself" cells used to assert in front of the learner (issue 31). Those cells keep only what this machine's
-measurements could refute; what is arithmetic, a restated constant or the course's own bookkeeping is checked here.
+their "Check yourself" cells used to assert in front of the learner (issue 31). Those cells keep only what this
+machine's measurements could refute; what is arithmetic, a restated constant or the course's own bookkeeping is checked
+here.
 
 Already covered elsewhere, so not repeated: the cosine and exponential schedules against torch's schedulers and the loop
 (test_optim), Adam's update size against SGD's, the optimizer-state formulas and their order, AdaGrad's and RMSProp's
 state (test_optim), the bias-correction peak of 6.57x at step 12 (test_optim), the bytes per parameter of pure bf16
 (test_low_precision), the GradScaler only for fp16 in techniques (test_techniques)."""
+
 import math
 from dataclasses import replace
 
@@ -22,11 +24,15 @@ BF16 = torch.bfloat16
 
 # ---- notebook 03 ---------------------------------------------------------------------------------------------------
 
+
 def test_only_fp16_runs_a_loss_scaler(splits):
-    """03's old check #4, tail: bf16 has fp32's range and needs no scaler, so the loop logs a scale for fp16 runs only."""
+    """03's old check #4, tail: bf16 has fp32's range and needs no scaler, so the loop logs a scale for fp16 runs
+    only."""
     cfg = replace(C.tiny_preset("cpu"), steps=2, timing_warmup=1, measure_memory=False, batch_size=2, context=32)
     scales = {p: train(replace(cfg, precision=p), splits=splits).loss_scales for p in ("fp32", "bf16", "fp16")}
-    assert scales["fp32"] == scales["bf16"] == [] and len(scales["fp16"]) == 2 and scales["fp16"][0] == cfg.loss_scale_init
+    assert (
+        scales["fp32"] == scales["bf16"] == [] and len(scales["fp16"]) == 2 and scales["fp16"][0] == cfg.loss_scale_init
+    )
 
 
 def _gap_below(x: float, dtype) -> float:
@@ -47,12 +53,15 @@ def test_the_bf16_gaps_notebook_03_quotes():
 
 # ---- notebook 05 ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("steps, warmup", [(40, 8), (120, 12)])  # notebook 05's BASE, smoke and full
 def test_notebook_05s_cosine_starts_above_zero_peaks_at_lr_and_ends_at_a_tenth(steps, warmup):
     """05's old check #2 (the schedule's shape, on the notebook's own settings; the run's logged rates against torch's
     schedulers stay in the notebook)."""
     peak = 3e-3
-    cfg = replace(C.cpu_preset("cpu"), lr=peak, schedule="cosine", lr_warmup_steps=warmup, steps=steps, min_lr_ratio=0.1)
+    cfg = replace(
+        C.cpu_preset("cpu"), lr=peak, schedule="cosine", lr_warmup_steps=warmup, steps=steps, min_lr_ratio=0.1
+    )
     loop = [techniques.lr_at(t, cfg) for t in range(steps)]
     ref = optim.torch_scheduler_curve(lambda opt: optim.torch_warmup_cosine(opt, warmup, steps, 0.1), peak, steps)
     assert loop == pytest.approx(ref, rel=1e-9)
@@ -66,7 +75,10 @@ def test_weight_decay_groups_of_notebook_05s_model():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
     ids = [id(p) for g in (decay, no_decay) for p in g["params"]]
-    assert len(ids) == len(set(ids)) and sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_params()
+    assert (
+        len(ids) == len(set(ids))
+        and sum(p.numel() for g in (decay, no_decay) for p in g["params"]) == model.num_params()
+    )
 
 
 def _simulated_bias_ratios(betas, steps: int, g: float = 0.3) -> list[float]:
@@ -95,7 +107,9 @@ def test_gpt3s_betas_bias_correction_numbers_in_notebook_05():
     checked against that run."""
     default, gpt3 = _simulated_bias_ratios((0.9, 0.999), 200), _simulated_bias_ratios((0.9, 0.95), 200)
     for betas, ran in (((0.9, 0.999), default), ((0.9, 0.95), gpt3)):
-        assert all(math.isclose(optim.bias_correction_ratio(t, betas), r, rel_tol=1e-6) for t, r in enumerate(ran, start=1))
+        assert all(
+            math.isclose(optim.bias_correction_ratio(t, betas), r, rel_tol=1e-6) for t, r in enumerate(ran, start=1)
+        )
     assert round(default[0], 2) == 3.16 and round(gpt3[0], 2) == 0.45
     settled = next(t for t in range(len(gpt3)) if all(abs(r - 1) < 0.1 for r in gpt3[t:])) + 1
     assert settled <= 10, settled
@@ -114,12 +128,20 @@ def test_adams_state_is_4_bytes_per_parameter_each_8_together():
     model(x).sum().backward()
     opt.step()
     p = next(model.parameters())
-    assert {k: v.element_size() for k, v in opt.state[p].items() if v.numel() == p.numel()} == {"exp_avg": 4, "exp_avg_sq": 4}
+    assert {k: v.element_size() for k, v in opt.state[p].items() if v.numel() == p.numel()} == {
+        "exp_avg": 4,
+        "exp_avg_sq": 4,
+    }
 
 
-@pytest.mark.parametrize("hand, ref", [(lambda g: optim.HandAdagrad(g), lambda g: torch.optim.Adagrad(g, foreach=False)),
-                                       (lambda g: optim.HandRMSprop(g), lambda g: torch.optim.RMSprop(g, foreach=False))],
-                         ids=["adagrad", "rmsprop"])
+@pytest.mark.parametrize(
+    "hand, ref",
+    [
+        (lambda g: optim.HandAdagrad(g), lambda g: torch.optim.Adagrad(g, foreach=False)),
+        (lambda g: optim.HandRMSprop(g), lambda g: torch.optim.RMSprop(g, foreach=False)),
+    ],
+    ids=["adagrad", "rmsprop"],
+)
 def test_hand_adagrad_and_rmsprop_at_torchs_defaults(hand, ref):
     """05's AdaGrad and RMSProp cell checked the non-default options in front of the learner; torch's defaults here."""
     assert optim.max_difference_after_steps(hand, ref, C.tiny_preset("cpu").model, steps=3, weight_decay=0.1) < 1e-10

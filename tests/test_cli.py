@@ -1,5 +1,6 @@
 """`python -m course_lib ladder`: one run end to end as a learner types it (a subprocess); the rest call the same
 main() in this process, which saves a Python and torch start-up per command."""
+
 import json
 import subprocess
 import sys
@@ -13,8 +14,27 @@ from course_lib.__main__ import main as cli
 def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
     # compile (rung 4) left out: it is a minute of a 2-core CPU, and the doctor's compile check covers it (test_doctor)
     out = tmp_path / "ladder.json"
-    proc = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--steps", "5", "--rungs", "0,2,3,8,9",
-                           "--leave-out", "4", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "course_lib",
+            "ladder",
+            "--preset",
+            "tiny",
+            "--steps",
+            "5",
+            "--rungs",
+            "0,2,3,8,9",
+            "--leave-out",
+            "4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     names = [r.name for r in C.LADDER]
     for name in names + [L.OPTIMISED]:
@@ -40,8 +60,12 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
     assert cli(["export", "--ladder", str(out), "--out", str(script)]) == 0
     assert script.read_text() == export.script(C.TrainConfig.from_dict(top["config"]))
     # An existing file is not replaced without --force, and the refusal comes before any work.
-    again = subprocess.run([sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--json", str(out)],
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 2 and "exists: pass --force" in again.stderr and "rung 1" not in again.stderr
 
 
@@ -58,23 +82,46 @@ def test_bad_ladder_input_is_refused_before_any_rung_runs(tmp_path, capsys):
     """Each ends in one line `error: ...` and exit 2, before the first rung (a run would print "rung 1 of")."""
     folder = tmp_path / "out"
     folder.mkdir()
-    cases = [(["--leave-out", "0"], "baseline every rung is measured against"),
-             (["--threads", "0"], "--threads takes a number of CPU threads >= 1"),
-             (["--threads", "-4"], "--threads takes a number of CPU threads >= 1"),
-             (["--set", "activation_checkpointing=sometimes"], "activation_checkpointing='sometimes' is not one of"),
-             (["--json", str(folder)], "is a folder: give a file name"),
-             (["--device", "tpu"], "device"),
-             (["--device", "cuda"] if not __import__("torch").cuda.is_available() else ["--rungs", "x"], "")]
+    cases = [
+        (["--leave-out", "0"], "baseline every rung is measured against"),
+        (["--threads", "0"], "--threads takes a number of CPU threads >= 1"),
+        (["--threads", "-4"], "--threads takes a number of CPU threads >= 1"),
+        (["--set", "activation_checkpointing=sometimes"], "activation_checkpointing='sometimes' is not one of"),
+        (["--json", str(folder)], "is a folder: give a file name"),
+        (["--device", "tpu"], "device"),
+        (["--device", "cuda"] if not __import__("torch").cuda.is_available() else ["--rungs", "x"], ""),
+    ]
     for args, says in cases:
         assert cli(["ladder", "--preset", "tiny", *args]) == 2, args
         err = capsys.readouterr().err
-        assert err.startswith("error: ") and says in err and "rung 1 of" not in err and "Traceback" not in err, (args, err)
+        assert err.startswith("error: ") and says in err and "rung 1 of" not in err and "Traceback" not in err, (
+            args,
+            err,
+        )
 
 
 def test_a_ladder_option_from_the_command_line(tmp_path):
     out = tmp_path / "l.json"
-    assert cli(["ladder", "--preset", "tiny", "--steps", "4", "--rungs", "9", "--leave-out", "4",
-                "--set", "activation_checkpointing=selective", "--json", str(out)]) == 0
+    assert (
+        cli(
+            [
+                "ladder",
+                "--preset",
+                "tiny",
+                "--steps",
+                "4",
+                "--rungs",
+                "9",
+                "--leave-out",
+                "4",
+                "--set",
+                "activation_checkpointing=selective",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     by = {r["label"]: r for r in json.loads(out.read_text())["results"]}
     assert by["+ compile"]["status"] == "skipped"
     assert by["+ checkpointing"]["config"]["activation_checkpointing"] == "selective"

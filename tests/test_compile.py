@@ -11,13 +11,16 @@ chooses what to save under the checkpoint's tags. This file checks that part wit
 "aot_eager_decomp_partition", which runs all of that (with inductor's decompositions) and then the graphs eagerly:
 ~5 s here, where inductor's C++ for this graph cost ~45 CPU-seconds of a 2-core CPU (36 kernels). Inductor's
 kernels for a checkpointed graph are not compiled by the test suite."""
+
 import pytest
 import torch
 
 from course_lib import techniques
 
 
-def saved_for_backward_bytes(model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, int]:
+def saved_for_backward_bytes(
+    model: torch.nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """loss_fn(x, y), and the bytes of the storages its forward kept for backward, the parameters left out (each
     storage once; a compiled graph's saved tensors pass through the same hook as eager ones). The course's
     measure.MemoryLedger counts the same bytes, but it is a TorchDispatchMode, and under an active dispatch mode
@@ -36,7 +39,9 @@ def saved_for_backward_bytes(model: torch.nn.Module, loss_fn, x: torch.Tensor, y
     return loss, sum(kept.values())
 
 
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile (dynamo) is not supported on this Python")
+@pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile (dynamo) is not supported on this Python"
+)
 def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model):
     """Two blocks, the first under full checkpointing and the second under selective, and the loss in chunks (each
     under checkpoint), compiled: one captured graph with no graph break; it keeps less than 60% of the bytes that the
@@ -52,10 +57,15 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
         m = tiny_model(attention="sdpa", n_layer=2)
         if run != "eager, no checkpointing":
             for i, mode in enumerate(("full", "selective")):
-                m.blocks[i] = techniques.CheckpointedBlock(m.blocks[i], mode)  # what activation_checkpointing=mode does to every block
+                # what activation_checkpointing=mode does to every block
+                m.blocks[i] = techniques.CheckpointedBlock(m.blocks[i], mode)
         setup = techniques.build(C.TrainConfig(model=m.config, context=32, loss_chunks=4), m)
         # What the course compiles (techniques.build with compile=True: the loss module), with the debugging backend.
-        loss_fn = torch.compile(setup.loss_module, backend="aot_eager_decomp_partition") if run == "compiled" else setup.loss_fn
+        loss_fn = (
+            torch.compile(setup.loss_module, backend="aot_eager_decomp_partition")
+            if run == "compiled"
+            else setup.loss_fn
+        )
         torch._dynamo.reset()
         counters.clear()
         losses[run], kept[run] = saved_for_backward_bytes(m, loss_fn, x, y)
@@ -67,4 +77,6 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
     torch.testing.assert_close(losses["eager"], losses["compiled"], rtol=1e-4, atol=1e-4)
     assert any(".block." in name for name in grads["compiled"])  # the gradients of the checkpointed blocks are compared
     for name, eager in grads["eager"].items():
-        torch.testing.assert_close(grads["compiled"][name], eager, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            grads["compiled"][name], eager, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -1,5 +1,6 @@
 """course_lib.compute_budget: C = 6ND, PF-days, time to train, on known values; and the work a step's recompute adds,
 counted from the shapes (exact on any machine)."""
+
 import dataclasses
 import math
 
@@ -32,12 +33,29 @@ def test_chinchilla_and_the_budget_table():
     c = CB.training_flops(n, CB.chinchilla_tokens(n))
     assert c == 1.2e20 and math.isclose(CB.pf_days(c), 1.389, rel_tol=1e-3)
     rows = CB.budget_rows({"1B": (n, 20e9)}, {"1 PF/s": 1e15, "1 TF/s": 1e12})
-    assert rows == [{"run": "1B", "parameters": "1e+09", "tokens": "2e+10", "FLOPs (6ND)": "1.2e+20", "PF-days": "1.39",
-                     "1 PF/s": "1.39 days", "1 TF/s": "3.8 years"}]
+    assert rows == [
+        {
+            "run": "1B",
+            "parameters": "1e+09",
+            "tokens": "2e+10",
+            "FLOPs (6ND)": "1.2e+20",
+            "PF-days": "1.39",
+            "1 PF/s": "1.39 days",
+            "1 TF/s": "3.8 years",
+        }
+    ]
 
 
-@pytest.mark.parametrize("seconds, text", [(0.5, "0.5 s"), (90, "1.5 minutes"), (7200, "2 hours"), (86_400 * 150, "150 days"),
-                                           (365.25 * 86_400 * 1234, "1,234 years")])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0.5, "0.5 s"),
+        (90, "1.5 minutes"),
+        (7200, "2 hours"),
+        (86_400 * 150, "150 days"),
+        (365.25 * 86_400 * 1234, "1,234 years"),
+    ],
+)
 def test_human_duration(seconds, text):
     assert CB.human_duration(seconds) == text
 
@@ -50,12 +68,15 @@ def test_time_to_train_needs_a_speed():
 def test_recompute_counted_from_the_shapes():
     # Full checkpointing runs each block's forward again in backward, up to the last tensor backward needs: its QKV,
     # attention projection and MLP up-projection matmuls (3h^2 + h^2 + 4h^2 weights, 2 FLOPs each per token) and naive
-    # attention's two s x s products (2 b s^2 h FLOPs each), but not the MLP's down-projection (4h^2 weights), whose output
-    # backward never reads: non-reentrant checkpointing stops recomputing early. Selective keeps every matmul's output,
-    # so no matmul is recomputed, only element-wise work (the same element-wise ops as full).
+    # attention's two s x s products (2 b s^2 h FLOPs each), but not the MLP's down-projection (4h^2 weights), whose
+    # output backward never reads: non-reentrant checkpointing stops recomputing early. Selective keeps every matmul's
+    # output, so no matmul is recomputed, only element-wise work (the same element-wise ops as full).
     cfg = dataclasses.replace(tiny_preset("cpu"), steps=1)
     m, b, s = cfg.model, cfg.batch_size, cfg.context
-    work = {mode: CB.step_work(dataclasses.replace(cfg, activation_checkpointing=mode)) for mode in ("none", "selective", "full")}
+    work = {
+        mode: CB.step_work(dataclasses.replace(cfg, activation_checkpointing=mode))
+        for mode in ("none", "selective", "full")
+    }
     recomputed = m.n_layer * (2 * 8 * m.n_embd**2 * b * s + 2 * 2 * b * s * s * m.n_embd)
     assert work["full"].matmul_flops - work["none"].matmul_flops == recomputed
     assert work["selective"].matmul_flops == work["none"].matmul_flops

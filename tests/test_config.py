@@ -9,21 +9,30 @@ def test_presets_are_valid_and_shaped_as_documented():
     ref = C.reference_preset("cpu")
     assert (ref.model.n_layer, ref.model.n_embd, ref.model.n_head, ref.context, ref.batch_size) == (4, 256, 4, 512, 32)
     g = C.gpt2_small_preset("cpu")
-    assert (g.model.n_layer, g.model.n_embd, g.model.n_head, g.model.block_size, g.model.vocab_size) == (12, 768, 12, 1024, 50257)
+    assert (g.model.n_layer, g.model.n_embd, g.model.n_head, g.model.block_size, g.model.vocab_size) == (
+        12,
+        768,
+        12,
+        1024,
+        50257,
+    )
     for name in C.PRESETS:
         assert C.preset(name, "cpu").device == "cpu"
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda: C.ModelConfig(n_head=3, n_embd=64), "n_head=3 must divide n_embd=64"),
-    (lambda: C.TrainConfig(batch_size=10, grad_accum_steps=4), "does not divide"),
-    (lambda: C.TrainConfig(context=1024), "longer than the model's block_size"),
-    (lambda: C.TrainConfig(precision="fp8"), "precision='fp8' is not one of"),
-    (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps takes an integer"),
-    (lambda: C.TrainConfig(steps=0), "steps must be a positive int"),
-    (lambda: C.TrainConfig(optimizer="sgd", fused_adamw=True), "fused_adamw applies to optimizer='adamw'"),
-    (lambda: C.ModelConfig(attention="flash"), "attention='flash' is not one of"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda: C.ModelConfig(n_head=3, n_embd=64), "n_head=3 must divide n_embd=64"),
+        (lambda: C.TrainConfig(batch_size=10, grad_accum_steps=4), "does not divide"),
+        (lambda: C.TrainConfig(context=1024), "longer than the model's block_size"),
+        (lambda: C.TrainConfig(precision="fp8"), "precision='fp8' is not one of"),
+        (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps takes an integer"),
+        (lambda: C.TrainConfig(steps=0), "steps must be a positive int"),
+        (lambda: C.TrainConfig(optimizer="sgd", fused_adamw=True), "fused_adamw applies to optimizer='adamw'"),
+        (lambda: C.ModelConfig(attention="flash"), "attention='flash' is not one of"),
+    ],
+)
 def test_invalid_configs_say_what_to_change(make, words):
     with pytest.raises(C.ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
         make()
@@ -50,6 +59,13 @@ def test_ladder_is_cumulative_from_naive():
     assert all(isinstance(c, C.TrainConfig) for c in cfgs)
     first, last = cfgs[0], cfgs[-1]
     assert (first.precision, first.model.attention, first.compile, first.fused_adamw) == ("fp32", "naive", False, False)
-    fast = capabilities("cpu").fast_16bit()[0] or "bf16"  # the 16-bit format this CPU runs fast, else bf16 (measured, then dropped)
-    assert (last.precision, last.model.attention, last.compile, last.fused_adamw, last.activation_checkpointing) == (fast, "sdpa", True, True, "full")
+    # the 16-bit format this CPU runs fast, else bf16 (measured, then dropped)
+    fast = capabilities("cpu").fast_16bit()[0] or "bf16"
+    assert (last.precision, last.model.attention, last.compile, last.fused_adamw, last.activation_checkpointing) == (
+        fast,
+        "sdpa",
+        True,
+        True,
+        "full",
+    )
     assert last.model.padded_vocab_size % 64 == 0

@@ -137,6 +137,7 @@ def test_a_damaged_or_unwritable_cache_is_encoded_again(fresh_stream, monkeypatc
 
 def test_a_cache_write_that_fails_any_way_leaves_the_run_and_no_partial_file(fresh_stream, monkeypatch):
     """torch.save reports a full or read-only disk as a RuntimeError, not an OSError: still no failed run."""
+
     def full_disk(obj, f):
         Path(f).write_bytes(b"half")
         raise RuntimeError("[enforce fail at inline_container.cc] . PytorchStreamWriter failed writing file")

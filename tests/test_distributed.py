@@ -3,6 +3,7 @@
 A torchrun launch costs several seconds of start-up here, so the strategies these tests check (here, in
 test_zero_stages.py, test_tensor_parallel.py and test_moe.py) run in series in one launch: conftest's `launched`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,17 +16,19 @@ import torch
 from course_lib import config as C
 from course_lib import techniques, train
 from course_lib.config import ModelConfig
-from course_lib.distributed import _common
+from course_lib.distributed import _common, zero
 from course_lib.distributed import launch as L
 from course_lib.distributed import pipeline as P
 from course_lib.distributed import tensor_parallel as TP
-from course_lib.distributed import zero
 from course_lib.model import GPT
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
 
 
 # ---- pure functions: no processes -------------------------------------------------------------
+
 
 def test_zero_calculator_reproduces_the_papers_example():
     # ZeRO paper, figure 1: Ψ = 7.5B parameters, N = 64 devices, K = 12.
@@ -48,7 +51,12 @@ def test_traffic_and_bubble_formulas():
 
 def test_torchrun_command_has_the_multinode_flags():
     cmd = L.torchrun_command("ddp", 8, "/tmp/x", nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29500)
-    assert "--nnodes=2" in cmd and "--node_rank=1" in cmd and "--master_addr=10.0.0.1" in cmd and "--master_port=29500" in cmd
+    assert (
+        "--nnodes=2" in cmd
+        and "--node_rank=1" in cmd
+        and "--master_addr=10.0.0.1" in cmd
+        and "--master_port=29500" in cmd
+    )
     assert cmd[cmd.index("-m", 2) + 1] == "course_lib.distributed.ddp"
     with pytest.raises(ValueError):
         L.torchrun_command("nope", 2, "/tmp/x")
@@ -74,7 +82,8 @@ def test_a_pipeline_stage_is_a_slice_of_the_gpt_itself():
         torch.manual_seed(1)
         whole = gpt(idx)
         torch.testing.assert_close(split, whole, rtol=0, atol=0)
-    assert not torch.equal(gpt.train()(idx), gpt.eval()(idx))  # dropout is on: the train-mode check above means something
+    # dropout is on: the train-mode check above means something
+    assert not torch.equal(gpt.train()(idx), gpt.eval()(idx))
     # the tie: the two ends' gradients of their copies sum to the whole model's gradient of the one weight
     techniques.loss_sum(s1(s0(idx)), y).backward()
     techniques.loss_sum(gpt(idx), y).backward()
@@ -101,7 +110,7 @@ def test_the_models_attention_runs_on_a_ranks_share_of_the_heads():
         part.c_attn = torch.nn.Linear(32, 96 // world)
         part.c_attn.load_state_dict({"weight": shards.c_attn.weight[rows], "bias": shards.c_attn.bias[rows]})
         part.c_proj = torch.nn.Linear(32 // world, 32, bias=r == 0)  # the bias is added once
-        part.c_proj.weight.data.copy_(shards.c_proj.weight[:, r * 32 // world:(r + 1) * 32 // world])
+        part.c_proj.weight.data.copy_(shards.c_proj.weight[:, r * 32 // world : (r + 1) * 32 // world])
         if r == 0:
             part.c_proj.bias.data.copy_(shards.c_proj.bias)
         part.n_head //= world
@@ -110,6 +119,7 @@ def test_the_models_attention_runs_on_a_ranks_share_of_the_heads():
 
 
 # ---- real launches ----------------------------------------------------------------------------
+
 
 def test_ddp_equals_one_process_and_no_sync_halves_the_all_reduces(launched):
     r = launched["ddp"].raise_for_status()
@@ -153,7 +163,9 @@ def test_pipeline_equals_the_unsplit_model(launched):
         assert c["max_abs_tied_grad_diff"] < 1e-5 * max(1.0, c["max_abs_tied_grad"])
         assert set(rank["runs"]) == {"gpipe/m=2", "gpipe/m=4", "1f1b/m=2", "1f1b/m=4"}
         tl = rank["runs"]["1f1b/m=4"]["timelines"][-1]
-        assert sorted((k, mb) for k, mb, *_ in tl) == sorted([("F", i) for i in range(4)] + [("B", i) for i in range(4)])
+        assert sorted((k, mb) for k, mb, *_ in tl) == sorted(
+            [("F", i) for i in range(4)] + [("B", i) for i in range(4)]
+        )
     # the same losses whatever the schedule: a schedule changes the order of work, not the maths
     assert last["runs"]["1f1b/m=4"]["losses"][0] == pytest.approx(last["runs"]["gpipe/m=2"]["losses"][0], rel=1e-5)
     # the pipeline trains with the course's one loop: global-norm clipping over all stages, AdamW, the schedule. Its
@@ -190,12 +202,25 @@ def test_a_failing_run_is_reported_and_a_hung_run_is_stopped(tmp_path):
         deadline = time.monotonic() + 60
         while len(list((tmp_path / "hang").glob("pid_rank*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        return L.launch_series([("expert_parallel", {}), ("selftest", {"mode": "fail"}), ("ddp", {"steps": 2})], 2, device="cpu",
-                               timeout_s=90, out_dir=tmp_path / "fail")
+        return L.launch_series(
+            [("expert_parallel", {}), ("selftest", {"mode": "fail"}), ("ddp", {"steps": 2})],
+            2,
+            device="cpu",
+            timeout_s=90,
+            out_dir=tmp_path / "fail",
+        )
 
     with ThreadPoolExecutor(1) as pool:
         failing = pool.submit(fail_once_the_hung_ranks_are_up)
-        hung = L.launch("selftest", 2, options={"mode": "hang"}, device="cpu", timeout_s=15, out_dir=tmp_path / "hang", show_errors=False)
+        hung = L.launch(
+            "selftest",
+            2,
+            options={"mode": "hang"},
+            device="cpu",
+            timeout_s=15,
+            out_dir=tmp_path / "hang",
+            show_errors=False,
+        )
         series = failing.result()
     before, failed, after = series["expert_parallel"], series["selftest"], series["ddp"]
     assert before.ok and before.returncode == 0 and 0 < before.wall_s < failed.wall_s  # its own time, start-up excluded
@@ -216,12 +241,15 @@ def test_each_rank_sends_the_ring_share_and_this_torchs_gloo_reduce_scatter_send
     # selftest's measuring path, which notebook 07's section 1 reads: each collective once on 1 MiB, and what each rank
     # wrote to its sockets meanwhile. A ring all-reduce sends 2(N-1)/N of its bytes per rank, an all-gather (N-1)/N, a
     # broadcast (N-1)/N on average over the ranks; this torch's gloo sends as much for a reduce-scatter as for an
-    # all-reduce (07, 08 and the README say so: a torch whose gloo sends (N-1)/N fails here, and their text must change).
+    # all-reduce (07, 08 and the README say so: a torch whose gloo sends (N-1)/N fails here, and their text must
+    # change).
     from course_lib.distributed import zero
 
     r = launched["selftest"].raise_for_status()
     n, sends = len(r.ranks), r.ranks[0]["sends"]
-    assert set(sends) == {"all-reduce", "all-gather", "reduce-scatter", "broadcast"} and all(v["counted"] >= 2**20 - 8 for v in sends.values())
+    assert set(sends) == {"all-reduce", "all-gather", "reduce-scatter", "broadcast"} and all(
+        v["counted"] >= 2**20 - 8 for v in sends.values()
+    )
     if any(rank["sends"][k]["written"] is None for rank in r.ranks for k in sends):
         pytest.skip("bytes written to sockets are read on Linux (/proc/self/io) only")
     share = {k: sum(rank["sends"][k]["written"] for rank in r.ranks) / n / sends[k]["counted"] for k in sends}

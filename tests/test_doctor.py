@@ -1,4 +1,5 @@
 """`python -m course_lib doctor` runs every device-specific path of this device, for real."""
+
 import json
 
 import pytest
@@ -12,7 +13,9 @@ def fake_result(losses=(2.0, 1.5, 1.2), grad_norms=(0.9, 0.8, 0.7)):
     """What the doctor's checks read of a RunResult, for tests that stand in for the training runs."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(losses=list(losses), grad_norms=list(grad_norms), tokens_per_s=1000.0, step_times=[1.0] * len(losses))
+    return SimpleNamespace(
+        losses=list(losses), grad_norms=list(grad_norms), tokens_per_s=1000.0, step_times=[1.0] * len(losses)
+    )
 
 
 def test_doctor_runs_every_path_on_this_device(tmp_path):
@@ -65,7 +68,8 @@ def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkey
 
     import course_lib.doctor as D
 
-    caps = dataclasses.replace(K.capabilities("cpu"), compile=K.Support(True))  # the check runs even where compile cannot
+    # the check runs even where compile cannot
+    caps = dataclasses.replace(K.capabilities("cpu"), compile=K.Support(True))
     runs = {False: [2.0, 1.5, 1.2], True: [2.0, 1.5, 1.3]}
     norms = {False: [0.9, 0.8, 0.7], True: [0.9, 0.8, 0.7]}
     captures = {"graph": True}
@@ -100,8 +104,11 @@ def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch
     import course_lib.doctor as D
 
     yes = K.Support(True, "supported here (a stand-in for the test)")
-    caps = dataclasses.replace(K.capabilities("cpu"), compile=yes, precisions={"fp32": yes, "tf32": K.Support(False, "no TF32"),
-                                                                               "bf16": yes, "fp16": yes})
+    caps = dataclasses.replace(
+        K.capabilities("cpu"),
+        compile=yes,
+        precisions={"fp32": yes, "tf32": K.Support(False, "no TF32"), "bf16": yes, "fp16": yes},
+    )
     trained, broken = [], {"fp32": False}
 
     def fake_run(cfg):
@@ -133,4 +140,7 @@ def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch
     details = run_checks()
     assert trained.count("fp32") == 1, trained
     for name in wanted:
-        assert details[name].startswith("FAIL the fp32 reference run failed: AssertionError: non-finite loss"), (name, details[name])
+        assert details[name].startswith("FAIL the fp32 reference run failed: AssertionError: non-finite loss"), (
+            name,
+            details[name],
+        )

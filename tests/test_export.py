@@ -5,9 +5,10 @@ seed and batches; the per-step losses must be equal bit for bit, except where th
 may fuse and reorder fp32 sums: a stated tolerance, against the course's eager loop). To stay fast, the single-process
 scripts run one after another in one subprocess (each imported and its main() called, as `python train.py` would; the
 corpus is tokenized once, by the first script's own code), and DDP and FSDP2 run each script as torchrun runs it, then
-the course's loop, in one launch of 2 gloo processes. Every config here has measure_memory=False: the course's memory-ledger step is a measurement the script
-does not have (and it runs a compiled step eagerly).
+the course's loop, in one launch of 2 gloo processes. Every config here has measure_memory=False: the course's
+memory-ledger step is a measurement the script does not have (and it runs a compiled step eagerly).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,9 @@ import pytest
 import torch
 
 from course_lib import config as C
-from course_lib.capabilities import capabilities
 from course_lib import data, export, train
 from course_lib.__main__ import main as cli
+from course_lib.capabilities import capabilities
 from course_lib.doctor import check_config
 
 BASE = check_config("cpu")  # the doctor's run: the compile case reads the kernels the doctor's compile check compiled
@@ -57,33 +58,56 @@ CASES = {
     "everything on but compile": (dataclasses.replace(everything_on(BASE), compile=False), False, None),
     "accumulation with uneven padding": (dataclasses.replace(BASE, grad_accum_steps=2), True, None),
     "AdamW decay 2-D, global clip, cosine, validation": (
-        dataclasses.replace(BASE, weight_decay=0.1, clip_norm=0.5, schedule="cosine", lr_warmup_steps=1, eval_every=2), False, None),
+        dataclasses.replace(BASE, weight_decay=0.1, clip_norm=0.5, schedule="cosine", lr_warmup_steps=1, eval_every=2),
+        False,
+        None,
+    ),
     "SGD momentum, per-tensor clip, wsd": (
-        dataclasses.replace(BASE, optimizer="sgd_momentum", lr=0.05, clip_norm=0.5, clip_kind="per_tensor", schedule="wsd",
-                            weight_decay=0.01, decay_2d_only=False), False, None),
-    "RMSprop, exponential decay": (dataclasses.replace(BASE, optimizer="rmsprop", schedule="exponential", lr_warmup_steps=1), False, None),
-    "AdaGrad, L2 decay on every tensor": (dataclasses.replace(BASE, optimizer="adagrad", lr=1e-2, weight_decay=0.01, decay_2d_only=False),
-                                          False, None),
+        dataclasses.replace(
+            BASE,
+            optimizer="sgd_momentum",
+            lr=0.05,
+            clip_norm=0.5,
+            clip_kind="per_tensor",
+            schedule="wsd",
+            weight_decay=0.01,
+            decay_2d_only=False,
+        ),
+        False,
+        None,
+    ),
+    "RMSprop, exponential decay": (
+        dataclasses.replace(BASE, optimizer="rmsprop", schedule="exponential", lr_warmup_steps=1),
+        False,
+        None,
+    ),
+    "AdaGrad, L2 decay on every tensor": (
+        dataclasses.replace(BASE, optimizer="adagrad", lr=1e-2, weight_decay=0.01, decay_2d_only=False),
+        False,
+        None,
+    ),
     "compile": (dataclasses.replace(BASE, compile=True), False, COMPILE_RTOL),  # the one compile case, last
 }
 
-DRIVER = textwrap.dedent('''
+DRIVER = textwrap.dedent("""
     import importlib.util, json, sys
     import torch
 
-    stream = []  # the corpus, tokenized by the first script's own token_stream and handed to the others (it is the same code)
+    # the corpus, tokenized by the first script's own token_stream and handed to the others (it is the same code)
+    stream = []
     for case in json.load(open(sys.argv[1])):
         spec = importlib.util.spec_from_file_location("exported_train", case["script"])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         own = module.token_stream
         module.token_stream = lambda enc, own=own: stream[0] if stream else stream.append(own(enc)) or stream[0]
-        if case["batches"]:  # the test's batches in place of the script's own (make_batches is where a learner puts theirs)
+        # the test's batches in place of the script's own (make_batches is where a learner puts theirs)
+        if case["batches"]:
             steps = torch.load(case["batches"])
             module.make_batches = lambda *args, steps=steps: (lambda step: steps[step])
         sys.argv = [case["script"], "--losses", case["losses"]]
         module.main()  # what `python train.py --losses ...` runs
-''')
+""")
 
 
 def padded_batches(stream: torch.Tensor, cfg: C.TrainConfig, pad: int) -> list:
@@ -96,7 +120,7 @@ def padded_batches(stream: torch.Tensor, cfg: C.TrainConfig, pad: int) -> list:
         micro = []
         for lens in lengths:
             starts = torch.randint(0, len(stream) - 2 * cfg.context, (len(lens),), generator=gen).tolist()
-            micro.append(data.pad_sequences([stream[s:s + n] for s, n in zip(starts, lens)], cfg.context, pad))
+            micro.append(data.pad_sequences([stream[s : s + n] for s, n in zip(starts, lens)], cfg.context, pad))
         steps.append(micro)
     return steps
 
@@ -117,10 +141,17 @@ def runs(tmp_path_factory, splits):
         cases.append(case)
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "driver.py").write_text(DRIVER)
-    proc = subprocess.run([sys.executable, str(tmp / "driver.py"), str(tmp / "cases.json")], capture_output=True, text=True,
-                          timeout=600, cwd=tmp)
+    proc = subprocess.run(
+        [sys.executable, str(tmp / "driver.py"), str(tmp / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {name: (json.loads(Path(c["losses"]).read_text()), batches.get(name)) for name, c in zip(CASES, cases)}, proc.stdout
+    return {
+        name: (json.loads(Path(c["losses"]).read_text()), batches.get(name)) for name, c in zip(CASES, cases)
+    }, proc.stdout
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -129,7 +160,9 @@ def test_the_script_trains_like_the_course_loop(name, runs, splits):
     script_losses, batches = runs[0][name]
     # The compiled script is held to the course's eager loop: the course's compiled loop equals its eager one (the
     # doctor's compile check, test_doctor.py), and a second compile of the same model here would only cost time.
-    course = train.train(dataclasses.replace(cfg, compile=False), splits=splits, batches=(lambda step: batches[step]) if padded else None)
+    course = train.train(
+        dataclasses.replace(cfg, compile=False), splits=splits, batches=(lambda step: batches[step]) if padded else None
+    )
     assert len(script_losses) == cfg.steps
     if rtol is None:
         assert script_losses == course.losses, f"{name}: not bit for bit: {script_losses} against {course.losses}"
@@ -163,7 +196,8 @@ DP_DRIVER = textwrap.dedent('''
     splits = data.load_splits()
     for i, (script, cfg_file, port) in enumerate(json.load(open(os.path.join(out, "cases.json")))):
         sys.argv = [script, "--losses", os.path.join(out, f"script_{i}.json")]
-        if i > 0:  # torchrun's store was the first script's; a later one joins the store its rank 0 starts on a free port
+        # torchrun's store was the first script's; a later one joins the store its rank 0 starts on a free port
+        if i > 0:
             os.environ.update(TORCHELASTIC_USE_AGENT_STORE="False", MASTER_PORT=str(port))
         runpy.run_path(script, run_name="__main__")  # it joins the process group and leaves it
         cfg = C.TrainConfig.from_dict(json.load(open(cfg_file)))
@@ -171,8 +205,10 @@ DP_DRIVER = textwrap.dedent('''
         dist.init_process_group("gloo", init_method="file://" + os.path.join(out, f"store_{i}"),
                                 rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
         rank, world, mb = dist.get_rank(), dist.get_world_size(), cfg.micro_batch_size
-        gen = torch.Generator().manual_seed(cfg.seed)  # the script's batches: one global batch per micro-batch, sliced by rank
-        steps = [[tuple(t[rank * mb:(rank + 1) * mb] for t in data.random_windows(splits.train, world * mb, cfg.context, gen))
+        # the script's batches: one global batch per micro-batch, sliced by rank
+        gen = torch.Generator().manual_seed(cfg.seed)
+        steps = [[tuple(t[rank * mb:(rank + 1) * mb]
+                        for t in data.random_windows(splits.train, world * mb, cfg.context, gen))
                   for _ in range(cfg.grad_accum_steps)] for _ in range(cfg.steps)]
         result = train.train(cfg, batches=lambda step: steps[step], splits=splits)
         with open(os.path.join(out, f"course_{i}_rank{rank}.json"), "w") as f:
@@ -183,8 +219,10 @@ DP_DRIVER = textwrap.dedent('''
 # no_sync, FSDP2's set_requires_gradient_sync): rank 0's losses, bit for bit. Both cases in one torchrun launch (its
 # start-up paid once); the second script's process group gets a store of its own (joining torchrun's store a second
 # time from the same processes can hang).
-DP_CASES = {"ddp": dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2),
-            "fsdp": dataclasses.replace(BASE, data_parallel="fsdp", grad_accum_steps=2)}
+DP_CASES = {
+    "ddp": dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2),
+    "fsdp": dataclasses.replace(BASE, data_parallel="fsdp", grad_accum_steps=2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -201,9 +239,19 @@ def dp_runs(tmp_path_factory) -> dict:
         cases.append([str(tmp / f"train_{i}.py"), str(tmp / f"cfg_{i}.json"), free_port()])
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "driver.py").write_text(DP_DRIVER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(tmp / "driver.py"), str(tmp)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(tmp / "driver.py"),
+        str(tmp),
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=300)
     finally:  # torchrun and its workers are one process group: none is left behind, even after a timeout
@@ -213,8 +261,14 @@ def dp_runs(tmp_path_factory) -> dict:
     assert proc.returncode == 0, stderr[-4000:]
     printed = stdout.split("step 1/3")  # each script's rank 0 prints its steps, the first one "step 1/3"
     assert len(printed) == len(DP_CASES) + 1, f"expected one 'step 1/3' per script (only rank 0 prints):\n{stdout}"
-    return {name: (json.loads((tmp / f"script_{i}.json").read_text()), json.loads((tmp / f"course_{i}_rank0.json").read_text()),
-                   "step 1/3" + printed[i + 1]) for i, name in enumerate(DP_CASES)}
+    return {
+        name: (
+            json.loads((tmp / f"script_{i}.json").read_text()),
+            json.loads((tmp / f"course_{i}_rank0.json").read_text()),
+            "step 1/3" + printed[i + 1],
+        )
+        for i, name in enumerate(DP_CASES)
+    }
 
 
 def test_ddp_script_trains_like_the_course_loop(dp_runs):
@@ -232,6 +286,7 @@ def test_fsdp_script_trains_like_the_course_loop(dp_runs):
 
 # ---- what the script holds -------------------------------------------------------------------------------------
 
+
 def test_every_config_field_is_declared_once():
     """Each field has one snippet, is read by one, is a plain constant of the run, or is said not to be exported."""
     names = [f"model.{f.name}" for f in dataclasses.fields(C.ModelConfig)]
@@ -243,12 +298,41 @@ def test_every_config_field_is_declared_once():
 
 
 # What each technique's rung puts into the script; none of these is in the naive script.
-MARKERS = {"precision": {"tf32": 'fp32_precision = "tf32"', C.FAST_16BIT: "torch.autocast("}, "model.attention": "scaled_dot_product_attention",
-           "compile": "torch.compile(", "model.vocab_multiple": "padded_vocab_size", "fused_adamw": "fused=True",
-           "set_to_none": "set_to_none=True", "activation_checkpointing": "checkpoint(", "loss_chunks": "LOSS_CHUNKS"}
-OFF_WORDS = ("autocast", "compile", "checkpoint", "fused", "GradScaler", "scaler", "no_sync", "scaled_dot_product", "padded_vocab",
-             "vocab_multiple", "LOSS_CHUNKS", "GRAD_ACCUM", "MICRO_BATCH", "scheduler", "clip", "distributed", "fp32_precision",
-             "set_to_none=True", "evaluate", "WEIGHT_DECAY", "dist.", "world", "hidden(")
+MARKERS = {
+    "precision": {"tf32": 'fp32_precision = "tf32"', C.FAST_16BIT: "torch.autocast("},
+    "model.attention": "scaled_dot_product_attention",
+    "compile": "torch.compile(",
+    "model.vocab_multiple": "padded_vocab_size",
+    "fused_adamw": "fused=True",
+    "set_to_none": "set_to_none=True",
+    "activation_checkpointing": "checkpoint(",
+    "loss_chunks": "LOSS_CHUNKS",
+}
+OFF_WORDS = (
+    "autocast",
+    "compile",
+    "checkpoint",
+    "fused",
+    "GradScaler",
+    "scaler",
+    "no_sync",
+    "scaled_dot_product",
+    "padded_vocab",
+    "vocab_multiple",
+    "LOSS_CHUNKS",
+    "GRAD_ACCUM",
+    "MICRO_BATCH",
+    "scheduler",
+    "clip",
+    "distributed",
+    "fp32_precision",
+    "set_to_none=True",
+    "evaluate",
+    "WEIGHT_DECAY",
+    "dist.",
+    "world",
+    "hidden(",
+)
 
 
 def test_the_naive_script_holds_no_technique():
@@ -278,11 +362,27 @@ def test_the_accumulation_loop_is_written_only_when_on():
 def test_exported_scripts_pass_pyflakes(tmp_path, pyflakes):
     top = everything_on(BASE)
     cfgs = [cfg for cfg, _, _ in CASES.values()] + [
-        top, dataclasses.replace(top, activation_checkpointing="selective", compile_mode="max-autotune"),
-        dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2, eval_every=1, precision="fp16", clip_norm=1.0),
-        dataclasses.replace(top, device="cuda", data_parallel="ddp", loss_chunks=1, grad_accum_steps=2, schedule="inverse_sqrt",
-                            lr_warmup_steps=2, optimizer="sgd", fused_adamw=False, weight_decay=0.1),
-        dataclasses.replace(BASE, schedule="constant", lr_warmup_steps=2, optimizer="sgd", clip_norm=1.0, clip_kind="per_tensor")]
+        top,
+        dataclasses.replace(top, activation_checkpointing="selective", compile_mode="max-autotune"),
+        dataclasses.replace(
+            BASE, data_parallel="ddp", grad_accum_steps=2, eval_every=1, precision="fp16", clip_norm=1.0
+        ),
+        dataclasses.replace(
+            top,
+            device="cuda",
+            data_parallel="ddp",
+            loss_chunks=1,
+            grad_accum_steps=2,
+            schedule="inverse_sqrt",
+            lr_warmup_steps=2,
+            optimizer="sgd",
+            fused_adamw=False,
+            weight_decay=0.1,
+        ),
+        dataclasses.replace(
+            BASE, schedule="constant", lr_warmup_steps=2, optimizer="sgd", clip_norm=1.0, clip_kind="per_tensor"
+        ),
+    ]
     paths = []
     for i, cfg in enumerate(cfgs):
         paths.append(tmp_path / f"train_{i}.py")
@@ -301,29 +401,87 @@ def test_what_cannot_be_exported_is_explained():
 
 # ---- the command line ------------------------------------------------------------------------------------------
 
+
 def test_export_command_writes_a_rung(tmp_path, capsys):
     out = tmp_path / "train.py"
-    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--steps", "3", "--rung", "+ 16-bit autocast", "--out", str(out)]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--steps",
+                "3",
+                "--rung",
+                "+ 16-bit autocast",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     expected = export.rung_config(dataclasses.replace(C.tiny_preset("cpu"), steps=3), "+ 16-bit autocast")
     # the 16-bit format this CPU runs fast, or bf16 where it runs none fast (what the ladder then measures)
-    assert expected.precision == (capabilities("cpu").fast_16bit()[0] or "bf16") and out.read_text() == export.script(expected)
+    assert expected.precision == (capabilities("cpu").fast_16bit()[0] or "bf16") and out.read_text() == export.script(
+        expected
+    )
     assert "wrote" in capsys.readouterr().err
     before = out.read_text()
-    again = ["export", "--preset", "tiny", "--device", "cpu", "--rung", "+ checkpointing", "--set", "activation_checkpointing=selective",
-             "--set", "grad_accum_steps=2", "--out", str(out)]
-    assert cli(again) == 2 and "exists: pass --force" in capsys.readouterr().err and out.read_text() == before  # not replaced unasked
+    again = [
+        "export",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--rung",
+        "+ checkpointing",
+        "--set",
+        "activation_checkpointing=selective",
+        "--set",
+        "grad_accum_steps=2",
+        "--out",
+        str(out),
+    ]
+    # not replaced unasked
+    assert cli(again) == 2 and "exists: pass --force" in capsys.readouterr().err and out.read_text() == before
     assert cli(again + ["--force"]) == 0
     text = out.read_text()
-    assert "create_selective_checkpoint_contexts" in text and "GRAD_ACCUM_STEPS = 2" in text and "torch.compile(" in text
-    assert cli(["export", "--preset", "tiny", "--device", "cpu", "--set", "data_parallel=ddp", "--set", "model.n_layer=3",
-                "--out", str(out), "--force"]) == 0
+    assert (
+        "create_selective_checkpoint_contexts" in text and "GRAD_ACCUM_STEPS = 2" in text and "torch.compile(" in text
+    )
+    assert (
+        cli(
+            [
+                "export",
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--set",
+                "data_parallel=ddp",
+                "--set",
+                "model.n_layer=3",
+                "--out",
+                str(out),
+                "--force",
+            ]
+        )
+        == 0
+    )
     assert "DistributedDataParallel(model)" in out.read_text() and "n_layer: int = 3" in out.read_text()
 
 
-@pytest.mark.parametrize("args, says", [(["--set", "checkpointing=full"], "did you mean 'activation_checkpointing'"),
-                                        (["--set", "precision"], "--set takes FIELD=VALUE"),
-                                        (["--set", "precision=fp8"], "precision='fp8' is not one of"),
-                                        (["--rung", "+ warp drive"], "is not a rung of the ladder")])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--set", "checkpointing=full"], "did you mean 'activation_checkpointing'"),
+        (["--set", "precision"], "--set takes FIELD=VALUE"),
+        (["--set", "precision=fp8"], "precision='fp8' is not one of"),
+        (["--rung", "+ warp drive"], "is not a rung of the ladder"),
+    ],
+)
 def test_export_command_explains_bad_arguments(args, says, capsys):
     assert cli(["export", "--preset", "tiny", "--device", "cpu", *args]) == 2
     assert says in capsys.readouterr().err
@@ -346,11 +504,11 @@ def test_diff_html_shows_exactly_the_lines_a_technique_adds():
     naive = C.naive(C.tiny_preset("cpu"))
     bf16 = dataclasses.replace(naive, precision="bf16")
     text = export.diff(naive, bf16)
-    added = [l for l in text.splitlines() if l.startswith("+") and not l.startswith("+++")]
-    removed = [l for l in text.splitlines() if l.startswith("-") and not l.startswith("---")]
+    added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    removed = [line for line in text.splitlines() if line.startswith("-") and not line.startswith("---")]
     page = export.diff_html(naive, bf16, "bf16")
     assert f"{len(added)} lines added, {len(removed)} removed" in page
-    assert all(html_mod.escape(l) in page for l in added + removed)
+    assert all(html_mod.escape(line) in page for line in added + removed)
     assert "torch.autocast" in page
     assert "the two scripts are the same" in export.diff_html(naive, naive)
 
@@ -358,12 +516,30 @@ def test_diff_html_shows_exactly_the_lines_a_technique_adds():
 def test_the_fsdp_script_shards_every_block_then_the_root(tmp_path, pyflakes):
     """FSDP2 as techniques.wrap_data_parallel applies it, before the optimizer (which then holds the shards); on a GPU
     one process per GPU with NCCL; with accumulation, the reduce-scatter only on the last micro-batch."""
-    cfg = dataclasses.replace(everything_on(BASE), device="cuda", data_parallel="fsdp", loss_chunks=1, grad_accum_steps=2,
-                              eval_every=1, precision="fp16", clip_norm=1.0)
+    cfg = dataclasses.replace(
+        everything_on(BASE),
+        device="cuda",
+        data_parallel="fsdp",
+        loss_chunks=1,
+        grad_accum_steps=2,
+        eval_every=1,
+        precision="fp16",
+        clip_norm=1.0,
+    )
     text = export.script(cfg)
-    assert text.index("fully_shard(block, mesh=mesh)") < text.index("fully_shard(model, mesh=mesh)") < text.index("torch.optim.AdamW(")
-    assert 'init_device_mesh("cuda", (world,))' in text and 'backend="nccl"' in text and "torchrun --nproc_per_node" in text
-    assert "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)" in text and "DistributedDataParallel" not in text
+    assert (
+        text.index("fully_shard(block, mesh=mesh)")
+        < text.index("fully_shard(model, mesh=mesh)")
+        < text.index("torch.optim.AdamW(")
+    )
+    assert (
+        'init_device_mesh("cuda", (world,))' in text
+        and 'backend="nccl"' in text
+        and "torchrun --nproc_per_node" in text
+    )
+    assert (
+        "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)" in text and "DistributedDataParallel" not in text
+    )
     assert "fully_shard" not in export.script(dataclasses.replace(cfg, grad_accum_steps=1, data_parallel="ddp"))
     (tmp_path / "train.py").write_text(text)
     assert pyflakes(tmp_path / "train.py") == ""
@@ -374,7 +550,9 @@ def test_technique_diff_shows_a_technique_on_against_off():
     on = dataclasses.replace(BASE, clip_norm=0.5)
     shown = export.technique_diff(BASE, activation_checkpointing="selective").data
     assert "create_selective_checkpoint_contexts" in shown and "activation_checkpointing='selective'" in shown
-    assert export.technique_diff(on, without={"clip_norm": None}).data == export.diff_html(BASE, on, "without clip_norm=None")
+    assert export.technique_diff(on, without={"clip_norm": None}).data == export.diff_html(
+        BASE, on, "without clip_norm=None"
+    )
     assert "padded_vocab_size" in export.technique_diff(BASE, **{"model.vocab_multiple": 64}).data
     with pytest.raises(ValueError, match="needs the settings"):
         export.technique_diff(BASE)
@@ -395,24 +573,46 @@ def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdi
             continue
         cfg = rung.apply(best)
         kept = rung.name not in not_kept
-        results.append(RunResult(rung.name, "ok", cfg.to_dict(), {"device": "test"}, tokens_per_s=1000.0 * (i + 1),
-                                 memory={"peak_bytes": 2**30 // (i + 1)},
-                                 ladder={"kept": kept, "why": f"{'kept' if kept else 'not kept'}: made up", "speedup": i + 1.0,
-                                         "memory_vs_naive": 1 / (i + 1)}))
+        results.append(
+            RunResult(
+                rung.name,
+                "ok",
+                cfg.to_dict(),
+                {"device": "test"},
+                tokens_per_s=1000.0 * (i + 1),
+                memory={"peak_bytes": 2**30 // (i + 1)},
+                ladder={
+                    "kept": kept,
+                    "why": f"{'kept' if kept else 'not kept'}: made up",
+                    "speedup": i + 1.0,
+                    "memory_vs_naive": 1 / (i + 1),
+                },
+            )
+        )
         best = cfg if kept else best
-    results.append(RunResult(OPTIMISED, "ok", best.to_dict(), {"device": "test"}, tokens_per_s=9000.0,
-                             memory={"peak_bytes": 2**28}, ladder={"kept": True, "why": "made up", "speedup": 9.0}))
+    results.append(
+        RunResult(
+            OPTIMISED,
+            "ok",
+            best.to_dict(),
+            {"device": "test"},
+            tokens_per_s=9000.0,
+            memory={"peak_bytes": 2**28},
+            ladder={"kept": True, "why": "made up", "speedup": 9.0},
+        )
+    )
     page = export.ladder_diffs(results).data
     assert page.count("<details") == len(C.LADDER) and "left out for the test" in page
-    sdpa = page[page.index("+ sdpa (flash)</b>"):page.index("+ compile</b>")]
+    sdpa = page[page.index("+ sdpa (flash)</b>") : page.index("+ compile</b>")]
     assert "kept: made up; 4,000 tokens/s (4.00x naive), peak 0.2500 GiB (0.25x naive" in sdpa
     # measured against naive + tf32, not against the 16-bit rung, which was not kept
     assert "scaled_dot_product_attention" in sdpa and "torch.autocast" not in sdpa
-    compiled = page[page.index("+ compile</b>"):page.index("+ vocab to x64</b>")]
+    compiled = page[page.index("+ compile</b>") : page.index("+ vocab to x64</b>")]
     assert "torch.compile(" in compiled and "not measured here" in compiled
-    fused = page[page.index("+ fused AdamW</b>"):page.index("+ set_to_none</b>")]
-    assert "fused=True" in fused and "padded_vocab_size" not in fused  # the padding was not kept: not in its base either
-    last = page[page.index(OPTIMISED):]
+    fused = page[page.index("+ fused AdamW</b>") : page.index("+ set_to_none</b>")]
+    # the padding was not kept: not in its base either
+    assert "fused=True" in fused and "padded_vocab_size" not in fused
+    last = page[page.index(OPTIMISED) :]
     assert "the optimised loop against naive fp32" in last and "9,000 tokens/s (9.00x naive)" in last
     with pytest.raises(ValueError, match="one result per rung"):
         export.ladder_diffs(results[:3])

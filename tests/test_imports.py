@@ -1,6 +1,7 @@
 """The package's imports form layers: no module reaches, directly or through others, back to itself. Read from the
 source (ast), so an import inside a function counts as much as one at the top: hiding a cycle inside a function is how
 the lowest layer (config) came to reach the top (issue 32)."""
+
 import ast
 from pathlib import Path
 

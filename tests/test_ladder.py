@@ -2,6 +2,7 @@
 whose step times and peaks are made up (a CPU without bf16 instructions, a GPU with tensor cores), so what is kept,
 what is not and why can be checked exactly. The real loop under the ladder is tested in test_ladder_leaving_out.py
 and test_cli.py."""
+
 import dataclasses
 import random
 import re
@@ -66,15 +67,20 @@ class StandInTrainer:
         return step not in self.excluded
 
     def step(self) -> float:
-        s = speed(self.cfg, self.device) * self.rng.uniform(0.98, 1.02) * (40 if self.cfg.compile and self.step_index == 0 else 1)
+        s = (
+            speed(self.cfg, self.device)
+            * self.rng.uniform(0.98, 1.02)
+            * (40 if self.cfg.compile and self.step_index == 0 else 1)
+        )
         self.step_index += 1
         if self.result is not None:
             self.result.step_times.append(s)
         return s
 
     def fit(self, label, callback):
-        self.result = r = RunResult(label=label, status="ok", config=self.cfg.to_dict(), provenance=provenance("stand-in"),
-                                    tokens_per_step=1000)
+        self.result = r = RunResult(
+            label=label, status="ok", config=self.cfg.to_dict(), provenance=provenance("stand-in"), tokens_per_step=1000
+        )
         try:
             for i in range(self.cfg.steps):
                 self.step()
@@ -98,7 +104,11 @@ def climb(monkeypatch, tiny):
     def go(device: str, native_16bit: bool, **kw):
         StandInTrainer.device, StandInTrainer.made = device, []
         real = capabilities("cpu")
-        bf16 = Support(True, "bf16 hardware", True) if native_16bit else Support(True, "no bf16 instructions in use: converted in software", False)
+        bf16 = (
+            Support(True, "bf16 hardware", True)
+            if native_16bit
+            else Support(True, "no bf16 instructions in use: converted in software", False)
+        )
         fp16 = Support(True, "fp16 hardware", True) if native_16bit else Support(True, "no fp16 instructions", False)
         caps = dataclasses.replace(real, precisions={**real.precisions, "bf16": bf16, "fp16": fp16})
         monkeypatch.setattr(L, "Trainer", StandInTrainer)
@@ -151,7 +161,13 @@ def test_the_optimised_loop_is_naive_plus_the_kept_rungs_and_is_timed_against_na
     assert kept == ["+ sdpa (flash)", "+ compile", "+ chunked loss", "+ checkpointing"]
     assert last.ladder["kept_rungs"] == kept
     cfg = L.optimised_config(results)
-    assert (cfg.precision, cfg.model.attention, cfg.compile, cfg.activation_checkpointing, cfg.loss_chunks) == ("fp32", "sdpa", True, "full", 8)
+    assert (cfg.precision, cfg.model.attention, cfg.compile, cfg.activation_checkpointing, cfg.loss_chunks) == (
+        "fp32",
+        "sdpa",
+        True,
+        "full",
+        8,
+    )
     assert not cfg.fused_adamw and cfg.model.vocab_multiple == 1  # no change on this device: not kept
     expected = speed(C.naive(cfg), "avx2 laptop") / speed(cfg, "avx2 laptop")
     assert last.ladder["factor"] == pytest.approx(expected, rel=0.04) and len(last.ladder["pairs"]) >= L.MIN_PAIRS
@@ -166,8 +182,8 @@ def test_a_memory_rung_that_would_leave_the_loop_slower_than_naive_is_not_kept(c
 
 
 def test_a_memory_rung_is_timed_against_naive_not_through_the_product_of_noisy_factors(tiny):
-    """Kept rungs inside the noise can add up: factors a little above 1 by chance would let a memory rung that costs time
-    pass as 'as fast as naive' through their product. The memory rung is timed against naive fp32 directly."""
+    """Kept rungs inside the noise can add up: factors a little above 1 by chance would let a memory rung that costs
+    time pass as 'as fast as naive' through their product. The memory rung is timed against naive fp32 directly."""
     StandInTrainer.device, StandInTrainer.made = "avx2 laptop", []
     naive_cfg = tiny(steps=8, timing_warmup=2)
     best_cfg = dataclasses.replace(naive_cfg, loss_chunks=8)  # truly 1.05x slower than naive...
@@ -186,7 +202,9 @@ def test_a_memory_rung_is_timed_against_naive_not_through_the_product_of_noisy_f
 
 def test_on_a_gpu_with_bf16_tensor_cores_every_speed_rung_helps_and_is_kept(climb):
     results = climb("gpu", native_16bit=True)
-    speed_rungs = [r for r in results[1:-1] if r.ladder.get("aims") and C.SPEED in r.ladder["aims"] and r.label != "+ tf32"]
+    speed_rungs = [
+        r for r in results[1:-1] if r.ladder.get("aims") and C.SPEED in r.ladder["aims"] and r.label != "+ tf32"
+    ]
     assert speed_rungs and all(r.ladder["kept"] for r in speed_rungs), [(r.label, r.ladder["why"]) for r in speed_rungs]
     assert L.optimised_config(results).precision == "bf16"
 
@@ -208,16 +226,19 @@ def test_one_slow_step_does_not_decide():
     assert L.speed_change([(0.2, 0.2 / 1.02)] * 6).verdict == L.NO_CHANGE  # consistent, but below MIN_SPEED_CHANGE
 
 
-@pytest.mark.parametrize("aims, speed_verdict, mem, kept", [
-    ((C.SPEED,), L.FASTER, L.FATTER, True),  # a speed technique is kept for speed, its memory cost said
-    ((C.SPEED,), L.NO_CHANGE, L.LEANER, False),
-    ((C.SPEED, C.MEMORY), L.NO_CHANGE, L.LEANER, True),  # SDPA: leaner at no cost
-    ((C.SPEED, C.MEMORY), L.SLOWER, L.NO_CHANGE, False),
-    ((C.SPEED, C.MEMORY), L.FASTER, L.FATTER, False),  # both are its aims: it helped one and hurt the other
-    ((C.SPEED, C.MEMORY), L.SLOWER, L.LEANER, False),
-    ((C.MEMORY,), L.SLOWER, L.LEANER, True),
-    ((C.MEMORY,), L.FASTER, L.NO_CHANGE, False),
-])
+@pytest.mark.parametrize(
+    "aims, speed_verdict, mem, kept",
+    [
+        ((C.SPEED,), L.FASTER, L.FATTER, True),  # a speed technique is kept for speed, its memory cost said
+        ((C.SPEED,), L.NO_CHANGE, L.LEANER, False),
+        ((C.SPEED, C.MEMORY), L.NO_CHANGE, L.LEANER, True),  # SDPA: leaner at no cost
+        ((C.SPEED, C.MEMORY), L.SLOWER, L.NO_CHANGE, False),
+        ((C.SPEED, C.MEMORY), L.FASTER, L.FATTER, False),  # both are its aims: it helped one and hurt the other
+        ((C.SPEED, C.MEMORY), L.SLOWER, L.LEANER, False),
+        ((C.MEMORY,), L.SLOWER, L.LEANER, True),
+        ((C.MEMORY,), L.FASTER, L.NO_CHANGE, False),
+    ],
+)
 def test_judge(aims, speed_verdict, mem, kept):
     factor = {L.FASTER: 1.5, L.SLOWER: 0.5, L.NO_CHANGE: 1.0}[speed_verdict]
     change = L.SpeedChange(factor, factor * 0.95, factor * 1.05, 5, speed_verdict)

@@ -1,9 +1,10 @@
 """The ladder on the course's real loop (tiny model): leaving rungs out, options, the fixed ladder. Its decisions on
 made-up timings are in test_ladder.py."""
+
 import pytest
 
 from course_lib import config as C
-from course_lib.ladder import OPTIMISED, ladder_configs, optimised_config, rungs_of, run_ladder
+from course_lib.ladder import OPTIMISED, ladder_configs, optimised_config, run_ladder, rungs_of
 
 
 @pytest.fixture
@@ -49,13 +50,18 @@ def test_a_name_that_is_not_a_rung_is_an_error_and_naive_cannot_be_left_out(one_
 def test_a_ladder_option_changes_what_a_rung_sets(one_block):
     rungs = dict((r.name, c) for r, c in ladder_configs(one_block, options={"activation_checkpointing": "selective"}))
     assert rungs["+ checkpointing"].activation_checkpointing == "selective"
-    assert rungs["+ chunked loss"].activation_checkpointing == "none" and rungs["+ set_to_none"].activation_checkpointing == "none"
+    assert (
+        rungs["+ chunked loss"].activation_checkpointing == "none"
+        and rungs["+ set_to_none"].activation_checkpointing == "none"
+    )
     with pytest.raises(C.ConfigError, match="not techniques of the ladder"):
         ladder_configs(one_block, options={"checkpointing": "selective"})
 
 
 def test_the_fixed_ladder_keeps_every_rung_it_runs(one_block):
-    results = run_ladder(one_block, rungs=["naive fp32", "+ sdpa (flash)", "+ set_to_none", "+ chunked loss"], fixed=True)
+    results = run_ladder(
+        one_block, rungs=["naive fp32", "+ sdpa (flash)", "+ set_to_none", "+ chunked loss"], fixed=True
+    )
     ran = [r for r in rungs_of(results) if r.ok]
     assert [r.label for r in ran] == ["naive fp32", "+ sdpa (flash)", "+ set_to_none", "+ chunked loss"]
     assert all(r.ladder["kept"] for r in ran) and all("kept (fixed ladder)" in r.ladder["why"] for r in ran[1:])

@@ -1,6 +1,7 @@
 """course_lib.low_precision: lost bf16 updates, stochastic rounding, Kahan-compensated updates (tiny, CPU).
 
 bf16 arithmetic is the same on every CPU (emulated where there are no bf16 instructions), so these hold anywhere."""
+
 from dataclasses import replace
 
 import pytest
@@ -47,8 +48,8 @@ def test_stochastic_rounding_is_unbiased():
 
 
 def test_kahan_recovers_the_sum_of_many_tiny_updates():
-    # 1000 updates of about 1e-4 each (each under half of bf16's gap at 1.0, 2^-8): rounded to nearest, every one is lost;
-    # with the compensation buffer their sum arrives, to within 1% (the buffer is bf16 too: 8 significant bits)
+    # 1000 updates of about 1e-4 each (each under half of bf16's gap at 1.0, 2^-8): rounded to nearest, every one is
+    # lost; with the compensation buffer their sum arrives, to within 1% (the buffer is bf16 too: 8 significant bits)
     updates = torch.empty(1000).uniform_(0.5e-4, 1.5e-4, generator=torch.Generator().manual_seed(0))
     plain, w, comp = torch.ones(1, dtype=BF16), torch.ones(1, dtype=BF16), torch.zeros(1, dtype=BF16)
     for u in updates:
@@ -62,9 +63,13 @@ def test_kahan_recovers_the_sum_of_many_tiny_updates():
 
 def test_low_precision_adamw_is_adamw():
     # on fp64 weights (computed in fp64, stored to fp64) it is exactly AdamW: the rule is optim.adamw_update's
-    diff = optim.max_difference_after_steps(lambda g: L.LowPrecisionAdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
-                                            lambda g: torch.optim.AdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False),
-                                            tiny_preset("cpu").model, steps=2, weight_decay=0.1)
+    diff = optim.max_difference_after_steps(
+        lambda g: L.LowPrecisionAdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
+        lambda g: torch.optim.AdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False),
+        tiny_preset("cpu").model,
+        steps=2,
+        weight_decay=0.1,
+    )
     assert diff < 1e-10
     with pytest.raises(ValueError):
         L.LowPrecisionAdamW([torch.nn.Parameter(torch.zeros(1))], rounding="up")
@@ -73,9 +78,13 @@ def test_low_precision_adamw_is_adamw():
 def test_pure_bf16_loses_updates_and_kahan_keeps_them(splits):
     # a short run of the tiny GPT under bf16 autocast: the weights stored in bf16 lose a share of their updates every
     # step (the LayerNorm gains at 1.0 all of theirs); with the compensation buffer almost none is lost
-    cfg = replace(tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, weight_decay=0.1)
-    runs = {(w, r): L.train(cfg, r, w, splits=splits) for w, r in ((torch.float32, "nearest"), (BF16, "nearest"),
-                                                                    (BF16, "stochastic"), (BF16, "kahan"))}
+    cfg = replace(
+        tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, weight_decay=0.1
+    )
+    runs = {
+        (w, r): L.train(cfg, r, w, splits=splits)
+        for w, r in ((torch.float32, "nearest"), (BF16, "nearest"), (BF16, "stochastic"), (BF16, "kahan"))
+    }
     master, pure, sr, kahan = (r.details for r in runs.values())
     assert max(master["lost"]) < 1e-4  # fp32 master weights lose only updates below ~2^-25 of the weight: rare
     assert min(pure["lost"][1:]) > 0.003  # pure bf16 loses a nonzero share every step (its LayerNorm gains are 0.1%)
@@ -84,7 +93,8 @@ def test_pure_bf16_loses_updates_and_kahan_keeps_them(splits):
     assert all(abs(k - 1) < 0.05 for k in sr["kept"])  # unbiased: the update lands on average
     # bytes per parameter, measured from the tensors: 4+4+8 with fp32 master weights, 2+2+4 pure, +2 for Kahan
     assert [round(d["bytes_per_parameter"]["total"], 6) for d in (master, pure, sr, kahan)] == [16, 8, 8, 10]
-    # every run started from the same weights and batches (the bf16 ones rounded): the same first loss to bf16's precision
+    # every run started from the same weights and batches (the bf16 ones rounded): the same first loss to bf16's
+    # precision
     first = [r.losses[0] for r in runs.values()]
     assert max(first) - min(first) < 0.01 * first[0]
 
@@ -110,16 +120,24 @@ def test_replay_rounding_to_nearest_loses_what_stochastic_rounding_and_kahan_res
 
 
 def test_a_run_logs_the_updates_lost_for_good(splits):
-    # late in a schedule (lr 1e-4) rounding to nearest loses a share of the run's updates; the remedies lose almost none.
-    # The running sums behind it are not optimizer state: the bytes per parameter stay 8 (test above).
-    cfg = replace(tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, lr=1e-4, weight_decay=0.1)
+    # late in a schedule (lr 1e-4) rounding to nearest loses a share of the run's updates; the remedies lose almost
+    # none. The running sums behind it are not optimizer state: the bytes per parameter stay 8 (test above).
+    cfg = replace(
+        tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, lr=1e-4, weight_decay=0.1
+    )
     lost = {r: L.update_lost(L.train(cfg, r, BF16, splits=splits)) for r in L.ROUNDINGS}
-    assert lost["nearest"] > 0.004 and abs(lost["stochastic"]) < lost["nearest"] / 4 and abs(lost["kahan"]) < lost["nearest"] / 100, lost
-    assert L.update_lost(L.train(cfg, "nearest", torch.float32, splits=splits)) < 1e-6  # fp32 master weights (fp64 arithmetic)
+    assert (
+        lost["nearest"] > 0.004
+        and abs(lost["stochastic"]) < lost["nearest"] / 4
+        and abs(lost["kahan"]) < lost["nearest"] / 100
+    ), lost
+    # fp32 master weights (fp64 arithmetic)
+    assert L.update_lost(L.train(cfg, "nearest", torch.float32, splits=splits)) < 1e-6
 
 
 def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
     import matplotlib
+
     from course_lib import precision as P
     from course_lib.config import ConfigError
     from course_lib.plots import new_figure
@@ -128,11 +146,19 @@ def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
     mixed = P.panel_runner(replace(cfg, precision="bf16"), "mixed")
     pure = P.panel_runner(replace(cfg, precision="bf16"), "pure", weights="pure bf16, stochastic rounding")
     fp16 = P.panel_runner(replace(cfg, precision="fp16", loss_scale_init=2.0**30), "fp16")
-    assert mixed.details["op_dtypes"]["matmuls (addmm, mm)"] == "bf16" and mixed.details["op_dtypes"]["layer norm"] == "fp32"
-    assert pure.details["op_dtypes"]["layer norm"] == pure.details["op_dtypes"]["weights"] == "bf16"  # no fp32 left but the loss
+    assert (
+        mixed.details["op_dtypes"]["matmuls (addmm, mm)"] == "bf16"
+        and mixed.details["op_dtypes"]["layer norm"] == "fp32"
+    )
+    # no fp32 left but the loss
+    assert pure.details["op_dtypes"]["layer norm"] == pure.details["op_dtypes"]["weights"] == "bf16"
     assert pure.details["op_dtypes"]["loss (log_softmax)"] == "fp32"
     assert "of the updates lost" in pure.reason and "lost_so_far" in pure.details and "lost_so_far" not in mixed.details
-    assert fp16.details["underflow"]["scale"] == 2.0**30 and "steps skipped" in fp16.reason and fp16.skipped_optimizer_steps >= 1
+    assert (
+        fp16.details["underflow"]["scale"] == 2.0**30
+        and "steps skipped" in fp16.reason
+        and fp16.skipped_optimizer_steps >= 1
+    )
     with pytest.raises(ConfigError, match="set precision to bf16"):
         P.panel_runner(replace(cfg, precision="fp16"), "x", weights="pure bf16, nearest")
     for results in ([], [mixed, pure, fp16]):  # every plot draws something, with runs and without
@@ -144,13 +170,16 @@ def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
 
 
 def test_the_panel_runner_asks_the_device_first(monkeypatch):
-    # a precision this device cannot run (bf16 on a V100, say) is a ConfigError with the device's reason, before any op runs
+    # a precision this device cannot run (bf16 on a V100, say) is a ConfigError with the device's reason, before any op
+    # runs
     from course_lib import capabilities as K
     from course_lib import precision as P
     from course_lib.config import ConfigError
 
     real = K._precisions
-    monkeypatch.setattr(K, "_precisions", lambda dev, cpu: {**real(dev, cpu), "bf16": K.Support(False, "no bf16 tensor cores here")})
+    monkeypatch.setattr(
+        K, "_precisions", lambda dev, cpu: {**real(dev, cpu), "bf16": K.Support(False, "no bf16 tensor cores here")}
+    )
     K.capabilities.cache_clear()
     try:
         with pytest.raises(ConfigError, match="no bf16 tensor cores here"):

@@ -69,9 +69,15 @@ def test_median_excludes_warmup():
 def test_cuda_report_subtracts_what_was_there_before_and_does_not_guess(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 8000)
-    rep = measure.cuda_memory_report("cuda", {"parameters": 1000, "gradients": None, "optimizer state": 2000}, baseline=1500)
+    rep = measure.cuda_memory_report(
+        "cuda", {"parameters": 1000, "gradients": None, "optimizer state": 2000}, baseline=1500
+    )
     assert rep.peak_bytes == 3500 and rep.reserved_bytes == 8000
-    assert rep.by_category["activations"] is None and rep.by_category["logits"] is None and rep.by_category["gradients"] is None
+    assert (
+        rep.by_category["activations"] is None
+        and rep.by_category["logits"] is None
+        and rep.by_category["gradients"] is None
+    )
     assert rep.by_category["other"] == 3500 - 1000 - 2000
 
 
@@ -126,7 +132,9 @@ def test_a_dtensor_is_counted_by_its_local_shard():
     from torch.distributed.tensor import Shard, distribute_tensor
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(__import__("course_lib.distributed.launch", fromlist=["free_port"]).free_port()))
+    os.environ.setdefault(
+        "MASTER_PORT", str(__import__("course_lib.distributed.launch", fromlist=["free_port"]).free_port())
+    )
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))

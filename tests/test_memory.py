@@ -1,6 +1,7 @@
 """course_lib.memory: the formulas against hand-computed values (the paper's included), and against the CPU ledger
 of the one training loop where the formula is exact (parameters, gradients, optimizer state) or itemised
 (activations: within 2 %). Tiny configs, CPU."""
+
 from dataclasses import replace
 
 import pytest
@@ -13,8 +14,12 @@ from course_lib.measure import GiB
 from course_lib.model import GPT
 from course_lib.train import train
 
-SPLITS = Splits(train=torch.randint(0, 4000, (20_000,), generator=torch.Generator().manual_seed(0)),
-                val=torch.randint(0, 4000, (2_000,), generator=torch.Generator().manual_seed(1)), pad_id=4096, vocab_size=4097)
+SPLITS = Splits(
+    train=torch.randint(0, 4000, (20_000,), generator=torch.Generator().manual_seed(0)),
+    val=torch.randint(0, 4000, (2_000,), generator=torch.Generator().manual_seed(1)),
+    pad_id=4096,
+    vocab_size=4097,
+)
 
 
 def _cfg(**changes):
@@ -27,8 +32,16 @@ def _measured(cfg):
 
 # ---- hand-computed values ----
 
-@pytest.mark.parametrize("model", [tiny_preset("cpu").model, gpt2_small_preset("cpu").model, ModelConfig(n_layer=3, n_embd=48, n_head=3, bias=False),
-                                   ModelConfig(vocab_multiple=64)])
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        tiny_preset("cpu").model,
+        gpt2_small_preset("cpu").model,
+        ModelConfig(n_layer=3, n_embd=48, n_head=3, bias=False),
+        ModelConfig(vocab_multiple=64),
+    ],
+)
 def test_count_params_matches_the_model(model):
     with torch.device("meta"):
         gpt = GPT(model)
@@ -79,6 +92,7 @@ def test_itemised_layer_is_the_paper_without_dropout():
 
 # ---- against the ledger of the training loop ----
 
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "sgd_momentum"])
 def test_ledger_static_memory_is_exactly_the_formula(optimizer):
     cfg = _cfg(optimizer=optimizer)
@@ -112,7 +126,10 @@ def test_checkpointing_and_sdpa_lower_activations_as_predicted():
     ck = replace(base, activation_checkpointing=True)
     m_base, m_ck = _measured(base), _measured(ck)
     assert m_ck["by_category"]["activations"] < m_base["by_category"]["activations"] / 2
-    assert abs(m_ck["by_category"]["activations"] - M.activation_bytes(ck)["total"]) <= 0.02 * M.activation_bytes(ck)["total"]
+    assert (
+        abs(m_ck["by_category"]["activations"] - M.activation_bytes(ck)["total"])
+        <= 0.02 * M.activation_bytes(ck)["total"]
+    )
 
 
 def test_account_step_equals_the_loop_and_fake_equals_real():
@@ -139,7 +156,10 @@ def test_set_to_none_frees_gradients_between_steps():
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_static_dominated_peak_is_at_the_end_of_backward(optimizer):
     # batch 1, context 8: the peak is where all gradients exist and the tied embedding's gradients are summed
-    keep, free = _cfg(batch_size=1, context=8, optimizer=optimizer), _cfg(batch_size=1, context=8, optimizer=optimizer, set_to_none=True)
+    keep, free = (
+        _cfg(batch_size=1, context=8, optimizer=optimizer),
+        _cfg(batch_size=1, context=8, optimizer=optimizer, set_to_none=True),
+    )
     mk, mf = _measured(keep), _measured(free)
     assert M.estimate(keep).when == "end of backward"
     for cfg, mem in ((keep, mk), (free, mf)):
@@ -180,6 +200,7 @@ def test_will_it_fit():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the allocator's peak is only measured on a GPU")
 def test_cuda_peak_near_the_estimate():
     from course_lib.config import reference_preset
+
     cfg = replace(reference_preset("cuda"), steps=3, timing_warmup=1, batch_size=8)
     res = train(cfg, "cuda", splits=SPLITS)
     est = M.estimate(cfg).peak_bytes

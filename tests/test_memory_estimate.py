@@ -16,6 +16,7 @@ Shapes: the `cpu` preset (the course's CPU runs, where the logits hold the peak)
 context 1024. fp16 cannot run under FakeTensorMode (its GradScaler reads the scale with .item()): it is measured for
 real on the tiny preset.
 """
+
 from dataclasses import replace
 
 import pytest
@@ -51,9 +52,13 @@ MODEL_FIELDS = {"attention", "vocab_multiple", "dropout"}
 
 CASES = (
     [("cpu", name) for name in LEVERS]
-    + [("cpu-V64", name) for name in ("naive fp32", "bf16", "sdpa", "full checkpointing", "selective checkpointing", "set_to_none")]
+    + [
+        ("cpu-V64", name)
+        for name in ("naive fp32", "bf16", "sdpa", "full checkpointing", "selective checkpointing", "set_to_none")
+    ]
     + [("cpu-V64", "bf16 + selective checkpointing"), ("cpu-V64", "sdpa + full checkpointing")]
-    # GPT-2 small: the levers whose terms grow with its shape (bf16 and full checkpointing are in the issue's combinations)
+    # GPT-2 small: the levers whose terms grow with its shape (bf16 and full checkpointing are in the issue's
+    # combinations)
     + [("gpt2-b32-s1024", name) for name in ("naive fp32", "selective checkpointing", "8 loss chunks")]
 )
 
@@ -70,10 +75,15 @@ def check(cfg, fake=True):
     """The estimate against one measured step: the peak and each category within TOL of the peak, at the same moment."""
     est, led = M.estimate(cfg), M.account_step(cfg, fake=fake)
     err = (est.peak_bytes - led.peak_bytes) / led.peak_bytes
-    assert abs(err) <= TOL, (f"estimate {est.peak_gib:.4f} GiB ({est.when}) vs ledger {led.peak_bytes / GiB:.4f} GiB: "
-                             f"{100 * err:+.2f} %")
+    assert abs(err) <= TOL, (
+        f"estimate {est.peak_gib:.4f} GiB ({est.when}) vs ledger {led.peak_bytes / GiB:.4f} GiB: {100 * err:+.2f} %"
+    )
     for cat in CATEGORIES:
-        assert abs(est.by_category[cat] - led.by_category[cat]) <= TOL * led.peak_bytes, (cat, est.by_category, led.by_category)
+        assert abs(est.by_category[cat] - led.by_category[cat]) <= TOL * led.peak_bytes, (
+            cat,
+            est.by_category,
+            led.by_category,
+        )
     # the moment: the ledger's phase at its peak ("loss" is the forward from the output layer on)
     peak_phase = max(led.timeline, key=lambda pl: pl[1])[0]
     assert peak_phase == ("loss" if est.when.startswith("forward") else "backward"), (peak_phase, est.when)
@@ -106,23 +116,33 @@ def test_the_issue_chunked_loss_with_checkpointing():
     assert unchunked.when == "start of backward" and unchunked.peak_bytes > 3.5 * est.peak_bytes
 
 
-@pytest.mark.parametrize("levers", ["sdpa + full checkpointing + 8 loss chunks + bf16", "sdpa + selective checkpointing + 8 loss chunks"])
+@pytest.mark.parametrize(
+    "levers", ["sdpa + full checkpointing + 8 loss chunks + bf16", "sdpa + selective checkpointing + 8 loss chunks"]
+)
 def test_issue_combinations(levers):
     est, led = check(config("gpt2-b32-s1024", levers))
     assert est.when == "forward: a loss slice"
 
 
-@pytest.mark.parametrize("shape,levers,more,when", [
-    ("cpu", "full checkpointing", {"loss_chunks": 16}, "last block's backward: attention backward"),
-    ("cpu", "sdpa + full checkpointing", {"loss_chunks": 16}, "last block's backward: MLP backward"),
-    ("cpu", "naive fp32", {"loss_chunks": 4, "batch_size": 1, "context": 8}, "end of backward"),
-    ("gpt2-b32-s1024", "bf16 + sdpa + full checkpointing", {"batch_size": 1, "context": 512}, "forward: the loss"),
-], ids=["chunks: attention backward", "chunks: MLP backward", "tiny batch: the V x h gradients",
-        "bf16 batch 1: autocast's weight cache in forward"])
+@pytest.mark.parametrize(
+    "shape,levers,more,when",
+    [
+        ("cpu", "full checkpointing", {"loss_chunks": 16}, "last block's backward: attention backward"),
+        ("cpu", "sdpa + full checkpointing", {"loss_chunks": 16}, "last block's backward: MLP backward"),
+        ("cpu", "naive fp32", {"loss_chunks": 4, "batch_size": 1, "context": 8}, "end of backward"),
+        ("gpt2-b32-s1024", "bf16 + sdpa + full checkpointing", {"batch_size": 1, "context": 512}, "forward: the loss"),
+    ],
+    ids=[
+        "chunks: attention backward",
+        "chunks: MLP backward",
+        "tiny batch: the V x h gradients",
+        "bf16 batch 1: autocast's weight cache in forward",
+    ],
+)
 def test_every_moment_of_the_peak(shape, levers, more, when):
     # Chunks make the logits small, and the peak moves into the last block's backward (with its recompute under
-    # checkpointing); with a tiny batch, to the end of backward, where the tied embedding's V x h gradients are summed into
-    # .grad; with bf16 and a small
+    # checkpointing); with a tiny batch, to the end of backward, where the tied embedding's V x h gradients are summed
+    # into .grad; with bf16 and a small
     # batch, into the forward, where autocast's cache holds a 16-bit copy of every block's weights until the forward
     # ends (checkpointing keeps none of them).
     est, _ = check(config(shape, levers, **more))
@@ -131,6 +151,8 @@ def test_every_moment_of_the_peak(shape, levers, more, when):
 
 def test_fp16_measured_for_real():
     # FakeTensorMode cannot run fp16's GradScaler (it reads the scale with .item()): the tiny preset, allocated for real
-    check(replace(tiny_preset("cpu"), precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False)
+    check(
+        replace(tiny_preset("cpu"), precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False
+    )
     with pytest.raises(ValueError, match="fp16"):
         M.account_step(replace(tiny_preset("cpu"), precision="fp16"), fake=True)

@@ -64,7 +64,21 @@ def test_forward_is_embed_blocks_head_and_the_parameter_names_are_nanogpts():
         x = block(x)
     torch.testing.assert_close(m.head(x), m(idx), rtol=0, atol=0)
     torch.testing.assert_close(m.lm_head(m.hidden(idx)), m(idx), rtol=0, atol=0)
-    block_keys = {"ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "attn.c_proj.bias",
-                  "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"}
-    assert set(m.state_dict()) == ({"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"}
-                                   | {f"blocks.{i}.{k}" for i in range(2) for k in block_keys})
+    block_keys = {
+        "ln_1.weight",
+        "ln_1.bias",
+        "attn.c_attn.weight",
+        "attn.c_attn.bias",
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "ln_2.weight",
+        "ln_2.bias",
+        "mlp.c_fc.weight",
+        "mlp.c_fc.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    }
+    assert set(m.state_dict()) == (
+        {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"}
+        | {f"blocks.{i}.{k}" for i in range(2) for k in block_keys}
+    )

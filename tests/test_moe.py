@@ -1,4 +1,6 @@
-"""course_lib.moe (top-k routing, capacity, load-balancing loss) and expert parallelism under torchrun (2 gloo processes)."""
+"""course_lib.moe (top-k routing, capacity, load-balancing loss) and expert parallelism under torchrun (2 gloo
+processes)."""
+
 from __future__ import annotations
 
 import copy
@@ -48,7 +50,9 @@ def test_the_aux_loss_reaches_the_router_through_backward(tiny_model):
     x = torch.randn(2, 16, 32)
     with_aux(x).square().sum().backward()
     # by hand: the same output loss plus 0.5 * the load-balancing loss of the same routing
-    (plain(x).square().sum() + 0.5 * moe.route(plain.router(x.reshape(-1, 32)), 2, plain.capacity_factor).aux_loss).backward()
+    (
+        plain(x).square().sum() + 0.5 * moe.route(plain.router(x.reshape(-1, 32)), 2, plain.capacity_factor).aux_loss
+    ).backward()
     torch.testing.assert_close(with_aux.router.weight.grad, plain.router.weight.grad)
     assert with_aux.router.weight.grad.abs().sum() > 0
 
@@ -65,10 +69,12 @@ def test_moe_gpt_and_dropped_shares(tiny_model):
     idx = torch.randint(0, 64, (4, 32))
     shares = moe.dropped_shares(model, idx, [0.25, 0.5, 1.0, 2.0])  # 2.0 = E/k: every expert can take every token
     assert all(layer.capacity_factor == 1.0 for layer in moe.moe_blocks(model))  # the model itself is left as it was
-    # more room, fewer drops: in the first layer, whose routing no capacity changes (later layers see what earlier ones dropped)
+    # more room, fewer drops: in the first layer, whose routing no capacity changes (later layers see what earlier ones
+    # dropped)
     first = [shares[cf][0] for cf in (0.25, 0.5, 1.0, 2.0)]
     assert first == sorted(first, reverse=True)
-    assert shares[2.0] == [0.0] * cfg.n_layer and all(s >= 0.75 for s in shares[0.25])  # at 0.25 at most a quarter is kept
+    # at 0.25 at most a quarter is kept
+    assert shares[2.0] == [0.0] * cfg.n_layer and all(s >= 0.75 for s in shares[0.25])
 
 
 @pytest.mark.distributed
@@ -76,10 +82,13 @@ def test_expert_parallel_equals_one_process(launched):
     r = launched["expert_parallel"].raise_for_status()  # 4 experts, top 2, capacity factor 0.75
     for rank in r.ranks:
         loads = rank["expert_load"]
-        assert sum(sum(ld["kept"]) for ld in loads) < sum(sum(ld["chosen"]) for ld in loads)  # tokens were dropped: checked too
+        # tokens were dropped: checked too
+        assert sum(sum(ld["kept"]) for ld in loads) < sum(sum(ld["chosen"]) for ld in loads)
         # the same logits for this rank's tokens, the same gradients (experts: this rank's; the rest: summed over ranks)
         assert rank["max_abs_logit_diff"] <= 1e-5 * max(1.0, rank["max_abs_logit"])
-        assert max(rank["max_abs_grad_diff"].values()) <= 1e-5 * max(1.0, rank["max_abs_grad"]), rank["max_abs_grad_diff"]
+        assert max(rank["max_abs_grad_diff"].values()) <= 1e-5 * max(1.0, rank["max_abs_grad"]), rank[
+            "max_abs_grad_diff"
+        ]
         assert rank["loss_sum_of_ranks"] == pytest.approx(rank["loss_single_process"], rel=1e-6)
         # two exchanges per MoE layer forward (tokens out and back), two more in backward, of the same sizes
         a2a = rank["all_to_all"]
@@ -87,9 +96,18 @@ def test_expert_parallel_equals_one_process(launched):
         assert a2a["forward"]["bytes_to_other_ranks"] == a2a["backward"]["bytes_to_other_ranks"] > 0
         # experts held: half of them; everything else replicated
         assert rank["expert_bytes_local"] * 2 == rank["expert_bytes_all"]
-        assert rank["parameter_bytes_expert_parallel"] == rank["parameter_bytes_replicated_model"] - rank["expert_bytes_all"] // 2
+        assert (
+            rank["parameter_bytes_expert_parallel"]
+            == rank["parameter_bytes_replicated_model"] - rank["expert_bytes_all"] // 2
+        )
     # every kept assignment's row goes out to its expert and comes back: 2 rows per assignment, over both ranks
-    rows = sum(a2a_bytes for rank in r.ranks for a2a_bytes in (rank["all_to_all"]["forward"]["bytes_to_other_ranks"],
-                                                                rank["all_to_all"]["forward"]["bytes_kept_on_this_rank"]))
+    rows = sum(
+        a2a_bytes
+        for rank in r.ranks
+        for a2a_bytes in (
+            rank["all_to_all"]["forward"]["bytes_to_other_ranks"],
+            rank["all_to_all"]["forward"]["bytes_kept_on_this_rank"],
+        )
+    )
     kept = sum(sum(ld["kept"]) for rank in r.ranks for ld in rank["expert_load"])
     assert rows == 2 * kept * r.ranks[0]["bytes_per_token_row"]

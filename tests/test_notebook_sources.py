@@ -1,6 +1,7 @@
 """The notebooks as files: committed without outputs, and their code free of what pyflakes finds. nbval runs every
 cell, but on a CPU it never runs a notebook's GPU branches (`if DEVICE == "cuda": ...`): a misspelt name there would
 first fail on a learner's GPU. pyflakes reads every line, run or not."""
+
 import json
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """course_lib.optim: hand-written AdamW, schedules, clipping, state bytes, weight-decay groups (tiny, CPU)."""
+
 import math
 from dataclasses import replace
 
@@ -24,7 +25,10 @@ def _batch(cfg, seed=0):
 
 # ---- AdamW ----
 
-@pytest.mark.parametrize("betas,eps,wd", [((0.9, 0.95), 1e-8, 0.1), ((0.9, 0.999), 1e-8, 0.0), ((0.8, 0.99), 1e-4, 0.01)])
+
+@pytest.mark.parametrize(
+    "betas,eps,wd", [((0.9, 0.95), 1e-8, 0.1), ((0.9, 0.999), 1e-8, 0.0), ((0.8, 0.99), 1e-4, 0.01)]
+)
 def test_hand_adamw_equals_torch(betas, eps, wd):
     # float64, so that rounding cannot hide a real difference: the key bias's true gradient is exactly zero
     # (softmax ignores a constant shift), and in float32 its rounding noise is amplified by Adam's 1/sqrt(v)
@@ -63,7 +67,6 @@ def test_first_adam_step_is_lr_sized_for_any_gradient_scale():
         torch.testing.assert_close(p.abs(), torch.full((4,), 0.01), rtol=1e-3, atol=0)
 
 
-
 def test_bias_correction_ratio_closed_form_equals_the_update_rule():
     # constant gradient: without correction the step is (1 - b1^t)/sqrt(1 - b2^t) times the corrected one, which
     # is lr; with betas (0.9, 0.999) 3.16x at the first step (not sqrt(1000) = 31.6x), at most 6.57x, at step 12
@@ -99,6 +102,7 @@ def test_huge_eps_makes_adam_momentum_sgd():
 
 
 # ---- schedules ----
+
 
 @pytest.mark.parametrize("warmup,total", [(0, 40), (1, 40), (10, 100), (5, 6), (30, 300)])
 def test_cosine_equals_torch_reference_and_the_loop(warmup, total):
@@ -146,6 +150,7 @@ def test_inverse_sqrt_and_wsd_shapes():
 
 
 # ---- clipping ----
+
 
 def _with_grads(seed=0):
     cfg = tiny_preset("cpu")
@@ -195,7 +200,9 @@ def test_adam_update_size_ignores_gradient_scale_sgd_does_not():
     m = _with_grads()
     grads = [p.grad.clone() for p in m.parameters()]
     m.zero_grad(set_to_none=True)
-    adam = [O.update_norm(m, grads, s, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)) for s in (0.01, 1, 100)]
+    adam = [
+        O.update_norm(m, grads, s, lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.0)) for s in (0.01, 1, 100)
+    ]
     sgd = [O.update_norm(m, grads, s, lambda ps: torch.optim.SGD(ps, lr=1e-3)) for s in (0.01, 1, 100)]
     assert max(adam) / min(adam) < 1.1
     assert sgd[2] / sgd[0] == pytest.approx(1e4, rel=1e-3)
@@ -204,6 +211,7 @@ def test_adam_update_size_ignores_gradient_scale_sgd_does_not():
 
 
 # ---- optimizer state ----
+
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_momentum", "adafactor"])
 def test_state_bytes_match_formula(kind):
@@ -223,13 +231,16 @@ def test_state_bytes_order():
 
 # ---- weight-decay groups ----
 
+
 def test_groups_decay_only_matrices_and_embeddings():
     m = _model()
     rows = O.describe_param_groups(m, 0.1)
     assert [r["weight_decay"] for r in rows] == [0.1, 0.0]
     decay, no_decay = rows
     assert all(".weight" in n and ("ln" not in n) for n in decay["names"])
-    assert any(n.startswith("wte.weight") for n in decay["names"]) and any(n.startswith("wpe.weight") for n in decay["names"])
+    assert any(n.startswith("wte.weight") for n in decay["names"]) and any(
+        n.startswith("wpe.weight") for n in decay["names"]
+    )
     assert all(n.split()[0].endswith(".bias") or ".ln" in "." + n or n.startswith("ln_f") for n in no_decay["names"])
     assert decay["parameters"] + no_decay["parameters"] == m.num_params()  # the tied weight counted once
     assert isinstance(techniques.param_groups(m, 0.1), list)
@@ -239,6 +250,7 @@ def test_groups_decay_only_matrices_and_embeddings():
 
 # ---- batch sources ----
 
+
 def test_bad_batch_changes_only_its_step():
     cfg = tiny_preset("cpu")
     splits = load_splits()
@@ -246,8 +258,8 @@ def test_bad_batch_changes_only_its_step():
         good = O.default_batches(splits, cfg)
         bad = O.with_bad_batch(splits, cfg, bad_steps=[2], kind=kind)
         for step in range(4):
-            (xg, yg), = good(step)
-            (xb, yb), = bad(step)
+            ((xg, yg),) = good(step)
+            ((xb, yb),) = bad(step)
             assert torch.equal(xg, xb)
             assert torch.equal(yg, yb) == (step != 2)
     assert int((splits.train == 0).sum()) == 0  # the repeated token (byte 0) never occurs in the text
@@ -271,14 +283,27 @@ def test_batch_ramp():
 
 # ---- AdaGrad and RMSProp, from their update rules ----
 
-@pytest.mark.parametrize("hand, ref", [
-    (lambda g: O.HandAdagrad(g, lr=3e-2, eps=1e-6, weight_decay=0.1, lr_decay=0.05),
-     lambda g: torch.optim.Adagrad(g, lr=3e-2, eps=1e-6, weight_decay=0.1, lr_decay=0.05, foreach=False)),
-    (lambda g: O.HandRMSprop(g, lr=3e-3, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9),
-     lambda g: torch.optim.RMSprop(g, lr=3e-3, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9, foreach=False)),
-    (lambda g: O.HandRMSprop(g, lr=1e-3, alpha=0.95, momentum=0.5, centered=True),
-     lambda g: torch.optim.RMSprop(g, lr=1e-3, alpha=0.95, momentum=0.5, centered=True, foreach=False)),
-], ids=["adagrad wd lr_decay", "rmsprop wd momentum", "rmsprop centered"])
+
+@pytest.mark.parametrize(
+    "hand, ref",
+    [
+        (
+            lambda g: O.HandAdagrad(g, lr=3e-2, eps=1e-6, weight_decay=0.1, lr_decay=0.05),
+            lambda g: torch.optim.Adagrad(g, lr=3e-2, eps=1e-6, weight_decay=0.1, lr_decay=0.05, foreach=False),
+        ),
+        (
+            lambda g: O.HandRMSprop(g, lr=3e-3, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9),
+            lambda g: torch.optim.RMSprop(
+                g, lr=3e-3, alpha=0.9, eps=1e-6, weight_decay=0.1, momentum=0.9, foreach=False
+            ),
+        ),
+        (
+            lambda g: O.HandRMSprop(g, lr=1e-3, alpha=0.95, momentum=0.5, centered=True),
+            lambda g: torch.optim.RMSprop(g, lr=1e-3, alpha=0.95, momentum=0.5, centered=True, foreach=False),
+        ),
+    ],
+    ids=["adagrad wd lr_decay", "rmsprop wd momentum", "rmsprop centered"],
+)
 def test_hand_adagrad_and_rmsprop_equal_torch(hand, ref):
     # float64, a few steps of the tiny GPT with weight decay on the 2-D group: every parameter equal to torch's
     # (torch's defaults are checked in notebook 05)
@@ -309,33 +334,56 @@ def test_rmsprop_is_adam_without_first_moment_and_bias_correction():
 def test_adagrad_steps_shrink_like_one_over_sqrt_t():
     # a constant gradient: s_t = t g^2, so the t-th step is lr / sqrt(t), whatever the gradient's size
     for g in (1e-3, 1.0, 1e3):
-        sizes = [abs(float(u)) for u in O.step_updates(lambda ps: O.HandAdagrad(ps, lr=0.1, eps=0.0), [torch.full((1,), g, dtype=torch.float64)] * 16)]
+        sizes = [
+            abs(float(u))
+            for u in O.step_updates(
+                lambda ps: O.HandAdagrad(ps, lr=0.1, eps=0.0), [torch.full((1,), g, dtype=torch.float64)] * 16
+            )
+        ]
         assert sizes == pytest.approx([0.1 / math.sqrt(t) for t in range(1, 17)], rel=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["adagrad", "rmsprop"])
 def test_new_kinds_state_bytes_and_memory_model(kind):
     from course_lib import memory
+
     m = _model()
     params = list(m.parameters())
     x, y = _batch(tiny_preset("cpu"))
-    assert O.measured_state_bytes(kind, m, x, y) == O.expected_state_bytes(kind, params) == 4 * m.num_params() + 4 * len(params)
-    assert memory.static_bytes(m.num_params(), kind, 4, len(params))["optimizer state"] == O.expected_state_bytes(kind, params)
+    assert (
+        O.measured_state_bytes(kind, m, x, y)
+        == O.expected_state_bytes(kind, params)
+        == 4 * m.num_params() + 4 * len(params)
+    )
+    assert memory.static_bytes(m.num_params(), kind, 4, len(params))["optimizer state"] == O.expected_state_bytes(
+        kind, params
+    )
 
 
 def test_exponential_schedule_equals_torch_exponentiallr_and_the_loop():
     lr, warmup, total = 1e-3, 5, 60
     gamma = techniques.exponential_gamma(warmup, total, 0.1)
     mine = O.curve(lambda s: O.exponential_lr(s, lr, warmup, total, 0.1), total)
-    cfg = replace(tiny_preset("cpu"), lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
+    cfg = replace(
+        tiny_preset("cpu"), lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1
+    )
     loop = [techniques.lr_at(s, cfg) for s in range(total)]
     # torch's own: LinearLR over the warmup, then ExponentialLR(gamma), chained at the end of the warmup
-    ref = O.torch_scheduler_curve(lambda opt: torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1),
-        torch.optim.lr_scheduler.ExponentialLR(opt, gamma=gamma)], milestones=[warmup]), lr, total)
+    ref = O.torch_scheduler_curve(
+        lambda opt: torch.optim.lr_scheduler.SequentialLR(
+            opt,
+            [
+                torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1),
+                torch.optim.lr_scheduler.ExponentialLR(opt, gamma=gamma),
+            ],
+            milestones=[warmup],
+        ),
+        lr,
+        total,
+    )
     assert mine == pytest.approx(ref, rel=1e-9) and mine == pytest.approx(loop, rel=1e-12)
     assert mine[warmup] == pytest.approx(lr) and mine[-1] == pytest.approx(0.1 * lr)
-    assert all(b / a == pytest.approx(gamma) for a, b in zip(mine[warmup:], mine[warmup + 1:]))  # one factor per step
+    assert all(b / a == pytest.approx(gamma) for a, b in zip(mine[warmup:], mine[warmup + 1 :]))  # one factor per step
     # without warmup it is ExponentialLR itself
     plain = O.torch_scheduler_curve(lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9), lr, 30)
     assert O.curve(lambda s: O.exponential_lr(s, lr, 0, 30, 0.9**29), 30) == pytest.approx(plain, rel=1e-9)

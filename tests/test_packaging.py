@@ -6,6 +6,7 @@ with no install at all (how .ci/gpu runs the course on a GPU machine), where the
 
 Nothing reaches the network: builds run with setuptools from this environment, without build isolation or an index.
 """
+
 import json
 import os
 import shutil
@@ -70,10 +71,27 @@ def build(src: Path, out: Path, editable_mode: str | None = None) -> Path:
     """A wheel of `src` (as `pip install .` builds one), or the editable wheel `pip install -e .` would install."""
     out.mkdir()
     if editable_mode is None:
-        cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(out), "."]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-w",
+            str(out),
+            ".",
+        ]
     else:
-        cmd = [sys.executable, "-c", "import sys, setuptools.build_meta as b; "
-               f"b.build_editable(sys.argv[1], {{'editable_mode': {editable_mode!r}}})", str(out)]
+        cmd = [
+            sys.executable,
+            "-c",
+            "import sys, setuptools.build_meta as b; "
+            f"b.build_editable(sys.argv[1], {{'editable_mode': {editable_mode!r}}})",
+            str(out),
+        ]
     subprocess.run(cmd, cwd=src, check=True, capture_output=True, timeout=120)
     (wheel,) = out.glob("*.whl")
     return wheel
@@ -90,8 +108,14 @@ def run_check(tmp_path: Path, sitedir: Path, expect_pkg: Path, expect_data: Path
     code = f"import site, sys; sys.path.insert(0, {str(sitedir)!r}); site.addsitedir({str(sitedir)!r})\n" + CHECK
     cwd = tmp_path / "elsewhere"
     cwd.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, "-S", "-P", "-c", code, str(expect_pkg), str(expect_data), str(expect_ranks)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-P", "-c", code, str(expect_pkg), str(expect_data), str(expect_ranks)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -5,14 +5,37 @@ from course_lib.results import RunResult, provenance
 
 
 def result(label, tps, status="ok"):
-    return RunResult(label=label, status=status, config={}, provenance=provenance("CPU (test)"), median_step_s=0.1, tokens_per_s=tps,
-                     step_times=[1.0, 0.1, 0.1], excluded_steps=[0], losses=[3.0, 2.5, 2.0], val_losses=[(2, 2.2)],
-                     memory={"peak_bytes": 3 * 2**30, "by_category": {"parameters": 2**30, "activations": 2 * 2**30}, "method": "CPU ledger: x"})
+    return RunResult(
+        label=label,
+        status=status,
+        config={},
+        provenance=provenance("CPU (test)"),
+        median_step_s=0.1,
+        tokens_per_s=tps,
+        step_times=[1.0, 0.1, 0.1],
+        excluded_steps=[0],
+        losses=[3.0, 2.5, 2.0],
+        val_losses=[(2, 2.2)],
+        memory={
+            "peak_bytes": 3 * 2**30,
+            "by_category": {"parameters": 2**30, "activations": 2 * 2**30},
+            "method": "CPU ledger: x",
+        },
+    )
 
 
 def test_each_plot_names_units_and_device():
-    rs = [result("naive", 100.0), result("fast", 250.0), RunResult("huge", "oom", {}, {"device": "CPU (test)"}, reason="oom")]
-    for fn, unit in [(plots.plot_speed, "tokens/s"), (plots.plot_memory, "GiB"), (plots.plot_losses, "nats/token"), (plots.plot_step_times, "ms")]:
+    rs = [
+        result("naive", 100.0),
+        result("fast", 250.0),
+        RunResult("huge", "oom", {}, {"device": "CPU (test)"}, reason="oom"),
+    ]
+    for fn, unit in [
+        (plots.plot_speed, "tokens/s"),
+        (plots.plot_memory, "GiB"),
+        (plots.plot_losses, "nats/token"),
+        (plots.plot_step_times, "ms"),
+    ]:
         fig = fn(rs)
         ax = fig.axes[0]
         assert unit in ax.get_ylabel() and "CPU (test)" in ax.get_title()
@@ -20,7 +43,9 @@ def test_each_plot_names_units_and_device():
 
 
 def test_speed_bars_are_labelled_with_speed_up_and_failures():
-    fig = plots.plot_speed([result("naive", 100.0), result("fast", 250.0), RunResult("huge", "oom", {}, {"device": "x"})])
+    fig = plots.plot_speed(
+        [result("naive", 100.0), result("fast", 250.0), RunResult("huge", "oom", {}, {"device": "x"})]
+    )
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts == ["1.00x", "2.50x", "OOM"]
     plt.close(fig)
@@ -54,7 +79,9 @@ def test_many_runs_stay_readable_short_ticks_and_a_legend_beside_the_curves():
     """A panel after many presses (notebook 05: 13 runs) and a run named by its whole config (notebook 09)."""
     runs = []
     for i in range(15):
-        r = result(f"#{i + 1} precision=bf16, attention=sdpa, compile, vocab_multiple=64, fused_adamw, set_to_none", 100.0 + i)
+        r = result(
+            f"#{i + 1} precision=bf16, attention=sdpa, compile, vocab_multiple=64, fused_adamw, set_to_none", 100.0 + i
+        )
         r.losses = [8.0 - 0.1 * k - 0.01 * i for k in range(5)]
         runs.append(r)
     fig = plots.plot_results(runs, ("speed", "loss"))
@@ -64,7 +91,8 @@ def test_many_runs_stay_readable_short_ticks_and_a_legend_beside_the_curves():
     legend = ax_loss.get_legend()
     texts = [t.get_text() for t in legend.get_texts()]
     assert len(texts) == plots.MAX_LEGEND and "the last" in texts[0] and texts[-1].startswith("#15")
-    assert legend.get_bbox_to_anchor().x0 > ax_loss.get_window_extent().x0  # placed beside the axes, not over the curves
+    # placed beside the axes, not over the curves
+    assert legend.get_bbox_to_anchor().x0 > ax_loss.get_window_extent().x0
     plt.close(fig)
 
 
@@ -81,26 +109,48 @@ def test_memory_vs_estimate_on_cuda_compares_only_what_the_allocator_measures_ap
     static = {"parameters": 10 * MiB, "gradients": None, "optimizer state": 20 * MiB}
     mem = measure.cuda_memory_report("cuda", static, peak=100 * MiB, reserved=128 * MiB).to_dict()
     assert mem["by_category"]["activations"] is None and mem["method"].startswith("CUDA:")
-    formula = {"parameters": 10 * MiB, "gradients": 10 * MiB, "optimizer state": 20 * MiB, "activations": 40 * MiB, "logits": 15 * MiB,
-               "other": 0}
-    r = RunResult(label="gpu", status="ok", config={}, provenance=provenance("NVIDIA H100 (test)"), median_step_s=0.1,
-                  memory=mem, details={"estimate": {"by_category": formula, "peak_bytes": sum(formula.values())}})
+    formula = {
+        "parameters": 10 * MiB,
+        "gradients": 10 * MiB,
+        "optimizer state": 20 * MiB,
+        "activations": 40 * MiB,
+        "logits": 15 * MiB,
+        "other": 0,
+    }
+    r = RunResult(
+        label="gpu",
+        status="ok",
+        config={},
+        provenance=provenance("NVIDIA H100 (test)"),
+        median_step_s=0.1,
+        memory=mem,
+        details={"estimate": {"by_category": formula, "peak_bytes": sum(formula.values())}},
+    )
     ax = plots.plot_memory_vs_estimate([r]).axes[0]
     # one bar per category shown, the formula's first (x = 0), then the measurement's (x = 1, the ones in the legend)
     names = [c.get_label() for c in ax.containers if not c.get_label().startswith("_")]
     assert len(ax.containers) == 2 * len(names)
-    bars = {(x, name): c.patches[0].get_height() for x in (0, 1) for name, c in zip(names, ax.containers[x * len(names):])}
+    bars = {
+        (x, name): c.patches[0].get_height() for x in (0, 1) for name, c in zip(names, ax.containers[x * len(names) :])
+    }
     names = set(names)
     assert not names & {"activations", "logits", "gradients", "other"}, names  # none claims a split nobody measured
     rest = [n for n in names if n not in CATEGORIES]
     assert len(rest) == 1 and all(c in rest[0] for c in ("activations", "logits", "gradients", "other")), names
-    assert bars[(1, "parameters")] == 10 and bars[(1, "optimizer state")] == 20 and bars[(1, rest[0])] == 70  # 100 - 10 - 20
+    # 100 - 10 - 20
+    assert bars[(1, "parameters")] == 10 and bars[(1, "optimizer state")] == 20 and bars[(1, rest[0])] == 70
     assert bars[(0, rest[0])] == 10 + 40 + 15  # the formula's gradients, activations, logits and other, together
     title = ax.get_title()
     assert "CUDA" in title and "only the peak" in title and "activations" in title
     # a CPU ledger run (every category measured) keeps its categories apart
-    cpu = RunResult(label="cpu", status="ok", config={}, provenance=provenance("CPU (test)"), median_step_s=0.1,
-                    memory={"peak_bytes": 95 * MiB, "by_category": formula, "method": "CPU ledger: x"},
-                    details={"estimate": {"by_category": formula, "peak_bytes": 95 * MiB}})
+    cpu = RunResult(
+        label="cpu",
+        status="ok",
+        config={},
+        provenance=provenance("CPU (test)"),
+        median_step_s=0.1,
+        memory={"peak_bytes": 95 * MiB, "by_category": formula, "method": "CPU ledger: x"},
+        details={"estimate": {"by_category": formula, "peak_bytes": 95 * MiB}},
+    )
     ax = plots.plot_memory_vs_estimate([cpu]).axes[0]
     assert {c.get_label() for c in ax.containers} >= {"activations", "logits"} and "only the peak" not in ax.get_title()

@@ -1,4 +1,5 @@
 """course_lib.precision: the formats, autocast's dtypes, fp16 underflow and loss scaling, accuracy vs fp64."""
+
 import dataclasses
 import math
 import time
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from course_lib import precision as P
-from course_lib.config import TrainConfig, ConfigError, tiny_preset
+from course_lib.config import ConfigError, TrainConfig, tiny_preset
 from course_lib.train import run
 
 HAS_AMPERE = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
@@ -20,13 +21,16 @@ def small(**changes) -> TrainConfig:
 
 # ---- formats -------------------------------------------------------------------------------------
 
+
 def test_format_bits_and_limits():
     f = {x.name: x for x in P.formats()}
     assert (f["fp32"].exponent_bits, f["fp32"].mantissa_bits) == (8, 23)
     assert (f["bf16"].exponent_bits, f["bf16"].mantissa_bits) == (8, 7)
     assert (f["fp16"].exponent_bits, f["fp16"].mantissa_bits) == (5, 10)
     assert (f["tf32"].exponent_bits, f["tf32"].mantissa_bits, f["tf32"].bits) == (8, 10, 19)
-    assert f["fp16"].max == 65504.0 and f["fp16"].smallest_subnormal == 2.0**-24 and f["fp16"].smallest_normal == 2.0**-14
+    assert (
+        f["fp16"].max == 65504.0 and f["fp16"].smallest_subnormal == 2.0**-24 and f["fp16"].smallest_normal == 2.0**-14
+    )
     assert f["bf16"].smallest_normal == f["fp32"].smallest_normal == 2.0**-126  # same exponent range
     assert f["tf32"].max == pytest.approx(f["fp32"].max, rel=1e-3)
     if hasattr(torch, "float8_e4m3fn"):
@@ -51,7 +55,8 @@ def test_smallest_subnormal_really_is_the_smallest():
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         fmt = P.from_finfo("x", dtype)
         assert torch.tensor(fmt.smallest_subnormal, dtype=torch.float64).to(dtype).item() == fmt.smallest_subnormal
-        assert torch.tensor(fmt.smallest_subnormal / 2, dtype=torch.float64).to(dtype).item() == 0.0  # the tie goes to even: zero
+        # the tie goes to even: zero
+        assert torch.tensor(fmt.smallest_subnormal / 2, dtype=torch.float64).to(dtype).item() == 0.0
 
 
 def test_round_to_tf32():
@@ -67,6 +72,7 @@ def test_round_to_tf32():
 
 
 # ---- underflow -----------------------------------------------------------------------------------
+
 
 def test_fp16_flushes_what_bf16_keeps():
     v = torch.tensor([2.0**-26, 2.0**-20, 1e-3, 2.0**-30], dtype=torch.float64)
@@ -86,7 +92,10 @@ def test_real_gradients_underflow_in_fp16_and_scaling_fixes_it():
     g16s = P.gradient_sample(cfg, "fp16", loss_scale=2.0**16)
     gbf = P.gradient_sample(cfg, "bf16")
     assert g16.activation_dtype == "fp16" and gbf.activation_dtype == "bf16"
-    lost, lost_scaled = P.lost_to_zero(g32.activations, g16.activations), P.lost_to_zero(g32.activations, g16s.activations)
+    lost, lost_scaled = (
+        P.lost_to_zero(g32.activations, g16.activations),
+        P.lost_to_zero(g32.activations, g16s.activations),
+    )
     assert lost > 0.0  # unscaled fp16 loses gradients to zero...
     assert lost_scaled < lost / 10  # ...scaling by 2^16 brings (nearly) all of them back
     assert P.flush_fraction(g32.activations, torch.bfloat16) == 0.0  # bf16 has fp32's range: nothing is below it
@@ -100,11 +109,15 @@ def test_real_gradients_underflow_in_fp16_and_scaling_fixes_it():
     # The weight gradients too: unscaled fp16 flushes some to zero that fp32 has nonzero, scaling brings them back.
     # (Not the end-to-end error: how much the surviving gradients' rounding moves it depends on the CPU's fp16
     # kernels, e.g. AMX-FP16 or AVX512-FP16 against a software path, and can go either way by a hair.)
-    lost_w, lost_w_scaled = P.lost_to_zero(g32.parameters, g16.parameters), P.lost_to_zero(g32.parameters, g16s.parameters)
+    lost_w, lost_w_scaled = (
+        P.lost_to_zero(g32.parameters, g16.parameters),
+        P.lost_to_zero(g32.parameters, g16s.parameters),
+    )
     assert lost_w > 0 and lost_w_scaled < lost_w / 10, (lost_w, lost_w_scaled)
 
 
 # ---- autocast ------------------------------------------------------------------------------------
+
 
 def test_autocast_dtypes_in_a_real_forward_pass():
     cfg = small()
@@ -116,7 +129,8 @@ def test_autocast_dtypes_in_a_real_forward_pass():
     assert P.output_dtypes(recs, "native_layer_norm", "forward") == {"fp32"}
     assert P.output_dtypes(recs, "_log_softmax", "loss") == {"fp32"}  # the loss in fp32
     assert "bf16" in P.output_dtypes(recs, "mm", "backward")  # backward follows forward's dtypes without autocast
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+    # fp32 master weights
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
     rows = P.summarize_ops(recs)
     assert {"phase", "module", "op", "inputs", "output", "count"} == set(rows[0])
     fp32 = P.record_dtypes(P.fresh_model(cfg), x, y, "fp32")
@@ -124,6 +138,7 @@ def test_autocast_dtypes_in_a_real_forward_pass():
 
 
 # ---- accuracy ------------------------------------------------------------------------------------
+
 
 def test_matmul_errors_follow_the_mantissa():
     err = P.matmul_errors(96)
@@ -139,10 +154,13 @@ def test_one_step_errors_against_fp64():
     errs = {(e.precision, e.loss_scale): e for e in P.one_step_errors(small())}
     assert errs[("fp32", 1.0)].grad_rel_error < 1e-5
     assert errs[("bf16", 1.0)].grad_rel_error < 0.05 and errs[("fp16", 65536.0)].grad_rel_error < 0.01
-    assert errs[("fp32", 1.0)].grad_rel_error < errs[("fp16", 65536.0)].grad_rel_error < errs[("bf16", 1.0)].grad_rel_error
+    assert (
+        errs[("fp32", 1.0)].grad_rel_error < errs[("fp16", 65536.0)].grad_rel_error < errs[("bf16", 1.0)].grad_rel_error
+    )
 
 
 # ---- training runs: tolerance and the scaler ------------------------------------------------------
+
 
 def test_each_precision_tracks_fp32_within_tolerance():
     base = small(steps=3, timing_warmup=1)
@@ -173,6 +191,7 @@ def test_loss_scale_fields_are_checked():
 
 # ---- speed ---------------------------------------------------------------------------------------
 
+
 def test_matmul_tflops_on_cpu_and_tf32_refused():
     tf, why = P.matmul_tflops(64, "tf32", "cpu")
     assert tf is None and "CUDA" in why
@@ -199,5 +218,8 @@ def test_tf32_with_compile_trains_on_cuda(tiny):
     (allow_tf32, get_float32_matmul_precision) raises. torch.compile's code generation must not be such code."""
     from course_lib.train import train
 
-    r = train(dataclasses.replace(tiny(device="cuda"), precision="tf32", compile=True, steps=3, measure_memory=False), "tf32 + compile")
+    r = train(
+        dataclasses.replace(tiny(device="cuda"), precision="tf32", compile=True, steps=3, measure_memory=False),
+        "tf32 + compile",
+    )
     assert r.ok and all(math.isfinite(x) for x in r.losses), r.losses

@@ -1,5 +1,6 @@
 """course_lib.profiling and `python -m course_lib profile`: torch.profiler records only the steps after the warm-up,
 around the course's one loop."""
+
 import json
 import re
 
@@ -12,7 +13,8 @@ from course_lib.__main__ import main as cli
 def test_only_the_steps_after_the_warm_up_are_recorded(tiny, tmp_path):
     trace = tmp_path / "trace.json"
     p = profiling.profile_run(tiny(timing_warmup=1), active=2, trace=trace)
-    assert len(p.result.step_times) == 4 and p.active == [2, 3]  # 2 warm-up steps at least (the profiler warms up on one)
+    # 2 warm-up steps at least (the profiler warms up on one)
+    assert len(p.result.step_times) == 4 and p.active == [2, 3]
     by_name = {e.key: e for e in p.prof.key_averages()}
     assert by_name["ProfilerStep*"].count == 2
     events = json.loads(trace.read_text())["traceEvents"]  # the trace names each step (key_averages folds them)
@@ -37,7 +39,9 @@ def footer_seconds(table: str, label: str) -> float:
 
 def test_profile_command_and_its_errors(capsys, tmp_path):
     trace = tmp_path / "not yet" / "trace.json"  # a folder that does not exist yet is made
-    assert cli(["profile", "--preset", "tiny", "--rung", "3", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
+    assert (
+        cli(["profile", "--preset", "tiny", "--rung", "3", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
+    )
     out = capsys.readouterr().out
     assert "1 recorded after 2 warm-up" in out and "precision bf16" in out and "attention sdpa" in out
     assert json.loads(trace.read_text())["traceEvents"]

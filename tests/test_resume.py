@@ -1,5 +1,6 @@
 """course_lib.distributed.resume: a sharded training state saved with torch.distributed.checkpoint, a run killed
 mid-save, and resumes on the same and on another number of processes that continue the loss curve."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -12,7 +13,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from course_lib.distributed import launch as L
 from course_lib.distributed import resume as R
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="this torch build has no torch.distributed"
+)
 
 
 def test_latest_checkpoint_is_the_newest_complete_one(tmp_path):
@@ -43,7 +46,14 @@ def test_a_resumed_run_continues_bit_for_bit_in_one_process(tiny, tmp_path):
 @pytest.mark.distributed
 def test_killed_mid_save_the_last_good_checkpoint_resumes_on_2_and_on_1_process(tiny, tmp_path):
     root = tmp_path / "ckpt"
-    opts = {"steps": 4, "global_batch": 8, "save_at": [2], "ckpt": str(root), "resume_in_place": True, "die_in_final_save": True}
+    opts = {
+        "steps": 4,
+        "global_batch": 8,
+        "save_at": [2],
+        "ckpt": str(root),
+        "resume_in_place": True,
+        "die_in_final_save": True,
+    }
     r = L.launch("resume", 2, options=opts, device="cpu", timeout_s=200, out_dir=tmp_path / "run", show_errors=False)
     # the final save killed rank 1: the launch failed, after both ranks had written their results
     assert not r.ok and r.returncode != 0 and not r.timed_out and len(r.ranks) == 2, r.why()

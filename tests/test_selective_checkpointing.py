@@ -1,6 +1,7 @@
 """Activation checkpointing none / selective / full through the course's loop, on the tiny config: the memory the CPU
 ledger measures is ordered none > selective > full and agrees with memory.estimate, and the arithmetic is the same
 (losses and gradients equal none's, bit for bit: the recompute repeats the same operations on the same values)."""
+
 import dataclasses
 
 import pytest
@@ -27,7 +28,11 @@ def results(splits):
 def test_ledger_orders_the_activations(results):
     act = {mode: r.memory["by_category"]["activations"] for mode, r in results.items()}
     assert act["none"] > act["selective"] > act["full"] > 0, act
-    assert results["none"].memory["peak_bytes"] > results["selective"].memory["peak_bytes"] > results["full"].memory["peak_bytes"]
+    assert (
+        results["none"].memory["peak_bytes"]
+        > results["selective"].memory["peak_bytes"]
+        > results["full"].memory["peak_bytes"]
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -35,9 +40,16 @@ def test_estimate_agrees_with_the_ledger(results, mode):
     led, est = results[mode].memory, M.estimate(config(mode))
     assert abs(est.peak_bytes - led["peak_bytes"]) <= TOL * led["peak_bytes"], (est.peak_bytes, led["peak_bytes"])
     for cat in CATEGORIES:
-        assert abs(est.by_category[cat] - led["by_category"][cat]) <= TOL * led["peak_bytes"], (cat, est.by_category, led["by_category"])
+        assert abs(est.by_category[cat] - led["by_category"][cat]) <= TOL * led["peak_bytes"], (
+            cat,
+            est.by_category,
+            led["by_category"],
+        )
     # the forward keeps what activation_bytes says (the peak here is at the start of backward, after the whole forward)
-    assert est.when == "start of backward" and led["by_category"]["activations"] == M.activation_bytes(config(mode))["total"]
+    assert (
+        est.when == "start of backward"
+        and led["by_category"]["activations"] == M.activation_bytes(config(mode))["total"]
+    )
 
 
 def test_losses_equal_bit_for_bit(results):

@@ -30,10 +30,14 @@ def test_warmup_cosine_matches_torch_schedulers_at_every_step():
     cfg = C.TrainConfig(lr=1e-3, steps=50, lr_warmup_steps=5, schedule="cosine", min_lr_ratio=0.1)
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=cfg.lr)
-    ref = torch.optim.lr_scheduler.SequentialLR(opt, [
-        torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / 5, end_factor=1.0, total_iters=4),
-        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps - 1 - 5, eta_min=1e-4),
-    ], milestones=[5])
+    ref = torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / 5, end_factor=1.0, total_iters=4),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=cfg.steps - 1 - 5, eta_min=1e-4),
+        ],
+        milestones=[5],
+    )
     for step in range(cfg.steps):
         assert T.lr_at(step, cfg) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-9, abs=1e-12), step
         opt.step()
@@ -70,15 +74,22 @@ def test_fused_adamw_runs_one_fused_kernel_and_updates_like_the_for_loop(tiny_mo
             p.grad = torch.full_like(p, 0.5)
         with Ops() as seen:
             opt.step()
-        ops[fused], params[fused], groups = seen.names, [p.detach().clone() for p in m.parameters()], len(opt.param_groups)
+        ops[fused], params[fused], groups = (
+            seen.names,
+            [p.detach().clone() for p in m.parameters()],
+            len(opt.param_groups),
+        )
     n_tensors = len(params[False])
     assert sum("_fused_adamw" in n for n in ops[True]) == groups  # one kernel call per group, for all its tensors
-    assert not any("_fused_adamw" in n for n in ops[False]) and len(ops[False]) > 3 * n_tensors  # several ops per tensor
+    # several ops per tensor
+    assert not any("_fused_adamw" in n for n in ops[False]) and len(ops[False]) > 3 * n_tensors
     for a, b in zip(params[False], params[True]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("change", [dict(activation_checkpointing="full"), dict(activation_checkpointing="selective"), dict(loss_chunks=4)])
+@pytest.mark.parametrize(
+    "change", [dict(activation_checkpointing="full"), dict(activation_checkpointing="selective"), dict(loss_chunks=4)]
+)
 def test_memory_savers_change_nothing_in_the_math(change, tiny_model):
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     m0 = tiny_model()
@@ -117,12 +128,23 @@ def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, spl
     """The loop logs, step by step, the schedule's curve from its plain function (shapes checked in test_optim)."""
     from course_lib.train import train
 
-    cfg = C.TrainConfig(model=C.tiny_preset("cpu").model, context=32, batch_size=2, steps=10, timing_warmup=1,
-                        measure_memory=False, schedule=schedule, lr_warmup_steps=warmup, min_lr_ratio=0.0)
+    cfg = C.TrainConfig(
+        model=C.tiny_preset("cpu").model,
+        context=32,
+        batch_size=2,
+        steps=10,
+        timing_warmup=1,
+        measure_memory=False,
+        schedule=schedule,
+        lr_warmup_steps=warmup,
+        min_lr_ratio=0.0,
+    )
     r = train(cfg, schedule, splits=splits)
-    expected = {"wsd": [T.wsd_lr(s, cfg.lr, warmup, 10, min_lr_ratio=0.0) for s in range(10)],
-                "inverse_sqrt": [cfg.lr * min((s + 1) / 3, (3 / (s + 1)) ** 0.5) for s in range(10)],
-                "constant": [cfg.lr] * 10}[schedule]
+    expected = {
+        "wsd": [T.wsd_lr(s, cfg.lr, warmup, 10, min_lr_ratio=0.0) for s in range(10)],
+        "inverse_sqrt": [cfg.lr * min((s + 1) / 3, (3 / (s + 1)) ** 0.5) for s in range(10)],
+        "constant": [cfg.lr] * 10,
+    }[schedule]
     assert r.lrs == pytest.approx(expected, rel=1e-9)
     if schedule == "wsd":
         assert r.lrs[-1] == 0.0 and r.lrs[5] == cfg.lr  # flat, then cooled down to min_lr_ratio * lr
@@ -141,7 +163,8 @@ def _grads_of(model, x, y):
 
 @pytest.mark.parametrize("kind", C.CLIP_KINDS)
 def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
-    """setup.clip applies clip_norm globally (one factor) or per tensor (each its own), as course_lib.optim writes them."""
+    """setup.clip applies clip_norm globally (one factor) or per tensor (each its own), as course_lib.optim writes
+    them."""
     from course_lib import optim
 
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
@@ -161,7 +184,8 @@ def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
 
 def test_clipping_off_is_a_no_op_and_a_bad_kind_is_refused(tiny_model):
     m = tiny_model()
-    assert T.build(C.TrainConfig(model=m.config, context=32, clip_kind="per_tensor"), m).clip is T._no_clip  # clip_norm=None
+    # clip_norm=None
+    assert T.build(C.TrainConfig(model=m.config, context=32, clip_kind="per_tensor"), m).clip is T._no_clip
     with pytest.raises(C.ConfigError, match="clip_kind='layerwise' is not one of 'global', 'per_tensor'"):
         C.TrainConfig(clip_kind="layerwise")
 
@@ -171,10 +195,20 @@ def test_per_tensor_clipping_in_the_loop_changes_the_run_not_the_logged_norm(spl
     weights after it are not; without a threshold the kind changes nothing."""
     from course_lib.train import train
 
-    cfg = C.TrainConfig(model=C.tiny_preset("cpu").model, context=32, batch_size=2, steps=4, timing_warmup=1,
-                        measure_memory=False, clip_norm=0.1)
+    cfg = C.TrainConfig(
+        model=C.tiny_preset("cpu").model,
+        context=32,
+        batch_size=2,
+        steps=4,
+        timing_warmup=1,
+        measure_memory=False,
+        clip_norm=0.1,
+    )
     runs = {kind: train(dataclasses.replace(cfg, clip_kind=kind), kind, splits=splits) for kind in C.CLIP_KINDS}
     assert runs["global"].grad_norms[0] == pytest.approx(runs["per_tensor"].grad_norms[0], rel=1e-6)
     assert runs["global"].losses[1:] != pytest.approx(runs["per_tensor"].losses[1:], rel=1e-6)
-    off = {kind: train(dataclasses.replace(cfg, clip_norm=None, clip_kind=kind), kind, splits=splits) for kind in C.CLIP_KINDS}
+    off = {
+        kind: train(dataclasses.replace(cfg, clip_norm=None, clip_kind=kind), kind, splits=splits)
+        for kind in C.CLIP_KINDS
+    }
     assert off["global"].losses == off["per_tensor"].losses

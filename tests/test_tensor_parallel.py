@@ -2,6 +2,7 @@
 same logits, loss and gradients as the unsharded model, the collectives each uses, the parameter and activation bytes
 they save. One run (with sequence_parallel, which also runs plain tensor parallelism) serves every test here: conftest's
 `launched`, the strategies the tests check run in series in one torchrun launch."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,8 +10,10 @@ import torch
 
 from course_lib.distributed import tensor_parallel as TP
 
-pytestmark = [pytest.mark.distributed,
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch build has no torch.distributed"),
+]
 
 
 def test_a_shards_expected_gradient_follows_its_placement():
@@ -43,13 +46,25 @@ def test_sequence_parallel_equals_the_unsharded_model_and_saves_activations(laun
         assert sp["max_abs_logit_diff"] <= 1e-5 * max(1.0, rank["max_abs_logit"])
         assert sp["loss_tp"] == pytest.approx(sp["loss_full"], rel=1e-6)
         # every parameter's gradient, the replicated LayerNorms' included (summed over the ranks' positions)
-        assert sp["max_abs_grad_diff"] <= 1e-5 * max(1.0, sp["max_abs_grad"]), max(sp["grad_diffs"], key=sp["grad_diffs"].get)
+        assert sp["max_abs_grad_diff"] <= 1e-5 * max(1.0, sp["max_abs_grad"]), max(
+            sp["grad_diffs"], key=sp["grad_diffs"].get
+        )
         assert any(k.endswith("ln_1.weight") for k in sp["grad_diffs"])
-        # each all-reduce became a reduce-scatter + an all-gather; one more all-gather hands the output layer the sequence
+        # each all-reduce became a reduce-scatter + an all-gather; one more all-gather hands the output layer the
+        # sequence
         fwd = sp["forward_collectives"]
-        assert "all_reduce" not in fwd and fwd["reduce_scatter_tensor"] == 2 * n and fwd["all_gather_into_tensor"] == 2 * n + 1
-        # activations: tensor parallelism shrinks the matmuls' region, sequence parallelism the LayerNorm/dropout region too
+        assert (
+            "all_reduce" not in fwd
+            and fwd["reduce_scatter_tensor"] == 2 * n
+            and fwd["all_gather_into_tensor"] == 2 * n + 1
+        )
+        # activations: tensor parallelism shrinks the matmuls' region, sequence parallelism the LayerNorm/dropout region
+        # too
         mem = sp["memory"]
-        assert mem["tp_sp"]["saved_for_backward_bytes"] < mem["tp"]["saved_for_backward_bytes"] < mem["full"]["saved_for_backward_bytes"]
+        assert (
+            mem["tp_sp"]["saved_for_backward_bytes"]
+            < mem["tp"]["saved_for_backward_bytes"]
+            < mem["full"]["saved_for_backward_bytes"]
+        )
         acts = [mem[v]["by_category"]["activations"] for v in ("tp_sp", "tp", "full")]
         assert acts == sorted(acts) and acts[0] < acts[1]

@@ -18,7 +18,8 @@ def test_a_run_records_what_it_measured(splits, tiny):
     # at the peak: parameters, gradients and AdamW's two moments (16 bytes per parameter) and one fp32 b x s x V tensor
     assert r.memory["peak_bytes"] >= 16 * r.n_params + 4 * cfg.batch_size * cfg.context * cfg.model.padded_vocab_size
     assert r.losses[0] == pytest.approx(torch.log(torch.tensor(4097.0)).item(), abs=0.3)  # starts near uniform
-    assert r.mfu_basis == "measured matmul peak"  # no data sheet for a CPU: against this machine's own matmuls, labelled so
+    # no data sheet for a CPU: against this machine's own matmuls, labelled so
+    assert r.mfu_basis == "measured matmul peak"
     # fp32: a small model's step stays below the big fp32 matmuls this machine measured (not a bound for bf16 on a CPU
     # without bf16 instructions, where big bf16 matmuls are slow and a small model's can beat them)
     print(f"MFU {r.mfu:.1%} of the {r.mfu_basis}")
@@ -42,9 +43,13 @@ def test_accumulated_step_equals_the_big_batch(splits, tiny):
     from course_lib.data import random_windows
 
     batch = [random_windows(splits.train, 4, 64, g) for _ in range(3)]
-    big = train_mod.train(tiny(steps=3, timing_warmup=1, measure_memory=False), "big", splits=splits, batches=lambda s: [batch[s]])
+    big = train_mod.train(
+        tiny(steps=3, timing_warmup=1, measure_memory=False), "big", splits=splits, batches=lambda s: [batch[s]]
+    )
     split = lambda s: [(batch[s][0][:2], batch[s][1][:2]), (batch[s][0][2:], batch[s][1][2:])]  # noqa: E731
-    acc = train_mod.train(tiny(steps=3, timing_warmup=1, grad_accum_steps=2, measure_memory=False), "acc", splits=splits, batches=split)
+    acc = train_mod.train(
+        tiny(steps=3, timing_warmup=1, grad_accum_steps=2, measure_memory=False), "acc", splits=splits, batches=split
+    )
     assert big.losses == pytest.approx(acc.losses, rel=1e-5)
     assert big.grad_norms == pytest.approx(acc.grad_norms, rel=1e-4)
 
@@ -84,7 +89,8 @@ def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits, tiny):
     by = r.memory["by_category"]
     assert by["parameters"] == 4 * n
     assert by["gradients"] == 4 * n  # set_to_none=False keeps them, and at the peak they all exist
-    assert by["optimizer state"] == 2 * 4 * n + 4 * len(list(GPT(cfg.model).parameters()))  # exp_avg, exp_avg_sq + step counters
+    # exp_avg, exp_avg_sq + step counters
+    assert by["optimizer state"] == 2 * 4 * n + 4 * len(list(GPT(cfg.model).parameters()))
 
 
 def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits, tiny):
@@ -109,4 +115,3 @@ def test_a_too_small_vocab_is_explained(splits, tiny):
 def test_fp16_records_loss_scale(splits, tiny):
     r = train_mod.train(tiny(precision="fp16", steps=3), "fp16", splits=splits)
     assert r.ok and len(r.loss_scales) == 3 and r.loss_scales[0] == 65536.0
-

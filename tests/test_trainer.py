@@ -1,4 +1,5 @@
 """The one loop as an object: a model of your own, what it built, evaluation, and OOM handling."""
+
 import dataclasses
 import math
 
@@ -78,6 +79,7 @@ def test_after_an_oom_the_failed_runs_tensors_are_freed_before_run_returns(tiny,
 
 def test_an_oom_wrapped_by_another_error_is_still_reported_as_oom(tiny, monkeypatch):
     """torch.compile re-raises a failure inside its own exception; the OOM is found in the chain."""
+
     def step(*_a, **_k):
         try:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")

@@ -10,8 +10,11 @@ from course_lib.results import RunResult
 
 @pytest.fixture
 def panel():
-    return widgets.Panel(C.tiny_preset("cpu"), controls=("preset", "precision", "attention", "compile", "batch_size", "grad_accum_steps", "context", "steps"),
-                         plots=("speed", "memory", "loss", "step_times"))
+    return widgets.Panel(
+        C.tiny_preset("cpu"),
+        controls=("preset", "precision", "attention", "compile", "batch_size", "grad_accum_steps", "context", "steps"),
+        plots=("speed", "memory", "loss", "step_times"),
+    )
 
 
 def test_controls_mirror_the_config(panel):
@@ -149,8 +152,13 @@ def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
             ax.plot(r.details["squares"], "o-", lw=3, label=r.label)
         ax.legend()
 
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=runner,
-                      extras={"factor": W.IntSlider(value=1, min=1, max=5, description="factor")}, plots=(plot_squares, "grad_norm", "lr"))
+    p = widgets.Panel(
+        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False),
+        controls=("steps",),
+        runner=runner,
+        extras={"factor": W.IntSlider(value=1, min=1, max=5, description="factor")},
+        plots=(plot_squares, "grad_norm", "lr"),
+    )
     for factor in (1, 3):
         p.set(factor=factor)
         p.run()
@@ -170,14 +178,21 @@ def test_extras_need_a_runner_that_takes_them_and_plots_must_exist():
         widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), extras=extra)
     with pytest.raises(ValueError, match="no argument named factor"):
         widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), extras=extra, runner=lambda cfg, label, callback: None)
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), plots=("speed", "nonsense"))
+    p = widgets.Panel(
+        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False),
+        controls=("steps",),
+        plots=("speed", "nonsense"),
+    )
     with pytest.raises(KeyError, match="no plot named 'nonsense'"):
         p.run()
     assert len(p.results) == 1  # recorded before the figure failed
 
 
 def test_loss_scale_controls_read_as_powers_of_two():
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), precision="fp16"), controls=("loss_scale_init", "loss_scale_growth_interval"))
+    p = widgets.Panel(
+        dataclasses.replace(C.tiny_preset("cpu"), precision="fp16"),
+        controls=("loss_scale_init", "loss_scale_growth_interval"),
+    )
     assert p.controls["loss_scale_init"].label == "2^16"
     p.set(loss_scale_init=2.0**30, loss_scale_growth_interval=3)
     cfg = p.config()
@@ -196,9 +211,18 @@ def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(spl
         r, d = acc.normalisation_run(cfg, splits.train, splits.pad_id, imbalance, normalisation, label, callback)
         return r.with_details(**d)
 
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), context=32, batch_size=4, grad_accum_steps=4, steps=2, timing_warmup=1),
-                      controls=("grad_accum_steps",), runner=runner, plots=(acc.plot_gradient_errors, acc.plot_target_counts),
-                      extras={"imbalance": W.Dropdown(options=[1, 8], value=8), "normalisation": W.Dropdown(options=list(acc.NORMALISATIONS))})
+    p = widgets.Panel(
+        dataclasses.replace(
+            C.tiny_preset("cpu"), context=32, batch_size=4, grad_accum_steps=4, steps=2, timing_warmup=1
+        ),
+        controls=("grad_accum_steps",),
+        runner=runner,
+        plots=(acc.plot_gradient_errors, acc.plot_target_counts),
+        extras={
+            "imbalance": W.Dropdown(options=[1, 8], value=8),
+            "normalisation": W.Dropdown(options=list(acc.NORMALISATIONS)),
+        },
+    )
     for n in ("global", "mean_of_means"):
         p.set(normalisation=n).run()
         assert _drawn(p.plot_image.value) > 0.03
@@ -218,6 +242,7 @@ def test_the_strategy_panel_refuses_what_a_strategy_cannot_run():
 
 # ---- the code: the configuration as a training script (course_lib.export) ----------------------------------------
 
+
 def test_the_code_view_follows_the_controls_while_open(panel):
     from course_lib import export
 
@@ -227,7 +252,9 @@ def test_the_code_view_follows_the_controls_while_open(panel):
     assert "the two scripts are the same" in naive_text  # the tiny preset is naive fp32
     panel.set(precision="bf16")
     assert panel.code_view.value != naive_text and "torch.autocast(" in panel.code_view.value
-    assert panel.code_view.value == export.diff_html(C.naive(panel.base), panel.config(), "naive fp32 -> this configuration")
+    assert panel.code_view.value == export.diff_html(
+        C.naive(panel.base), panel.config(), "naive fp32 -> this configuration"
+    )
     panel.set(attention="sdpa")
     assert "scaled_dot_product_attention" in panel.code_view.value and "torch.autocast(" in panel.code_view.value
     panel.set(batch_size=3, grad_accum_steps=2)  # no config: the reason, not a crash
@@ -241,10 +268,18 @@ def test_the_export_button_writes_the_current_configurations_script(panel, tmp_p
     panel.set(precision="bf16", attention="sdpa", grad_accum_steps=2)
     panel.export_button.click()
     written = list(tmp_path.glob("train_*.py"))
-    assert len(written) == 1 and written[0].name in panel.export_status.value and str(tmp_path) in panel.export_status.value
+    assert (
+        len(written) == 1
+        and written[0].name in panel.export_status.value
+        and str(tmp_path) in panel.export_status.value
+    )
     assert written[0].read_text() == export.script(panel.config())
     panel.set(batch_size=3)  # 3 sequences do not split into 2 micro-batches
-    assert panel.export_script() is None and "Not exported" in panel.export_status.value and len(list(tmp_path.glob("*.py"))) == 1
+    assert (
+        panel.export_script() is None
+        and "Not exported" in panel.export_status.value
+        and len(list(tmp_path.glob("*.py"))) == 1
+    )
     assert pyflakes(written[0]) == ""  # last: it skips where pyflakes is missing
 
 
@@ -254,13 +289,23 @@ def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path):
     from course_lib import export
     from course_lib.distributed import panel as DP
 
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=DP.strategy_runner(),
-                      extras={"strategy": W.Dropdown(options=list(DP.STRATEGIES), value="ddp"), "processes": W.IntSlider(value=2),
-                              "microbatches": W.IntSlider(value=2)})
+    p = widgets.Panel(
+        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False),
+        controls=("steps",),
+        runner=DP.strategy_runner(),
+        extras={
+            "strategy": W.Dropdown(options=list(DP.STRATEGIES), value="ddp"),
+            "processes": W.IntSlider(value=2),
+            "microbatches": W.IntSlider(value=2),
+        },
+    )
     p.code.selected_index = 0
     assert "DistributedDataParallel(model)" in p.code_view.value
     path = p.export_script(tmp_path)
-    assert path.read_text() == export.script(dataclasses.replace(p.config(), data_parallel="ddp")) and "torchrun" in p.export_status.value
+    assert (
+        path.read_text() == export.script(dataclasses.replace(p.config(), data_parallel="ddp"))
+        and "torchrun" in p.export_status.value
+    )
     p.set(strategy="fsdp")
     assert "fully_shard(model, mesh=mesh)" in p.code_view.value
     assert "fully_shard" in p.export_script(tmp_path).read_text()

@@ -4,6 +4,7 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; nothing here
 assumes one machine, so the same module runs on a multi-GPU node or across nodes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,7 +52,9 @@ def choose_backend(device_pref: str, local_world: int) -> tuple[str, str]:
     if device_pref in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         return "nccl", "cuda"
     if device_pref == "cuda":
-        raise RuntimeError(f"device='cuda' asked for, but {torch.cuda.device_count()} GPU(s) for {local_world} local processes")
+        raise RuntimeError(
+            f"device='cuda' asked for, but {torch.cuda.device_count()} GPU(s) for {local_world} local processes"
+        )
     return "gloo", "cpu"
 
 
@@ -63,14 +66,25 @@ def check_options(options, declared: dict, strategy: str) -> dict:
         raise ConfigError(f"{strategy} options are a JSON object, e.g. {json.dumps(declared)}; got {options!r}")
     for key, value in options.items():
         if key not in declared:
-            raise ConfigError(f"{strategy} has no option {key!r}{did_you_mean(key, declared)}; its options (defaults): "
-                              f"{json.dumps(declared, default=str)}")
+            raise ConfigError(
+                f"{strategy} has no option {key!r}{did_you_mean(key, declared)}; its options (defaults): "
+                f"{json.dumps(declared, default=str)}"
+            )
         default = declared[key]
-        kind = (bool if isinstance(default, bool) else (int, float) if isinstance(default, float) else
-                int if isinstance(default, int) else type(default))
+        kind = (
+            bool
+            if isinstance(default, bool)
+            else (int, float)
+            if isinstance(default, float)
+            else int
+            if isinstance(default, int)
+            else type(default)
+        )
         if default is not None and (not isinstance(value, kind) or (kind is not bool and isinstance(value, bool))):
             what = {bool: "true or false", int: "an integer", list: "a list", str: "a string"}.get(kind, "a number")
-            raise ConfigError(f"{strategy} option {key}={json.dumps(value)}: takes {what}, like its default {json.dumps(default)}")
+            raise ConfigError(
+                f"{strategy} option {key}={json.dumps(value)}: takes {what}, like its default {json.dumps(default)}"
+            )
     return {**declared, **options}
 
 
@@ -84,9 +98,11 @@ def start(argv=None, options: dict | None = None, strategy: str = "") -> Ctx:
     ap.add_argument("--options", default="{}", help="strategy options as a JSON object")
     args = ap.parse_args(argv)
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise SystemExit(f"error: {strategy or 'this module'} runs under torchrun, which starts its processes: "
-                         f"torchrun --nproc_per_node=2 -m course_lib.distributed.{strategy or '<strategy>'} --out runs/x "
-                         "(or from Python: course_lib.distributed.launch.launch)")
+        raise SystemExit(
+            f"error: {strategy or 'this module'} runs under torchrun, which starts its processes: "
+            f"torchrun --nproc_per_node=2 -m course_lib.distributed.{strategy or '<strategy>'} --out runs/x "
+            "(or from Python: course_lib.distributed.launch.launch)"
+        )
     try:
         parsed = json.loads(args.options)
         if options is not None:
@@ -115,12 +131,22 @@ def start(argv=None, options: dict | None = None, strategy: str = "") -> Ctx:
 
 def write(ctx: Ctx, payload: dict) -> None:
     """rank<r>.json: the rank's measurements plus where they came from."""
-    base = {"rank": ctx.rank, "world_size": ctx.world, "backend": ctx.backend, "device": str(ctx.device),
-            "provenance": provenance(measure.device_name(ctx.device)), "time": time.time()}
+    base = {
+        "rank": ctx.rank,
+        "world_size": ctx.world,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "provenance": provenance(measure.device_name(ctx.device)),
+        "time": time.time(),
+    }
     (ctx.out / f"rank{ctx.rank}.json").write_text(json.dumps({**base, **payload}, indent=1, default=float))
-    if ctx.is_first and ctx.strategy != "series":  # one line for whoever started it by hand (the series says it per run)
-        print(f"{ctx.strategy or 'strategy'}: {ctx.world} processes ({ctx.backend}, {ctx.device.type}) done; results in "
-              f"{ctx.out}/rank*.json", flush=True)
+    # one line for whoever started it by hand (the series says it per run)
+    if ctx.is_first and ctx.strategy != "series":
+        print(
+            f"{ctx.strategy or 'strategy'}: {ctx.world} processes ({ctx.backend}, {ctx.device.type}) done; results in "
+            f"{ctx.out}/rank*.json",
+            flush=True,
+        )
 
 
 _group_kept = False  # True while series.py runs several strategies in the one process group
@@ -152,8 +178,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 def cuda_peak(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
-    return {"cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
-            "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device)}
+    return {
+        "cuda_max_allocated_bytes": torch.cuda.max_memory_allocated(device),
+        "cuda_max_reserved_bytes": torch.cuda.max_memory_reserved(device),
+    }
 
 
 def global_batches(cfg: TrainConfig, world: int, seed: int = 0):
@@ -167,8 +195,10 @@ def global_batches(cfg: TrainConfig, world: int, seed: int = 0):
     def at(step: int):
         if step not in cache:
             gen = torch.Generator().manual_seed(seed * 100_003 + step)
-            cache[step] = [data_mod.random_windows(splits.train, world * cfg.micro_batch_size, cfg.context, gen)
-                           for _ in range(cfg.grad_accum_steps)]
+            cache[step] = [
+                data_mod.random_windows(splits.train, world * cfg.micro_batch_size, cfg.context, gen)
+                for _ in range(cfg.grad_accum_steps)
+            ]
         return cache[step]
 
     return splits, at
@@ -177,7 +207,7 @@ def global_batches(cfg: TrainConfig, world: int, seed: int = 0):
 def shard(batch, rank: int, world: int):
     x, y = batch
     n = x.size(0) // world
-    return x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
 def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback, model=None):
@@ -195,16 +225,33 @@ def train_rank(ctx: Ctx, cfg: TrainConfig, at, label: str, on_build, callback, m
 
 # The collective operators' names, as the dispatcher sees them (c10d's, and the functional ones DTensor issues), and
 # what the course calls them. Point to point: a "send" is bytes this rank sends, a "receive" bytes it receives.
-KINDS = {"allreduce_": "all-reduce", "allreduce_coalesced_": "all-reduce", "all_reduce": "all-reduce",
-         "all_reduce_": "all-reduce", "all_reduce_coalesced": "all-reduce", "broadcast_": "broadcast", "broadcast": "broadcast",
-         "_allgather_base_": "all-gather", "allgather_into_tensor_coalesced_": "all-gather", "allgather_": "all-gather",
-         "all_gather_into_tensor": "all-gather", "all_gather_into_tensor_out": "all-gather",
-         "all_gather_into_tensor_coalesced": "all-gather", "_reduce_scatter_base_": "reduce-scatter",
-         "reduce_scatter_tensor_coalesced_": "reduce-scatter", "reduce_scatter_": "reduce-scatter",
-         "reduce_scatter_tensor": "reduce-scatter", "reduce_scatter_tensor_coalesced": "reduce-scatter",
-         "alltoall_base_": "all-to-all", "alltoall_": "all-to-all", "all_to_all_single": "all-to-all",
-         "send": "send", "recv_": "receive"}
-NOT_DATA = {"barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd"}  # synchronisation, no payload to count
+KINDS = {
+    "allreduce_": "all-reduce",
+    "allreduce_coalesced_": "all-reduce",
+    "all_reduce": "all-reduce",
+    "all_reduce_": "all-reduce",
+    "all_reduce_coalesced": "all-reduce",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "_allgather_base_": "all-gather",
+    "allgather_into_tensor_coalesced_": "all-gather",
+    "allgather_": "all-gather",
+    "all_gather_into_tensor": "all-gather",
+    "all_gather_into_tensor_out": "all-gather",
+    "all_gather_into_tensor_coalesced": "all-gather",
+    "_reduce_scatter_base_": "reduce-scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce-scatter",
+    "reduce_scatter_": "reduce-scatter",
+    "reduce_scatter_tensor": "reduce-scatter",
+    "reduce_scatter_tensor_coalesced": "reduce-scatter",
+    "alltoall_base_": "all-to-all",
+    "alltoall_": "all-to-all",
+    "all_to_all_single": "all-to-all",
+    "send": "send",
+    "recv_": "receive",
+}
+# synchronisation, no payload to count
+NOT_DATA = {"barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd"}
 
 
 def _tensors(arg) -> list[torch.Tensor]:
@@ -250,8 +297,8 @@ class CollectiveCounter(TorchDispatchMode):
     are those of the full side of the exchange: the largest tensor among the arguments and the result (a list of tensors
     counted together), i.e. the gathered output of an all-gather, the unreduced input of a reduce-scatter, the tensor of
     an all-reduce or a broadcast. Each kind also keeps its bytes by the size of the process group the call ran on
-    ("by_group_size", {"2": bytes}): a collective on a subgroup (the pipeline's tied-embedding all-reduce between its two
-    end stages) is shared among that group's ranks, not the world's. Not seen: collectives issued inside a DTensor
+    ("by_group_size", {"2": bytes}): a collective on a subgroup (the pipeline's tied-embedding all-reduce between its
+    two end stages) is shared among that group's ranks, not the world's. Not seen: collectives issued inside a DTensor
     operator (the scalar all-reduce of the gradient norm). What each rank sends of those bytes depends on the algorithm
     and the group's size: `zero.bytes_sent`.
 
@@ -289,7 +336,8 @@ class CollectiveCounter(TorchDispatchMode):
         return result
 
     def summary(self) -> dict:
-        """{"collectives": {kind: {"calls", "bytes", "by_group_size"}}, "written_bytes": int | None}: what a rank's JSON keeps."""
+        """{"collectives": {kind: {"calls", "bytes", "by_group_size"}}, "written_bytes": int | None}: what a rank's JSON
+        keeps."""
         return {"collectives": dict(self.counts), "written_bytes": self.written}
 
     @contextlib.contextmanager

@@ -25,6 +25,7 @@ and backward (gloo: _common.CollectiveCounter.written) and the time they took (a
 
 Options: {"n_experts": int, "top_k": int, "capacity_factor": float, "aux_coef": float}
 """
+
 from __future__ import annotations
 
 import copy
@@ -50,7 +51,9 @@ def all_to_all(x: torch.Tensor, out_rows: list[int], in_rows: list[int], log: di
     """dist.all_to_all_single: rows in_rows[r] of x go to rank r; out_rows[r] rows come from rank r. Logged."""
     out = x.new_empty((sum(out_rows),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_rows, in_rows)
-    _log_exchange(log, phase, in_rows, x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size(), dist.get_rank())
+    _log_exchange(
+        log, phase, in_rows, x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size(), dist.get_rank()
+    )
     return out
 
 
@@ -77,8 +80,14 @@ class ExpertParallelMoE(moe.MoE):
             raise ValueError(f"{layer.n_experts} experts cannot be split evenly across {world} ranks")
         self.local = layer.n_experts // world
         first = rank * self.local
-        super().__init__(layer.router, list(layer.experts)[first:first + self.local], layer.top_k, layer.capacity_factor,
-                         layer.aux_coef, first_expert=first)
+        super().__init__(
+            layer.router,
+            list(layer.experts)[first : first + self.local],
+            layer.top_k,
+            layer.capacity_factor,
+            layer.aux_coef,
+            first_expert=first,
+        )
         self.world, self.log = world, log
 
     def expert_outputs(self, flat: torch.Tensor, routing: moe.Routing) -> list[torch.Tensor]:
@@ -87,7 +96,8 @@ class ExpertParallelMoE(moe.MoE):
         in_rows = send_counts.view(self.world, self.local).sum(1).tolist()  # rows for each rank
         out_rows = recv_counts.view(self.world, self.local).sum(1).tolist()  # rows from each rank
         received = AllToAll.apply(torch.cat([flat[idx] for idx in routing.tokens]), out_rows, in_rows, self.log)
-        # received holds rank 0's rows for my experts 0..local-1, then rank 1's, ...: each expert runs once on all of its rows
+        # received holds rank 0's rows for my experts 0..local-1, then rank 1's, ...: each expert runs once on all of
+        # its rows
         parts = list(received.split(recv_counts.tolist()))
         for j, expert in enumerate(self.experts):
             mine = [src * self.local + j for src in range(self.world)]
@@ -121,10 +131,12 @@ def main(argv=None) -> None:
     ep = parallelize(copy.deepcopy(full), ctx.rank, ctx.world, log)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
     batch = tuple(t.to(ctx.device) for t in at(0)[0])  # the global batch: world x micro_batch_size sequences
-    n_targets = count_targets(batch[1])  # each rank's loss is divided by the global count: the ranks' losses sum to the mean
+    # each rank's loss is divided by the global count: the ranks' losses sum to the mean
+    n_targets = count_targets(batch[1])
 
     x, y = _common.shard(batch, ctx.rank, ctx.world)
-    (loss_sum(ep(x), y) / n_targets).backward()  # a warm-up (the first exchange sets up gloo's connections): not measured
+    # a warm-up (the first exchange sets up gloo's connections): not measured
+    (loss_sum(ep(x), y) / n_targets).backward()
     ep.zero_grad(set_to_none=True)
     log.clear()
     counter = _common.CollectiveCounter()  # what this rank wrote to its sockets in forward and backward (gloo)
@@ -164,19 +176,38 @@ def main(argv=None) -> None:
 
     local_experts = [p for layer in moe.moe_blocks(ep) for p in layer.experts.parameters()]
     all_experts = [p for layer in moe.moe_blocks(full) for p in layer.experts.parameters()]
-    _common.write(ctx, {
-        "strategy": "expert_parallel", "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd, "n_experts": n_experts,
-        "top_k": top_k, "capacity_factor": cf, "experts_per_rank": n_experts // ctx.world,
-        "tokens_per_rank": x.numel(), "batch_size_per_rank": x.size(0), "context": cfg.context,
-        "max_abs_logit_diff": (logits_ep.detach() - logits_ref).abs().max().item(), "max_abs_logit": logits_ref.abs().max().item(),
-        "loss_sum_of_ranks": loss_sum_ranks.item(), "loss_single_process": loss_full.item(),
-        "max_abs_grad_diff": diffs, "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
-        "all_to_all": log, "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None, "fwd_bwd_s": fwd_bwd_s,
-        "bytes_per_token_row": cfg.model.n_embd * logits_ep.element_size(),
-        "expert_load": [{"chosen": ld.chosen.tolist(), "kept": ld.kept.tolist(), "capacity": ld.capacity} for ld in loads],
-        "parameter_bytes_expert_parallel": measure.tensor_bytes(ep.parameters()),
-        "parameter_bytes_replicated_model": measure.tensor_bytes(full.parameters()),
-        "expert_bytes_local": measure.tensor_bytes(local_experts), "expert_bytes_all": measure.tensor_bytes(all_experts)})
+    _common.write(
+        ctx,
+        {
+            "strategy": "expert_parallel",
+            "n_layer": cfg.model.n_layer,
+            "n_embd": cfg.model.n_embd,
+            "n_experts": n_experts,
+            "top_k": top_k,
+            "capacity_factor": cf,
+            "experts_per_rank": n_experts // ctx.world,
+            "tokens_per_rank": x.numel(),
+            "batch_size_per_rank": x.size(0),
+            "context": cfg.context,
+            "max_abs_logit_diff": (logits_ep.detach() - logits_ref).abs().max().item(),
+            "max_abs_logit": logits_ref.abs().max().item(),
+            "loss_sum_of_ranks": loss_sum_ranks.item(),
+            "loss_single_process": loss_full.item(),
+            "max_abs_grad_diff": diffs,
+            "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
+            "all_to_all": log,
+            "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None,
+            "fwd_bwd_s": fwd_bwd_s,
+            "bytes_per_token_row": cfg.model.n_embd * logits_ep.element_size(),
+            "expert_load": [
+                {"chosen": ld.chosen.tolist(), "kept": ld.kept.tolist(), "capacity": ld.capacity} for ld in loads
+            ],
+            "parameter_bytes_expert_parallel": measure.tensor_bytes(ep.parameters()),
+            "parameter_bytes_replicated_model": measure.tensor_bytes(full.parameters()),
+            "expert_bytes_local": measure.tensor_bytes(local_experts),
+            "expert_bytes_all": measure.tensor_bytes(all_experts),
+        },
+    )
     _common.finish()
 
 

@@ -12,13 +12,14 @@ times, losses, all-gather and reduce-scatter calls and bytes per step, CUDA peak
 
 Options: {"steps": int}
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
 
-
 from .. import measure
 from . import _common
+
 
 def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
     import torch
@@ -29,8 +30,14 @@ def run(ctx: _common.Ctx, cfg, at, label: str) -> dict:
     with counter.last_step_of(cfg.steps) as callback:
         result, setup = _common.train_rank(ctx, cfg, at, label, on_build=lambda _setup: None, callback=callback)
     params = list({id(p): p for p in setup.model.parameters()}.values())
-    return {"result": result.to_dict(), "memory": measure.static_bytes(setup.model, setup.optimizer),
-            "collectives_last_step": dict(counter.counts), "written_last_step": counter.written if ctx.backend == "gloo" else None, "n_params": sum(p.numel() for p in params), **_common.cuda_peak(ctx.device)}
+    return {
+        "result": result.to_dict(),
+        "memory": measure.static_bytes(setup.model, setup.optimizer),
+        "collectives_last_step": dict(counter.counts),
+        "written_last_step": counter.written if ctx.backend == "gloo" else None,
+        "n_params": sum(p.numel() for p in params),
+        **_common.cuda_peak(ctx.device),
+    }
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).

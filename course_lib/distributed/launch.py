@@ -8,6 +8,7 @@ A notebook must not fork training processes itself (mp.spawn fails in IPython), 
 with a timeout; torchrun and its workers get a process group of their own, and the whole group is stopped
 when the run ends, fails or hangs, so no process is left behind. On a failure the captured stderr is shown.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor_parallel", "selftest", "zero_stages", "resume", "expert_parallel", "series")
+STRATEGIES = (
+    "ddp",
+    "fsdp",
+    "pipeline",
+    "tensor_parallel",
+    "selftest",
+    "zero_stages",
+    "resume",
+    "expert_parallel",
+    "series",
+)
 
 
 def free_port() -> int:
@@ -32,16 +43,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(strategy: str, nproc: int, out_dir: str | Path, *, config_file: str | Path | None = None,
-                     options: dict | None = None, device: str = "auto", nnodes: int = 1, node_rank: int = 0,
-                     master_addr: str = "127.0.0.1", master_port: int | None = None) -> list[str]:
+def torchrun_command(
+    strategy: str,
+    nproc: int,
+    out_dir: str | Path,
+    *,
+    config_file: str | Path | None = None,
+    options: dict | None = None,
+    device: str = "auto",
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> list[str]:
     """The command line, the same on a laptop, a multi-GPU node or (with nnodes > 1, run once per node with
     its node_rank and the first node's address) a cluster."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
-           f"--node_rank={node_rank}", f"--master_addr={master_addr}", f"--master_port={master_port or free_port()}",
-           "-m", f"course_lib.distributed.{strategy}", "--out", str(out_dir), "--device", device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port or free_port()}",
+        "-m",
+        f"course_lib.distributed.{strategy}",
+        "--out",
+        str(out_dir),
+        "--device",
+        device,
+    ]
     if config_file:
         cmd += ["--config", str(config_file)]
     if options:
@@ -76,8 +110,11 @@ class LaunchResult:
             head = f"{self.strategy}: {len(self.ranks)} of {self.nproc} ranks wrote results"
         # The ranks' own exceptions first (the root cause is usually one rank's error, the rest is fallout).
         # An exception's own line ("[rank1]: ConfigError: n_head=2 ..."), not a source line that mentions one.
-        errors = [ln for ln in self.stderr.splitlines() if re.match(r"\[rank\d+\]: (\w+\.)*\w*(Error|Exception|Exit)\w*: ", ln)
-                  or re.match(r"error: ", ln)]
+        errors = [
+            ln
+            for ln in self.stderr.splitlines()
+            if re.match(r"\[rank\d+\]: (\w+\.)*\w*(Error|Exception|Exit)\w*: ", ln) or re.match(r"error: ", ln)
+        ]
         cause = ("\n--- errors raised in the ranks ---\n" + "\n".join(errors[:10])) if errors else ""
         return head + cause + "\n--- stderr (last 3000 characters) ---\n" + self.stderr[-3000:]
 
@@ -121,9 +158,18 @@ def check_strategy_options(strategy: str, options: dict) -> None:
         check_strategy_options(run["strategy"], run.get("options", {}))
 
 
-def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = None, device: str = "auto",
-           timeout_s: float = 180, out_dir: str | Path | None = None, threads_per_process: int | None = None,
-           show_errors: bool = True) -> LaunchResult:
+def launch(
+    strategy: str,
+    nproc: int = 2,
+    *,
+    cfg=None,
+    options: dict | None = None,
+    device: str = "auto",
+    timeout_s: float = 180,
+    out_dir: str | Path | None = None,
+    threads_per_process: int | None = None,
+    show_errors: bool = True,
+) -> LaunchResult:
     """Run course_lib.distributed.<strategy> on `nproc` processes of this machine and collect their results.
 
     cfg: a TrainConfig (default: the tiny preset). device: "auto" (NCCL if there are `nproc` GPUs, else gloo
@@ -147,7 +193,9 @@ def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = No
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["TORCHELASTIC_ERROR_FILE"] = str(out / "error.json")
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     timed_out = False
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
@@ -159,14 +207,23 @@ def launch(strategy: str, nproc: int = 2, *, cfg=None, options: dict | None = No
         _stop_group(proc, grace_s=1.0)  # workers that outlived torchrun, if any
     wall = time.perf_counter() - t0
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
-    result = LaunchResult(strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr, stdout, str(out), proc.pid)
+    result = LaunchResult(
+        strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr, stdout, str(out), proc.pid
+    )
     if show_errors and not result.ok:
         print(result.why(), file=sys.stderr)
     return result
 
 
-def launch_series(runs: list[tuple[str, dict]], nproc: int = 2, *, cfgs: dict | None = None, device: str = "auto",
-                  timeout_s: float = 600, out_dir: str | Path | None = None) -> dict[str, LaunchResult]:
+def launch_series(
+    runs: list[tuple[str, dict]],
+    nproc: int = 2,
+    *,
+    cfgs: dict | None = None,
+    device: str = "auto",
+    timeout_s: float = 600,
+    out_dir: str | Path | None = None,
+) -> dict[str, LaunchResult]:
     """Several strategies, one after another in one launch (series.py: the processes start once): [(strategy, options)]
     -> {strategy: its LaunchResult}; cfgs: {strategy: TrainConfig} where a run needs one other than the tiny preset.
     A run that finished on every rank is ok, with its own wall time (start-up excluded), even if a later one failed;
@@ -179,24 +236,53 @@ def launch_series(runs: list[tuple[str, dict]], nproc: int = 2, *, cfgs: dict | 
     names = [s for s, _ in runs]
     if len(set(names)) != len(names) or "series" in names:
         raise ValueError(f"each strategy at most once in a series, and not 'series' itself: {names}")
-    spec = [{"strategy": s, "options": o or {}, **({"config": cfgs[s].to_dict()} if cfgs and s in cfgs else {})} for s, o in runs]
+    spec = [
+        {"strategy": s, "options": o or {}, **({"config": cfgs[s].to_dict()} if cfgs and s in cfgs else {})}
+        for s, o in runs
+    ]
     out_dir = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="course_series_"))
     for i, strategy in enumerate(names):  # an earlier series' files in this folder must not be read as this one's
         shutil.rmtree(run_dir(out_dir, i, strategy), ignore_errors=True)
-    whole = launch("series", nproc, options={"runs": spec}, device=device, timeout_s=timeout_s, out_dir=out_dir, show_errors=False)
+    whole = launch(
+        "series", nproc, options={"runs": spec}, device=device, timeout_s=timeout_s, out_dir=out_dir, show_errors=False
+    )
     walls = [r["wall_s"] for r in whole.ranks[0]["runs"]] if whole.ranks else []
     results, failed = {}, None
     for i, strategy in enumerate(names):
         out = run_dir(whole.out_dir, i, strategy)
         ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
         if len(ranks) == nproc and failed is None:
-            results[strategy] = LaunchResult(strategy, nproc, whole.command, 0, False, walls[i] if i < len(walls) else whole.wall_s,
-                                             ranks, "", whole.stdout, str(out), whole.pid)
+            results[strategy] = LaunchResult(
+                strategy,
+                nproc,
+                whole.command,
+                0,
+                False,
+                walls[i] if i < len(walls) else whole.wall_s,
+                ranks,
+                "",
+                whole.stdout,
+                str(out),
+                whole.pid,
+            )
             continue
         failed = failed or strategy
-        which = f"\nin a series: {failed} failed" + ("" if failed == strategy else f", so {strategy} did not run") + "\n"
-        results[strategy] = LaunchResult(strategy, nproc, whole.command, whole.returncode, whole.timed_out, whole.wall_s, ranks,
-                                         whole.stderr + which, whole.stdout, str(out), whole.pid)
+        which = (
+            f"\nin a series: {failed} failed" + ("" if failed == strategy else f", so {strategy} did not run") + "\n"
+        )
+        results[strategy] = LaunchResult(
+            strategy,
+            nproc,
+            whole.command,
+            whole.returncode,
+            whole.timed_out,
+            whole.wall_s,
+            ranks,
+            whole.stderr + which,
+            whole.stdout,
+            str(out),
+            whole.pid,
+        )
     if not whole.ok:
         print(whole.why(), file=sys.stderr)
     return results

@@ -21,7 +21,8 @@ gradients, the tied embedding's and the gradient norm's all-reduces: _common.Col
 wrote meanwhile (gloo); and (step 0) the pipeline's loss and gradients (blocks, and the tied embedding on the end
 stages) against the unsplit model.
 
-Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8, "batch_size": 8, "steps": 3}
+Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8,
+"batch_size": 8, "steps": 3}
 
 Its steps are course_lib.train's one loop (Trainer): a PipelineSchedule owns forward and backward across the stages (it
 calls each stage's forward per micro-batch, sends and receives activations and gradients, and runs the backward
@@ -29,6 +30,7 @@ itself), so the pipeline hands the loop that piece (`Setup.forward_backward`) an
 (`Setup.grad_norm`, for global-norm clipping); clipping, AdamW, the learning-rate schedule, timing and the memory
 ledger are the loop's, as for every other run.
 """
+
 from __future__ import annotations
 
 import copy
@@ -64,7 +66,9 @@ def split_points(n_layer: int, p: int, block_cost: float, head_cost: float) -> l
         nonlocal best, best_cost
         if stage == p - 1:
             ranges = acc + [(lo, n_layer)]
-            costs = [(hi - l) * block_cost + (head_cost if i == p - 1 else 0) for i, (l, hi) in enumerate(ranges)]
+            costs = [
+                (end - start) * block_cost + (head_cost if i == p - 1 else 0) for i, (start, end) in enumerate(ranges)
+            ]
             if max(costs) < best_cost:
                 best, best_cost = ranges, max(costs)
             return
@@ -196,7 +200,11 @@ class PipelineStep:
                 self.schedule.step()
         all_reduce_tied_grad(self.stage_mod, self.tied_group)
         scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
-        step_loss = torch.stack([l.detach() for l in losses]).sum() / scale if losses else torch.zeros((), device=y.device)
+        step_loss = (
+            torch.stack([loss.detach() for loss in losses]).sum() / scale
+            if losses
+            else torch.zeros((), device=y.device)
+        )
         if self.after_backward:
             self.after_backward(x, y, n_targets, step_loss)
         return step_loss
@@ -210,7 +218,11 @@ def stage_grad_norm(stage_mod: StageModule) -> Callable[[list[torch.Tensor]], to
         tied = stage_mod.tied_weight()
         twin = tied.grad if tied is not None and not stage_mod.first else None
         own = [g for g in grads if g is not twin]
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in own]).sum() if own else torch.zeros(())
+        sq = (
+            torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in own]).sum()
+            if own
+            else torch.zeros(())
+        )
         dist.all_reduce(sq)
         return sq.sqrt()
 
@@ -220,7 +232,9 @@ def stage_grad_norm(stage_mod: StageModule) -> Callable[[list[torch.Tensor]], to
 def stage_flops_per_token(stage_mod: StageModule, context: int) -> int:
     """This stage's share of the PaLM count (measure.flops_per_token): 6 x its weights that multiply (its blocks, and
     the output layer on the last stage) + 12 x its layers x width x context."""
-    n_weights = sum(p.numel() for p in stage_mod.blocks.parameters()) + (stage_mod.gpt.lm_head.weight.numel() if stage_mod.last else 0)
+    n_weights = sum(p.numel() for p in stage_mod.blocks.parameters()) + (
+        stage_mod.gpt.lm_head.weight.numel() if stage_mod.last else 0
+    )
     return 6 * n_weights + 12 * len(stage_mod.blocks) * stage_mod.gpt.config.n_embd * context
 
 
@@ -242,8 +256,15 @@ def main(argv=None) -> None:
     mcfg = replace(ctx.cfg.model, n_layer=int(o.get("n_layer", 8)))
     # One extra step at the end is the memory step (the CPU ledger watches it; on CUDA the run's peak is read): the
     # timed steps are the first `steps`.
-    cfg = replace(ctx.cfg, model=mcfg, batch_size=batch, grad_accum_steps=1, steps=steps + 1, eval_every=0,
-                  measure_memory=ctx.device.type == "cpu")
+    cfg = replace(
+        ctx.cfg,
+        model=mcfg,
+        batch_size=batch,
+        grad_accum_steps=1,
+        steps=steps + 1,
+        eval_every=0,
+        measure_memory=ctx.device.type == "cpu",
+    )
     torch.manual_seed(cfg.seed)
     full = GPT(mcfg).to(ctx.device)
     d, s, v = mcfg.n_embd, cfg.context, mcfg.padded_vocab_size
@@ -251,24 +272,40 @@ def main(argv=None) -> None:
     lo, hi = ranges[ctx.rank]
     _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
 
-    payload = {"strategy": "pipeline", "stages": ctx.world, "ranges": ranges, "batch_size": batch, "context": cfg.context,
-               "n_layer": mcfg.n_layer, "config": cfg.to_dict(), "runs": {}}
+    payload = {
+        "strategy": "pipeline",
+        "stages": ctx.world,
+        "ranges": ranges,
+        "batch_size": batch,
+        "context": cfg.context,
+        "n_layer": mcfg.n_layer,
+        "config": cfg.to_dict(),
+        "runs": {},
+    }
     tied = tie_group(ctx.world)
     for sched_name in schedules:
         for m in ms:
             if batch % m or m < ctx.world:  # torch's schedules need at least one micro-batch per stage
                 continue
-            stage_mod = StageModule(copy.deepcopy(full), lo, hi, ctx.is_first, ctx.is_last).to(ctx.device)  # same start each run
+            # same start each run
+            stage_mod = StageModule(copy.deepcopy(full), lo, hi, ctx.is_first, ctx.is_last).to(ctx.device)
             # The course's one loop, with the pipeline's forward-backward and the norm over all stages plugged in.
-            trainer = Trainer(cfg, stage_mod, parts=techniques.ModelParts(blocks=stage_mod.blocks, head=stage_mod.gpt.lm_head),
-                              batches=at, flops_per_token=stage_flops_per_token(stage_mod, cfg.context))
+            trainer = Trainer(
+                cfg,
+                stage_mod,
+                parts=techniques.ModelParts(blocks=stage_mod.blocks, head=stage_mod.gpt.lm_head),
+                batches=at,
+                flops_per_token=stage_flops_per_token(stage_mod, cfg.context),
+            )
             step_fn = PipelineStep(stage_mod, ctx, sched_name, m, tied)
             trainer.setup.forward_backward, trainer.setup.grad_norm = step_fn, stage_grad_norm(stage_mod)
             check: dict = {}
             if sched_name == schedules[0] and m == max(ms):
+
                 def compare_once(x, y, n_targets, step_loss, check=check, stage_mod=stage_mod):
                     if not check:  # the first step, from the same weights as `full`
                         check.update(_compare_with_unsplit(full, stage_mod, x, y, n_targets, step_loss, ctx))
+
                 step_fn.after_backward = compare_once
             timelines: list = []
 
@@ -278,6 +315,7 @@ def main(argv=None) -> None:
 
             counter = _common.CollectiveCounter()  # the last step's sends, receives and all-reduces (the memory step)
             with counter.last_step_of(cfg.steps) as count:
+
                 def callback(step, result, keep_timeline=keep_timeline, count=count):
                     keep_timeline(step, result)
                     count(step, result)
@@ -285,20 +323,35 @@ def main(argv=None) -> None:
                 result = trainer.fit(f"{sched_name}/m={m}", callback=callback)
             held_before = sum(measure.static_bytes(stage_mod, trainer.setup.optimizer).values())
             payload["runs"][f"{sched_name}/m={m}"] = {
-                "schedule": sched_name, "microbatches": m, "step_times": result.step_times[:steps], "timelines": timelines,
-                "losses": result.losses[:steps] if ctx.is_last else [], "grad_norms": result.grad_norms[:steps],
+                "schedule": sched_name,
+                "microbatches": m,
+                "step_times": result.step_times[:steps],
+                "timelines": timelines,
+                "losses": result.losses[:steps] if ctx.is_last else [],
+                "grad_norms": result.grad_norms[:steps],
                 "step_peak_bytes": result.memory["peak_bytes"] - held_before,
-                "peak_method": ("CPU ledger: the memory step's peak less what the stage held before it (parameters, optimizer state"
-                                + (")" if cfg.set_to_none else ", gradients)") if ctx.device.type == "cpu" else
-                                "CUDA max_memory_allocated over the run less the stage's parameters, gradients and optimizer state"),
-                "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()), "collectives_last_step": dict(counter.counts),
-                "written_last_step": counter.written if ctx.backend == "gloo" else None, **({"check": check} if check else {})}
+                "peak_method": (
+                    "CPU ledger: the memory step's peak less what the stage held before it (parameters, optimizer state"
+                    + (")" if cfg.set_to_none else ", gradients)")
+                    if ctx.device.type == "cpu"
+                    else (
+                        "CUDA max_memory_allocated over the run less the stage's parameters, gradients "
+                        "and optimizer state"
+                    )
+                ),
+                "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()),
+                "collectives_last_step": dict(counter.counts),
+                "written_last_step": counter.written if ctx.backend == "gloo" else None,
+                **({"check": check} if check else {}),
+            }
     payload["full_model_parameter_bytes"] = measure.tensor_bytes(full.parameters())
     _common.write(ctx, payload)
     _common.finish()
 
 
-def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, n_targets: int, step_loss: torch.Tensor, ctx) -> dict:
+def _compare_with_unsplit(
+    full: GPT, stage_mod: StageModule, x, y, n_targets: int, step_loss: torch.Tensor, ctx
+) -> dict:
     """The unsplit model on the same batch: its loss against the pipeline's (last stage), its block gradients
     against this stage's, and (first and last stage, after the all-reduce) its tied-embedding gradient."""
     ref = copy.deepcopy(full)
@@ -314,7 +367,9 @@ def _compare_with_unsplit(full: GPT, stage_mod: StageModule, x, y, n_targets: in
         for (name, p), (_, q) in zip(block.named_parameters(), ref.blocks[stage_mod.lo + i].named_parameters()):
             diffs.append((p.grad - q.grad).abs().max().item())
     out["max_abs_block_grad_diff"] = max(diffs)
-    out["max_abs_block_grad"] = max(q.grad.abs().max().item() for b in ref.blocks[stage_mod.lo:stage_mod.hi] for q in b.parameters())
+    out["max_abs_block_grad"] = max(
+        q.grad.abs().max().item() for b in ref.blocks[stage_mod.lo : stage_mod.hi] for q in b.parameters()
+    )
     tied = stage_mod.tied_weight()
     if tied is not None:
         out["max_abs_tied_grad_diff"] = (tied.grad - ref.wte.weight.grad).abs().max().item()

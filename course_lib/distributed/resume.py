@@ -15,11 +15,12 @@ and optimizer state the rank holds, the collectives of its last step (and the by
 size of each complete checkpoint and of this rank's file in it.
 
 Options: {"steps": S, "global_batch": G (sequences per step, divisible by the processes), "save_at": [k, ...] (save
-after k steps), "ckpt": folder, "resume": bool (continue from the newest complete checkpoint in `ckpt`), "die_in_final_save":
-bool (after the run, save once more and kill the last rank midway, after it wrote its shard and before the metadata),
-"resume_in_place": bool (after the run, load the newest checkpoint into a new model and optimizer in the same processes and
-train the steps left)}
+after k steps), "ckpt": folder, "resume": bool (continue from the newest complete checkpoint in `ckpt`),
+"die_in_final_save": bool (after the run, save once more and kill the last rank midway, after it wrote its shard and
+before the metadata), "resume_in_place": bool (after the run, load the newest checkpoint into a new model and optimizer
+in the same processes and train the steps left)}
 """
+
 from __future__ import annotations
 
 import os
@@ -47,7 +48,11 @@ def checkpoint_dir(root: str | Path, step: int, partial: bool = False) -> Path:
 
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint: renamed from .partial (so every rank finished) and holding DCP's metadata."""
-    done = [p for p in Path(root).glob("step_*") if p.is_dir() and not p.name.endswith(PARTIAL) and (p / ".metadata").exists()]
+    done = [
+        p
+        for p in Path(root).glob("step_*")
+        if p.is_dir() and not p.name.endswith(PARTIAL) and (p / ".metadata").exists()
+    ]
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
@@ -58,8 +63,13 @@ def training_state(setup, step: int, rank: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(setup.model, setup.optimizer)
-    return {"model": model_sd, "optim": optim_sd, "scheduler": setup.scheduler.state_dict(),
-            "progress": {"step": step}, f"rng_rank{rank}": torch.get_rng_state()}
+    return {
+        "model": model_sd,
+        "optim": optim_sd,
+        "scheduler": setup.scheduler.state_dict(),
+        "progress": {"step": step},
+        f"rng_rank{rank}": torch.get_rng_state(),
+    }
 
 
 class DyingWriter(FileSystemWriter):
@@ -110,8 +120,17 @@ def global_batches(cfg: TrainConfig, global_batch: int):
     return _common.global_batches(replace(cfg, batch_size=global_batch, grad_accum_steps=1), 1, seed=cfg.seed)[1]
 
 
-def train(cfg: TrainConfig, at, rank: int, world: int, root: str | Path, *, save_at=(), resume: bool = False,
-          label: str = "run") -> dict:
+def train(
+    cfg: TrainConfig,
+    at,
+    rank: int,
+    world: int,
+    root: str | Path,
+    *,
+    save_at=(),
+    resume: bool = False,
+    label: str = "run",
+) -> dict:
     """Train cfg.steps steps in all (the course's loop, this rank's slice of every global batch), saving after the
     steps in `save_at`; with `resume`, first load the newest complete checkpoint in `root` and train the steps left.
     Works in a torchrun process (cfg.data_parallel="fsdp") and in a plain process (data_parallel="none")."""
@@ -129,6 +148,7 @@ def train(cfg: TrainConfig, at, rank: int, world: int, root: str | Path, *, save
 
     counter = _common.CollectiveCounter()  # the collectives of the last step (FSDP2's gathers and reduce-scatters)
     with counter.last_step_of(trainer.cfg.steps) as count:
+
         def callback(i, result):
             count(i, result)
             if begin[0] + i + 1 in save_at:
@@ -136,11 +156,18 @@ def train(cfg: TrainConfig, at, rank: int, world: int, root: str | Path, *, save
 
         result = trainer.fit(label, callback)
     gloo = dist.is_initialized() and dist.get_backend() == "gloo"
-    return {"result": result.to_dict(), "start_step": begin[0], "loaded": str(loaded) if loaded else None, "save_s": save_s,
-            # gradients as they were at the end of backward (zero_grad has freed them since): the size of the parameters' shards
-            "memory": measure.static_bytes(trainer.setup.model, trainer.setup.optimizer, gradients_at_parameter_size=True),
-            "collectives_last_step": dict(counter.counts), "written_last_step": counter.written if gloo else None,
-            "setup": trainer.setup}
+    return {
+        "result": result.to_dict(),
+        "start_step": begin[0],
+        "loaded": str(loaded) if loaded else None,
+        "save_s": save_s,
+        # gradients as they were at the end of backward (zero_grad has freed them since): the size of the
+        # parameters' shards
+        "memory": measure.static_bytes(trainer.setup.model, trainer.setup.optimizer, gradients_at_parameter_size=True),
+        "collectives_last_step": dict(counter.counts),
+        "written_last_step": counter.written if gloo else None,
+        "setup": trainer.setup,
+    }
 
 
 def checkpoint_bytes(path: str | Path) -> int:
@@ -148,7 +175,15 @@ def checkpoint_bytes(path: str | Path) -> int:
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
-OPTIONS = {"global_batch": None, "steps": 6, "ckpt": None, "resume": False, "save_at": [], "resume_in_place": False, "die_in_final_save": False}
+OPTIONS = {
+    "global_batch": None,
+    "steps": 6,
+    "ckpt": None,
+    "resume": False,
+    "save_at": [],
+    "resume_in_place": False,
+    "die_in_final_save": False,
+}
 
 
 def main(argv=None) -> None:
@@ -157,13 +192,27 @@ def main(argv=None) -> None:
     global_batch = int(o["global_batch"] or 2 * ctx.cfg.micro_batch_size)
     if global_batch % ctx.world:
         raise ValueError(f"global_batch={global_batch} does not split over {ctx.world} processes")
-    cfg = replace(ctx.cfg, steps=int(o.get("steps", 6)), timing_warmup=1, grad_accum_steps=1, batch_size=global_batch // ctx.world,
-                  data_parallel="fsdp")
+    cfg = replace(
+        ctx.cfg,
+        steps=int(o.get("steps", 6)),
+        timing_warmup=1,
+        grad_accum_steps=1,
+        batch_size=global_batch // ctx.world,
+        data_parallel="fsdp",
+    )
     root = Path(o["ckpt"] or ctx.out / "checkpoints")
     at = global_batches(cfg, global_batch)
     resume = bool(o.get("resume"))
-    run = train(cfg, at, ctx.rank, ctx.world, root, save_at=[int(k) for k in o.get("save_at", ())], resume=resume,
-                label=f"FSDP2 x{ctx.world}" + (", resumed" if resume else ""))
+    run = train(
+        cfg,
+        at,
+        ctx.rank,
+        ctx.world,
+        root,
+        save_at=[int(k) for k in o.get("save_at", ())],
+        resume=resume,
+        label=f"FSDP2 x{ctx.world}" + (", resumed" if resume else ""),
+    )
     setup = run.pop("setup")
     payload = {"strategy": "resume", "global_batch": global_batch, "ckpt": str(root), "run": run}
     if o.get("resume_in_place"):
@@ -171,10 +220,15 @@ def main(argv=None) -> None:
         again = train(cfg, at, ctx.rank, ctx.world, root, resume=True, label=f"FSDP2 x{ctx.world}, resumed")
         del again["setup"]
         payload["resumed_in_place"] = again
-    payload["checkpoints"] = {p.name: checkpoint_bytes(p) for p in sorted(root.glob("step_*")) if not p.name.endswith(PARTIAL)}
+    payload["checkpoints"] = {
+        p.name: checkpoint_bytes(p) for p in sorted(root.glob("step_*")) if not p.name.endswith(PARTIAL)
+    }
     # This rank's own file in each checkpoint (DCP writes one per rank, __<rank>_0.distcp; the metadata is rank 0's)
-    payload["checkpoint_rank_bytes"] = {p.name: sum(f.stat().st_size for f in p.glob(f"__{ctx.rank}_*.distcp"))
-                                        for p in sorted(root.glob("step_*")) if not p.name.endswith(PARTIAL)}
+    payload["checkpoint_rank_bytes"] = {
+        p.name: sum(f.stat().st_size for f in p.glob(f"__{ctx.rank}_*.distcp"))
+        for p in sorted(root.glob("step_*"))
+        if not p.name.endswith(PARTIAL)
+    }
     _common.write(ctx, payload)
     if o.get("die_in_final_save"):
         # The results are written; now a save that never completes: the last rank dies after writing its shard.

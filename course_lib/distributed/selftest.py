@@ -4,6 +4,7 @@ reports a failed or hung run and stops every process; {"measure_bytes": B} also 
 reduce-scatter and a broadcast of B bytes each (the full side of the exchange, as _common.CollectiveCounter counts it)
 and records, for each, the bytes this rank wrote to its sockets meanwhile (gloo on Linux; None elsewhere): what one
 rank really sends, beside the ring algorithms' formula (zero.sent_share)."""
+
 from __future__ import annotations
 
 import time
@@ -12,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from . import _common
-
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
 OPTIONS = {"mode": "ok", "measure_bytes": 0}
@@ -23,8 +23,12 @@ def measure_sends(ctx: _common.Ctx, nbytes: int) -> dict:
     each kind over about `nbytes` bytes of fp32 (rounded down to a multiple of the ranks), after one warm-up round."""
     n = max(ctx.world, nbytes // 4 // ctx.world * ctx.world)
     whole, part = torch.ones(n, device=ctx.device), torch.ones(n // ctx.world, device=ctx.device)
-    runs = {"all-reduce": lambda: dist.all_reduce(whole), "all-gather": lambda: dist.all_gather_into_tensor(whole, part),
-            "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole), "broadcast": lambda: dist.broadcast(whole, 0)}
+    runs = {
+        "all-reduce": lambda: dist.all_reduce(whole),
+        "all-gather": lambda: dist.all_gather_into_tensor(whole, part),
+        "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+        "broadcast": lambda: dist.broadcast(whole, 0),
+    }
     out = {}
     for warm_up in (True, False):
         for kind, run in runs.items():

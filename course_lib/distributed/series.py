@@ -8,9 +8,11 @@ options and config, its own rank<r>.json), in the process group joined once and 
 
 Options: {"runs": [{"strategy": "ddp", "options": {...}, "config": {a TrainConfig as a dict} (optional)}, ...]}.
 Run i writes to <out>/<i>_<strategy>/; launch.launch_series reads each back as its own LaunchResult. The series' own
-rank<r>.json lists the runs finished so far and each one's wall time (start-up excluded), rewritten after each run. A run that raises
-stops the launch (the other ranks would wait for it in their next collective): the runs after it write nothing.
+rank<r>.json lists the runs finished so far and each one's wall time (start-up excluded), rewritten after each run. A
+run that raises stops the launch (the other ranks would wait for it in their next collective): the runs after it write
+nothing.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -43,7 +45,8 @@ def main(argv=None) -> None:
                 args += ["--config", str(out / "config.json")]
             importlib.import_module(f"{__package__}.{run['strategy']}").main(args)
             done.append({"strategy": run["strategy"], "wall_s": time.perf_counter() - t0})
-            _common.write(ctx, {"strategy": "series", "runs": done})  # after each run: what finished, should a later one fail
+            # after each run: what finished, should a later one fail
+            _common.write(ctx, {"strategy": "series", "runs": done})
     _common.finish()
 
 

@@ -33,6 +33,7 @@ and tensor + sequence parallelism.
 
 Options: {"repeats": int, "sequence_parallel": bool, "memory_dropout": float (dropout while the memory is measured)}
 """
+
 from __future__ import annotations
 
 import copy
@@ -59,8 +60,13 @@ def reorder_qkv(linear: nn.Linear, world: int) -> None:
 
 def parallelize(model: GPT, mesh, sequence_parallel: bool = False) -> GPT:
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     world = mesh.size()
     if model.config.n_head % world:
@@ -70,19 +76,33 @@ def parallelize(model: GPT, mesh, sequence_parallel: bool = False) -> GPT:
     out = Shard(1) if sequence_parallel else Replicate()
     for block in model.blocks:
         reorder_qkv(block.attn.c_attn, world)
-        plan = {"attn.c_attn": ColwiseParallel(), "attn.c_proj": RowwiseParallel(output_layouts=out),
-                "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel(output_layouts=out)}
+        plan = {
+            "attn.c_attn": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(output_layouts=out),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(output_layouts=out),
+        }
         if sequence_parallel:
             plan |= {"ln_1": SequenceParallel(), "attn": gather, "ln_2": SequenceParallel(), "mlp": gather}
         parallelize_module(block, mesh, plan)
-        block.attn.n_head //= world  # this rank's heads: c_attn now yields [q | k | v] of n_head/N heads (as torchtitan)
+        # this rank's heads: c_attn now yields [q | k | v] of n_head/N heads (as torchtitan)
+        block.attn.n_head //= world
     if sequence_parallel:
-        parallelize_module(model, mesh, {
-            # the embeddings are replicated: the first block takes this rank's slice of positions (no communication)
-            "blocks.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True),
-            "ln_f": SequenceParallel(),
-            # the output layer (tied to the embedding, replicated) gets the whole sequence back: one all-gather
-            "lm_head": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)})
+        parallelize_module(
+            model,
+            mesh,
+            {
+                # the embeddings are replicated: the first block takes this rank's slice of positions (no communication)
+                "blocks.0": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),), use_local_output=True
+                ),
+                "ln_f": SequenceParallel(),
+                # the output layer (tied to the embedding, replicated) gets the whole sequence back: one all-gather
+                "lm_head": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            },
+        )
     return model
 
 
@@ -91,7 +111,8 @@ def _counts(mode) -> dict[str, int]:
 
 
 def _expected_grad(name: str, g_full: torch.Tensor, p_tp: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """The part of the unsharded model's gradient that rank `rank` of the sharded model should hold for parameter `name`."""
+    """The part of the unsharded model's gradient that rank `rank` of the sharded model should hold for parameter
+    `name`."""
     from torch.distributed.tensor import Shard
 
     placements = getattr(p_tp, "placements", ())
@@ -104,9 +125,9 @@ def _expected_grad(name: str, g_full: torch.Tensor, p_tp: torch.Tensor, world: i
 
 
 def _grad_as_placed(p: torch.Tensor) -> torch.Tensor:
-    """This rank's gradient of `p`, laid out as `p` is. Under sequence parallelism a replicated LayerNorm weight's gradient
-    comes out of backward as a partial sum (each rank's own positions); redistributing it sums the ranks' parts,
-    the all-reduce an optimizer step on a DTensor does."""
+    """This rank's gradient of `p`, laid out as `p` is. Under sequence parallelism a replicated LayerNorm weight's
+    gradient comes out of backward as a partial sum (each rank's own positions); redistributing it sums the ranks'
+    parts, the all-reduce an optimizer step on a DTensor does."""
     g = p.grad
     if hasattr(g, "redistribute") and tuple(g.placements) != tuple(p.placements):
         g = g.redistribute(g.device_mesh, p.placements)
@@ -114,7 +135,8 @@ def _grad_as_placed(p: torch.Tensor) -> torch.Tensor:
 
 
 def activation_memory(model, x, y) -> dict:
-    """One forward and backward under the CPU ledger: bytes saved for backward, and the step's peak split by category."""
+    """One forward and backward under the CPU ledger: bytes saved for backward, and the step's peak split by
+    category."""
     from ..techniques import loss_sum
 
     ledger = measure.MemoryLedger(keep_timeline=False)
@@ -124,7 +146,11 @@ def activation_memory(model, x, y) -> dict:
         with ledger.phase("backward"):
             loss.backward()
     report = ledger.report()
-    return {"saved_for_backward_bytes": report.saved_for_backward_bytes, "peak_bytes": report.peak_bytes, "by_category": report.by_category}
+    return {
+        "saved_for_backward_bytes": report.saved_for_backward_bytes,
+        "peak_bytes": report.peak_bytes,
+        "by_category": report.by_category,
+    }
 
 
 def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
@@ -138,17 +164,29 @@ def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
         with bwd_mode:
             loss_tp.backward()
     full_params = dict(full.named_parameters())
-    grad_diffs = {name: (_grad_as_placed(p) - _expected_grad(name, full_params[name].grad, p, ctx.world, ctx.rank)).abs().max().item()
-                  for name, p in tp.named_parameters()}
+    grad_diffs = {
+        name: (_grad_as_placed(p) - _expected_grad(name, full_params[name].grad, p, ctx.world, ctx.rank))
+        .abs()
+        .max()
+        .item()
+        for name, p in tp.named_parameters()
+    }
     sharded = [p for p in tp.parameters() if hasattr(p, "to_local") and p.to_local().numel() < p.numel()]
     replicated = [p for p in tp.parameters() if not any(p is q for q in sharded)]
-    return {"max_abs_logit_diff": (_common.local_tensor(logits_tp) - logits_full).abs().max().item(),
-            "loss_full": loss_full.item(), "loss_tp": loss_tp.item(),
-            "max_abs_grad_diff": max(grad_diffs.values()), "grad_diffs": grad_diffs,
-            "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
-            "forward_collectives": _counts(fwd_mode), "backward_collectives": _counts(bwd_mode),
-            "collectives_fwd_bwd": dict(counter.counts), "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None,
-            "parameter_bytes_sharded_local": measure.tensor_bytes(sharded), "parameter_bytes_replicated": measure.tensor_bytes(replicated)}
+    return {
+        "max_abs_logit_diff": (_common.local_tensor(logits_tp) - logits_full).abs().max().item(),
+        "loss_full": loss_full.item(),
+        "loss_tp": loss_tp.item(),
+        "max_abs_grad_diff": max(grad_diffs.values()),
+        "grad_diffs": grad_diffs,
+        "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
+        "forward_collectives": _counts(fwd_mode),
+        "backward_collectives": _counts(bwd_mode),
+        "collectives_fwd_bwd": dict(counter.counts),
+        "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None,
+        "parameter_bytes_sharded_local": measure.tensor_bytes(sharded),
+        "parameter_bytes_replicated": measure.tensor_bytes(replicated),
+    }
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
@@ -164,7 +202,9 @@ def main(argv=None) -> None:
     sequence_parallel = bool(ctx.options.get("sequence_parallel", False))
     cfg = ctx.cfg
     if sequence_parallel and cfg.context % ctx.world:
-        raise ValueError(f"sequence parallelism splits the sequence: context {cfg.context} must be divisible by {ctx.world} ranks")
+        raise ValueError(
+            f"sequence parallelism splits the sequence: context {cfg.context} must be divisible by {ctx.world} ranks"
+        )
     torch.manual_seed(cfg.seed)
     full = GPT(cfg.model).to(ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
@@ -191,22 +231,38 @@ def main(argv=None) -> None:
         return timer.times[1:]  # the first is warm-up
 
     payload = {
-        "strategy": "tensor_parallel", "n_layer": cfg.model.n_layer, "n_head": cfg.model.n_head, "n_embd": cfg.model.n_embd,
-        "batch_size": cfg.micro_batch_size, "context": cfg.context, **checks["tp"],
+        "strategy": "tensor_parallel",
+        "n_layer": cfg.model.n_layer,
+        "n_head": cfg.model.n_head,
+        "n_embd": cfg.model.n_embd,
+        "batch_size": cfg.micro_batch_size,
+        "context": cfg.context,
+        **checks["tp"],
         "max_abs_logit": logits_full.abs().max().item(),
-        "activation_all_reduce_bytes_per_call": cfg.micro_batch_size * cfg.context * cfg.model.n_embd * logits_full.element_size(),
+        "activation_all_reduce_bytes_per_call": cfg.micro_batch_size
+        * cfg.context
+        * cfg.model.n_embd
+        * logits_full.element_size(),
         "parameter_bytes_full": measure.tensor_bytes(full.parameters()),
-        "fwd_bwd_s_full": timed(full), "fwd_bwd_s_tp": timed(variants["tp"])}
+        "fwd_bwd_s_full": timed(full),
+        "fwd_bwd_s_tp": timed(variants["tp"]),
+    }
     if sequence_parallel:
         # Memory with dropout on (its masks are activations too) and in training mode: each variant a fresh copy.
         p_drop = float(ctx.options.get("memory_dropout", 0.1))
         torch.manual_seed(cfg.seed)
         dropped = GPT(replace(cfg.model, dropout=p_drop)).to(ctx.device)
-        memory = {"full": activation_memory(copy.deepcopy(dropped), x, y),
-                  "tp": activation_memory(parallelize(copy.deepcopy(dropped), mesh), x, y),
-                  "tp_sp": activation_memory(parallelize(copy.deepcopy(dropped), mesh, sequence_parallel=True), x, y)}
-        payload["sequence_parallel"] = {**checks["tp_sp"], "memory": memory, "memory_dropout": p_drop,
-                                        "fwd_bwd_s_tp_sp": timed(variants["tp_sp"])}
+        memory = {
+            "full": activation_memory(copy.deepcopy(dropped), x, y),
+            "tp": activation_memory(parallelize(copy.deepcopy(dropped), mesh), x, y),
+            "tp_sp": activation_memory(parallelize(copy.deepcopy(dropped), mesh, sequence_parallel=True), x, y),
+        }
+        payload["sequence_parallel"] = {
+            **checks["tp_sp"],
+            "memory": memory,
+            "memory_dropout": p_drop,
+            "fwd_bwd_s_tp_sp": timed(variants["tp_sp"]),
+        }
     _common.write(ctx, payload)
     _common.finish()
 

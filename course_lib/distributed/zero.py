@@ -11,23 +11,33 @@ variance, 4 bytes each). Each stage shards one more of the three across the N de
 
 The byte counts are parameters so the same formulas describe a pure fp32 run (4, 4 and K = 8).
 """
+
 from __future__ import annotations
 
 STAGES = (0, 1, 2, 3)
-FP32_ADAMW = {"k": 8, "param_bytes": 4, "grad_bytes": 4}  # the course's runs: fp32 weights and gradients, Adam's m and v
-STAGE_NAMES = {0: "baseline data parallel", 1: "ZeRO-1: optimizer state sharded", 2: "ZeRO-2: + gradients sharded",
-               3: "ZeRO-3 / FSDP: + parameters sharded"}
+# the course's runs: fp32 weights and gradients, Adam's m and v
+FP32_ADAMW = {"k": 8, "param_bytes": 4, "grad_bytes": 4}
+STAGE_NAMES = {
+    0: "baseline data parallel",
+    1: "ZeRO-1: optimizer state sharded",
+    2: "ZeRO-2: + gradients sharded",
+    3: "ZeRO-3 / FSDP: + parameters sharded",
+}
 
 
-def zero_parts(psi: float, n: int, stage: int, k: float = 12, param_bytes: float = 2, grad_bytes: float = 2) -> dict[str, float]:
+def zero_parts(
+    psi: float, n: int, stage: int, k: float = 12, param_bytes: float = 2, grad_bytes: float = 2
+) -> dict[str, float]:
     """Bytes per device of parameters, gradients and optimizer state."""
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {STAGES}, got {stage}")
     if n < 1:
         raise ValueError(f"n (devices) must be >= 1, got {n}")
-    return {"parameters": param_bytes * psi / (n if stage >= 3 else 1),
-            "gradients": grad_bytes * psi / (n if stage >= 2 else 1),
-            "optimizer state": k * psi / (n if stage >= 1 else 1)}
+    return {
+        "parameters": param_bytes * psi / (n if stage >= 3 else 1),
+        "gradients": grad_bytes * psi / (n if stage >= 2 else 1),
+        "optimizer state": k * psi / (n if stage >= 1 else 1),
+    }
 
 
 def zero_bytes(psi: float, n: int, stage: int, k: float = 12, param_bytes: float = 2, grad_bytes: float = 2) -> float:
@@ -63,14 +73,20 @@ def data_parallel_traffic(psi: float, n: int, stage: int, grad_bytes: float = 2,
     return 2 * one_pass * param_bytes + one_pass * grad_bytes
 
 
-def offload_optimizer_bytes(psi: float, n: int, stage: int = 2, k: float = 12, param_bytes: float = 2,
-                            grad_bytes: float = 2) -> dict[str, float]:
+def offload_optimizer_bytes(
+    psi: float, n: int, stage: int = 2, k: float = 12, param_bytes: float = 2, grad_bytes: float = 2
+) -> dict[str, float]:
     """ZeRO-Offload (optimizer state and the Adam update on the CPU), per device and optimizer step, as a formula:
     the device sends its gradients to the host and receives the updated parameters back; it no longer holds the
     optimizer state. With stage >= 2 a device moves only its shard (1/N); below, the whole model."""
     share = psi / (n if stage >= 2 else 1)
-    return {"device to host (gradients)": grad_bytes * share, "host to device (parameters)": param_bytes * share,
-            "saved on the device (optimizer state)": zero_parts(psi, n, stage, k, param_bytes, grad_bytes)["optimizer state"]}
+    return {
+        "device to host (gradients)": grad_bytes * share,
+        "host to device (parameters)": param_bytes * share,
+        "saved on the device (optimizer state)": zero_parts(psi, n, stage, k, param_bytes, grad_bytes)[
+            "optimizer state"
+        ],
+    }
 
 
 # What one rank sends, as a share of the bytes the course's counter records for a collective (_common.CollectiveCounter:
@@ -79,8 +95,15 @@ def offload_optimizer_bytes(psi: float, n: int, stage: int = 2, k: float = 12, p
 # (chain, tree): (N-1)/N of B per rank on average over the ranks. A point-to-point send moves all of it.
 def sent_share(kind: str, n: int) -> float:
     """The share of a collective's counted bytes that each rank sends (see above); a receive sends nothing."""
-    shares = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "reduce-scatter": (n - 1) / n,
-              "broadcast": (n - 1) / n, "all-to-all": (n - 1) / n, "send": 1.0, "receive": 0.0}
+    shares = {
+        "all-reduce": 2 * (n - 1) / n,
+        "all-gather": (n - 1) / n,
+        "reduce-scatter": (n - 1) / n,
+        "broadcast": (n - 1) / n,
+        "all-to-all": (n - 1) / n,
+        "send": 1.0,
+        "receive": 0.0,
+    }
     if kind not in shares:
         raise ValueError(f"no sent share for {kind!r}: one of {', '.join(shares)}")
     return shares[kind]
@@ -97,7 +120,9 @@ def sent_by_kind(collectives: dict[str, dict], n: int, shares: dict[str, float] 
     out = {}
     for kind, c in collectives.items():
         groups = {int(g): b for g, b in (c.get("by_group_size") or {n: c["bytes"]}).items()}
-        out[kind] = sum((shares[kind] if kind in shares and g == n else sent_share(kind, g)) * b for g, b in groups.items())
+        out[kind] = sum(
+            (shares[kind] if kind in shares and g == n else sent_share(kind, g)) * b for g, b in groups.items()
+        )
     return out
 
 

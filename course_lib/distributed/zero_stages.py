@@ -20,6 +20,7 @@ trained on the whole global batch.
 Options: {"steps": int, "stages": [0, 1, 2, 3], "reference": bool, "offload": bool (stage 3 again with FSDP2's
 CPUOffloadPolicy; measured on CUDA only: on a CPU there is nothing to offload to)}
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -30,8 +31,14 @@ from .. import measure, techniques
 from ..model import GPT
 from . import _common, zero
 
-STAGE_NAMES = {0: "DDP", 1: "ZeRO-1: DDP + ZeroRedundancyOptimizer", 2: "ZeRO-2: FSDP2, reshard_after_forward=False",
-               3: "ZeRO-3: FSDP2"}
+STAGE_NAMES = {
+    0: "DDP",
+    1: "ZeRO-1: DDP + ZeroRedundancyOptimizer",
+    2: "ZeRO-2: FSDP2, reshard_after_forward=False",
+    3: "ZeRO-3: FSDP2",
+}
+
+
 def zero1_optimizer(cfg, model: torch.nn.Module):
     """ZeRO-1: the course's optimizer (techniques.optimizer_for) built by ZeroRedundancyOptimizer for this rank's
     share of the parameter groups only. parameters_as_bucket_view: each rank's parameters live in one flat buffer,
@@ -39,11 +46,16 @@ def zero1_optimizer(cfg, model: torch.nn.Module):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     def local(params, **_defaults):
-        return techniques.optimizer_for(cfg.optimizer, params, cfg.lr, betas=cfg.betas, eps=cfg.eps, momentum=cfg.momentum,
-                                        fused=cfg.fused_adamw)
+        return techniques.optimizer_for(
+            cfg.optimizer, params, cfg.lr, betas=cfg.betas, eps=cfg.eps, momentum=cfg.momentum, fused=cfg.fused_adamw
+        )
 
-    return ZeroRedundancyOptimizer(techniques.param_groups(model, cfg.weight_decay, cfg.decay_2d_only), optimizer_class=local,
-                                   parameters_as_bucket_view=True, lr=cfg.lr)
+    return ZeroRedundancyOptimizer(
+        techniques.param_groups(model, cfg.weight_decay, cfg.decay_2d_only),
+        optimizer_class=local,
+        parameters_as_bucket_view=True,
+        lr=cfg.lr,
+    )
 
 
 def fsdp_model(cfg, reshard_after_forward: bool, offload: bool = False) -> torch.nn.Module:
@@ -51,8 +63,13 @@ def fsdp_model(cfg, reshard_after_forward: bool, offload: bool = False) -> torch
     choice stage 2 needs: keep the gathered parameters from forward to backward."""
     torch.manual_seed(cfg.seed)  # the same initial weights as every other stage's (and the reference's) GPT
     model = GPT(cfg.model).to(cfg.device)
-    techniques.shard_with_fsdp2(model, techniques.ModelParts.of(model), torch.device(cfg.device).type,
-                                reshard_after_forward=reshard_after_forward, offload=offload)
+    techniques.shard_with_fsdp2(
+        model,
+        techniques.ModelParts.of(model),
+        torch.device(cfg.device).type,
+        reshard_after_forward=reshard_after_forward,
+        offload=offload,
+    )
     return model
 
 
@@ -63,7 +80,9 @@ def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole (a DTensor is all-gathered: every rank must call this, in the same order)."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> tuple[dict, dict]:
@@ -82,8 +101,9 @@ def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> t
         def after_forward(_module, _inputs, _output):
             # Parameters held at the end of forward: what the modules hold now (FSDP2: the gathered ones, where
             # not freed again) and the shards the optimizer updates; each storage once.
-            held["parameters after forward"] = measure.tensor_bytes(list(setup.model.parameters()) + [
-                p for g in opt.param_groups for p in g["params"]])
+            held["parameters after forward"] = measure.tensor_bytes(
+                list(setup.model.parameters()) + [p for g in opt.param_groups for p in g["params"]]
+            )
 
         def before_step(_opt, _args, _kwargs):  # gradients exist now: backward is over, zero_grad comes after
             held["at the optimizer step"] = measure.static_bytes(setup.model, local_optimizer(opt))
@@ -94,10 +114,21 @@ def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> t
     with counter.last_step_of(cfg.steps) as callback:
         result, setup = _common.train_rank(ctx, run_cfg, at, STAGE_NAMES[stage], on_build, callback, model=model)
     at_step = held["at the optimizer step"]
-    out = {"stage": stage, "name": STAGE_NAMES[stage], "offload": offload, "result": result.to_dict(),
-           "memory": {"parameters between steps": at_step["parameters"], "parameters after forward": held["parameters after forward"],
-                      "gradients": at_step["gradients"], "optimizer state": at_step["optimizer state"]},
-           "collectives_last_step": dict(counter.counts), "written_last_step": counter.written if ctx.backend == "gloo" else None, **_common.cuda_peak(ctx.device)}
+    out = {
+        "stage": stage,
+        "name": STAGE_NAMES[stage],
+        "offload": offload,
+        "result": result.to_dict(),
+        "memory": {
+            "parameters between steps": at_step["parameters"],
+            "parameters after forward": held["parameters after forward"],
+            "gradients": at_step["gradients"],
+            "optimizer state": at_step["optimizer state"],
+        },
+        "collectives_last_step": dict(counter.counts),
+        "written_last_step": counter.written if ctx.backend == "gloo" else None,
+        **_common.cuda_peak(ctx.device),
+    }
     return out, full_parameters(setup.model)
 
 
@@ -106,8 +137,10 @@ def one_process_params(cfg, at, world: int) -> tuple[dict, dict]:
     its final parameters."""
     from ..train import Trainer
 
-    one = Trainer(replace(cfg, data_parallel="none", batch_size=world * cfg.batch_size),
-                  batches=lambda step: [(torch.cat([x for x, _ in at(step)]), torch.cat([y for _, y in at(step)]))])
+    one = Trainer(
+        replace(cfg, data_parallel="none", batch_size=world * cfg.batch_size),
+        batches=lambda step: [(torch.cat([x for x, _ in at(step)]), torch.cat([y for _, y in at(step)]))],
+    )
     result = one.fit("one process, global batch")
     return result.to_dict(), {n: p.detach() for n, p in one.setup.model.named_parameters()}
 
@@ -128,13 +161,23 @@ def main(argv=None) -> None:
     if ctx.options.get("offload") and ctx.device.type == "cuda":
         runs["3+offload"], _ = run_stage(ctx, cfg, at, 3, offload=True)
     n_params = runs[stages[0]]["result"]["n_params"]
-    payload = {"strategy": "zero_stages", "steps": steps, "n_params": n_params, "runs": runs,
-               "formula": {s: zero.zero_parts(n_params, ctx.world, s, **zero.FP32_ADAMW) for s in zero.STAGES}}
+    payload = {
+        "strategy": "zero_stages",
+        "steps": steps,
+        "n_params": n_params,
+        "runs": runs,
+        "formula": {s: zero.zero_parts(n_params, ctx.world, s, **zero.FP32_ADAMW) for s in zero.STAGES},
+    }
     if ctx.is_first and ctx.options.get("reference", True):
         ref_result, ref = one_process_params(cfg, at, ctx.world)
         scale = max(p.abs().max().item() for p in ref.values())
-        payload["reference"] = {"result": ref_result, "max_abs_param": scale, "max_abs_param_diff": {
-            s: max((p - ref[n]).abs().max().item() for n, p in final.items()) for s, final in finals.items()}}
+        payload["reference"] = {
+            "result": ref_result,
+            "max_abs_param": scale,
+            "max_abs_param_diff": {
+                s: max((p - ref[n]).abs().max().item() for n, p in final.items()) for s, final in finals.items()
+            },
+        }
     _common.write(ctx, payload)
     _common.finish()
 
