@@ -43,11 +43,7 @@ import textwrap
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
-from . import bpe
-from . import config as C
-from . import data as data_mod
-from . import model as model_mod
-from . import techniques as T
+from . import bpe, config as C, data as data_mod, model as model_mod, techniques as T
 from .config import ConfigError, TrainConfig
 from .ladder import ladder_configs
 

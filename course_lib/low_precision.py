@@ -25,8 +25,7 @@ import dataclasses
 
 import torch
 
-from . import measure, techniques
-from . import train as train_mod
+from . import measure, techniques, train as train_mod
 from .config import TrainConfig
 from .model import GPT
 from .optim import HandOptimizer, adamw_update

@@ -24,8 +24,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from . import data as data_mod
-from . import measure, techniques
+from . import data as data_mod, measure, techniques
 from .model import GPT
 from .techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
 

@@ -24,9 +24,7 @@ from typing import Callable
 
 import torch
 
-from . import capabilities as caps_mod
-from . import data as data_mod
-from . import measure, techniques
+from . import capabilities as caps_mod, data as data_mod, measure, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance

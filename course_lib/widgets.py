@@ -39,8 +39,7 @@ from typing import Callable, Sequence
 import ipywidgets as W
 from IPython.display import display
 
-from . import config as C
-from . import export
+from . import config as C, export
 from .capabilities import capabilities
 from .measure import device_name
 from .plots import PlotSpec, figure_png, plot_results

@@ -5,8 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import accumulation as acc
-from course_lib import config, data
+from course_lib import accumulation as acc, config, data
 from course_lib.measure import CATEGORIES
 
 CONTEXT = 32

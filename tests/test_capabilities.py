@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from course_lib import capabilities as K
-from course_lib import config as C
+from course_lib import capabilities as K, config as C
 from course_lib.ladder import ladder_configs
 from course_lib.results import RunResult, table_rows
 

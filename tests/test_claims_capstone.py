@@ -3,8 +3,7 @@ cells."""
 
 import torch
 
-from course_lib import bench
-from course_lib import config as C
+from course_lib import bench, config as C
 from course_lib.model import GPT
 
 

@@ -18,10 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import capabilities, export, plots, train
-from course_lib import compute_budget as CB
-from course_lib import config as C
-from course_lib import memory as M
+from course_lib import capabilities, compute_budget as CB, config as C, export, memory as M, plots, train
 from course_lib.measure import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent

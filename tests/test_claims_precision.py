@@ -14,8 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import config as C
-from course_lib import optim, techniques
+from course_lib import config as C, optim, techniques
 from course_lib.model import GPT
 from course_lib.train import train
 

@@ -5,9 +5,7 @@ import json
 import subprocess
 import sys
 
-from course_lib import config as C
-from course_lib import export
-from course_lib import ladder as L
+from course_lib import config as C, export, ladder as L
 from course_lib.__main__ import main as cli
 
 

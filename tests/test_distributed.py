@@ -13,13 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import config as C
-from course_lib import techniques, train
+from course_lib import config as C, techniques, train
 from course_lib.config import ModelConfig
-from course_lib.distributed import _common, zero
-from course_lib.distributed import launch as L
-from course_lib.distributed import pipeline as P
-from course_lib.distributed import tensor_parallel as TP
+from course_lib.distributed import _common, launch as L, pipeline as P, tensor_parallel as TP, zero
 from course_lib.model import GPT
 
 pytestmark = pytest.mark.skipif(

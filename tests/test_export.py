@@ -24,8 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import config as C
-from course_lib import data, export, train
+from course_lib import config as C, data, export, train
 from course_lib.__main__ import main as cli
 from course_lib.capabilities import capabilities
 from course_lib.doctor import check_config

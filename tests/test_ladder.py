@@ -9,8 +9,7 @@ import re
 
 import pytest
 
-from course_lib import config as C
-from course_lib import ladder as L
+from course_lib import config as C, ladder as L
 from course_lib.capabilities import Support, capabilities
 from course_lib.results import RunResult, provenance
 

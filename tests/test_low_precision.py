@@ -7,8 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import low_precision as L
-from course_lib import optim
+from course_lib import low_precision as L, optim
 from course_lib.config import tiny_preset
 
 BF16 = torch.bfloat16
@@ -172,8 +171,7 @@ def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
 def test_the_panel_runner_asks_the_device_first(monkeypatch):
     # a precision this device cannot run (bf16 on a V100, say) is a ConfigError with the device's reason, before any op
     # runs
-    from course_lib import capabilities as K
-    from course_lib import precision as P
+    from course_lib import capabilities as K, precision as P
     from course_lib.config import ConfigError
 
     real = K._precisions

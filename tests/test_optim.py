@@ -6,8 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import optim as O
-from course_lib import techniques
+from course_lib import optim as O, techniques
 from course_lib.config import tiny_preset
 from course_lib.data import load_splits, random_windows
 from course_lib.model import GPT

@@ -2,8 +2,7 @@ import re
 import shlex
 from pathlib import Path
 
-from course_lib import config as C
-from course_lib import reference
+from course_lib import config as C, reference
 from course_lib.results import RunResult, save_results
 
 

@@ -10,8 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from course_lib.distributed import launch as L
-from course_lib.distributed import resume as R
+from course_lib.distributed import launch as L, resume as R
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="this torch build has no torch.distributed"

@@ -4,8 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from course_lib import config as C
-from course_lib import techniques as T
+from course_lib import config as C, techniques as T
 
 
 def loss_and_grads(model, loss_module, x, y):

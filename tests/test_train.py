@@ -3,8 +3,7 @@ import statistics
 import pytest
 import torch
 
-from course_lib import config as C
-from course_lib import train as train_mod
+from course_lib import config as C, train as train_mod
 
 
 def test_a_run_records_what_it_measured(splits, tiny):

@@ -3,8 +3,7 @@ import json
 
 import pytest
 
-from course_lib import config as C
-from course_lib import widgets
+from course_lib import config as C, widgets
 from course_lib.results import RunResult
 
 

@@ -38,9 +38,7 @@ from typing import Callable
 from ..config import ConfigError, TrainConfig
 from ..plots import CATEGORY_COLORS
 from ..results import RunResult, provenance
-from . import launch as L
-from . import pipeline as P
-from . import zero as Z
+from . import launch as L, pipeline as P, zero as Z
 
 DATA_PARALLEL = {
     "ddp": "DDP (ZeRO-0)",
