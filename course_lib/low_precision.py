@@ -29,6 +29,7 @@ from . import measure, techniques, train as train_mod
 from .config import TrainConfig
 from .model import GPT
 from .optim import HandOptimizer, adamw_update
+from .plots import placeholder
 from .results import RunResult
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
@@ -288,16 +289,7 @@ def plot_update_lost(results: list[RunResult], ax):
     if drawn:
         ax.legend(fontsize=7, loc="upper left")
     else:
-        ax.text(
-            0.5,
-            0.5,
-            "no run with its weights in bf16 yet\n(weights: pure bf16 ...)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            fontsize=8,
-            color="grey",
-        )
+        placeholder(ax, "no run with its weights in bf16 yet\n(weights: pure bf16 ...)")
     ax.set(xlabel="optimizer step", ylabel="% of the updates so far")
     ax.set_title(
         "Updates that never reached the weights\n(1 - applied . update / update . update, summed over steps)",

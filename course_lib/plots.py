@@ -118,6 +118,11 @@ MAX_TICK = 26  # characters of a run's label on an axis; the results table has t
 MAX_LEGEND = 12  # legend entries: a panel's figure stays readable after many runs
 
 
+def placeholder(ax, text: str) -> None:
+    """Grey text in the middle of an empty panel plot, saying which run would fill it."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
+
+
 def tick(label: str) -> str:
     """A run's label short enough for an axis: a long one keeps its "#n" and its start."""
     return label if len(label) <= MAX_TICK else label[: MAX_TICK - 1].rstrip(" ,") + "…"

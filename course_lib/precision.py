@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .config import TrainConfig
+from .plots import placeholder
 
 SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 for _name, _short in (("float8_e4m3fn", "fp8 e4m3"), ("float8_e5m2", "fp8 e5m2")):
@@ -708,16 +709,7 @@ def plot_scaler_trace(results, ax):
         )
         ax.plot(skipped, [scales[i] for i in skipped], "x", color=line.get_color(), ms=8)
     if not ax.lines:
-        ax.text(
-            0.5,
-            0.5,
-            "no fp16 run yet\n(precision: fp16)",
-            ha="center",
-            va="center",
-            transform=ax.transAxes,
-            fontsize=8,
-            color="grey",
-        )
+        placeholder(ax, "no fp16 run yet\n(precision: fp16)")
     else:
         ax.set_yscale("log", base=2)
     ax.set_xlabel("optimizer step (x: step skipped, inf/nan gradient)")
@@ -757,7 +749,7 @@ def plot_op_dtypes(results, ax, last: int = 6):
     ax.set_xticks([j + 0.5 for j in range(len(runs))], [r.label.split(" ")[0] for r in runs], fontsize=7)
     ax.tick_params(length=0)
     if not runs:
-        ax.text(0.5, 0.5, "no run yet", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
+        placeholder(ax, "no run yet")
     ax.set_title("The dtype each op ran in (one step, forward unless named)", fontsize=9)
     return ax.figure
 
