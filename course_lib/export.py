@@ -230,58 +230,22 @@ def _activation_checkpointing(cfg: TrainConfig) -> Code:
         "for i, block in enumerate(model.blocks):\n"
         "    model.blocks[i] = CheckpointedBlock(block)"
     )
+    # The runtime classes themselves (course_lib.techniques), rendered: full checkpointing's block, and selective's on
+    # top of it with its policy (the matmul and attention ops it keeps).
+    full = _source(T.CheckpointedBlock)
     if cfg.activation_checkpointing == "full":
-        block = '''
-class CheckpointedBlock(nn.Module):
-    """Full activation checkpointing: forward keeps only the block's input, and backward runs the block's forward
-    again to get what it needs (non-reentrant): one block's activations at a time, for about one more forward."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False)
-'''
-        return Code(
-            imports=("from torch.utils.checkpoint import checkpoint",), defs=(block.strip() + "\n",), setup=wrap
-        )
+        return Code(imports=("from torch.utils.checkpoint import checkpoint",), defs=(full,), setup=wrap)
     ops = "".join(f"    torch.ops.{op},\n" for op in T._SAVED_BY_SELECTIVE)
-    policy = _source(
-        T._selective_policy,
-        rename={"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"},
-    )
-    block = f'''
-# Selective checkpointing as the course does it: keep what is expensive to recompute (the matmuls and attention) and
-# recompute the cheap element-wise work (LayerNorm, GELU, softmax, dropout, residual adds). Korthikanti et al. (2022)
-# propose another selection: keep the rest and recompute the attention core (QK^T, softmax, its dropout, the product
-# with V), whose s x s tensors are large but cheap to recompute; this policy keeps naive attention's s x s scores (a
-# matmul output) and recomputes only their softmax.
-SAVED_BY_SELECTIVE = (
-{ops})
-
-
-{policy}
-
-class CheckpointedBlock(nn.Module):
-    """Selective activation checkpointing: forward keeps the block's input and the outputs of its matmuls and
-    attention; backward recomputes only the element-wise work in between (non-reentrant)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.block, x, use_reentrant=False,
-                          context_fn=functools.partial(create_selective_checkpoint_contexts, selective_policy))
-'''
+    rename = {"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"}
+    policy = _source(T._selective_policy, rename=rename)
+    selective = _source(T.SelectiveCheckpointedBlock, rename=rename)
     return Code(
         imports=(
             "import functools",
-            "from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts",
+            "from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts",
         ),
-        defs=(block.strip() + "\n",),
-        setup=wrap,
+        defs=(f"SAVED_BY_SELECTIVE = (\n{ops})\n\n\n{policy}", full, selective),
+        setup=wrap.replace("CheckpointedBlock(block)", "SelectiveCheckpointedBlock(block)"),
     )
 
 

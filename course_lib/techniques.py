@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .config import ConfigError, TrainConfig
 from .data import IGNORE_INDEX
@@ -72,32 +72,38 @@ _SAVED_BY_SELECTIVE = tuple(
 
 
 def _selective_policy(_ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class CheckpointedBlock(nn.Module):
-    """mode "full": keeps only the block's input in forward and recomputes the inside in backward (non-reentrant).
-    mode "selective": also keeps the matmul and attention outputs, and recomputes only the element-wise ops."""
+    """Full activation checkpointing: forward keeps only the block's input, and backward runs the block's forward
+    again to get what it needs (non-reentrant): one block's activations at a time, for about one more forward."""
 
-    def __init__(self, block: nn.Module, mode: str = "full"):
+    def __init__(self, block: nn.Module):
         super().__init__()
-        self.block, self.mode = block, mode
+        self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():  # evaluation: no backward, nothing to keep or recompute
             return self.block(x)
-        if self.mode == "selective":
-            from torch.utils.checkpoint import create_selective_checkpoint_contexts
+        return checkpoint(self.block, x, use_reentrant=False, **self.checkpoint_options())
 
-            return checkpoint(
-                self.block,
-                x,
-                use_reentrant=False,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, _selective_policy),
-            )
-        return checkpoint(self.block, x, use_reentrant=False)
+    def checkpoint_options(self) -> dict:
+        return {}
+
+
+class SelectiveCheckpointedBlock(CheckpointedBlock):
+    """Selective activation checkpointing as the course does it: forward also keeps what is expensive to recompute,
+    the outputs of the matmuls and of attention, and backward recomputes only the cheap element-wise work in between
+    (LayerNorm, GELU, softmax, dropout, residual adds). Korthikanti et al. (2022) propose another selection: keep the
+    rest and recompute the attention core (QK^T, softmax, its dropout, the product with V), whose s x s tensors are
+    large but cheap to recompute; this policy keeps naive attention's s x s scores (a matmul output)."""
+
+    def checkpoint_options(self) -> dict:
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
+
+
+CHECKPOINTED_BLOCKS = {"full": CheckpointedBlock, "selective": SelectiveCheckpointedBlock}
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -188,7 +194,7 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
     """Wrap every block in place (the ModuleList is the model's own, so the model sees the wrapped blocks)."""
     for i, block in enumerate(blocks):
         if not isinstance(block, CheckpointedBlock):
-            blocks[i] = CheckpointedBlock(block, mode)
+            blocks[i] = CHECKPOINTED_BLOCKS[mode](block)
 
 
 def autocast_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:

@@ -32,7 +32,12 @@ def test_the_exported_script_and_the_config_say_whose_selective_checkpointing_it
     rest; the course's `selective` keeps the matmul outputs and recomputes the element-wise work. The old text said the
     course's policy was the paper's ("as Korthikanti et al. propose")."""
     script = export.script(dataclasses.replace(C.tiny_preset("cpu"), activation_checkpointing="selective"))
-    comment = script[script.index("# Selective checkpointing") : script.index("SAVED_BY_SELECTIVE = (")]
+    # the runtime class's docstring, rendered into the script
+    comment = script[
+        script.index("class SelectiveCheckpointedBlock") : script.index(
+            'def checkpoint_options(self) -> dict:\n        return {"context_fn"'
+        )
+    ]
     field_help = inspect.getsource(C.TrainConfig)
     field_help = field_help[
         field_help.index('# "full": each block') : field_help.index("activation_checkpointing: Checkpointing")

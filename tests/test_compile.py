@@ -58,7 +58,7 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
         if run != "eager, no checkpointing":
             for i, mode in enumerate(("full", "selective")):
                 # what activation_checkpointing=mode does to every block
-                m.blocks[i] = techniques.CheckpointedBlock(m.blocks[i], mode)
+                m.blocks[i] = techniques.CHECKPOINTED_BLOCKS[mode](m.blocks[i])
         setup = techniques.build(C.TrainConfig(model=m.config, context=32, loss_chunks=4), m)
         # What the course compiles (techniques.build with compile=True: the loss module), with the debugging backend.
         loss_fn = (
