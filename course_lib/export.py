@@ -546,18 +546,10 @@ def _clip(cfg: TrainConfig) -> Code:
                 "torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)"
             ),
         )
-    fn = '''
-def clip_per_tensor_(params: list[torch.Tensor], max_norm: float) -> None:
-    """Each gradient times its own factor, min(1, max_norm / (||g_i|| + 1e-6)): a tensor is clipped on its own norm,
-    so the direction of the whole gradient changes. No value is read back to the host."""
-    grads = [p.grad for p in params if p.grad is not None]
-    coefs = [(max_norm / (n + 1e-6)).clamp(max=1.0) for n in torch._foreach_norm(grads)]
-    torch._foreach_mul_(grads, coefs)
-'''
     return Code(
         constants=constant,
-        defs=(fn.strip() + "\n",),
-        clip="clip_per_tensor_(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm",
+        defs=(_source(T.clip_by_tensor_norm),),
+        clip="clip_by_tensor_norm(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm",
     )
 
 

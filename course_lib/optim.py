@@ -384,14 +384,9 @@ def clip_global_(params: Iterable[torch.Tensor], max_norm: float) -> float:
 
 @torch.no_grad()
 def clip_per_tensor_(params: Iterable[torch.Tensor], max_norm: float) -> list[float]:
-    """Clip each tensor's gradient on its own norm (not what GPT-3 does): each tensor gets its own factor, so
-    the direction of the whole gradient changes. Returns each tensor's norm before clipping."""
-    norms = []
-    for g in _grads(params):
-        n = float(g.norm())
-        norms.append(n)
-        g.mul_(min(1.0, max_norm / (n + 1e-6)))
-    return norms
+    """Clip each tensor's gradient on its own norm (not what GPT-3 does): the loop's rule,
+    techniques.clip_by_tensor_norm. Returns each tensor's norm before clipping."""
+    return [float(n) for n in techniques.clip_by_tensor_norm(list(params), max_norm)]
 
 
 def cosine_similarity(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -437,23 +437,27 @@ def clip_by_global_norm(params: list[torch.Tensor], total_norm: torch.Tensor, ma
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
 
 
-def clip_by_tensor_norm(params: list[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
+def clip_by_tensor_norm(params: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
     """Each gradient times its own factor, min(1, max_norm / (||g_i|| + 1e-6)): a tensor is clipped on its own norm,
-    so the direction of the whole gradient changes (course_lib.optim.clip_per_tensor_ is the same rule, tensor by
-    tensor). `total_norm` is not used: the signature is the clippers'. No value is read back to the host."""
+    so the direction of the whole gradient changes. Returns each gradient's norm before clipping, as tensors: no
+    value is read back to the host."""
     grads = [p.grad for p in params if p.grad is not None]
-    coefs = [(max_norm / (n + 1e-6)).clamp(max=1.0) for n in torch._foreach_norm(grads)]
-    torch._foreach_mul_(grads, coefs)
-
-
-CLIPPERS: dict[str, Callable[..., None]] = {"global": clip_by_global_norm, "per_tensor": clip_by_tensor_norm}
+    norms = torch._foreach_norm(grads)
+    torch._foreach_mul_(grads, [(max_norm / (n + 1e-6)).clamp(max=1.0) for n in norms])
+    return norms
 
 
 def make_clipper(cfg: TrainConfig) -> Callable[[list[torch.Tensor], torch.Tensor], None]:
     """clip(params, total_norm) for cfg.clip_kind at cfg.clip_norm, or a no-op when clip_norm is None."""
     if cfg.clip_norm is None:
         return _no_clip
-    return functools.partial(CLIPPERS[cfg.clip_kind], max_norm=cfg.clip_norm)
+    if cfg.clip_kind == "global":
+        return functools.partial(clip_by_global_norm, max_norm=cfg.clip_norm)
+
+    def clip_each(params: list[torch.Tensor], _total_norm: torch.Tensor) -> None:  # its own norms: the total unused
+        clip_by_tensor_norm(params, cfg.clip_norm)
+
+    return clip_each
 
 
 def optimizer_step(

@@ -183,6 +183,19 @@ def test_per_tensor_clipping_changes_the_direction_global_does_not():
     assert len(per) == len(g0)
 
 
+def test_per_tensor_clipping_brings_each_gradient_to_at_most_the_limit_on_its_own():
+    """The rule written out: each gradient g_i becomes g_i * min(1, max_norm / (||g_i|| + 1e-6)), whatever the
+    others are."""
+    b = _with_grads()
+    before = [p.grad.clone() for p in b.parameters()]
+    limit = sorted(float(g.norm()) for g in before)[len(before) // 2]  # half the tensors above it, half below
+    norms = O.clip_per_tensor_(list(b.parameters()), limit)
+    for g0, p, n in zip(before, b.parameters(), norms):
+        assert n == pytest.approx(float(g0.norm()), rel=1e-5)
+        expected = g0 * min(1.0, limit / (float(g0.norm()) + 1e-6))  # (the 1e-6 guards a zero gradient)
+        torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_loop_logs_the_global_norm_before_clipping():
     cfg = replace(tiny_preset("cpu"), steps=2, timing_warmup=1, clip_norm=1e-3, measure_memory=False)
     x, y = _batch(cfg, 7)
