@@ -615,10 +615,13 @@ def rung_option(rung: Rung, options: dict | None):
 
 
 def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
-    """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities) resolves it: FAST_16BIT becomes
+    """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities, or None for a device not on
+    this machine: applied unchecked, FAST_16BIT as bf16) resolves it: FAST_16BIT becomes
     the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
     `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
     value = rung_option(rung, options)
+    if caps is None:  # a device this machine does not have (a GPU config written on a laptop): nothing can be checked
+        return rung.apply(cfg, value)
     if value is None and rung.value == FAST_16BIT:
         value = caps.fast_16bit()[0] or "bf16"
     try:

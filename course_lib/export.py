@@ -44,6 +44,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 from . import bpe, config as C, data as data_mod, model as model_mod, techniques as T
+from .capabilities import capabilities
 from .config import ConfigError, TrainConfig
 from .ladder import ladder_configs
 
@@ -1125,30 +1126,21 @@ def ladder_diffs(results: list):
 
 
 def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> TrainConfig:
-    """The ladder's cumulative config at the rung named: config.ladder_configs, what `ladder` runs there (a rung this
+    """The ladder's cumulative config at the rung named: ladder_configs, what `ladder` runs there (a rung this
     device cannot run is skipped). For a device this machine does not have (a GPU config written on a laptop), every
     rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
-    from .capabilities import capabilities
-
-    options = options or {}
     names = [r.name for r in C.LADDER]
     if rung not in names:
         raise ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
-    if unknown := [k for k in options if k not in C.TECHNIQUE]:
-        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(C.TECHNIQUE)}")
     try:
         capabilities(base.device)
+        here = True
     except ConfigError:  # not on this machine
-        cfg = C.naive(base)
-        for r in C.LADDER[: names.index(rung) + 1]:
-            cfg = r.apply(cfg, C.rung_option(r, options))
-        return cfg
-    for r, cfg in ladder_configs(base, options):
-        if r.name == rung:
-            if isinstance(cfg, ConfigError):
-                raise ConfigError(f"the rung {rung!r} cannot run on this device: {cfg}")
-            return cfg
-    raise AssertionError("unreachable")
+        here = False
+    cfg = dict((r.name, c) for r, c in ladder_configs(base, options, on_this_machine=here))[rung]
+    if isinstance(cfg, ConfigError):
+        raise ConfigError(f"the rung {rung!r} cannot run on this device: {cfg}")
+    return cfg
 
 
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:

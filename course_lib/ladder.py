@@ -165,15 +165,19 @@ class _Loop:
 
 
 def ladder_configs(
-    base: C.TrainConfig, options: dict[str, object] | None = None, leave_out: dict[str, str] | None = None
+    base: C.TrainConfig,
+    options: dict[str, object] | None = None,
+    leave_out: dict[str, str] | None = None,
+    on_this_machine: bool = True,
 ) -> list[tuple[C.Rung, C.TrainConfig | C.ConfigError]]:
     """The fixed ladder: each rung's config, cumulative from the naive baseline, every rung the device can run switched
     on (run_ladder climbs it keeping only what helps). A rung the device cannot run gives its ConfigError,
     and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
     `options` {technique: value} makes that technique's rung set another value
-    (activation_checkpointing="selective")."""
+    (activation_checkpointing="selective"). `on_this_machine=False`: for a device this machine does not have (a GPU
+    script written on a laptop), every rung is applied unchecked: the script will run elsewhere."""
     C.check_ladder_arguments(options, leave_out)
-    caps, leave_out = capabilities(base.device), leave_out or {}
+    caps, leave_out = capabilities(base.device) if on_this_machine else None, leave_out or {}
     out, cfg = [], C.naive(base)
     for rung in C.LADDER:
         if rung.name in leave_out:
