@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_dir, write_atomic
-from .config import PRECISIONS, TECHNIQUES, ConfigError, TrainConfig
+from .config import PRECISION_DTYPES, PRECISIONS, TECHNIQUES, ConfigError, TrainConfig
 from .tf32 import matmul_precision
 from .timing import time_fn
 
@@ -364,17 +364,14 @@ def datasheet_tflops(name: str) -> dict[str, float] | None:
     return None
 
 
-_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def matmul_tflops(
     device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20
 ) -> float:
     """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed
     repeats after a warm-up (kernel selection, first touch of the output), timed as every step is (timing.time_fn)."""
     dev = torch.device(device)
-    a = torch.randn(m, k, device=dev, dtype=_DTYPES[precision])
-    b = torch.randn(k, n, device=dev, dtype=_DTYPES[precision])
+    a = torch.randn(m, k, device=dev, dtype=PRECISION_DTYPES[precision])
+    b = torch.randn(k, n, device=dev, dtype=PRECISION_DTYPES[precision])
     with matmul_precision(precision), torch.no_grad():
         seconds = time_fn(lambda: a @ b, dev, repeats=3, warmup=1, min_time_s=min_time_s, max_repeats=max_reps)
     return 2 * m * k * n / seconds / 1e12

@@ -27,6 +27,9 @@ Checkpointing = Literal["none", "selective", "full"]
 ClipKind = Literal["global", "per_tensor"]
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+# The dtype each precision stores values in (TF32 is a matmul mode of fp32 values): every map from a precision's name
+# to a dtype or its bytes is read from here.
+PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLIP_KINDS = ("global", "per_tensor")
 ATTENTIONS = ("naive", "sdpa")
 

@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 import torch
 
 from . import measure, techniques
-from .config import ConfigError, ModelConfig, TrainConfig
+from .config import PRECISION_DTYPES, ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB, MemoryReport
 
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
-BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+BYTES = {p: dtype.itemsize for p, dtype in PRECISION_DTYPES.items()}  # bytes per value
 # Optimizer states per parameter: SGD keeps none, momentum one buffer, Adam/AdamW two moments (m and v).
 # adagrad: sum of g^2; rmsprop: its average
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}

@@ -33,7 +33,6 @@ for _name, _short in (("float8_e4m3fn", "fp8 e4m3"), ("float8_e5m2", "fp8 e5m2")
     if hasattr(torch, _name):
         SHORT[getattr(torch, _name)] = _short
 DTYPES = {v: k for k, v in SHORT.items()}  # "bf16" -> torch.bfloat16 ...
-PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 FP16_SMALLEST_SUBNORMAL = 2.0**-24  # below half of this, a value rounds to zero in fp16
 FP16_SMALLEST_NORMAL = 2.0**-14

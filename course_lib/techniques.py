@@ -26,11 +26,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .config import ConfigError, TrainConfig
+from .config import PRECISION_DTYPES, ConfigError, TrainConfig
 from .data import IGNORE_INDEX
 from .tf32 import matmul_precision  # noqa: F401 - TF32's switch, below the device's capabilities, which time with it
 
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+AUTOCAST_DTYPES = {p: PRECISION_DTYPES[p] for p in ("bf16", "fp16")}  # the precisions autocast runs in
 
 
 @dataclass
