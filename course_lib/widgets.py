@@ -46,22 +46,12 @@ from .plots import PlotSpec, figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
 
 MODEL_FIELDS = tuple(t.name for t in C.TECHNIQUES if t.field.startswith("model."))
-ALL_CONTROLS = (
-    "preset",
-    "precision",
-    "attention",
-    "compile",
-    "compile_mode",
-    "fused_adamw",
-    "activation_checkpointing",
-    "set_to_none",
-    "loss_chunks",
-    "vocab_multiple",
-    "batch_size",
-    "grad_accum_steps",
-    "context",
-    "steps",
+# Every technique of config.TECHNIQUES gets its control (compile's mode beside compile), then the run's sizes: a new
+# technique appears on the default panel without an edit here.
+_TECHNIQUE_CONTROLS = tuple(
+    n for t in C.TECHNIQUES for n in ((t.name, "compile_mode") if t.name == "compile" else (t.name,))
 )
+ALL_CONTROLS = ("preset", *_TECHNIQUE_CONTROLS, "batch_size", "grad_accum_steps", "context", "steps")
 
 
 def fewest_steps(cfg: C.TrainConfig) -> int:
