@@ -170,8 +170,8 @@ def test_a_run_that_diverges_stops_and_says_so(tiny):
 # ---- the panels: a row that says why, never a crash or a silent change ----------------------------------------------
 
 
-def test_panel_inputs():
-    base = C.tiny_preset("cpu")
+def test_panel_inputs(tiny):
+    base = tiny()
     p = widgets.Panel(base, controls=("preset", "attention", "batch_size", "grad_accum_steps", "steps"))
     # the slider cannot go below a run
     assert p.controls["steps"].min == widgets.fewest_steps(base) == base.timing_warmup + 2
@@ -196,31 +196,35 @@ def test_panel_inputs():
         lr_panel.set(lr=1.0)
 
 
-def test_start_from_another_network_follows_it():
-    p = widgets.Panel(C.tiny_preset("cpu"), controls=("preset", "precision", "batch_size", "context"))
+def test_start_from_another_network_follows_it(tiny):
+    p = widgets.Panel(tiny(), controls=("preset", "precision", "batch_size", "context"))
     cpu = C.cpu_preset("cpu")
     p.start_from(cpu)
     assert p.controls["preset"].value == "cpu" and p.config() == cpu and p.label(p.config()) == "#1 baseline"
 
 
-def test_a_panel_run_that_raises_is_a_row_and_the_panel_lives_on():
+def test_a_panel_run_that_raises_is_a_row_and_the_panel_lives_on(tiny):
     def runner(cfg, label, callback):
         raise RuntimeError("the runner fell over")
 
-    p = widgets.Panel(
-        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",), runner=runner
-    )
+    p = widgets.Panel(tiny(measure_memory=False), controls=("steps",), runner=runner)
     r = p.run()
     assert r.status == "error" and "RuntimeError: the runner fell over" in r.reason and p.results == [r]
     assert p.progress.description == "error"
 
 
-def test_a_comparison_across_networks_is_labelled_not_computed():
+def test_a_comparison_across_networks_is_labelled_not_computed(tiny):
     from course_lib.results import RunResult, provenance, table_rows
 
-    tiny, cpu = C.tiny_preset("cpu"), C.cpu_preset("cpu")
+    small, cpu = tiny(), C.cpu_preset("cpu")
     a = RunResult(
-        "tiny", "ok", tiny.to_dict(), provenance("t"), tokens_per_s=100.0, median_step_s=1.0, memory={"peak_bytes": 100}
+        "tiny",
+        "ok",
+        small.to_dict(),
+        provenance("t"),
+        tokens_per_s=100.0,
+        median_step_s=1.0,
+        memory={"peak_bytes": 100},
     )
     b = RunResult(
         "cpu", "ok", cpu.to_dict(), provenance("t"), tokens_per_s=30.0, median_step_s=1.0, memory={"peak_bytes": 600}

@@ -105,30 +105,30 @@ def test_a_config_is_data_and_loads_anywhere():
             K.require(cfg)
 
 
-def test_compile_without_a_cxx_compiler_is_refused_with_the_fix(monkeypatch):
+def test_compile_without_a_cxx_compiler_is_refused_with_the_fix(monkeypatch, tiny):
     monkeypatch.setattr(K.shutil, "which", lambda _name: None)
     monkeypatch.delenv("CXX", raising=False)
     caps = K.capabilities("cpu")
     assert not caps.compile.ok and caps.unavailable()["compile=True"] == caps.compile.note
     with pytest.raises(C.ConfigError, match=r"needs a C\+\+ compiler"):
-        caps.require(dataclasses.replace(C.tiny_preset("cpu"), compile=True))
+        caps.require(tiny(compile=True))
     rungs = dict((r.name, c) for r, c in ladder_configs(C.cpu_preset("cpu")))
     assert isinstance(rungs["+ compile"], C.ConfigError)
     assert isinstance(rungs["+ fused AdamW"], C.TrainConfig) and not rungs["+ fused AdamW"].compile
 
 
-def test_a_precision_the_device_cannot_run_is_refused_when_the_run_starts(monkeypatch):
+def test_a_precision_the_device_cannot_run_is_refused_when_the_run_starts(monkeypatch, tiny):
     real = K._precisions
     monkeypatch.setattr(K, "_precisions", lambda dev, cpu: {**real(dev, cpu), "bf16": K.Support(False, "no bf16 here")})
-    cfg = dataclasses.replace(C.tiny_preset("cpu"), precision="bf16")  # constructing it is fine: it is data
+    cfg = tiny(precision="bf16")  # constructing it is fine: it is data
     from course_lib.train import train
 
     with pytest.raises(C.ConfigError, match="precision='bf16' cannot run on cpu: no bf16 here"):
         train(cfg)
 
 
-def test_compile_with_data_parallel_is_refused_with_a_reason():
-    cfg = dataclasses.replace(C.tiny_preset("cpu"), compile=True, data_parallel="ddp")
+def test_compile_with_data_parallel_is_refused_with_a_reason(tiny):
+    cfg = tiny(compile=True, data_parallel="ddp")
     with pytest.raises(C.ConfigError, match="compile with data_parallel='ddp' is not offered"):
         K.require(cfg)
 
@@ -167,11 +167,11 @@ def test_efficiency_is_against_the_measured_peak_off_the_datasheet(monkeypatch):
     assert table_rows([gpu])[0]["MFU"] == "31.0%"
 
 
-def test_a_cpu_run_reports_efficiency_of_the_measured_peak(monkeypatch, tmp_path):
+def test_a_cpu_run_reports_efficiency_of_the_measured_peak(monkeypatch, tmp_path, tiny):
     monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
     from course_lib.train import train
 
-    r = train(dataclasses.replace(C.tiny_preset("cpu"), steps=3, measure_memory=False))
+    r = train(tiny(steps=3, measure_memory=False))
     peak = json.loads((tmp_path / "matmul_peaks.json").read_text())
     (measured,) = peak.values()
     assert r.mfu_basis == "measured matmul peak"
@@ -228,7 +228,7 @@ def _gpu(monkeypatch, cc, name):
 @pytest.mark.parametrize(
     "cc, name, bf16, fp16, tf32, rung", GPUS, ids=lambda v: "sm_%d%d" % v if isinstance(v, tuple) else None
 )
-def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, name, bf16, fp16, tf32, rung):
+def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, name, bf16, fp16, tf32, rung, tiny):
     caps = _gpu(monkeypatch, cc, name)
     p = caps.precisions
     assert (p["bf16"].ok and p["bf16"].native) is bf16 and bool(p["fp16"].native) is fp16 and p["tf32"].ok is tf32
@@ -246,7 +246,7 @@ def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, na
     else:
         assert info["bf16"] == "yes: bf16 tensor cores (compute capability %d.%d)" % cc
     # the ladder's precision rung reads the same answer (config.rung_up): fp16 with loss scaling on Volta and Turing
-    cfg = dataclasses.replace(C.tiny_preset("cpu"), device="cuda")
+    cfg = tiny(device="cuda")
     (rung16,) = [r for r in C.LADDER if r.value == C.FAST_16BIT]
     up = C.rung_up(cfg, rung16, caps)
     if rung is None:

@@ -14,8 +14,8 @@ def test_the_padded_gpt2_head_has_50304_rows_47_never_predicted():
     assert rows == gpt2.padded_vocab_size == 50304 and rows - gpt2.vocab_size == 47
 
 
-def test_foreach_and_fused_adamw_make_far_fewer_operator_calls_than_the_for_loop():
-    params = [p.detach() for p in GPT(C.tiny_preset("cpu").model).parameters()]
+def test_foreach_and_fused_adamw_make_far_fewer_operator_calls_than_the_for_loop(tiny):
+    params = [p.detach() for p in GPT(tiny().model).parameters()]
     calls = bench.adamw_operator_calls(params)
     assert calls["for-loop"] >= 4 * len(params)  # moments, decay and update: several calls per tensor
     assert len(params) > calls["foreach"] >= calls["fused"] >= 1, calls

@@ -27,11 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # ---- selective checkpointing: what Korthikanti et al. propose, and what the course's `selective` does ----
 
 
-def test_the_exported_script_and_the_config_say_whose_selective_checkpointing_it_is():
+def test_the_exported_script_and_the_config_say_whose_selective_checkpointing_it_is(tiny):
     """Korthikanti et al. (2022) recompute the attention core (QK^T, softmax, dropout, the product with V) and keep the
     rest; the course's `selective` keeps the matmul outputs and recomputes the element-wise work. The old text said the
     course's policy was the paper's ("as Korthikanti et al. propose")."""
-    script = export.script(dataclasses.replace(C.tiny_preset("cpu"), activation_checkpointing="selective"))
+    script = export.script(tiny(activation_checkpointing="selective"))
     # the runtime class's docstring, rendered into the script
     comment = script[
         script.index("class SelectiveCheckpointedBlock") : script.index(
@@ -189,11 +189,11 @@ def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
     assert math.isclose(heights[1], runs[0].median_step_s * 1e3)
 
 
-def test_the_notebooks_other_figures_draw():
+def test_the_notebooks_other_figures_draw(tiny):
     est = M.estimate(M.calculator_config())
     fig = plots.plot_will_it_fit(est, 80, "GPT-2 small")
     assert "GiB" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(CATEGORIES)
-    report = M.account_step(dataclasses.replace(C.tiny_preset("cpu"), steps=1), fake=True)
+    report = M.account_step(tiny(steps=1), fake=True)
     fig = plots.plot_step_timelines({"one": report, "two": report}, "title")
     assert len(fig.axes) == 2 and "MiB" in fig.axes[0].get_ylabel() and fig.axes[0].get_title().startswith("one: peak")
     static = {"sgd": ({"parameters": 4, "gradients": 4}, {"parameters": 4, "gradients": 4})}

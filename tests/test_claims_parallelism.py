@@ -161,8 +161,8 @@ def test_each_panel_reaches_its_notebooks_strategies():
     assert DP.STRATEGIES == {**DP.DATA_PARALLEL, **DP.MODEL_PARALLEL}
 
 
-def test_the_panel_refuses_what_a_strategy_cannot_run():
-    cfg = dataclasses.replace(C.tiny_preset("cpu"), steps=3, context=64).with_model(n_layer=4, n_head=4)
+def test_the_panel_refuses_what_a_strategy_cannot_run(tiny):
+    cfg = tiny(steps=3, context=64).with_model(n_layer=4, n_head=4)
     assert all(DP.why_not(cfg, s, 2, 2) is None for s in DP.STRATEGIES)
     assert "steps >= 3" in DP.why_not(dataclasses.replace(cfg, steps=2), "resume", 2, 2)
     assert "steps >= 2" in DP.why_not(dataclasses.replace(cfg, steps=1), "zero2", 2, 2)
@@ -171,8 +171,8 @@ def test_the_panel_refuses_what_a_strategy_cannot_run():
     assert "unknown strategy" in DP.why_not(cfg, "zero4", 2, 2)
 
 
-def test_only_ddp_and_fsdp_are_exported_as_training_scripts():
-    cfg = C.tiny_preset("cpu")
+def test_only_ddp_and_fsdp_are_exported_as_training_scripts(tiny):
+    cfg = tiny()
     assert DP.export_config(cfg, "ddp").data_parallel == "ddp" and DP.export_config(cfg, "fsdp").data_parallel == "fsdp"
     for strategy in ("zero1", "zero2", "resume", "gpipe", "tp_sp", "moe"):
         with pytest.raises(C.ConfigError, match="not the course's loop"):

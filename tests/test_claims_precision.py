@@ -24,10 +24,10 @@ BF16 = torch.bfloat16
 # ---- notebook 03 ---------------------------------------------------------------------------------------------------
 
 
-def test_only_fp16_runs_a_loss_scaler(splits):
+def test_only_fp16_runs_a_loss_scaler(splits, tiny):
     """03's old check #4, tail: bf16 has fp32's range and needs no scaler, so the loop logs a scale for fp16 runs
     only."""
-    cfg = replace(C.tiny_preset("cpu"), steps=2, timing_warmup=1, measure_memory=False, batch_size=2, context=32)
+    cfg = tiny(steps=2, timing_warmup=1, measure_memory=False, batch_size=2, context=32)
     scales = {p: train(replace(cfg, precision=p), splits=splits).loss_scales for p in ("fp32", "bf16", "fp16")}
     assert (
         scales["fp32"] == scales["bf16"] == [] and len(scales["fp16"]) == 2 and scales["fp16"][0] == cfg.loss_scale_init
@@ -114,11 +114,11 @@ def test_gpt3s_betas_bias_correction_numbers_in_notebook_05():
     assert settled <= 10, settled
 
 
-def test_adams_state_is_4_bytes_per_parameter_each_8_together():
+def test_adams_state_is_4_bytes_per_parameter_each_8_together(tiny):
     """05's summary: two fp32 tensors per parameter, 4 bytes each, 8 together (plus a 4-byte step counter per tensor),
     measured from torch's own AdamW state: twice the fp32 weights, not 16 bytes per parameter."""
-    model = GPT(C.tiny_preset("cpu").model)
-    cfg = C.tiny_preset("cpu")
+    model = GPT(tiny().model)
+    cfg = tiny()
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
     measured = optim.measured_state_bytes("adamw", model, x, x)
     n, tensors = model.num_params(), len(list(model.parameters()))
@@ -141,17 +141,17 @@ def test_adams_state_is_4_bytes_per_parameter_each_8_together():
     ],
     ids=["adagrad", "rmsprop"],
 )
-def test_hand_adagrad_and_rmsprop_at_torchs_defaults(hand, ref):
+def test_hand_adagrad_and_rmsprop_at_torchs_defaults(hand, ref, tiny):
     """05's AdaGrad and RMSProp cell checked the non-default options in front of the learner; torch's defaults here."""
-    assert optim.max_difference_after_steps(hand, ref, C.tiny_preset("cpu").model, steps=3, weight_decay=0.1) < 1e-10
+    assert optim.max_difference_after_steps(hand, ref, tiny().model, steps=3, weight_decay=0.1) < 1e-10
 
 
-def test_tensor_kind_finds_exactly_the_layernorm_gains():
+def test_tensor_kind_finds_exactly_the_layernorm_gains(tiny):
     """precision.tensor_kind sorts 03's updates lost by kind and picks 05's LayerNorm gains (cell 0e8246e3): its
     "LayerNorm gains" are the weights of the model's nn.LayerNorm modules, found here by module type, not by name."""
     from course_lib.precision import tensor_kind
 
-    model = GPT(C.tiny_preset("cpu").model)
+    model = GPT(tiny().model)
     by_type = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)}
     by_kind = {id(p) for n, p in model.named_parameters() if tensor_kind(n, p) == "LayerNorm gains"}
     assert by_type and by_kind == by_type

@@ -8,7 +8,6 @@ import pytest
 
 from course_lib import compute_budget as CB
 from course_lib.capabilities import DATASHEET_TFLOPS
-from course_lib.config import tiny_preset
 
 
 def test_gpt3_is_3640_pf_days():
@@ -65,13 +64,13 @@ def test_time_to_train_needs_a_speed():
         CB.time_to_train(1e18, 0)
 
 
-def test_recompute_counted_from_the_shapes():
+def test_recompute_counted_from_the_shapes(tiny):
     # Full checkpointing runs each block's forward again in backward, up to the last tensor backward needs: its QKV,
     # attention projection and MLP up-projection matmuls (3h^2 + h^2 + 4h^2 weights, 2 FLOPs each per token) and naive
     # attention's two s x s products (2 b s^2 h FLOPs each), but not the MLP's down-projection (4h^2 weights), whose
     # output backward never reads: non-reentrant checkpointing stops recomputing early. Selective keeps every matmul's
     # output, so no matmul is recomputed, only element-wise work (the same element-wise ops as full).
-    cfg = dataclasses.replace(tiny_preset("cpu"), steps=1)
+    cfg = tiny(steps=1)
     m, b, s = cfg.model, cfg.batch_size, cfg.context
     work = {
         mode: CB.step_work(dataclasses.replace(cfg, activation_checkpointing=mode))

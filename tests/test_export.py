@@ -401,7 +401,7 @@ def test_what_cannot_be_exported_is_explained():
 # ---- the command line ------------------------------------------------------------------------------------------
 
 
-def test_export_command_writes_a_rung(tmp_path, capsys):
+def test_export_command_writes_a_rung(tmp_path, capsys, tiny):
     out = tmp_path / "train.py"
     assert (
         cli(
@@ -421,7 +421,7 @@ def test_export_command_writes_a_rung(tmp_path, capsys):
         )
         == 0
     )
-    expected = export.rung_config(dataclasses.replace(C.tiny_preset("cpu"), steps=3), "+ 16-bit autocast")
+    expected = export.rung_config(tiny(steps=3), "+ 16-bit autocast")
     # the 16-bit format this CPU runs fast, or bf16 where it runs none fast (what the ladder then measures)
     assert expected.precision == (capabilities("cpu").fast_16bit()[0] or "bf16") and out.read_text() == export.script(
         expected
@@ -497,10 +497,10 @@ def test_the_script_finds_the_ranks_file_as_course_lib_data_does(tmp_path):
 
 
 @pytest.mark.unit
-def test_diff_html_shows_exactly_the_lines_a_technique_adds():
+def test_diff_html_shows_exactly_the_lines_a_technique_adds(tiny):
     import html as html_mod
 
-    naive = C.naive(C.tiny_preset("cpu"))
+    naive = C.naive(tiny())
     bf16 = dataclasses.replace(naive, precision="bf16")
     text = export.diff(naive, bf16)
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]

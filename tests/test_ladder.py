@@ -257,11 +257,11 @@ def test_a_misspelt_rung_is_an_error_not_a_rung_left_out(tiny):
         L.run_ladder(tiny(), rungs=["naive fp32", "+ tf33"])
 
 
-def test_an_option_sets_its_techniques_last_rung_only():
+def test_an_option_sets_its_techniques_last_rung_only(tiny):
     """--set precision=fp16 is what the 16-bit rung takes; TF32's rung stays TF32."""
     from course_lib.capabilities import capabilities
 
-    caps, cfg = capabilities("cpu"), C.naive(C.tiny_preset("cpu"))
+    caps, cfg = capabilities("cpu"), C.naive(tiny())
     tf32, sixteen = (next(r for r in C.LADDER if r.name == n) for n in ("+ tf32", "+ 16-bit autocast"))
     assert C.rung_up(cfg, tf32, caps, {"precision": "fp16"}).precision == "tf32"
     assert C.rung_up(cfg, sixteen, caps, {"precision": "fp16"}).precision == "fp16"

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from course_lib import low_precision as L, optim
-from course_lib.config import tiny_preset
 
 BF16 = torch.bfloat16
 
@@ -60,12 +59,12 @@ def test_kahan_recovers_the_sum_of_many_tiny_updates():
     assert abs(float(w) - (1 + total)) <= _gap(1 + total)  # the weight itself is a bf16 value next to the sum
 
 
-def test_low_precision_adamw_is_adamw():
+def test_low_precision_adamw_is_adamw(tiny):
     # on fp64 weights (computed in fp64, stored to fp64) it is exactly AdamW: the rule is optim.adamw_update's
     diff = optim.max_difference_after_steps(
         lambda g: L.LowPrecisionAdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
         lambda g: torch.optim.AdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False),
-        tiny_preset("cpu").model,
+        tiny().model,
         steps=2,
         weight_decay=0.1,
     )
@@ -74,12 +73,10 @@ def test_low_precision_adamw_is_adamw():
         L.LowPrecisionAdamW([torch.nn.Parameter(torch.zeros(1))], rounding="up")
 
 
-def test_pure_bf16_loses_updates_and_kahan_keeps_them(splits):
+def test_pure_bf16_loses_updates_and_kahan_keeps_them(splits, tiny):
     # a short run of the tiny GPT under bf16 autocast: the weights stored in bf16 lose a share of their updates every
     # step (the LayerNorm gains at 1.0 all of theirs); with the compensation buffer almost none is lost
-    cfg = replace(
-        tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, weight_decay=0.1
-    )
+    cfg = tiny(precision="bf16", steps=6, timing_warmup=1, measure_memory=False, weight_decay=0.1)
     runs = {
         (w, r): L.train(cfg, r, w, splits=splits)
         for w, r in ((torch.float32, "nearest"), (BF16, "nearest"), (BF16, "stochastic"), (BF16, "kahan"))
@@ -118,12 +115,10 @@ def test_replay_rounding_to_nearest_loses_what_stochastic_rounding_and_kahan_res
     assert gains["bf16, nearest"]["never_moved"] == 1.0 and set(gains) == {"fp32 (master weights)", "bf16, nearest"}
 
 
-def test_a_run_logs_the_updates_lost_for_good(splits):
+def test_a_run_logs_the_updates_lost_for_good(splits, tiny):
     # late in a schedule (lr 1e-4) rounding to nearest loses a share of the run's updates; the remedies lose almost
     # none. The running sums behind it are not optimizer state: the bytes per parameter stay 8 (test above).
-    cfg = replace(
-        tiny_preset("cpu"), precision="bf16", steps=6, timing_warmup=1, measure_memory=False, lr=1e-4, weight_decay=0.1
-    )
+    cfg = tiny(precision="bf16", steps=6, timing_warmup=1, measure_memory=False, lr=1e-4, weight_decay=0.1)
     lost = {r: L.update_lost(L.train(cfg, r, BF16, splits=splits)) for r in L.ROUNDINGS}
     assert (
         lost["nearest"] > 0.004
@@ -134,14 +129,14 @@ def test_a_run_logs_the_updates_lost_for_good(splits):
     assert L.update_lost(L.train(cfg, "nearest", torch.float32, splits=splits)) < 1e-6
 
 
-def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
+def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16(tiny):
     import matplotlib
 
     from course_lib import precision as P
     from course_lib.config import ConfigError
     from course_lib.plots import new_figure
 
-    cfg = replace(tiny_preset("cpu"), batch_size=2, context=32, steps=3, timing_warmup=1, measure_memory=False, lr=1e-4)
+    cfg = tiny(batch_size=2, context=32, steps=3, timing_warmup=1, measure_memory=False, lr=1e-4)
     mixed = P.panel_runner(replace(cfg, precision="bf16"), "mixed")
     pure = P.panel_runner(replace(cfg, precision="bf16"), "pure", weights="pure bf16, stochastic rounding")
     fp16 = P.panel_runner(replace(cfg, precision="fp16", loss_scale_init=2.0**30), "fp16")
@@ -168,7 +163,7 @@ def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16():
         assert isinstance(fig, matplotlib.figure.Figure)
 
 
-def test_the_panel_runner_asks_the_device_first(monkeypatch):
+def test_the_panel_runner_asks_the_device_first(monkeypatch, tiny):
     # a precision this device cannot run (bf16 on a V100, say) is a ConfigError with the device's reason, before any op
     # runs
     from course_lib import capabilities as K, precision as P
@@ -181,6 +176,6 @@ def test_the_panel_runner_asks_the_device_first(monkeypatch):
     K.capabilities.cache_clear()
     try:
         with pytest.raises(ConfigError, match="no bf16 tensor cores here"):
-            P.panel_runner(replace(tiny_preset("cpu"), precision="bf16", steps=2), "x", weights="pure bf16, nearest")
+            P.panel_runner(tiny(precision="bf16", steps=2), "x", weights="pure bf16, nearest")
     finally:
         K.capabilities.cache_clear()

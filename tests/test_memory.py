@@ -178,8 +178,8 @@ def test_gpt2_small_accounted_without_allocating():
     assert abs(rep.by_category["activations"] - act) <= 0.02 * act
 
 
-def test_will_it_fit():
-    est, verdict = M.will_it_fit(tiny_preset("cpu"), device_gib=1.0)
+def test_will_it_fit(tiny):
+    est, verdict = M.will_it_fit(tiny(), device_gib=1.0)
     assert verdict == "fits" and est.peak_bytes < GiB
     big = replace(gpt2_small_preset("cpu"), batch_size=32)
     est, verdict = M.will_it_fit(big, device_gib=16)
@@ -194,7 +194,7 @@ def test_will_it_fit():
     assert M.estimate(replace(gpt2_small_preset("cpu"), batch_size=n + 1)).verdict(24) != "fits"
     assert M.max_batch_that_fits(gpt2_small_preset("cpu"), device_gib=24) == n  # the default limit finds the same
     with pytest.raises(M.ConfigError, match="every batch up to limit=4096 fits"):  # not 4096 as if it were the answer
-        M.max_batch_that_fits(tiny_preset("cpu"), device_gib=1e6)
+        M.max_batch_that_fits(tiny(), device_gib=1e6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the allocator's peak is only measured on a GPU")

@@ -22,7 +22,7 @@ from dataclasses import replace
 import pytest
 
 from course_lib import memory as M
-from course_lib.config import cpu_preset, gpt2_small_preset, tiny_preset
+from course_lib.config import cpu_preset, gpt2_small_preset
 from course_lib.measure import CATEGORIES, GiB
 
 TOL = 0.005
@@ -149,10 +149,8 @@ def test_every_moment_of_the_peak(shape, levers, more, when):
     assert est.when == when
 
 
-def test_fp16_measured_for_real():
+def test_fp16_measured_for_real(tiny):
     # FakeTensorMode cannot run fp16's GradScaler (it reads the scale with .item()): the tiny preset, allocated for real
-    check(
-        replace(tiny_preset("cpu"), precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False
-    )
+    check(tiny(precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False)
     with pytest.raises(ValueError, match="fp16"):
-        M.account_step(replace(tiny_preset("cpu"), precision="fp16"), fake=True)
+        M.account_step(tiny(precision="fp16"), fake=True)

@@ -28,10 +28,10 @@ def _batch(cfg, seed=0):
 @pytest.mark.parametrize(
     "betas,eps,wd", [((0.9, 0.95), 1e-8, 0.1), ((0.9, 0.999), 1e-8, 0.0), ((0.8, 0.99), 1e-4, 0.01)]
 )
-def test_hand_adamw_equals_torch(betas, eps, wd):
+def test_hand_adamw_equals_torch(betas, eps, wd, tiny):
     # float64, so that rounding cannot hide a real difference: the key bias's true gradient is exactly zero
     # (softmax ignores a constant shift), and in float32 its rounding noise is amplified by Adam's 1/sqrt(v)
-    cfg = tiny_preset("cpu")
+    cfg = tiny()
     a, b = _model(dtype=torch.float64), _model(dtype=torch.float64)
     groups_a = techniques.param_groups(a, wd)
     groups_b = techniques.param_groups(b, wd)
@@ -104,11 +104,11 @@ def test_huge_eps_makes_adam_momentum_sgd():
 
 
 @pytest.mark.parametrize("warmup,total", [(0, 40), (1, 40), (10, 100), (5, 6), (30, 300)])
-def test_cosine_equals_torch_reference_and_the_loop(warmup, total):
+def test_cosine_equals_torch_reference_and_the_loop(warmup, total, tiny):
     lr = 6e-4
     mine = O.curve(lambda s: O.warmup_cosine_lr(s, lr, warmup, total, 0.1), total)
     ref = O.torch_scheduler_curve(lambda opt: O.torch_warmup_cosine(opt, warmup, total, 0.1), lr, total)
-    cfg = replace(tiny_preset("cpu"), lr=lr, schedule="cosine", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
+    cfg = tiny(lr=lr, schedule="cosine", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
     loop = [techniques.lr_at(s, cfg) for s in range(total)]
     for s in range(total):
         assert mine[s] == pytest.approx(ref[s], rel=1e-9, abs=1e-15), s
@@ -120,8 +120,8 @@ def test_cosine_equals_torch_reference_and_the_loop(warmup, total):
         assert mine[0] == pytest.approx(lr / warmup)  # never exactly zero
 
 
-def test_loop_records_the_schedule():
-    cfg = replace(tiny_preset("cpu"), steps=6, schedule="cosine", lr_warmup_steps=2, lr=1e-3, measure_memory=False)
+def test_loop_records_the_schedule(tiny):
+    cfg = tiny(steps=6, schedule="cosine", lr_warmup_steps=2, lr=1e-3, measure_memory=False)
     r = train(cfg)
     # against torch's own schedulers (LinearLR then CosineAnnealingLR), not against the formula the loop uses
     ref = O.torch_scheduler_curve(lambda opt: O.torch_warmup_cosine(opt, 2, 6, cfg.min_lr_ratio), 1e-3, 6)
@@ -196,8 +196,8 @@ def test_per_tensor_clipping_brings_each_gradient_to_at_most_the_limit_on_its_ow
         torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-7)
 
 
-def test_loop_logs_the_global_norm_before_clipping():
-    cfg = replace(tiny_preset("cpu"), steps=2, timing_warmup=1, clip_norm=1e-3, measure_memory=False)
+def test_loop_logs_the_global_norm_before_clipping(tiny):
+    cfg = tiny(steps=2, timing_warmup=1, clip_norm=1e-3, measure_memory=False)
     x, y = _batch(cfg, 7)
     r = train(cfg, batches=lambda step: [(x, y)])
     torch.manual_seed(cfg.seed)  # the loop builds its model right after seeding
@@ -226,8 +226,8 @@ def test_adam_update_size_ignores_gradient_scale_sgd_does_not():
 
 
 @pytest.mark.parametrize("kind", ["adamw", "sgd", "sgd_momentum", "adafactor"])
-def test_state_bytes_match_formula(kind):
-    cfg = tiny_preset("cpu")
+def test_state_bytes_match_formula(kind, tiny):
+    cfg = tiny()
     m = _model()
     x, y = _batch(cfg)
     assert O.measured_state_bytes(kind, m, x, y) == O.expected_state_bytes(kind, list(m.parameters()))
@@ -263,8 +263,8 @@ def test_groups_decay_only_matrices_and_embeddings():
 # ---- batch sources ----
 
 
-def test_bad_batch_changes_only_its_step():
-    cfg = tiny_preset("cpu")
+def test_bad_batch_changes_only_its_step(tiny):
+    cfg = tiny()
     splits = load_splits()
     for kind in ("repeated", "random"):
         good = O.default_batches(splits, cfg)
@@ -279,16 +279,16 @@ def test_bad_batch_changes_only_its_step():
         O.with_bad_batch(splits, cfg, [1], kind="nonsense")
 
 
-def test_default_batches_are_the_loops():
-    cfg = replace(tiny_preset("cpu"), steps=3, measure_memory=False)
+def test_default_batches_are_the_loops(tiny):
+    cfg = tiny(steps=3, measure_memory=False)
     a = train(cfg)
     b = train(cfg, batches=O.default_batches(load_splits(), cfg))
     assert a.losses == b.losses
 
 
-def test_batch_ramp():
+def test_batch_ramp(tiny):
     assert [O.ramp_batch_size(s, 2, 10, 4) for s in range(6)] == [2, 4, 6, 8, 10, 10]
-    cfg = replace(tiny_preset("cpu"), steps=3, measure_memory=False)
+    cfg = tiny(steps=3, measure_memory=False)
     src = O.ramped_batches(load_splits(), cfg, start=1, ramp_steps=3)
     assert [src(s)[0][0].shape[0] for s in range(4)] == [1, 2, 3, 4]
 
@@ -316,10 +316,10 @@ def test_batch_ramp():
     ],
     ids=["adagrad wd lr_decay", "rmsprop wd momentum", "rmsprop centered"],
 )
-def test_hand_adagrad_and_rmsprop_equal_torch(hand, ref):
+def test_hand_adagrad_and_rmsprop_equal_torch(hand, ref, tiny):
     # float64, a few steps of the tiny GPT with weight decay on the 2-D group: every parameter equal to torch's
     # (torch's defaults are checked in notebook 05)
-    diff = O.max_difference_after_steps(hand, ref, tiny_preset("cpu").model, steps=3, weight_decay=0.05)
+    diff = O.max_difference_after_steps(hand, ref, tiny().model, steps=3, weight_decay=0.05)
     assert diff < 1e-10
 
 
@@ -356,12 +356,12 @@ def test_adagrad_steps_shrink_like_one_over_sqrt_t():
 
 
 @pytest.mark.parametrize("kind", ["adagrad", "rmsprop"])
-def test_new_kinds_state_bytes_and_memory_model(kind):
+def test_new_kinds_state_bytes_and_memory_model(kind, tiny):
     from course_lib import memory
 
     m = _model()
     params = list(m.parameters())
-    x, y = _batch(tiny_preset("cpu"))
+    x, y = _batch(tiny())
     assert (
         O.measured_state_bytes(kind, m, x, y)
         == O.expected_state_bytes(kind, params)
@@ -372,13 +372,11 @@ def test_new_kinds_state_bytes_and_memory_model(kind):
     )
 
 
-def test_exponential_schedule_equals_torch_exponentiallr_and_the_loop():
+def test_exponential_schedule_equals_torch_exponentiallr_and_the_loop(tiny):
     lr, warmup, total = 1e-3, 5, 60
     gamma = techniques.exponential_gamma(warmup, total, 0.1)
     mine = O.curve(lambda s: O.exponential_lr(s, lr, warmup, total, 0.1), total)
-    cfg = replace(
-        tiny_preset("cpu"), lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1
-    )
+    cfg = tiny(lr=lr, schedule="exponential", lr_warmup_steps=warmup, steps=total, min_lr_ratio=0.1)
     loop = [techniques.lr_at(s, cfg) for s in range(total)]
     # torch's own: LinearLR over the warmup, then ExponentialLR(gamma), chained at the end of the warmup
     ref = O.torch_scheduler_curve(

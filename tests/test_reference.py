@@ -6,13 +6,13 @@ from course_lib import config as C, reference
 from course_lib.results import RunResult, save_results
 
 
-def test_shipped_results_are_read_with_their_provenance(tmp_path, monkeypatch):
+def test_shipped_results_are_read_with_their_provenance(tmp_path, monkeypatch, tiny):
     monkeypatch.setattr(reference, "REFERENCE_DIR", tmp_path)
     assert reference.load_reference() == []
     r = RunResult(
         "naive fp32",
         "ok",
-        C.tiny_preset("cpu").to_dict(),
+        tiny().to_dict(),
         {"device": "NVIDIA H100 80GB HBM3", "torch": "2.13.0"},
         tokens_per_s=1e6,
     )

@@ -123,12 +123,12 @@ def test_the_chunked_loss_recomputes_nothing_counted_by_flop_counter_mode(tiny_m
 
 
 @pytest.mark.parametrize("schedule, warmup", [("wsd", 2), ("inverse_sqrt", 3), ("constant", 0)])
-def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, splits):
+def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, splits, tiny):
     """The loop logs, step by step, the schedule's curve from its plain function (shapes checked in test_optim)."""
     from course_lib.train import train
 
     cfg = C.TrainConfig(
-        model=C.tiny_preset("cpu").model,
+        model=tiny().model,
         context=32,
         batch_size=2,
         steps=10,
@@ -189,13 +189,13 @@ def test_clipping_off_is_a_no_op_and_a_bad_kind_is_refused(tiny_model):
         C.TrainConfig(clip_kind="layerwise")
 
 
-def test_per_tensor_clipping_in_the_loop_changes_the_run_not_the_logged_norm(splits):
+def test_per_tensor_clipping_in_the_loop_changes_the_run_not_the_logged_norm(splits, tiny):
     """The same run clipped globally and per tensor: the first step's logged norm (before clipping) is the same, the
     weights after it are not; without a threshold the kind changes nothing."""
     from course_lib.train import train
 
     cfg = C.TrainConfig(
-        model=C.tiny_preset("cpu").model,
+        model=tiny().model,
         context=32,
         batch_size=2,
         steps=4,

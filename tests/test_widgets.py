@@ -8,16 +8,16 @@ from course_lib.results import RunResult
 
 
 @pytest.fixture
-def panel():
+def panel(tiny):
     return widgets.Panel(
-        C.tiny_preset("cpu"),
+        tiny(),
         controls=("preset", "precision", "attention", "compile", "batch_size", "grad_accum_steps", "context", "steps"),
         plots=("speed", "memory", "loss", "step_times"),
     )
 
 
-def test_controls_mirror_the_config(panel):
-    assert panel.config() == C.tiny_preset("cpu")
+def test_controls_mirror_the_config(panel, tiny):
+    assert panel.config() == tiny()
     panel.set(precision="bf16", attention="sdpa", batch_size=8)
     cfg = panel.config()
     assert (cfg.precision, cfg.model.attention, cfg.batch_size) == ("bf16", "sdpa", 8)
@@ -43,33 +43,32 @@ def test_an_invalid_choice_is_a_row_with_the_reason_not_a_crash(panel):
     assert "SKIPPED" in panel.table.value
 
 
-def test_a_control_this_device_cannot_run_is_disabled_and_says_why(monkeypatch):
+def test_a_control_this_device_cannot_run_is_disabled_and_says_why(monkeypatch, tiny):
     from course_lib import capabilities as K
 
     monkeypatch.setattr(K, "_compile_support", lambda dev: K.Support(False, "needs a C++ compiler"))
     K.capabilities.cache_clear()
-    p = widgets.Panel(C.tiny_preset("cpu"), controls=("compile",))
+    p = widgets.Panel(tiny(), controls=("compile",))
     K.capabilities.cache_clear()
     assert p.controls["compile"].disabled and "C++ compiler" in p.widget.children[0].value
     with pytest.raises(C.ConfigError, match="unavailable"):
         p.set(compile=True)
 
 
-def test_a_new_panel_has_its_own_handlers():
-    a = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",))
-    b = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",))
+def test_a_new_panel_has_its_own_handlers(tiny):
+    a = widgets.Panel(tiny(), controls=("steps",))
+    b = widgets.Panel(tiny(), controls=("steps",))
     assert a.run_button is not b.run_button and len(a.run_button._click_handlers.callbacks) == 1
 
 
-def test_unknown_control_is_explained():
+def test_unknown_control_is_explained(tiny):
     with pytest.raises(KeyError, match="no 'nonsense' control"):
-        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",)).set(nonsense=1)
+        widgets.Panel(tiny(), controls=("steps",)).set(nonsense=1)
 
 
-def test_a_run_without_memory_measurement_is_still_recorded():
-    import dataclasses
+def test_a_run_without_memory_measurement_is_still_recorded(tiny):
 
-    p = widgets.Panel(dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False), controls=("steps",))
+    p = widgets.Panel(tiny(measure_memory=False), controls=("steps",))
     r = p.run()
     assert r.ok and p.results == [r] and "memory not measured" in p.status.value
 
@@ -91,12 +90,12 @@ def test_the_panel_figure_holds_a_drawing_after_every_run(panel):
     assert sizes[1] >= 0.5 * sizes[0]
 
 
-def test_save_to_keeps_every_run_in_a_file(tmp_path):
+def test_save_to_keeps_every_run_in_a_file(tmp_path, tiny):
     """The panel writes its results as it records them: closing the notebook loses nothing."""
     from course_lib.results import load_results
 
     path = tmp_path / "runs" / "panel.json"
-    p = widgets.Panel(C.tiny_preset("cpu"), controls=("attention", "steps"), save_to=path)
+    p = widgets.Panel(tiny(), controls=("attention", "steps"), save_to=path)
     first = p.run()
     assert [r.label for r in load_results(path)[0]] == [first.label]
     p.set(attention="sdpa")
@@ -108,20 +107,20 @@ def test_save_to_keeps_every_run_in_a_file(tmp_path):
     assert as_json(saved) == as_json(p.results)
 
 
-def test_save_to_never_replaces_an_earlier_file_and_says_where_it_writes(tmp_path):
+def test_save_to_never_replaces_an_earlier_file_and_says_where_it_writes(tmp_path, tiny):
     """A second session's panel with the same save_to writes beside the first one's file, and the panel says so."""
     from course_lib.results import load_results
 
     path = tmp_path / "panel.json"
-    first = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), save_to=path)
+    first = widgets.Panel(tiny(), controls=("steps",), save_to=path)
     first.run()
     before = path.read_text()
-    second = widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), save_to=path)
+    second = widgets.Panel(tiny(), controls=("steps",), save_to=path)
     assert second.save_to == tmp_path / "panel-2.json" and "holds earlier runs: kept as it is" in second.status.value
     second.run()
     assert path.read_text() == before and len(load_results(second.save_to)[0]) == 1
     with pytest.raises(IsADirectoryError, match="is a folder"):
-        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), save_to=tmp_path)
+        widgets.Panel(tiny(), controls=("steps",), save_to=tmp_path)
 
 
 def _drawn(png: bytes) -> float:
@@ -132,7 +131,7 @@ def _drawn(png: bytes) -> float:
     return float((mpimg.imread(io.BytesIO(png))[..., :3] < 0.95).any(axis=-1).mean())
 
 
-def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
+def test_a_notebooks_own_control_and_plot_redraw_on_every_run(tiny):
     """extras reach the runner as keywords and name the run; a callable in plots draws on the Axes it is given;
     what the runner measured beyond a RunResult stays in panel.results (RunResult.details)."""
     import ipywidgets as W
@@ -152,7 +151,7 @@ def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
         ax.legend()
 
     p = widgets.Panel(
-        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False),
+        tiny(measure_memory=False),
         controls=("steps",),
         runner=runner,
         extras={"factor": W.IntSlider(value=1, min=1, max=5, description="factor")},
@@ -169,16 +168,16 @@ def test_a_notebooks_own_control_and_plot_redraw_on_every_run():
     assert (again.label, again.losses, again.details) == (p.results[1].label, p.results[1].losses, p.results[1].details)
 
 
-def test_extras_need_a_runner_that_takes_them_and_plots_must_exist():
+def test_extras_need_a_runner_that_takes_them_and_plots_must_exist(tiny):
     import ipywidgets as W
 
     extra = {"factor": W.IntSlider(value=1)}
     with pytest.raises(ValueError, match="need a runner"):
-        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), extras=extra)
+        widgets.Panel(tiny(), controls=("steps",), extras=extra)
     with pytest.raises(ValueError, match="no argument named factor"):
-        widgets.Panel(C.tiny_preset("cpu"), controls=("steps",), extras=extra, runner=lambda cfg, label, callback: None)
+        widgets.Panel(tiny(), controls=("steps",), extras=extra, runner=lambda cfg, label, callback: None)
     p = widgets.Panel(
-        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False),
+        tiny(measure_memory=False),
         controls=("steps",),
         plots=("speed", "nonsense"),
     )
@@ -187,9 +186,9 @@ def test_extras_need_a_runner_that_takes_them_and_plots_must_exist():
     assert len(p.results) == 1  # recorded before the figure failed
 
 
-def test_loss_scale_controls_read_as_powers_of_two():
+def test_loss_scale_controls_read_as_powers_of_two(tiny):
     p = widgets.Panel(
-        dataclasses.replace(C.tiny_preset("cpu"), precision="fp16"),
+        tiny(precision="fp16"),
         controls=("loss_scale_init", "loss_scale_growth_interval"),
     )
     assert p.controls["loss_scale_init"].label == "2^16"
@@ -199,7 +198,7 @@ def test_loss_scale_controls_read_as_powers_of_two():
     assert p.label(cfg) == "#1 loss_scale_init=2^30, loss_scale_growth_interval=3"
 
 
-def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(splits):
+def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(splits, tiny):
     """Notebook 06's runner (accumulation.normalisation_run): whole-batch normalisation matches the big batch under
     uneven padding, the mean of means does not; both runs drawn."""
     import ipywidgets as W
@@ -211,9 +210,7 @@ def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(spl
         return r.with_details(**d)
 
     p = widgets.Panel(
-        dataclasses.replace(
-            C.tiny_preset("cpu"), context=32, batch_size=4, grad_accum_steps=4, steps=2, timing_warmup=1
-        ),
+        tiny(context=32, batch_size=4, grad_accum_steps=4, steps=2, timing_warmup=1),
         controls=("grad_accum_steps",),
         runner=runner,
         plots=(acc.plot_gradient_errors, acc.plot_target_counts),
@@ -230,10 +227,10 @@ def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(spl
     assert "relative error" in p.table.value
 
 
-def test_the_strategy_panel_refuses_what_a_strategy_cannot_run():
+def test_the_strategy_panel_refuses_what_a_strategy_cannot_run(tiny):
     from course_lib.distributed import panel as DP
 
-    cfg = C.tiny_preset("cpu").with_model(n_layer=4, n_head=4)
+    cfg = tiny().with_model(n_layer=4, n_head=4)
     assert DP.why_not(cfg, "ddp", 3, 1) is None and DP.why_not(cfg, "gpipe", 2, 2) is None
     assert "at least 4 micro-batches" in DP.why_not(cfg, "1f1b", 4, 2)
     assert "not divisible by 3" in DP.why_not(cfg, "tp", 3, 1)
@@ -282,14 +279,14 @@ def test_the_export_button_writes_the_current_configurations_script(panel, tmp_p
     assert pyflakes(written[0]) == ""  # last: it skips where pyflakes is missing
 
 
-def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path):
+def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path, tiny):
     import ipywidgets as W
 
     from course_lib import export
     from course_lib.distributed import panel as DP
 
     p = widgets.Panel(
-        dataclasses.replace(C.tiny_preset("cpu"), measure_memory=False),
+        tiny(measure_memory=False),
         controls=("steps",),
         runner=DP.strategy_runner(),
         extras={
@@ -312,9 +309,9 @@ def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path):
     assert "not the course's loop" in p.code_view.value and p.export_script(tmp_path) is None
 
 
-def test_start_from_sets_every_control_and_names_runs_against_that_config(panel):
+def test_start_from_sets_every_control_and_names_runs_against_that_config(panel, tiny):
     """Notebooks 04 and 09 start their panels at the loop the ladder kept on this device."""
-    kept = dataclasses.replace(C.tiny_preset("cpu"), precision="bf16", batch_size=8).with_model(attention="sdpa")
+    kept = tiny(precision="bf16", batch_size=8).with_model(attention="sdpa")
     panel.start_from(kept)
     assert panel.config() == kept and panel.base == kept
     assert panel.label(panel.config()) == "#1 baseline"
