@@ -623,11 +623,11 @@ def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> 
     the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
     `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
     value = rung_option(rung, options)
-    if caps is None:  # a device this machine does not have (a GPU config written on a laptop): nothing can be checked
-        return rung.apply(cfg, value)
-    if value is None and rung.value == FAST_16BIT:
+    if caps is not None and value is None and rung.value == FAST_16BIT:
         value = caps.fast_16bit()[0] or "bf16"
     try:
-        return caps.require(rung.apply(cfg, value))
+        up = rung.apply(cfg, value)  # a combination no device can run raises here (fused AdamW without AdamW)
+        # caps None: a device this machine does not have (a GPU config written on a laptop), not checked further
+        return up if caps is None else caps.require(up)
     except ConfigError as e:
         return e

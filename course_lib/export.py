@@ -211,7 +211,7 @@ NOT_EXPORTED = {"measure_memory": "the CPU memory ledger measures the course's l
 
 
 def _autocast_line(cfg: TrainConfig) -> str:
-    dtype = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[cfg.precision]
+    dtype = str(T.AUTOCAST_DTYPES[cfg.precision])  # "torch.bfloat16", as the script writes it
     return f'with torch.autocast(device_type="{_device_type(cfg)}", dtype={dtype}):'
 
 

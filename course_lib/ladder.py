@@ -157,7 +157,9 @@ class _Loop:
 
     trainer: Trainer
     result: RunResult
-    speedup: float | None  # the product of the paired factors of the rungs kept on the way up (1 for naive)
+    # over naive fp32: the product of the paired factors of the speed rungs kept on the way up (1 for naive); a kept
+    # memory rung's is timed against naive directly (_judged)
+    speedup: float | None
 
     @property
     def cfg(self) -> C.TrainConfig:
@@ -397,12 +399,18 @@ def _judged(
     )
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
+    vs_naive: list[tuple[float, float]] = []
     if rung.aims == (C.MEMORY,) and memory[1] == LEANER and not fixed and best is not naive_loop and pairs:
         # A memory rung is kept only if the loop stays as fast as naive fp32. The product of the factors before it would
         # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive
-        # directly.
-        naive_loop.trainer.step()  # untimed, as in _confirm: building this rung reset the compiler
-        speedup = speed_change([(naive_loop.trainer.step(), trainer.step()) for _ in range(len(pairs))]).factor
+        # directly, in as many pairs as against the best loop.
+        try:
+            vs_naive = [(naive_loop.trainer.step(), trainer.step()) for _ in range(len(pairs))]
+            speedup = speed_change(vs_naive).factor
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory with three loops' state held: say so, keep the product
+            vs_naive, note = [], f"{note}; " if note else ""
+            note += f"timed against naive through the product of factors ({type(e).__name__} when paired with naive)"
+            free_memory()
     kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
     if result.stopped_early:
         why += f" ({result.stopped_early})"
@@ -419,6 +427,7 @@ def _judged(
         "memory": memory[1],
         "memory_factor": memory[0],
         "speedup": speedup,
+        "pairs_vs_naive": [list(p) for p in vs_naive],  # (naive_s, rung_s) where speedup was timed against naive
         "memory_vs_naive": result.memory["peak_bytes"] / naive_peak if result.memory and naive_peak else None,
         "device_note": note,
     }

@@ -1,6 +1,5 @@
-"""Measurement: time, memory and FLOPs, the same way on any device.
+"""Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing, re-exported here).
 
-- Time: synchronise before reading the clock, leave warm-up steps out, quote the median.
 - Memory on CUDA: the allocator's peak (`max_memory_allocated`) and what it reserved.
 - Memory on a CPU: an exact ledger. Every tensor storage an operation creates is followed from birth to
   death (a TorchDispatchMode sees every op, forward and backward), so the live total and its peak are
@@ -23,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from .capabilities import device_name  # noqa: F401 - re-exported: the notebooks use measure.device_name
-from .timing import StepTimer, median_excluding, synchronize, time_fn  # noqa: F401 - re-exported: measurement's one home
+from .timing import StepTimer, median_excluding, synchronize, time_fn  # noqa: F401 - re-exported for the notebooks
 
 GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")

@@ -242,8 +242,8 @@ def logits_terms(b: int, s: int, vocab: int) -> dict[str, int]:
 
 def _precision(cfg: TrainConfig) -> tuple[bool, int]:
     """(autocast?, bytes of an activation): autocast makes the matmuls' outputs 16-bit; fp32 and tf32 keep 4 bytes."""
-    autocast = cfg.precision in ("bf16", "fp16")
-    return autocast, (2 if autocast else BYTES[cfg.precision])
+    autocast = cfg.precision in techniques.AUTOCAST_DTYPES
+    return autocast, BYTES[cfg.precision]  # the 16-bit formats autocast runs in, or the fp32 values of fp32 and tf32
 
 
 def _mask_bytes(cfg: TrainConfig) -> int:

@@ -51,11 +51,8 @@ class ModelParts:
         return cls()
 
 
-# Selective checkpointing keeps what is expensive to recompute (the matmuls and attention) and recomputes the
-# cheap element-wise work (LayerNorm, GELU, dropout, residual adds): torch's selective-checkpoint policy as
-# torchtitan uses it. Korthikanti et al.'s own choice differs: they recompute the attention core (QK^T, softmax,
-# its dropout, the product with V), whose s x s outputs are large but cheap to redo; here the matmul outputs,
-# the s x s scores of naive attention among them, are kept (notebook 02 measures what each mode keeps).
+# What selective checkpointing keeps: the outputs of the matmuls and of attention (torch's selective-checkpoint policy
+# as torchtitan uses it; SelectiveCheckpointedBlock says how it differs from Korthikanti et al.'s selection).
 _SAVED_BY_SELECTIVE = tuple(
     getattr(torch.ops.aten, name).default
     for name in (
@@ -97,7 +94,8 @@ class SelectiveCheckpointedBlock(CheckpointedBlock):
     the outputs of the matmuls and of attention, and backward recomputes only the cheap element-wise work in between
     (LayerNorm, GELU, softmax, dropout, residual adds). Korthikanti et al. (2022) propose another selection: keep the
     rest and recompute the attention core (QK^T, softmax, its dropout, the product with V), whose s x s tensors are
-    large but cheap to recompute; this policy keeps naive attention's s x s scores (a matmul output)."""
+    large but cheap to recompute; this policy keeps naive attention's s x s scores (a matmul output) and recomputes
+    only their softmax. Notebook 02 measures what each mode keeps."""
 
     def checkpoint_options(self) -> dict:
         return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}

@@ -615,3 +615,14 @@ def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdi
     assert "the optimised loop against naive fp32" in last and "9,000 tokens/s (9.00x naive)" in last
     with pytest.raises(ValueError, match="one result per rung"):
         export.ladder_diffs(results[:3])
+
+
+def test_a_rung_of_a_gpu_config_written_on_a_machine_without_that_gpu(tiny):
+    """rung_config on a device this machine lacks applies the rungs unchecked, and a rung that no device can run on
+    that config (fused AdamW under SGD) is a ConfigError, not a crash of the rungs below it."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA: here the GPU's capabilities would be asked")
+    base = tiny(device="cuda", optimizer="sgd")
+    assert export.rung_config(base, "+ tf32").precision == "tf32"
+    with pytest.raises(C.ConfigError, match="cannot run on this device"):
+        export.rung_config(base, "+ fused AdamW")

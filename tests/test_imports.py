@@ -1,6 +1,7 @@
-"""The package's imports form layers: no module reaches, directly or through others, back to itself. Read from the
-source (ast), so an import inside a function counts as much as one at the top: hiding a cycle inside a function is how
-the lowest layer (config) came to reach the top (issue 32)."""
+"""The package's imports form layers (CONTRIBUTING.md draws them): every import points down or stays in its layer, and
+no module reaches, directly or through others, back to itself. Read from the source (ast), so an import inside a
+function counts as much as one at the top: hiding a cycle inside a function is how the lowest layer (config) once came
+to reach the top (issue 32)."""
 
 import ast
 from pathlib import Path
@@ -9,37 +10,55 @@ import course_lib
 
 PACKAGE = Path(course_lib.__file__).parent
 
+# Bottom to top. A module may import from its own layer or those below; a new module must be placed here.
+LAYERS = (
+    ("base", "cache timing tf32 bpe budget config distributed distributed.zero"),
+    ("device", "capabilities"),
+    ("model and data", "model data moe"),
+    ("measurement and techniques", "measure techniques"),
+    ("results", "results plots"),
+    (
+        "the loop and the notebooks' helpers",
+        "train ladder memory profiling bench attention accumulation optim "
+        "compute_budget export low_precision precision reference distributed._common distributed.ddp "
+        "distributed.expert_parallel distributed.fsdp distributed.pipeline distributed.resume distributed.selftest "
+        "distributed.series distributed.tensor_parallel distributed.zero_stages distributed.launch",
+    ),
+    ("the learner's side", "widgets doctor distributed.panel __main__ course_lib"),
+)
+LAYER = {name: i for i, (_, names) in enumerate(LAYERS) for name in names.split()}
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """The course_lib modules `path` imports, anywhere in it (`from . import x` names module x where x is one)."""
-    name, tree = module_name(path), ast.parse(path.read_text())
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+def imports_of(path: Path, package: Path = PACKAGE) -> set[str]:
+    """The modules of the package that `path` imports, anywhere in it (`from . import x`: module x where x is one)."""
+    root, name, tree = package.name, module_name(path, package), ast.parse(path.read_text())
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names if a.name.startswith("course_lib")}
+            out |= {a.name for a in node.names if a.name == root or a.name.startswith(root + ".")}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = here.rsplit(".", node.level - 1)[0] if node.level > 1 else here
                 base = f"{base}.{node.module}" if node.module else base
-            elif node.module and node.module.startswith("course_lib"):
+            elif node.module and (node.module == root or node.module.startswith(root + ".")):
                 base = node.module
             else:
                 continue
-            if node.module:  # `from .config import X`: the module config
-                out.add(base)
+            if node.module and base != root:  # `from .config import X`: the module config (the package's own
+                out.add(base)  # __init__, the facade at the top, is not what `from course_lib import x` depends on)
             out |= {f"{base}.{a.name}" for a in node.names}  # `from . import config`: the module config, if it is one
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: {m for m in imports_of(path) if m in files and m != name} for name, path in files.items()}
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    files = {module_name(p, package): p for p in package.rglob("*.py")}
+    return {n: {m for m in imports_of(p, package) if m in files and m != n} for n, p in files.items()}
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:
@@ -74,21 +93,38 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_reader_sees_every_kind_of_import():
-    g = graph()
-    assert "course_lib.config" in g["course_lib.ladder"]  # `from . import config as C`
-    assert "course_lib.capabilities" in g["course_lib.ladder"]  # `from .capabilities import ...`
-    assert {"course_lib.tf32", "course_lib.timing"} <= g["course_lib.capabilities"]
-
-
-def test_an_import_inside_a_function_closing_a_loop_is_found(tmp_path):
-    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
-    assert cycles(g) == [["a", "b", "c"]]
+def test_the_reader_sees_every_kind_of_import(tmp_path):
+    """A made-up package with each way of importing, at the top and inside functions, two levels deep."""
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "import pkg.b as bee\n",
+        "b.py": "def f():\n    from pkg import c\n",
+        "c.py": "def f():\n    from .sub import deep\n",
+        "d.py": "import os\nfrom collections import OrderedDict\n",
+        "sub/__init__.py": "",
+        "sub/deep.py": "def g():\n    from .. import d\n    from ..a import x\n",
+    }
+    for name, src in files.items():
+        (pkg / name).write_text(src)
+    g = graph(pkg)
+    assert g["pkg.a"] == {"pkg.b"} and g["pkg.b"] == {"pkg.c"} and g["pkg.c"] == {"pkg.sub", "pkg.sub.deep"}
+    assert g["pkg.sub.deep"] == {"pkg.d", "pkg.a"} and g["pkg.d"] == set()  # outside the package: not edges
+    assert cycles(g) == [["pkg.a", "pkg.b", "pkg.c", "pkg.sub.deep"]]  # closed by imports inside functions
 
 
 def test_course_lib_has_no_import_cycle():
     assert cycles(graph()) == []
 
 
-def test_config_the_lowest_layer_imports_no_other_course_module_but_the_cache():
-    assert graph()["course_lib.config"] <= {"course_lib.cache"}
+def test_every_import_points_down_or_stays_in_its_layer():
+    g = {
+        name.removeprefix("course_lib."): {m.removeprefix("course_lib.") for m in deps}
+        for name, deps in graph().items()
+    }
+    g["course_lib"] = g.pop("course_lib", set())
+    unplaced = sorted(set(g) - set(LAYER))
+    assert not unplaced, f"place these modules in a layer of tests/test_imports.py LAYERS: {unplaced}"
+    upward = [(a, b) for a, deps in g.items() for b in deps if LAYER[b] > LAYER[a]]
+    assert not upward, [f"{a} ({LAYERS[LAYER[a]][0]}) imports {b} ({LAYERS[LAYER[b]][0]})" for a, b in upward]

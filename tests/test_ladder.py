@@ -197,6 +197,17 @@ def test_a_memory_rung_is_timed_against_naive_not_through_the_product_of_noisy_f
     pairs = [(best.trainer.step(), trainer.step()) for _ in range(4)]
     kept = L._judged(result, trainer, pairs, rung, best, naive_loop, capabilities("cpu"), fixed=False)
     assert kept is None and "slower than naive fp32 (0.7" in result.ladder["why"], result.ladder
+    assert len(result.ladder["pairs_vs_naive"]) == len(pairs)  # the pairs it was judged on are kept
+
+    # Naive failing when paired (out of memory with three loops' state held) is said, and the product decides instead.
+    def out_of_memory():
+        raise RuntimeError("out of memory")
+
+    naive_loop.trainer.step = out_of_memory
+    result = trainer.fit(rung.name, lambda *_: None)
+    kept = L._judged(result, trainer, pairs, rung, best, naive_loop, capabilities("cpu"), fixed=False)
+    assert kept is not None and result.ladder["pairs_vs_naive"] == [], result.ladder
+    assert "RuntimeError when paired with naive" in result.ladder["device_note"]
 
 
 def test_on_a_gpu_with_bf16_tensor_cores_every_speed_rung_helps_and_is_kept(climb):

@@ -97,6 +97,9 @@ def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
             assert r.memory["by_category"]["parameters"] == 4 * r.n_params, r.label
         if r is ran[0]:
             continue
+        if r.ladder.get("pairs_vs_naive"):  # a memory rung: its speed-up over naive, timed against naive directly
+            direct = speed_change([tuple(p) for p in r.ladder["pairs_vs_naive"]])
+            assert math.isclose(r.ladder["speedup"], direct.factor), r.label
         change = speed_change([tuple(p) for p in r.ladder["pairs"]])
         assert change.verdict == r.ladder["speed"] and math.isclose(change.factor, r.ladder["factor"]), r.label
         if r.ladder["kept"] and r.ladder["aims"] == [C.SPEED]:
