@@ -5,7 +5,7 @@ is checked here, with what the notebooks' panels put beside each run (the formul
 Checked elsewhere, and so not again here: tokens/s recomputed from the raw step times, the first loss near ln V and the
 ledger's 4N / 4N / 8N (tests/test_train.py); padding adds nothing to the loss (tests/test_data.py); GPT-3's 3,640
 PF-days, a PF-day's 8.64e19 FLOPs, 4,430,769 s on an A100 at its fp32 peak and the budget table
-(tests/test_compute_budget.py); the quoted 1.4 GB, 16 bytes per parameter with AdamW and the 69 GB
+(tests/test_training_compute.py); the quoted 1.4 GB, 16 bytes per parameter with AdamW and the 69 GB
 (tests/test_memory.py)."""
 
 import dataclasses
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import capabilities, compute_budget as CB, config as C, export, memory as M, plots, train
+from course_lib import capabilities, config as C, export, memory as M, plots, train, training_compute as CB
 from course_lib.measure import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +214,7 @@ def test_the_calculator_config_grows_the_position_table():
 
 
 def test_backward_is_timed_on_its_own_and_never_negative(tiny, monkeypatch):
-    """compute_budget.forward_backward_seconds timed backward as (forward + backward) less forward, two medians, which
+    """training_compute.forward_backward_seconds timed backward as (forward + backward) less forward, two medians, which
     came out negative on a busy machine (notebook 02 printed it). Here the forward is slow while forward alone is timed
     (0.6 s) and faster afterwards (0.4 s), as on a machine whose load drops, and the backward sleeps 0.05 s: the
     difference of medians would give about 0.45 - 0.6 < 0; a backward timed on its own gives at least its 0.05 s, and

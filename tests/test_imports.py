@@ -20,7 +20,7 @@ LAYERS = (
     (
         "the loop and the notebooks' helpers",
         "train ladder memory profiling bench attention accumulation optim "
-        "compute_budget export low_precision precision reference distributed._common distributed.ddp "
+        "training_compute export low_precision precision reference distributed._common distributed.ddp "
         "distributed.expert_parallel distributed.fsdp distributed.pipeline distributed.resume distributed.selftest "
         "distributed.series distributed.tensor_parallel distributed.zero_stages distributed.launch",
     ),

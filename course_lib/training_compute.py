@@ -1,4 +1,5 @@
-"""The compute budget of training, and what activation checkpointing's recompute costs.
+"""What training costs in compute (the name says it apart from course_lib.budget, the notebooks' run length): the
+6ND FLOPs of training, and what activation checkpointing's recompute costs.
 
 Training a dense transformer of N parameters on D tokens costs about C = 6·N·D FLOPs (Kaplan et al., 2020): per
 token and per weight, one multiply-add (2 FLOPs) in the forward pass and two in the backward pass (the gradient of

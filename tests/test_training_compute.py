@@ -1,4 +1,4 @@
-"""course_lib.compute_budget: C = 6ND, PF-days, time to train, on known values; and the work a step's recompute adds,
+"""course_lib.training_compute: C = 6ND, PF-days, time to train, on known values; and the work a step's recompute adds,
 counted from the shapes (exact on any machine)."""
 
 import dataclasses
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from course_lib import compute_budget as CB
+from course_lib import training_compute as CB
 from course_lib.capabilities import DATASHEET_TFLOPS
 
 
