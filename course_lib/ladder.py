@@ -246,16 +246,7 @@ def run_ladder(
         cfg = C.naive(base) if best is None else C.rung_up(best.cfg, rung, caps, options)
         if rung.name in leave_out or isinstance(cfg, C.ConfigError):
             why = leave_out.get(rung.name) or str(cfg)
-            results.append(
-                RunResult(
-                    label=rung.name,
-                    status="skipped",
-                    config={},
-                    provenance=prov,
-                    reason=why,
-                    ladder={"kept": False, "why": f"not run: {why}"},
-                )
-            )
+            results.append(_not_run(rung.name, why, prov, {"kept": False, "why": f"not run: {why}"}))
         else:
             result, trainer, pairs = _measure(
                 cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (C.SPEED,)
@@ -279,17 +270,8 @@ def run_ladder(
                     best = loop
             results.append(result)
             if best is None:  # naive fp32 itself did not run: nothing to climb from
-                for later in C.LADDER[i + 1 :]:
-                    results.append(
-                        RunResult(
-                            label=later.name,
-                            status="skipped",
-                            config={},
-                            provenance=prov,
-                            reason="naive fp32, the baseline, did not run",
-                            ladder={"kept": False},
-                        )
-                    )
+                why = "naive fp32, the baseline, did not run"
+                results += [_not_run(later.name, why, prov, {"kept": False}) for later in C.LADDER[i + 1 :]]
                 break
         if on_result:
             on_result(results)
@@ -300,6 +282,11 @@ def run_ladder(
         if on_result:
             on_result(results)
     return results
+
+
+def _not_run(label: str, why: str, prov: dict, ladder: dict) -> RunResult:
+    """The row of a rung the climb did not run, saying why."""
+    return RunResult(label=label, status="skipped", config={}, provenance=prov, reason=why, ladder=ladder)
 
 
 def steps_to_judge(cfg: C.TrainConfig) -> int:

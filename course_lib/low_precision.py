@@ -28,7 +28,7 @@ import torch
 from . import measure, techniques, train as train_mod
 from .config import TrainConfig
 from .model import GPT
-from .optim import HandOptimizer, adamw_update
+from .optim import HandAdamW, adamw_update
 from .plots import placeholder
 from .results import RunResult
 
@@ -123,7 +123,7 @@ def replay(
 # ---- AdamW on low-precision weights and state ------------------------------------------------------------
 
 
-class LowPrecisionAdamW(HandOptimizer):
+class LowPrecisionAdamW(HandAdamW):
     """AdamW whose weights and moments stay in the parameters' own format (bf16: 2 + 2 + 2 bytes per parameter; Kahan
     adds a 2-byte compensation buffer). Each step reads them one format wider (fp32 for bf16, fp64 for fp32, so that
     what the weights' rounding loses is visible), applies optim.adamw_update there, and stores the moments back
@@ -134,19 +134,11 @@ class LowPrecisionAdamW(HandOptimizer):
     1 - sum(A·U)/sum(U·U) with U a parameter's updates summed and A what was applied: rounding to nearest rounds
     some updates up and others away, so one step's share can be near 0 while the small updates are lost for good."""
 
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        rounding: str = "nearest",
-        seed: int = 0,
-    ):
+    def __init__(self, params, rounding: str = "nearest", seed: int = 0, **adamw):
+        """adamw: HandAdamW's lr, betas, eps, weight_decay (and its defaults)."""
         if rounding not in ROUNDINGS:
             raise ValueError(f"rounding={rounding!r}: use one of {', '.join(ROUNDINGS)}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, **adamw)
         self.rounding, self.seed = rounding, seed
         # one per device: stochastic rounding's own random stream
         self.generators: dict[torch.device, torch.Generator] = {}
