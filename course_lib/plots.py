@@ -319,7 +319,7 @@ def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) ->
             + "; ".join(n.removesuffix(" (one total)") for n in sorted(merged))
             + " drawn as one bar)"
         )
-    ax.set_title(f"{ax.get_title()}\n{note}, {_devices(shown or results)}", fontsize=9)
+    ax.set_title(f"{ax.get_title()}\n{note}\n{_devices(shown or results)}", fontsize=9)
     return fig
 
 
