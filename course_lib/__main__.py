@@ -19,7 +19,7 @@ import argparse
 import dataclasses
 import sys
 
-from . import config as C
+from . import config as C, techniques as T
 
 
 def cmd_ladder(args) -> int:
@@ -44,13 +44,13 @@ def cmd_ladder(args) -> int:
         options = {}
         for item in args.set or []:
             name, _, value = item.partition("=")
-            if name not in C.TECHNIQUE or not value:
+            if name not in T.TECHNIQUE or not value:
                 raise C.ConfigError(
-                    f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(C.TECHNIQUE)}, got {item!r}"
+                    f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(T.TECHNIQUE)}, got {item!r}"
                 )
             options[name] = C.parse_setting(name, value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
-        C.check_ladder_arguments(options, leave_out)  # (run_ladder checks the options' values before its first rung)
+        T.check_ladder_arguments(options, leave_out)  # (run_ladder checks the options' values before its first rung)
         out = check_writable(args.json) if args.json else None
         if out is not None and out.exists() and not args.force:
             raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")
@@ -119,9 +119,9 @@ def cmd_ladder(args) -> int:
 def _rung_names(indices: str, flag: str) -> list[str]:
     """'0,2,3' -> those rungs' names."""
     try:
-        return [C.LADDER[int(i)].name for i in indices.split(",")]
+        return [T.LADDER[int(i)].name for i in indices.split(",")]
     except (ValueError, IndexError):
-        raise ValueError(f"{flag} takes indices 0..{len(C.LADDER) - 1} separated by commas, got {indices!r}") from None
+        raise ValueError(f"{flag} takes indices 0..{len(T.LADDER) - 1} separated by commas, got {indices!r}") from None
 
 
 def chosen_config(args) -> C.TrainConfig:
@@ -156,10 +156,10 @@ def chosen_config(args) -> C.TrainConfig:
         name, _, value = item.partition("=")
         if not name or not value:
             raise ValueError(
-                f"--set takes FIELD=VALUE (a technique of {', '.join(C.TECHNIQUE)}, a TrainConfig field or "
+                f"--set takes FIELD=VALUE (a technique of {', '.join(T.TECHNIQUE)}, a TrainConfig field or "
                 f"model.<field>), got {item!r}"
             )
-        if args.rung is not None and name in C.TECHNIQUE:
+        if args.rung is not None and name in T.TECHNIQUE:
             options[name] = C.parse_setting(name, value)
         else:
             base = export.with_setting(base, name, C.parse_setting(name, value))
@@ -357,7 +357,7 @@ def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
 def _rungs_and_presets() -> str:
     """--help's list of the ladder's rungs (by index, with what each is for) and of the presets (their sizes)."""
     rungs = "\n".join(
-        f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(C.LADDER)
+        f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(T.LADDER)
     )
     presets = "\n".join(
         f"  {name:<11} {c.model.n_layer} blocks, width {c.model.n_embd}, {c.model.n_head} heads, vocabulary "

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_dir, write_atomic
-from .config import PRECISION_DTYPES, PRECISIONS, TECHNIQUES, ConfigError, TrainConfig
+from .config import PRECISION_DTYPES, PRECISIONS, ConfigError, TrainConfig
 from .tf32 import matmul_precision
 from .timing import time_fn
 
@@ -496,7 +496,7 @@ class Capabilities:
         return fast_16bit(self.precisions, self.name)
 
     def unavailable(self) -> dict[str, str]:
-        """ "field=value" -> why this device cannot run that value of a technique (course_lib.config.TECHNIQUES):
+        """ "field=value" -> why this device cannot run that value of a technique (course_lib.techniques):
         what the panel disables and the ladder skips."""
         out = {f"precision={p}": s.note for p, s in self.precisions.items() if not s.ok}
         if not self.compile.ok:
@@ -510,11 +510,10 @@ class Capabilities:
         out = []
         if torch.device(cfg.device).type != self.type:
             out.append(f"device={cfg.device!r} but this check is for {self.device}")
-        unavailable = self.unavailable()
-        for t in TECHNIQUES:
-            why = unavailable.get(f"{t.name}={t.value(cfg)}")
-            if why:
-                out.append(f"{t.name}={t.value(cfg)!r} cannot run on {self.device}: {why}")
+        for setting, why in self.unavailable().items():
+            name, _, value = setting.partition("=")
+            if str(getattr(cfg, name)) == value:  # the "field=value" keys name TrainConfig fields
+                out.append(f"{name}={getattr(cfg, name)!r} cannot run on {self.device}: {why}")
         if cfg.compile and cfg.data_parallel != "none":
             out.append(
                 f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "

@@ -1,4 +1,4 @@
-"""Configs as dataclasses, presets as functions, and the ladder of techniques.
+"""Configs as dataclasses and presets as functions (the techniques declare themselves in course_lib.techniques).
 
 `ModelConfig` says what the network is; `TrainConfig` says how it is trained, with one typed field per
 technique. Both check themselves at construction and say what to change when a combination is invalid.
@@ -169,19 +169,18 @@ def parse_value(name: str, hint, text: str):
 
 
 def setting_type(name: str):
-    """The declared type of a setting: a TrainConfig field, "model.<field>", or a technique's name
-    (config.TECHNIQUE)."""
-    if name in TECHNIQUE:
-        name = TECHNIQUE[name].field
+    """The declared type of a setting: a TrainConfig field, or a ModelConfig field as "model.<field>" or by its own
+    name where no TrainConfig field has it (as the techniques name theirs: attention, vocab_multiple)."""
     train, model = _field_types(TrainConfig), _field_types(ModelConfig)
-    if name.startswith("model.") and name[6:] in model:
-        return model[name[6:]]
     if name in train and name != "model":
         return train[name]
-    known = [*TECHNIQUE, *(k for k in train if k != "model"), *(f"model.{k}" for k in model)]
+    bare = name.removeprefix("model.")
+    if bare in model:
+        return model[bare]
+    known = [*(k for k in train if k != "model"), *model, *(f"model.{k}" for k in model)]
     raise ConfigError(
-        f"{name!r} is not a setting: use a technique ({', '.join(TECHNIQUE)}), a TrainConfig field or "
-        f"model.<ModelConfig field>{did_you_mean(name, known)}"
+        f"{name!r} is not a setting: use a TrainConfig field or a ModelConfig field (model.<field>, or its name)"
+        f"{did_you_mean(name, known)}"
     )
 
 
@@ -455,179 +454,3 @@ def preset(name: str, device: str | None = None) -> TrainConfig:
     if name not in PRESETS:
         raise ConfigError(f"Unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
     return PRESETS[name](device)
-
-
-# ---- The techniques, each declared once ----------------------------------------------------------
-# A technique is one config field: what the naive loop has there, what the panel calls it and offers, and the
-# ladder rungs that switch it on. naive(), the LADDER and the panel's controls are derived from these
-# declarations; whether a device can run a value is course_lib.capabilities' answer, keyed "field=value"; how a
-# technique is applied to a model is course_lib.techniques.build (in its one documented order).
-
-# What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
-# memory technique only where it made the peak smaller (course_lib.ladder.judge).
-SPEED, MEMORY = "speed", "memory"
-# The precision rung's value before a device is known: the 16-bit format that device runs fast (bf16 where it has bf16
-# hardware, fp16 where only fp16 is fast; capabilities.Capabilities.fast_16bit resolves it when a ladder starts).
-FAST_16BIT = "fast 16-bit"
-
-
-@dataclass(frozen=True)
-class Technique:
-    field: str  # a TrainConfig field, or "model.<field>" for a ModelConfig field
-    label: str  # the panel's name for it
-    off: object  # its value in the naive loop
-    rungs: tuple[tuple[str, object, str], ...] = ()  # the ladder's rungs: (name, value, what it changes), in order
-    choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
-    aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
-
-    @property
-    def name(self) -> str:
-        return self.field.removeprefix("model.")
-
-    def value(self, cfg: TrainConfig):
-        return getattr(cfg.model, self.name) if self.field.startswith("model.") else getattr(cfg, self.field)
-
-    def set(self, cfg: TrainConfig, value) -> TrainConfig:
-        return (
-            cfg.with_model(**{self.name: value})
-            if self.field.startswith("model.")
-            else replace(cfg, **{self.field: value})
-        )
-
-
-TECHNIQUES: tuple[Technique, ...] = (
-    Technique(
-        "precision",
-        "precision",
-        "fp32",
-        (
-            ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
-            (
-                "+ 16-bit autocast",
-                FAST_16BIT,
-                "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 "
-                "is fast), fp32 weights",
-            ),
-        ),
-    ),
-    Technique(
-        "model.attention",
-        "attention",
-        "naive",
-        (("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
-        aims=(SPEED, MEMORY),
-    ),
-    Technique(
-        "compile",
-        "compile",
-        False,
-        (("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),),
-    ),
-    Technique(
-        "model.vocab_multiple",
-        "pad vocab to x",
-        1,
-        (("+ vocab to x64", 64, "embedding padded to a multiple of 64"),),
-        choices=(1, 8, 64, 128),
-    ),
-    Technique(
-        "fused_adamw", "fused AdamW", False, (("+ fused AdamW", True, "one fused optimizer kernel for every tensor"),)
-    ),
-    Technique(
-        "set_to_none",
-        "zero_grad(set_to_none)",
-        False,
-        (("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),),
-        aims=(MEMORY,),
-    ),
-    Technique(
-        "loss_chunks",
-        "loss chunks",
-        1,
-        (
-            (
-                "+ chunked loss",
-                8,
-                "output layer and loss in 8 token slices, gradients made in forward: "
-                "one slice of logits at a time, nothing recomputed",
-            ),
-        ),
-        choices=(1, 2, 4, 8, 16),
-        aims=(MEMORY,),
-    ),
-    Technique(
-        "activation_checkpointing",
-        "activation checkpointing",
-        "none",
-        (("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),),
-        aims=(MEMORY,),
-    ),
-)
-TECHNIQUE = {t.name: t for t in TECHNIQUES}
-
-
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    what_changed: str
-    technique: Technique | None = None  # None: the naive start
-    value: object = None  # what this rung sets the technique's field to
-
-    @property
-    def aims(self) -> tuple[str, ...]:
-        return self.technique.aims if self.technique else ()
-
-    def apply(self, cfg: TrainConfig, value=None) -> TrainConfig:
-        """The config one rung up; `value` replaces the rung's own (a ladder option, e.g. selective checkpointing, or
-        the format FAST_16BIT stands for on a device). FAST_16BIT unresolved means bf16, the format most devices run."""
-        if self.technique is None:
-            return cfg
-        value = self.value if value is None else value
-        return self.technique.set(cfg, "bf16" if value == FAST_16BIT else value)
-
-
-# The ladder: naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
-LADDER: tuple[Rung, ...] = (
-    Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
-    *(Rung(name, what, t, value) for t in TECHNIQUES for name, value, what in t.rungs),
-)
-
-
-def naive(cfg: TrainConfig) -> TrainConfig:
-    """The naive baseline of any config: every technique off."""
-    for t in TECHNIQUES:
-        cfg = t.set(cfg, t.off)
-    return cfg
-
-
-def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
-    """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
-    if unknown := [k for k in options or {} if k not in TECHNIQUE]:
-        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(TECHNIQUE)}")
-    if unknown := [n for n in leave_out or {} if n not in [r.name for r in LADDER]]:
-        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
-    if LADDER[0].name in (leave_out or {}):
-        raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
-
-
-def rung_option(rung: Rung, options: dict | None):
-    """What `options` {technique: value} make `rung` set instead of its own value, or None. An option replaces what its
-    technique's last rung sets (precision=fp16: the 16-bit rung's format, not TF32's)."""
-    last = rung.technique is not None and rung is [r for r in LADDER if r.technique is rung.technique][-1]
-    return (options or {}).get(rung.technique.name) if last else None
-
-
-def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
-    """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities, or None for a device not on
-    this machine: applied unchecked, FAST_16BIT as bf16) resolves it: FAST_16BIT becomes
-    the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
-    `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
-    value = rung_option(rung, options)
-    if caps is not None and value is None and rung.value == FAST_16BIT:
-        value = caps.fast_16bit()[0] or "bf16"
-    try:
-        up = rung.apply(cfg, value)  # a combination no device can run raises here (fused AdamW without AdamW)
-        # caps None: a device this machine does not have (a GPU config written on a laptop), not checked further
-        return up if caps is None else caps.require(up)
-    except ConfigError as e:
-        return e

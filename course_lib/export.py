@@ -10,13 +10,14 @@ How it is assembled:
 - The model is the course's own source (`inspect.getsource` of course_lib.model's classes), with the one attention
   function the config uses; the data helpers, the loss, the selective-checkpointing policy and the schedules are
   course_lib's functions too. Comments that point into course_lib are left out (the script stands alone).
-- Each setting is declared once, in SNIPPETS, keyed by its config field (the key config.TECHNIQUES uses, "model.x"
-  for a ModelConfig field): a function cfg -> Code, the pieces that setting puts into the script at named places
-  (imports, constants, definitions, setup code in main, the autocast line, the backward, the optimizer step ...;
-  a snippet may leave a "<place>" that another fills: fused_adamw fills the optimizer line's implementation keyword).
-  They are declared in the order techniques.build applies them, and their setup code appears in that order.
-  `FIELDS_READ` says which other fields a snippet reads, and `RUN_FIELDS` which fields are plain constants, so
-  every config field is accounted for (tests/test_export.py checks it: a new field needs a snippet or a line here).
+- Each technique writes its own piece, in its own module (course_lib.techniques): its declaration's `export`, a
+  function cfg -> codegen.Code, the pieces that setting puts into the script at named places (imports, constants,
+  definitions, setup code in main, the autocast line, the backward, the optimizer step ...; a snippet may leave a
+  "<place>" that another fills: fused_adamw fills the optimizer line's implementation keyword). SNIPPETS takes them
+  in techniques.BUILD_ORDER, the order techniques.build applies them, so their setup code appears in that order;
+  validation (eval_every) is the loop's own, written here. `FIELDS_READ` says which other fields a snippet reads, and
+  `RUN_FIELDS` which fields are plain constants, so every config field is accounted for (tests/test_export.py checks
+  it: a new field needs a snippet or a line here).
 - The loop is written here once, with the course loop's arithmetic (train.run_step, techniques.optimizer_step):
   the loss of every micro-batch divided by the count of non-padding targets of the whole step, backward, then
   unscale, clip, step, zero_grad, schedule. tests/test_export.py runs exported scripts against train.train.
@@ -34,155 +35,27 @@ Not exported: the CPU memory ledger (measure_memory) is the course's measurement
 
 from __future__ import annotations
 
-import ast
 import difflib
 import functools
-import inspect
 import re
 import textwrap
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Callable
 
 from . import bpe, config as C, data as data_mod, model as model_mod, techniques as T
 from .capabilities import capabilities
+from .codegen import Code, device_type, field_line, merge, raw, replace_all, source
 from .config import ConfigError, TrainConfig
 from .ladder import ladder_configs
+from .techniques.mixed_precision import autocast_line
 
-# ---- rendering the course's own source -------------------------------------------------------------------------
-
-
-def _drop_course_comments(src: str) -> str:
-    """Leave out every block of whole-line comments that mentions course_lib (it points at code the script lacks)."""
-    lines, out, block = src.splitlines(), [], []
-    for line in lines + [""]:
-        if line.strip().startswith("#"):
-            block.append(line)
-            continue
-        if block and not any("course_lib" in b for b in block):
-            out.extend(block)
-        block = []
-        out.append(line)
-    return "\n".join(out[:-1]).rstrip() + "\n"
-
-
-def _rename(src: str, names: dict[str, str]) -> str:
-    for old, new in names.items():
-        src = re.sub(rf"\b{re.escape(old)}\b", new, src)
-    return src
-
-
-def _replace_all(src: str, old: str, new: str, where: str) -> str:
-    if old not in src:
-        raise RuntimeError(f"export: expected {old!r} in {where}; course_lib changed, update course_lib/export.py")
-    return src.replace(old, new)
-
-
-def _source(obj, rename: dict[str, str] | None = None, drop_methods: tuple[str, ...] = ()) -> str:
-    """obj's source, dedented, without course_lib comments; a class without the methods named."""
-    src = textwrap.dedent(inspect.getsource(obj))
-    if drop_methods:
-        tree = ast.parse(src).body[0]
-        lines = src.splitlines()
-        cut = set()
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name in drop_methods:
-                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
-                cut.update(range(start - 1, node.end_lineno))
-        missing = set(drop_methods) - {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-        if missing:
-            raise RuntimeError(f"export: {obj.__name__} has no method {sorted(missing)}; update course_lib/export.py")
-        src = "\n".join(line for i, line in enumerate(lines) if i not in cut)
-        src = re.sub(r"\n\s*\n(\s*\n)+", "\n\n", src)  # no run of blank lines where a method was
-    src = _drop_course_comments(_rename(src, rename or {}))
-    return re.sub(r"\n[ \t]*\n([ \t]*\n)+(?=[ \t])", "\n\n", src)  # one blank line where a comment block was
-
-
-def _field_line(cls, name: str, value) -> str:
-    """The dataclass field's line from cls's source, with `value` as its default (its comment kept)."""
-    src = textwrap.dedent(inspect.getsource(cls))
-    lines = src.splitlines()
-    for node in ast.parse(src).body[0].body:
-        if isinstance(node, ast.AnnAssign) and node.target.id == name:
-            line = lines[node.lineno - 1]
-            return line[: node.value.col_offset] + repr(value) + line[node.value.end_col_offset :]
-    raise RuntimeError(f"export: {cls.__name__} has no field {name!r}; update course_lib/export.py")
-
-
-def _raw(s: str) -> str:
-    """A string as a raw triple-quoted literal where that says the same, else repr."""
-    return f'r"""{s}"""' if '"""' not in s and not s.endswith(("\\", '"')) else repr(s)
-
-
-# ---- what a setting puts into the script --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Code:
-    """The pieces one setting puts into the script, by place. A piece left empty puts nothing there.
-
-    Several settings may add imports, constants, definitions and setup code (joined in declaration order); each of
-    the single places (the autocast line, the backward, the optimizer step ...) belongs to one setting.
-    """
-
-    imports: tuple[str, ...] = ()  # import lines
-    constants: tuple[str, ...] = ()  # lines of the settings block at the top of the script
-    model_defs: tuple[str, ...] = ()  # module-level code before the model's classes (the attention function)
-    model_edits: tuple[tuple[str, str], ...] = ()  # (old, new) text replacements in the model's source
-    model_config: tuple[str, ...] = ()  # extra lines of the ModelConfig dataclass (fields, properties)
-    # (placeholder, text): fills a place another snippet's code leaves ("<name>")
-    fills: tuple[tuple[str, str], ...] = ()
-    defs: tuple[str, ...] = ()  # module-level code after the model (techniques, loss, schedule, ...)
-    init: str = ""  # first thing in main() (the process group)
-    setup: str = ""  # main(), after the model is built: wrappers, optimizer, ... (declaration order = build order)
-    loss_model: str = ""  # what the loss calls (default "model"; "ddp_model" under DDP)
-    loss_fn: str = ""  # the loss function the loop calls (default "compute_loss"; "compiled_loss" with compile)
-    micro_sync: str = ""  # the context each micro-batch's forward and backward run in (DDP's no_sync)
-    micro_start: str = ""  # a line before each micro-batch's forward (FSDP2's gradient-sync switch)
-    autocast: str = ""  # the `with` line around forward and loss
-    backward: str = ""  # default "loss.backward()"
-    unscale: str = ""  # before clipping (fp16)
-    clip: str = ""  # gradient clipping
-    step: str = ""  # default "optimizer.step()"
-    zero_grad: str = ""
-    schedule_step: str = ""
-    after_step: str = ""  # in the loop, after the step's loss is printed (validation)
-    teardown: str = ""  # last thing in main()
-
-
-MULTI = ("imports", "constants", "model_defs", "model_edits", "model_config", "fills", "defs", "setup")
-
-
-def _merge(parts: dict[str, Code]) -> Code:
-    merged: dict[str, object] = {}
-    owner: dict[str, str] = {}
-    for key, code in parts.items():
-        for f in fields(Code):
-            value = getattr(code, f.name)
-            if not value:
-                continue
-            if f.name in MULTI:
-                if f.name == "setup":
-                    merged[f.name] = merged.get(f.name, ()) + (value,)
-                else:
-                    merged[f.name] = merged.get(f.name, ()) + tuple(value)
-            elif f.name in merged:
-                raise RuntimeError(f"export: both {owner[f.name]!r} and {key!r} write {f.name!r}")
-            else:
-                merged[f.name], owner[f.name] = value, key
-    merged["setup"] = "\n\n".join(merged.get("setup", ()))
-    for place, text in merged.get("fills", ()):
-        merged["setup"] = merged["setup"].replace(place, text)
-    if left := re.findall(r"<[a-z_]+>", merged["setup"]):
-        raise RuntimeError(f"export: no snippet fills {left}")
-    return Code(**merged)
-
-
-SNIPPETS: dict[str, Callable[[TrainConfig], Code]] = {}  # config field -> its snippet, in build order
-FIELDS_READ: dict[str, tuple[str, ...]] = {}  # config field -> the other fields its snippet reads
+# config field -> its snippet, in build order: the techniques' own, then validation's (below)
+SNIPPETS: dict[str, Callable[[TrainConfig], Code]] = {d.field: d.export for d in T.BUILD_ORDER}
+FIELDS_READ: dict[str, tuple[str, ...]] = {d.field: d.reads for d in T.BUILD_ORDER}  # the other fields each reads
 
 
 def snippet(field: str, reads: tuple[str, ...] = ()):
-    """Declare the snippet of a config field (and the other fields it reads)."""
+    """Declare the snippet of a config field that is not a technique's (and the other fields it reads)."""
 
     def register(fn: Callable[[TrainConfig], Code]) -> Callable[[TrainConfig], Code]:
         SNIPPETS[field], FIELDS_READ[field] = fn, reads
@@ -210,381 +83,13 @@ RUN_FIELDS = (
 NOT_EXPORTED = {"measure_memory": "the CPU memory ledger measures the course's loop; the script times every step"}
 
 
-def _autocast_line(cfg: TrainConfig) -> str:
-    dtype = str(T.AUTOCAST_DTYPES[cfg.precision])  # "torch.bfloat16", as the script writes it
-    return f'with torch.autocast(device_type="{_device_type(cfg)}", dtype={dtype}):'
-
-
-def _device_type(cfg: TrainConfig) -> str:
-    return cfg.device.split(":")[0]
-
-
-# ---- the snippets, in the order techniques.build applies them -------------------------------------------------------
-
-
-@snippet("activation_checkpointing")
-def _activation_checkpointing(cfg: TrainConfig) -> Code:
-    if cfg.activation_checkpointing == "none":
-        return Code()
-    wrap = (
-        "# Activation checkpointing wraps each block before anything else wraps the model (it must see the blocks).\n"
-        "for i, block in enumerate(model.blocks):\n"
-        "    model.blocks[i] = CheckpointedBlock(block)"
-    )
-    # The runtime classes themselves (course_lib.techniques), rendered: full checkpointing's block, and selective's on
-    # top of it with its policy (the matmul and attention ops it keeps).
-    full = _source(T.CheckpointedBlock)
-    if cfg.activation_checkpointing == "full":
-        return Code(imports=("from torch.utils.checkpoint import checkpoint",), defs=(full,), setup=wrap)
-    ops = "".join(f"    torch.ops.{op},\n" for op in T._SAVED_BY_SELECTIVE)
-    rename = {"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"}
-    policy = _source(T._selective_policy, rename=rename)
-    selective = _source(T.SelectiveCheckpointedBlock, rename=rename)
-    return Code(
-        imports=(
-            "import functools",
-            "from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts",
-        ),
-        defs=(f"SAVED_BY_SELECTIVE = (\n{ops})\n\n\n{policy}", full, selective),
-        setup=wrap.replace("CheckpointedBlock(block)", "SelectiveCheckpointedBlock(block)"),
-    )
-
-
-@snippet("data_parallel")
-def _data_parallel(cfg: TrainConfig) -> Code:
-    if cfg.data_parallel == "none":
-        return Code()
-    cuda = _device_type(cfg) == "cuda"
-    started_by_torchrun = (
-        'if "RANK" not in os.environ:  # run with plain python: say how to start it\n'
-        '    sys.exit(f"start this script with torchrun, which starts its processes: '
-        'torchrun --nproc_per_node=2 {sys.argv[0]}")\n'
-    )
-    if cuda:
-        init = (
-            "# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
-            + started_by_torchrun
-            + 'local_rank = int(os.environ["LOCAL_RANK"])\n'
-            'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
-            "torch.cuda.set_device(device)\n"
-            'dist.init_process_group(backend="nccl", device_id=device)  # NCCL: GPU to GPU\n'
-            "rank, world = dist.get_rank(), dist.get_world_size()"
-        )
-        wrap_args = "model, device_ids=[local_rank]"
-    else:
-        init = (
-            "# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
-            + started_by_torchrun
-            + 'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
-            "rank, world = dist.get_rank(), dist.get_world_size()"
-        )
-        wrap_args = "model"
-    imports = ["import os", "import sys", "import torch.distributed as dist"]
-    if cfg.data_parallel == "fsdp":
-        return _fsdp(cfg, init, imports)
-    setup = (
-        "# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
-        "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
-        "# step. Its parameters are the model's own: the optimizer below holds them.\n"
-        f"ddp_model = DistributedDataParallel({wrap_args})"
-    )
-    micro = ""
-    if cfg.grad_accum_steps > 1:
-        micro = (
-            "# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
-            "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
-            "with sync:"
-        )
-    imports += ["from torch.nn.parallel import DistributedDataParallel"] + (["import contextlib"] if micro else [])
-    return Code(
-        imports=tuple(imports),
-        init=init,
-        setup=setup,
-        loss_model="ddp_model",
-        micro_sync=micro,
-        teardown="dist.destroy_process_group()",
-    )
-
-
-def _fsdp(cfg: TrainConfig, init: str, imports: list[str]) -> Code:
-    """FSDP2 (data_parallel="fsdp"), as techniques.shard_with_fsdp2 applies it: fully_shard on every block, then on
-    the root. The model keeps its name: fully_shard turns its parameters into shards in place."""
-    setup = (
-        "# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
-        "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"
-        "# are all-gathered, and freed after it; backward reduce-scatters the gradients, so each process receives\n"
-        "# its own shard's. The parameters are now shards (DTensors): the optimizer below is built on them.\n"
-        f'mesh = init_device_mesh("{_device_type(cfg)}", (world,))\n'
-        "for block in model.blocks:\n"
-        "    fully_shard(block, mesh=mesh)\n"
-        "fully_shard(model, mesh=mesh)"
-    )
-    micro = (
-        (
-            "# Only the last micro-batch's backward reduce-scatters; "
-            "the others accumulate unsharded gradients locally.\n"
-            "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)"
-        )
-        if cfg.grad_accum_steps > 1
-        else ""
-    )
-    imports = imports + [
-        "from torch.distributed.device_mesh import init_device_mesh",
-        "from torch.distributed.fsdp import fully_shard",
-    ]
-    return Code(
-        imports=tuple(imports), init=init, setup=setup, micro_start=micro, teardown="dist.destroy_process_group()"
-    )
-
-
-@snippet("model.attention")
-def _attention(cfg: TrainConfig) -> Code:
-    fn = model_mod.ATTENTION_IMPLS[cfg.model.attention]
-    return Code(model_defs=(_source(fn),), model_edits=(("ATTENTION_IMPLS[cfg.attention]", fn.__name__),))
-
-
-@snippet("model.vocab_multiple")
-def _vocab_multiple(cfg: TrainConfig) -> Code:
-    if cfg.model.vocab_multiple == 1:
-        return Code(model_edits=(("padded_vocab", "vocab"),))  # no padding: the embedding has vocab_size rows
-    prop = textwrap.indent(_source(C.ModelConfig.padded_vocab_size.fget), "    ")
-    return Code(
-        model_config=(_field_line(C.ModelConfig, "vocab_multiple", cfg.model.vocab_multiple), "", prop.rstrip())
-    )
-
-
-@snippet("loss_chunks")
-def _loss_chunks(cfg: TrainConfig) -> Code:
-    loss_sum = _source(T.loss_sum)
-    if cfg.loss_chunks == 1:
-        fn = '''
-def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(b, s) token ids and targets -> the summed loss (a scalar)."""
-    return loss_sum(model(idx), targets)  # logits (b, s, vocab)
-'''
-        return Code(defs=(loss_sum, fn.strip() + "\n"))
-    fn = '''
-def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(b, s) token ids and targets -> the summed loss (a scalar), with the output layer and the loss in LOSS_CHUNKS
-    slices of the tokens, each slice's gradients made in forward: only one slice of the (tokens x vocab) logits
-    exists at a time, and backward recomputes nothing."""
-    hidden = model.hidden(idx)  # (b, s, d)
-    hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
-    return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
-'''
-    return Code(
-        constants=(
-            f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",
-        ),
-        defs=(_source(T.HeadLossInSlices), fn.strip() + "\n"),
-    )
-
-
-@snippet("compile", reads=("compile_mode",))
-def _compile(cfg: TrainConfig) -> Code:
-    if not cfg.compile:
-        return Code()
-    mode = "" if cfg.compile_mode == "default" else f', mode="{cfg.compile_mode}"'
-    return Code(
-        setup=(
-            "# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
-            "# the first step compiles (it is left out of the timing).\n"
-            f"compiled_loss = torch.compile(compute_loss{mode})"
-        ),
-        loss_fn="compiled_loss",
-    )
-
-
-@snippet("optimizer", reads=("lr", "betas", "eps", "momentum", "weight_decay", "decay_2d_only"))
-def _optimizer(cfg: TrainConfig) -> Code:
-    constants = [f"LR = {cfg.lr!r}"]
-    groups = cfg.weight_decay > 0 and cfg.decay_2d_only
-    setup = []
-    if cfg.weight_decay > 0:
-        constants.append(f"WEIGHT_DECAY = {cfg.weight_decay!r}" + ("  # on >=2-D tensors only" if groups else ""))
-    if groups:
-        setup.append(
-            "# Weight decay only on >=2-D tensors (matmul weights, embeddings); none on biases and LayerNorm gains.\n"
-            "decay = [p for p in model.parameters() if p.dim() >= 2]\n"
-            "no_decay = [p for p in model.parameters() if p.dim() < 2]\n"
-            'params = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]'
-        )
-        params, wd = "params", []
-    else:
-        params = "model.parameters()"
-        wd = (
-            [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"]
-            if cfg.optimizer == "adamw" or cfg.weight_decay > 0
-            else []
-        )
-    if cfg.optimizer == "adamw":
-        constants += [f"BETAS = {tuple(cfg.betas)!r}", f"EPS = {cfg.eps!r}"]
-        args = ", ".join([params, "lr=LR", "betas=BETAS", "eps=EPS", *wd, "<adamw_impl>"])
-        line = f"optimizer = torch.optim.AdamW({args})"
-        why = "<adamw_why>"  # the fused_adamw snippet says which implementation
-    elif cfg.optimizer == "sgd":
-        line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
-    elif cfg.optimizer in ("adagrad", "rmsprop"):  # as techniques.optimizer_for makes them
-        constants.append(f"EPS = {cfg.eps!r}")
-        cls, why = {
-            "adagrad": (
-                "Adagrad",
-                "# AdaGrad: each coordinate's step divided by the root of its summed squared gradients.",
-            ),
-            "rmsprop": (
-                "RMSprop",
-                "# RMSProp: each coordinate's step divided by the root of a running average of g^2.",
-            ),
-        }[cfg.optimizer]
-        line = f"optimizer = torch.optim.{cls}({', '.join([params, 'lr=LR', 'eps=EPS', *wd, 'foreach=False'])})"
-    else:
-        constants.append(f"MOMENTUM = {cfg.momentum!r}")
-        line, why = (
-            f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
-            "# SGD with momentum: a running sum of gradients, one state tensor per parameter.",
-        )
-    setup.append(f"{why}\n{line}")
-    return Code(constants=tuple(constants), setup="\n".join(setup))
-
-
-@snippet("fused_adamw")
-def _fused_adamw(cfg: TrainConfig) -> Code:
-    """Which AdamW implementation: a keyword of the optimizer's line (written by the "optimizer" snippet)."""
-    if cfg.fused_adamw:
-        return Code(
-            fills=(
-                ("<adamw_impl>", "fused=True"),
-                (
-                    "<adamw_why>",
-                    "# AdamW, fused: one kernel updates every parameter tensor "
-                    "(no Python loop over tensors, no temporaries).",
-                ),
-            )
-        )
-    return Code(
-        fills=(
-            ("<adamw_impl>", "foreach=False"),
-            ("<adamw_why>", "# AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time."),
-        )
-    )
-
-
-_SCHEDULES = {
-    "constant": (T.constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
-    "cosine": (T.warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
-    "wsd": (T.wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
-    "inverse_sqrt": (T.inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)"),
-    "exponential": (T.exponential_lr, "exponential_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
-}
-# helpers a schedule function calls, written before it when its source names them (by their exported names)
-_SCHEDULE_HELPERS = {"linear_warmup": T._warmup, "exponential_gamma": T.exponential_gamma}
-
-
-@snippet("schedule", reads=("lr_warmup_steps", "min_lr_ratio"))
-def _schedule(cfg: TrainConfig) -> Code:
-    if cfg.schedule == "constant" and cfg.lr_warmup_steps == 0:
-        return Code()
-    fn, call = _SCHEDULES[cfg.schedule]
-    src = _source(fn, rename={"_warmup": "linear_warmup"})
-    defs = tuple(
-        _source(h, rename={"_warmup": "linear_warmup"}) for name, h in _SCHEDULE_HELPERS.items() if f"{name}(" in src
-    ) + (src,)
-    constants = [f"LR_WARMUP_STEPS = {cfg.lr_warmup_steps}"]
-    if "MIN_LR_RATIO" in call:
-        constants.append(f"MIN_LR_RATIO = {cfg.min_lr_ratio!r}")
-    setup = (
-        "# The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.\n"
-        f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: {call} / LR)"
-    )
-    return Code(constants=tuple(constants), defs=defs, setup=setup, schedule_step="scheduler.step()")
-
-
-@snippet("precision", reads=("loss_scale_init", "loss_scale_growth_interval"))
-def _precision(cfg: TrainConfig) -> Code:
-    if cfg.precision == "fp32":
-        return Code()
-    if cfg.precision == "tf32":
-        return Code(
-            setup=(
-                "# TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa "
-                "(CUDA Ampere and later;\n"
-                "# no effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.\n"
-                'torch.backends.cuda.matmul.fp32_precision = "tf32"\n'
-                'torch.backends.cudnn.conv.fp32_precision = "tf32"'
-            )
-        )
-    autocast = _autocast_line(cfg) + "  # matmuls in " + cfg.precision + "; the weights stay fp32"
-    if cfg.precision == "bf16":
-        return Code(autocast=autocast)
-    return Code(
-        autocast=autocast,
-        setup=(
-            "# fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large\n"
-            "# scale before backward and divides the gradients by it before the step (skipped if any is inf/nan).\n"
-            f'scaler = torch.amp.GradScaler("{_device_type(cfg)}", init_scale={cfg.loss_scale_init!r}, '
-            f"growth_interval={cfg.loss_scale_growth_interval})"
-        ),
-        backward="scaler.scale(loss).backward()",
-        unscale="scaler.unscale_(optimizer)  # the true gradients, for clipping" if cfg.clip_norm is not None else "",
-        step=(
-            "scaler.step(optimizer)\n"
-            "scaler.update()  # a smaller scale after an inf/nan, a larger one after many clean steps"
-        ),
-    )
-
-
-@snippet("clip_norm", reads=("clip_kind",))
-def _clip(cfg: TrainConfig) -> Code:
-    if cfg.clip_norm is None:
-        return Code()
-    constant = (f"CLIP_NORM = {cfg.clip_norm!r}",)
-    if cfg.clip_kind == "global":
-        return Code(
-            constants=constant,
-            clip=(
-                "# Every gradient times min(1, CLIP_NORM / ||g||), ||g|| the norm of all of them together (GPT-3):\n"
-                "# the direction of the whole gradient is kept.\n"
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)"
-            ),
-        )
-    return Code(
-        constants=constant,
-        defs=(_source(T.clip_by_tensor_norm),),
-        clip="clip_by_tensor_norm(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm",
-    )
-
-
-@snippet("set_to_none")
-def _set_to_none(cfg: TrainConfig) -> Code:
-    if cfg.set_to_none:
-        return Code(
-            zero_grad=(
-                "optimizer.zero_grad(set_to_none=True)  # frees the gradients; the next backward allocates them afresh"
-            )
-        )
-    return Code(zero_grad="optimizer.zero_grad(set_to_none=False)  # zeroed in place: their memory stays allocated")
-
-
-@snippet("grad_accum_steps")
-def _grad_accum(cfg: TrainConfig) -> Code:
-    if cfg.grad_accum_steps == 1:
-        return Code()
-    return Code(
-        constants=(
-            f"GRAD_ACCUM_STEPS = {cfg.grad_accum_steps}  # micro-batches per optimizer step, their gradients summed",
-            f"MICRO_BATCH_SIZE = {cfg.micro_batch_size}  "
-            "# BATCH_SIZE / GRAD_ACCUM_STEPS sequences, one forward and backward each",
-        )
-    )
-
-
 @snippet("eval_every", reads=("eval_batches",))
 def _eval(cfg: TrainConfig) -> Code:
     if not cfg.eval_every:
         return Code()
     size = "MICRO_BATCH_SIZE" if cfg.grad_accum_steps > 1 else "BATCH_SIZE"
     loss = "total += loss_sum(model(x), y).item()"
-    body = f"{_autocast_line(cfg)}\n    {loss}" if cfg.precision in ("bf16", "fp16") else loss
+    body = f"{autocast_line(cfg)}\n    {loss}" if cfg.precision in ("bf16", "fp16") else loss
     fn = f'''
 @torch.no_grad()
 def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed: int = 1234) -> float:
@@ -639,7 +144,7 @@ def _check(cfg: TrainConfig) -> None:
 def techniques_on(cfg: TrainConfig) -> list[str]:
     """What the script does beyond the naive loop, in words (its docstring's list)."""
     on = []
-    for t in C.TECHNIQUES:
+    for t in T.TECHNIQUES:
         value = t.value(cfg)
         if value != t.off:
             what = next((w for _, v, w in t.rungs if v == value), "")
@@ -657,20 +162,20 @@ def _model_config(cfg: TrainConfig, extra: tuple[str, ...]) -> str:
     lines = ["@dataclass(frozen=True)", "class ModelConfig:", '    """The network\'s shape, as exported."""']
     for f in fields(C.ModelConfig):
         if f"model.{f.name}" in RUN_FIELDS:
-            lines.append(_field_line(C.ModelConfig, f.name, getattr(cfg.model, f.name)))
+            lines.append(field_line(C.ModelConfig, f.name, getattr(cfg.model, f.name)))
     return "\n".join(lines + list(extra)) + "\n"
 
 
 def _model(cfg: TrainConfig, code: Code) -> str:
     classes = [
-        _source(model_mod.CausalSelfAttention),
-        _source(model_mod.MLP),
-        _source(model_mod.Block),
-        _source(model_mod.GPT, drop_methods=("generate",) + (() if cfg.loss_chunks > 1 else ("hidden",))),
+        source(model_mod.CausalSelfAttention),
+        source(model_mod.MLP),
+        source(model_mod.Block),
+        source(model_mod.GPT, drop_methods=("generate",) + (() if cfg.loss_chunks > 1 else ("hidden",))),
     ]
     src = "\n\n".join(classes)
     for old, new in code.model_edits:
-        src = _replace_all(src, old, new, "course_lib.model")
+        src = replace_all(src, old, new, "course_lib.model")
     return "\n\n".join([_model_config(cfg, code.model_config), *code.model_defs, src])
 
 
@@ -779,7 +284,7 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
     backward = code.backward or "loss.backward()"
     sync = (
         ["torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock"]
-        if _device_type(cfg) == "cuda"
+        if device_type(cfg) == "cuda"
         else []
     )
     lines = []
@@ -829,7 +334,7 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
 def script(cfg: TrainConfig) -> str:
     """The standalone training script of `cfg` (module docstring)."""
     _check(cfg)
-    code = _merge({name: fn(cfg) for name, fn in SNIPPETS.items()})
+    code = merge({name: fn(cfg) for name, fn in SNIPPETS.items()})
     ddp = cfg.data_parallel != "none"  # DDP or FSDP2: torchrun, one process per device, rank 0 prints
     pr = "print0" if ddp else "print"
     on = techniques_on(cfg)
@@ -888,7 +393,7 @@ def script(cfg: TrainConfig) -> str:
         f'DEVICE = "{cfg.device}"'
         + (
             "  # under torchrun: each process its own GPU, cuda:LOCAL_RANK"
-            if ddp and _device_type(cfg) == "cuda"
+            if ddp and device_type(cfg) == "cuda"
             else ""
         ),
         f"SEED = {cfg.seed}",
@@ -902,13 +407,13 @@ def script(cfg: TrainConfig) -> str:
     data_consts = [
         "IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this (padding)",
         "VAL_FRACTION = 0.05  # the last 5% of the token stream is held out for validation",
-        f"SPLIT_PATTERN = {_raw(bpe.SPLIT_PATTERN)}  # the BPE's pre-tokenisation: words, numbers, punctuation, spaces",
+        f"SPLIT_PATTERN = {raw(bpe.SPLIT_PATTERN)}  # the BPE's pre-tokenisation: words, numbers, punctuation, spaces",
     ]
     data = (
         _DATA.format(
-            load_ranks=_source(bpe.load_ranks),
-            plain_text=_source(data_mod._plain_text, rename={"_plain_text": "plain_text"}),
-            random_windows=_source(data_mod.random_windows),
+            load_ranks=source(bpe.load_ranks),
+            plain_text=source(data_mod._plain_text, rename={"_plain_text": "plain_text"}),
+            random_windows=source(data_mod.random_windows),
         ).strip()
         + "\n\n\n"
         + _batches(cfg)
@@ -917,7 +422,7 @@ def script(cfg: TrainConfig) -> str:
     init = [code.init] if code.init else []
     if ddp:
         init.append("def print0(*values):  # only the first process prints\n    if rank == 0:\n        print(*values)")
-    if not (ddp and _device_type(cfg) == "cuda"):
+    if not (ddp and device_type(cfg) == "cuda"):
         init.append("device = torch.device(DEVICE)")
     model_lines = [
         "torch.manual_seed(SEED)  # the model's initial weights",
@@ -935,7 +440,7 @@ def script(cfg: TrainConfig) -> str:
         _loop(cfg, code),
         "",
         "# Timing: the device synchronised before each clock read, warm-up steps left out, the median step."
-        if _device_type(cfg) == "cuda"
+        if device_type(cfg) == "cuda"
         else (
             "# Timing: warm-up steps left out, the median step "
             "(a CPU finishes each op before the next: nothing to synchronise)."
@@ -1084,9 +589,10 @@ def _measured(r, naive) -> str:
 
 
 def ladder_diffs(results: list):
-    """The climb as a sequence of diffs (build-nanogpt style), from its results (ladder.run_ladder, in config.LADDER's
-    order, then its last row): for each rung, what it changes in the exported script against the best loop so far, the
-    one it was measured against, with its verdict, speed and memory; a rung that was kept becomes the next one's base.
+    """The climb as a sequence of diffs (build-nanogpt style), from its results (ladder.run_ladder, in
+    techniques.LADDER's order, then its last row): for each rung, what it changes in the exported script against the
+    best loop so far, the one it was measured against, with its verdict, speed and memory; a rung that was kept becomes
+    the next one's base.
     A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised loop
     against naive fp32, all at once."""
     import html
@@ -1095,7 +601,7 @@ def ladder_diffs(results: list):
 
     from .ladder import OPTIMISED
 
-    rungs = {r.name: r for r in C.LADDER}
+    rungs = {r.name: r for r in T.LADDER}
     climbed = [r for r in results if r.label != OPTIMISED]
     if [r.label for r in climbed] != list(rungs):
         raise ValueError(
@@ -1129,7 +635,7 @@ def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> Tr
     """The ladder's cumulative config at the rung named: ladder_configs, what `ladder` runs there (a rung this
     device cannot run is skipped). For a device this machine does not have (a GPU config written on a laptop), every
     rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
-    names = [r.name for r in C.LADDER]
+    names = [r.name for r in T.LADDER]
     if rung not in names:
         raise ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
     try:
@@ -1144,14 +650,14 @@ def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> Tr
 
 
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
-    """cfg with one field set: a technique's name (config.TECHNIQUE), a TrainConfig field or "model.<field>"."""
-    if name in C.TECHNIQUE:
-        return C.TECHNIQUE[name].set(cfg, value)
+    """cfg with one field set: a technique's name (techniques.TECHNIQUE), a TrainConfig field or "model.<field>"."""
+    if name in T.TECHNIQUE:
+        return T.TECHNIQUE[name].set(cfg, value)
     if name.startswith("model.") and name[6:] in {f.name for f in fields(C.ModelConfig)}:
         return cfg.with_model(**{name[6:]: value})
     if name in {f.name for f in fields(TrainConfig)} and name != "model":
         return replace(cfg, **{name: value})
     raise ConfigError(
-        f"--set {name}=...: {name!r} is neither a technique ({', '.join(C.TECHNIQUE)}), a TrainConfig field "
+        f"--set {name}=...: {name!r} is neither a technique ({', '.join(T.TECHNIQUE)}), a TrainConfig field "
         "nor model.<ModelConfig field>"
     )

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from . import config as C
+from . import config as C, techniques as T
 from .capabilities import Capabilities, capabilities, efficiency
 from .results import RunResult, efficiency_text, fmt, provenance, text_table
 from .train import StopRun, Trainer, catching_oom, free_memory
@@ -122,15 +122,15 @@ def judge(
         if mem_verdict == NO_CHANGE
         else "memory not measured"
     )
-    helped = (C.SPEED in aims and speed.verdict == FASTER) or (C.MEMORY in aims and mem_verdict == LEANER)
-    hurt = (C.SPEED in aims and speed.verdict == SLOWER) or (C.MEMORY in aims and mem_verdict == FATTER)
+    helped = (T.SPEED in aims and speed.verdict == FASTER) or (T.MEMORY in aims and mem_verdict == LEANER)
+    hurt = (T.SPEED in aims and speed.verdict == SLOWER) or (T.MEMORY in aims and mem_verdict == FATTER)
     # a memory technique trades time for memory by design: it is kept for memory
-    if C.MEMORY in aims and C.SPEED not in aims:
+    if T.MEMORY in aims and T.SPEED not in aims:
         kept, what = mem_verdict == LEANER, f"{mem_text}, {speed_text}"
         if kept and loop_speedup is not None and loop_speedup < 1 - MIN_SPEED_CHANGE:
             kept, what = False, f"{what}: the loop would be slower than naive fp32 ({loop_speedup:.2f}x)"
     else:
-        kept, what = helped and not hurt, f"{speed_text}, {mem_text}" if C.MEMORY in aims else speed_text
+        kept, what = helped and not hurt, f"{speed_text}, {mem_text}" if T.MEMORY in aims else speed_text
     if fixed:
         return True, f"kept (fixed ladder): {what}"
     if kept:
@@ -138,7 +138,7 @@ def judge(
     return False, f"not kept: {what}" + (f"; {device_note}" if device_note else "")
 
 
-def device_note(cfg: C.TrainConfig, rung: C.Rung, caps: Capabilities) -> str:
+def device_note(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> str:
     """What the device says of a rung's technique when it has no hardware for it (bf16 converted in software, TF32 on a
     CPU), or ""."""
     if rung.technique is not None and rung.technique.name == "precision":
@@ -171,21 +171,21 @@ def ladder_configs(
     options: dict[str, object] | None = None,
     leave_out: dict[str, str] | None = None,
     on_this_machine: bool = True,
-) -> list[tuple[C.Rung, C.TrainConfig | C.ConfigError]]:
+) -> list[tuple[T.Rung, C.TrainConfig | C.ConfigError]]:
     """The fixed ladder: each rung's config, cumulative from the naive baseline, every rung the device can run switched
     on (run_ladder climbs it keeping only what helps). A rung the device cannot run gives its ConfigError,
     and so does a rung left out by choice (`leave_out` {rung name: why}); the climb goes on from the rung below it.
     `options` {technique: value} makes that technique's rung set another value
     (activation_checkpointing="selective"). `on_this_machine=False`: for a device this machine does not have (a GPU
     script written on a laptop), every rung is applied unchecked: the script will run elsewhere."""
-    C.check_ladder_arguments(options, leave_out)
+    T.check_ladder_arguments(options, leave_out)
     caps, leave_out = capabilities(base.device) if on_this_machine else None, leave_out or {}
-    out, cfg = [], C.naive(base)
-    for rung in C.LADDER:
+    out, cfg = [], T.naive(base)
+    for rung in T.LADDER:
         if rung.name in leave_out:
             out.append((rung, C.ConfigError(leave_out[rung.name])))
             continue
-        up = C.rung_up(cfg, rung, caps, options)
+        up = T.rung_up(cfg, rung, caps, options)
         out.append((rung, up))
         # a rung the device cannot run is skipped: the climb goes on from the one below
         if isinstance(up, C.TrainConfig):
@@ -203,7 +203,7 @@ def run_ladder(
     fixed: bool = False,
     on_result: Callable[[list[RunResult]], None] | None = None,
 ) -> list[RunResult]:
-    """Climb config.LADDER from naive fp32 (the module docstring says how), one result per rung in order, then the
+    """Climb techniques.LADDER from naive fp32 (the module docstring says how), one result per rung in order, then the
     last row, OPTIMISED: the loop this device ends with. Each rung's `ladder` dict holds its verdict.
 
     A rung the device cannot run, or one left out by choice (`leave_out` {rung name: why}: a test budget, a technique
@@ -214,11 +214,11 @@ def run_ladder(
     after every rung (the command line saves them there, so an interrupted climb keeps what it measured)."""
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
-    C.check_ladder_arguments(options, leave_out)
+    T.check_ladder_arguments(options, leave_out)
     # a value its field rejects is an error now, not a skipped rung minutes later
     for name, value in (options or {}).items():
-        C.TECHNIQUE[name].set(C.naive(base), value)
-    names = [r.name for r in C.LADDER]
+        T.TECHNIQUE[name].set(T.naive(base), value)
+    names = [r.name for r in T.LADDER]
     if unknown := [n for n in rungs or [] if n not in names]:
         raise C.ConfigError(
             f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}"
@@ -232,24 +232,24 @@ def run_ladder(
         base = dataclasses.replace(base, steps=needed)
     leave_out = dict(leave_out or {})
     if rungs is not None:
-        for rung in C.LADDER[1:]:
+        for rung in T.LADDER[1:]:
             if rung.name not in rungs:
                 leave_out.setdefault(rung.name, "not measured here: not among the rungs asked for")
     caps = capabilities(base.device)
     prov = provenance(caps.name)
     results: list[RunResult] = []
     naive_loop = best = None
-    started, n = time.perf_counter(), len(C.LADDER) + 1
-    for i, rung in enumerate(C.LADDER):
+    started, n = time.perf_counter(), len(T.LADDER) + 1
+    for i, rung in enumerate(T.LADDER):
         if progress:
             progress(_progress_text(i, n, rung.name, started))
-        cfg = C.naive(base) if best is None else C.rung_up(best.cfg, rung, caps, options)
+        cfg = T.naive(base) if best is None else T.rung_up(best.cfg, rung, caps, options)
         if rung.name in leave_out or isinstance(cfg, C.ConfigError):
             why = leave_out.get(rung.name) or str(cfg)
             results.append(_not_run(rung.name, why, prov, {"kept": False, "why": f"not run: {why}"}))
         else:
             result, trainer, pairs = _measure(
-                cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (C.SPEED,)
+                cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (T.SPEED,)
             )
             result.reason = result.reason or rung.what_changed
             if best is None:  # naive fp32: the baseline
@@ -271,7 +271,7 @@ def run_ladder(
             results.append(result)
             if best is None:  # naive fp32 itself did not run: nothing to climb from
                 why = "naive fp32, the baseline, did not run"
-                results += [_not_run(later.name, why, prov, {"kept": False}) for later in C.LADDER[i + 1 :]]
+                results += [_not_run(later.name, why, prov, {"kept": False}) for later in T.LADDER[i + 1 :]]
                 break
         if on_result:
             on_result(results)
@@ -370,7 +370,7 @@ def _judged(
     result: RunResult,
     trainer: Trainer | None,
     pairs,
-    rung: C.Rung,
+    rung: T.Rung,
     best: _Loop,
     naive_loop: _Loop,
     caps: Capabilities,
@@ -387,7 +387,7 @@ def _judged(
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
     vs_naive: list[tuple[float, float]] = []
-    if rung.aims == (C.MEMORY,) and memory[1] == LEANER and not fixed and best is not naive_loop and pairs:
+    if rung.aims == (T.MEMORY,) and memory[1] == LEANER and not fixed and best is not naive_loop and pairs:
         # A memory rung is kept only if the loop stays as fast as naive fp32. The product of the factors before it would
         # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive
         # directly, in as many pairs as against the best loop.

@@ -32,6 +32,11 @@ import torch
 from . import measure, techniques
 from .config import PRECISION_DTYPES, ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB, MemoryReport
+from .techniques.activation_checkpointing import kept_per_layer, selective_activation_terms  # noqa: F401 - notebook 02
+from .techniques.chunked_loss import memory_terms as chunked_loss_terms
+from .techniques.fused_attention import what_attention_keeps as _attention
+from .techniques.mixed_precision import activation_format as _precision
+from .techniques.set_to_none import gradients_before_backward
 
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
 BYTES = {p: dtype.itemsize for p, dtype in PRECISION_DTYPES.items()}  # bytes per value
@@ -165,33 +170,6 @@ def layer_activation_terms(
     return terms
 
 
-def selective_activation_terms(
-    s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive", residual_bytes: int | None = None
-) -> dict[str, int]:
-    """Bytes one block keeps with selective activation checkpointing (techniques._SAVED_BY_SELECTIVE): its input and
-    the outputs of its matmuls and of attention, which are what is expensive to recompute. The element-wise work
-    (LayerNorm, GELU, softmax, the causal mask, dropout, autocast's weight casts) is recomputed in backward, so none of
-    its inputs or outputs are kept. residual_bytes: bytes of the block input (the fp32 residual stream under
-    autocast)."""
-    B, sbh = value_bytes, s * b * h
-    terms = {
-        "block input (sbh)": sbh * (B if residual_bytes is None else residual_bytes),
-        "QKV matmul output (3 x sbh)": 3 * sbh * B,
-    }
-    if attention == "naive":
-        terms["QK^T matmul output (a s^2 b)"] = a * s * s * b * B
-        terms["softmax x V matmul output (sbh)"] = sbh * B
-    elif attention == "sdpa":
-        terms["attention output (sbh)"] = sbh * B
-        terms["softmax logsumexp (b a s, fp32)"] = b * a * s * 4
-    else:
-        raise ValueError(f"attention={attention!r} is not 'naive' or 'sdpa'")
-    terms["attention projection output (sbh)"] = sbh * B
-    terms["MLP first matmul output (4 x sbh)"] = 4 * sbh * B
-    terms["MLP second matmul output (sbh)"] = sbh * B
-    return terms
-
-
 def weight_copy_bytes(m: ModelConfig) -> int:
     """Under autocast a matmul multiplies 16-bit copies of its fp32 weight and bias, and keeps them for backward:
     one block's four Linear layers have 12h^2 weights and 9h biases, 2 bytes each. (The fp32 weights themselves are
@@ -240,25 +218,9 @@ def logits_terms(b: int, s: int, vocab: int) -> dict[str, int]:
     }
 
 
-def _precision(cfg: TrainConfig) -> tuple[bool, int]:
-    """(autocast?, bytes of an activation): autocast makes the matmuls' outputs 16-bit; fp32 and tf32 keep 4 bytes."""
-    autocast = cfg.precision in techniques.AUTOCAST_DTYPES
-    return autocast, BYTES[cfg.precision]  # the 16-bit formats autocast runs in, or the fp32 values of fp32 and tf32
-
-
 def _mask_bytes(cfg: TrainConfig) -> int:
     """Bytes per dropout-mask value: 1 on CUDA (a bool mask), the values' dtype on a CPU (PyTorch's CPU dropout)."""
     return _precision(cfg)[1] if torch.device(cfg.device).type == "cpu" else 1
-
-
-def _attention(cfg: TrainConfig) -> tuple[str, bool]:
-    """(what attention keeps, "naive" or "sdpa"; whether it keeps a bool causal mask). SDPA with dropout has no fused
-    CPU kernel: it falls back to its math path, which keeps what naive attention keeps (the probabilities, the dropout
-    mask and output) but the causal mask, which it adds as a float bias instead of keeping it."""
-    m = cfg.model
-    if m.attention == "sdpa" and m.dropout > 0 and torch.device(cfg.device).type == "cpu":
-        return "naive", False
-    return m.attention, m.attention == "naive"
 
 
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
@@ -286,14 +248,8 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
             s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask, output_input_bytes=out_input
         ).values()
     )
-    ck = cfg.activation_checkpointing
-    if ck == "full":
-        kept = s * b * h * (4 if autocast else vb)  # the block's input, the fp32 residual stream
-    elif ck == "selective":
-        kept = sum(selective_activation_terms(s, b, h, a, vb, attention, residual_bytes=4).values())
-    else:
-        kept = layer
-    recompute = 0 if ck == "none" else layer
+    # the block's input, the residual stream, is fp32 under autocast too
+    kept, recompute = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=4)
     return {
         "per layer": layer,
         "kept per layer": kept,
@@ -349,7 +305,7 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
         mlp["its 16-bit copy for the matmul's backward (sbh)"] = ("other", X * 2)
     mlp["gradient of the GELU output (4 sbh)"] = ("other", 4 * X * B)
     # a temporary added into .grad, or .grad itself where zero_grad(set_to_none=True) left none
-    fresh_grads = cfg.set_to_none and cfg.grad_accum_steps == 1
+    fresh_grads = not gradients_before_backward(cfg)
     mlp["weight gradient of the MLP's second matmul (4h^2)"] = ("gradients" if fresh_grads else "other", 4 * h * h * B)
     points = {"MLP backward": mlp}
     if attention != "naive":
@@ -434,8 +390,6 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast, B = _precision(cfg)
-    # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
-    c = T if k == 1 else -(-T // k)
 
     fwd: dict[str, tuple[str, int]] = {}
     # without checkpointing the blocks keep these copies: activations
@@ -459,22 +413,8 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
             terms[name] = ("logits" if i == 0 else "other", nbytes)
         return {"forward: the loss": fwd, "start of backward": terms}
 
-    kept = {
-        "input gradient, made in forward and kept (T h fp32)": ("activations", T * h * 4),
-        "weight gradient, made in forward and kept (V h fp32)": ("activations", V * h * 4),
-    }
-    fwd["the output layer's input, the final LayerNorm's output (T h fp32)"] = ("activations", T * h * 4)
-    fwd.update(kept)
-    fwd["the slice's per-token numbers (target, mask, target logit, max, sum)"] = ("logits", c * (8 + 1 + 4 + 4 + 4))
-    if autocast:
-        fwd["16-bit copy of the output layer's weight (V h), autocast's cache"] = ("logits", V * h * 2)
-        fwd["the slice's 16-bit logits (c V)"] = ("logits", c * V * 2)
-        fwd["the slice's softmax - onehot, fp32 and 16-bit (c V)"] = ("logits", c * V * (4 + 2))
-        fwd["the slice's weight-gradient share, 16-bit and fp32 (V h)"] = ("logits", V * h * (2 + 4))
-    else:  # the fp32 logits become softmax - onehot in place
-        fwd["the slice's logits, then softmax - onehot in place (c V fp32)"] = ("logits", c * V * 4)
-        fwd["the slice's weight-gradient share (V h fp32)"] = ("logits", V * h * 4)
-    back = {**kept, "the two gradients times the loss's gradient (T h + V h fp32)": ("other", (T + V) * h * 4)}
+    slice_fwd, back = chunked_loss_terms(T, h, V, k, autocast)
+    fwd.update(slice_fwd)
     return {"forward: a loss slice": fwd, "start of backward": back}
 
 
@@ -495,7 +435,7 @@ def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     L, h, V = m.n_layer, m.n_embd, m.padded_vocab_size
     st = static_bytes(count_params(m), cfg.optimizer, 4, count_param_tensors(m))
     act = activation_bytes(cfg)
-    grads_before = 0 if (cfg.set_to_none and cfg.grad_accum_steps == 1) else st["gradients"]
+    grads_before = st["gradients"] if gradients_before_backward(cfg) else 0
     static = {
         "parameters": ("parameters", st["parameters"]),
         "optimizer state": ("optimizer state", st["optimizer state"]),

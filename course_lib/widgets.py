@@ -18,7 +18,7 @@ What a runner measured for its own plots beyond a RunResult's fields goes in `Ru
 numbers and lists), so that it is in `panel.results` and its saved file too: `result.with_details(**details)`.
 
 The code: under the plots, a collapsed "Code" section shows what the current configuration changes in the exported
-training script against naive fp32 (course_lib.export.diff_html against config.naive of the panel's base), redrawn
+training script against naive fp32 (course_lib.export.diff_html against techniques.naive of the panel's base), redrawn
 whenever a control changes while it is open; "Export this configuration" writes that script (export.script) next to
 the notebook. A runner whose runs are not the config as it stands (the strategies of notebooks 07 and 08) says what its
 runs train with an attribute `runner.export_config(cfg, **extras) -> TrainConfig` (or raises ConfigError: not
@@ -39,17 +39,17 @@ from typing import Callable, Sequence
 import ipywidgets as W
 from IPython.display import display
 
-from . import config as C, export
+from . import config as C, export, techniques as T
 from .capabilities import capabilities
 from .measure import device_name
 from .plots import PlotSpec, figure_png, plot_results
 from .results import RunResult, html_table, provenance, save_results, table_rows
 
-MODEL_FIELDS = tuple(t.name for t in C.TECHNIQUES if t.field.startswith("model."))
-# Every technique of config.TECHNIQUES gets its control (compile's mode beside compile), then the run's sizes: a new
+MODEL_FIELDS = tuple(t.name for t in T.TECHNIQUES if t.field.startswith("model."))
+# Every technique of techniques.TECHNIQUES gets its control (compile's mode beside compile), then the run's sizes: a new
 # technique appears on the default panel without an edit here.
 _TECHNIQUE_CONTROLS = tuple(
-    n for t in C.TECHNIQUES for n in ((t.name, "compile_mode") if t.name == "compile" else (t.name,))
+    n for t in T.TECHNIQUES for n in ((t.name, "compile_mode") if t.name == "compile" else (t.name,))
 )
 ALL_CONTROLS = ("preset", *_TECHNIQUE_CONTROLS, "batch_size", "grad_accum_steps", "context", "steps")
 
@@ -71,8 +71,8 @@ SLIDERS: dict[str, tuple] = {
     "timing_warmup": (0, 10, 1),
     "eval_every": (0, 50, 1),
 }
-# A technique's label and choices come from its declaration (course_lib.config.TECHNIQUES); the other fields' here.
-CHOICES: dict[str, tuple] = {t.name: t.choices for t in C.TECHNIQUES if t.choices}
+# A technique's label and choices come from its declaration (course_lib.techniques.TECHNIQUES); the other fields' here.
+CHOICES: dict[str, tuple] = {t.name: t.choices for t in T.TECHNIQUES if t.choices}
 CHOICES["loss_scale_init"] = tuple(2.0**e for e in range(0, 41))
 # How a value is written in a dropdown and in a run's label (default: str).
 FORMATS: dict[str, Callable[[object], str]] = {"loss_scale_init": lambda v: f"2^{math.log2(v):g}"}
@@ -88,7 +88,7 @@ LABELS = {
     "loss_scale_init": "loss scale start",
     "loss_scale_growth_interval": "scale growth interval",
     "data_parallel": "data parallel",
-    **{t.name: t.label for t in C.TECHNIQUES},
+    **{t.name: t.label for t in T.TECHNIQUES},
 }
 
 
@@ -231,7 +231,7 @@ class Panel:
     def code_diff(self) -> str:
         """What the current configuration changes in the exported script against naive fp32, as HTML (or why not)."""
         try:
-            return export.diff_html(C.naive(self.base), self.export_target(), "naive fp32 -> this configuration")
+            return export.diff_html(T.naive(self.base), self.export_target(), "naive fp32 -> this configuration")
         except (C.ConfigError, ValueError) as e:
             return (
                 "<span style='color:#c44e52'>No script for this configuration: "

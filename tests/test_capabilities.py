@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from course_lib import capabilities as K, config as C
+from course_lib import capabilities as K, config as C, techniques as T
 from course_lib.ladder import ladder_configs
 from course_lib.results import RunResult, table_rows
 
@@ -245,10 +245,10 @@ def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, na
         assert "precision=bf16" in caps.unavailable()  # the panel disables it, a config asking for it is refused
     else:
         assert info["bf16"] == "yes: bf16 tensor cores (compute capability %d.%d)" % cc
-    # the ladder's precision rung reads the same answer (config.rung_up): fp16 with loss scaling on Volta and Turing
+    # the ladder's precision rung reads the same answer (techniques.rung_up): fp16 with loss scaling on Volta and Turing
     cfg = tiny(device="cuda")
-    (rung16,) = [r for r in C.LADDER if r.value == C.FAST_16BIT]
-    up = C.rung_up(cfg, rung16, caps)
+    (rung16,) = [r for r in T.LADDER if r.value == T.FAST_16BIT]
+    up = T.rung_up(cfg, rung16, caps)
     if rung is None:
         assert isinstance(up, C.ConfigError) and "no bf16 tensor cores" in str(up)
     else:

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from course_lib import config as C, export, ladder as L
+from course_lib import config as C, export, ladder as L, techniques as T
 from course_lib.__main__ import main as cli
 
 
@@ -34,7 +34,7 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
-    names = [r.name for r in C.LADDER]
+    names = [r.name for r in T.LADDER]
     for name in names + [L.OPTIMISED]:
         assert name in proc.stdout
     assert "vs best so far" in proc.stdout and "peak GiB" in proc.stdout and "ms/step min-med-max" in proc.stdout

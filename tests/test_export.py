@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import config as C, data, export, train
+from course_lib import config as C, data, export, techniques as T, train
 from course_lib.__main__ import main as cli
 from course_lib.capabilities import capabilities
 from course_lib.doctor import check_config
@@ -35,8 +35,8 @@ COMPILE_RTOL = 1e-5  # compiled kernels may sum in another order: |loss_script -
 
 def everything_on(cfg: C.TrainConfig) -> C.TrainConfig:
     """The ladder's top rung without asking the device (every rung's value, in order)."""
-    cfg = C.naive(cfg)
-    for rung in C.LADDER:
+    cfg = T.naive(cfg)
+    for rung in T.LADDER:
         cfg = rung.apply(cfg)
     return cfg
 
@@ -293,12 +293,12 @@ def test_every_config_field_is_declared_once():
     declared = list(export.SNIPPETS) + [r for reads in export.FIELDS_READ.values() for r in reads]
     declared += list(export.RUN_FIELDS) + list(export.NOT_EXPORTED)
     assert sorted(declared) == sorted(names)
-    assert {t.field for t in C.TECHNIQUES} <= set(export.SNIPPETS)
+    assert {t.field for t in T.TECHNIQUES} <= set(export.SNIPPETS)
 
 
 # What each technique's rung puts into the script; none of these is in the naive script.
 MARKERS = {
-    "precision": {"tf32": 'fp32_precision = "tf32"', C.FAST_16BIT: "torch.autocast("},
+    "precision": {"tf32": 'fp32_precision = "tf32"', T.FAST_16BIT: "torch.autocast("},
     "model.attention": "scaled_dot_product_attention",
     "compile": "torch.compile(",
     "model.vocab_multiple": "padded_vocab_size",
@@ -335,15 +335,15 @@ OFF_WORDS = (
 
 
 def test_the_naive_script_holds_no_technique():
-    text = export.script(C.naive(BASE))
+    text = export.script(T.naive(BASE))
     assert [w for w in OFF_WORDS if w in text] == []
 
 
-@pytest.mark.parametrize("rung", [r for r in C.LADDER if r.technique], ids=lambda r: r.name)
+@pytest.mark.parametrize("rung", [r for r in T.LADDER if r.technique], ids=lambda r: r.name)
 def test_each_rung_adds_its_technique(rung):
     t = rung.technique
     marker = MARKERS[t.field][rung.value] if isinstance(MARKERS[t.field], dict) else MARKERS[t.field]
-    naive, on = C.naive(BASE), rung.apply(C.naive(BASE))
+    naive, on = T.naive(BASE), rung.apply(T.naive(BASE))
     assert marker not in export.script(naive) and marker in export.script(on)
     changed = export.diff(naive, on)
     assert marker in changed and changed.startswith("--- a/train.py\n+++ b/train.py\n")
@@ -500,7 +500,7 @@ def test_the_script_finds_the_ranks_file_as_course_lib_data_does(tmp_path):
 def test_diff_html_shows_exactly_the_lines_a_technique_adds(tiny):
     import html as html_mod
 
-    naive = C.naive(tiny())
+    naive = T.naive(tiny())
     bf16 = dataclasses.replace(naive, precision="bf16")
     text = export.diff(naive, bf16)
     added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
@@ -565,8 +565,8 @@ def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdi
     from course_lib.ladder import OPTIMISED
     from course_lib.results import RunResult
 
-    results, best, not_kept = [], C.naive(BASE), {"+ 16-bit autocast", "+ vocab to x64"}
-    for i, rung in enumerate(C.LADDER):
+    results, best, not_kept = [], T.naive(BASE), {"+ 16-bit autocast", "+ vocab to x64"}
+    for i, rung in enumerate(T.LADDER):
         if rung.name == "+ compile":
             results.append(RunResult(rung.name, "skipped", {}, {"device": "test"}, reason="left out for the test"))
             continue
@@ -601,7 +601,7 @@ def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdi
         )
     )
     page = export.ladder_diffs(results).data
-    assert page.count("<details") == len(C.LADDER) and "left out for the test" in page
+    assert page.count("<details") == len(T.LADDER) and "left out for the test" in page
     sdpa = page[page.index("+ sdpa (flash)</b>") : page.index("+ compile</b>")]
     assert "kept: made up; 4,000 tokens/s (4.00x naive), peak 0.2500 GiB (0.25x naive" in sdpa
     # measured against naive + tf32, not against the 16-bit rung, which was not kept

@@ -12,10 +12,14 @@ PACKAGE = Path(course_lib.__file__).parent
 
 # Bottom to top. A module may import from its own layer or those below; a new module must be placed here.
 LAYERS = (
-    ("base", "cache timing tf32 bpe budget config distributed distributed.zero"),
+    ("base", "cache timing tf32 bpe budget config codegen distributed distributed.zero"),
     ("device", "capabilities"),
     ("model and data", "model data moe"),
-    ("measurement and techniques", "measure techniques"),
+    (
+        "measurement and techniques",
+        "measure techniques "
+        + " ".join(f"techniques.{p.stem}" for p in (PACKAGE / "techniques").glob("*.py") if p.stem != "__init__"),
+    ),
     ("results", "results plots"),
     (
         "the loop and the notebooks' helpers",

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from course_lib import config as C, ladder as L
+from course_lib import config as C, ladder as L, techniques as T
 from course_lib.capabilities import Support, capabilities
 from course_lib.results import RunResult, provenance
 
@@ -168,7 +168,7 @@ def test_the_optimised_loop_is_naive_plus_the_kept_rungs_and_is_timed_against_na
         8,
     )
     assert not cfg.fused_adamw and cfg.model.vocab_multiple == 1  # no change on this device: not kept
-    expected = speed(C.naive(cfg), "avx2 laptop") / speed(cfg, "avx2 laptop")
+    expected = speed(T.naive(cfg), "avx2 laptop") / speed(cfg, "avx2 laptop")
     assert last.ladder["factor"] == pytest.approx(expected, rel=0.04) and len(last.ladder["pairs"]) >= L.MIN_PAIRS
     assert "not kept: 16-bit autocast" in L.verdict(results)
 
@@ -191,7 +191,7 @@ def test_a_memory_rung_is_timed_against_naive_not_through_the_product_of_noisy_f
         trainer = StandInTrainer(cfg)
         loops.append(L._Loop(trainer, trainer.fit(str(cfg.loss_chunks), lambda *_: None), speedup))
     naive_loop, best = loops
-    rung = next(r for r in C.LADDER if r.name == "+ checkpointing")
+    rung = next(r for r in T.LADDER if r.name == "+ checkpointing")
     trainer = StandInTrainer(dataclasses.replace(best_cfg, activation_checkpointing="full"))  # 1.25x slower again
     result = trainer.fit(rung.name, lambda *_: None)
     pairs = [(best.trainer.step(), trainer.step()) for _ in range(4)]
@@ -213,7 +213,7 @@ def test_a_memory_rung_is_timed_against_naive_not_through_the_product_of_noisy_f
 def test_on_a_gpu_with_bf16_tensor_cores_every_speed_rung_helps_and_is_kept(climb):
     results = climb("gpu", native_16bit=True)
     speed_rungs = [
-        r for r in results[1:-1] if r.ladder.get("aims") and C.SPEED in r.ladder["aims"] and r.label != "+ tf32"
+        r for r in results[1:-1] if r.ladder.get("aims") and T.SPEED in r.ladder["aims"] and r.label != "+ tf32"
     ]
     assert speed_rungs and all(r.ladder["kept"] for r in speed_rungs), [(r.label, r.ladder["why"]) for r in speed_rungs]
     assert L.optimised_config(results).precision == "bf16"
@@ -239,14 +239,14 @@ def test_one_slow_step_does_not_decide():
 @pytest.mark.parametrize(
     "aims, speed_verdict, mem, kept",
     [
-        ((C.SPEED,), L.FASTER, L.FATTER, True),  # a speed technique is kept for speed, its memory cost said
-        ((C.SPEED,), L.NO_CHANGE, L.LEANER, False),
-        ((C.SPEED, C.MEMORY), L.NO_CHANGE, L.LEANER, True),  # SDPA: leaner at no cost
-        ((C.SPEED, C.MEMORY), L.SLOWER, L.NO_CHANGE, False),
-        ((C.SPEED, C.MEMORY), L.FASTER, L.FATTER, False),  # both are its aims: it helped one and hurt the other
-        ((C.SPEED, C.MEMORY), L.SLOWER, L.LEANER, False),
-        ((C.MEMORY,), L.SLOWER, L.LEANER, True),
-        ((C.MEMORY,), L.FASTER, L.NO_CHANGE, False),
+        ((T.SPEED,), L.FASTER, L.FATTER, True),  # a speed technique is kept for speed, its memory cost said
+        ((T.SPEED,), L.NO_CHANGE, L.LEANER, False),
+        ((T.SPEED, T.MEMORY), L.NO_CHANGE, L.LEANER, True),  # SDPA: leaner at no cost
+        ((T.SPEED, T.MEMORY), L.SLOWER, L.NO_CHANGE, False),
+        ((T.SPEED, T.MEMORY), L.FASTER, L.FATTER, False),  # both are its aims: it helped one and hurt the other
+        ((T.SPEED, T.MEMORY), L.SLOWER, L.LEANER, False),
+        ((T.MEMORY,), L.SLOWER, L.LEANER, True),
+        ((T.MEMORY,), L.FASTER, L.NO_CHANGE, False),
     ],
 )
 def test_judge(aims, speed_verdict, mem, kept):
@@ -272,10 +272,10 @@ def test_an_option_sets_its_techniques_last_rung_only(tiny):
     """--set precision=fp16 is what the 16-bit rung takes; TF32's rung stays TF32."""
     from course_lib.capabilities import capabilities
 
-    caps, cfg = capabilities("cpu"), C.naive(tiny())
-    tf32, sixteen = (next(r for r in C.LADDER if r.name == n) for n in ("+ tf32", "+ 16-bit autocast"))
-    assert C.rung_up(cfg, tf32, caps, {"precision": "fp16"}).precision == "tf32"
-    assert C.rung_up(cfg, sixteen, caps, {"precision": "fp16"}).precision == "fp16"
+    caps, cfg = capabilities("cpu"), T.naive(tiny())
+    tf32, sixteen = (next(r for r in T.LADDER if r.name == n) for n in ("+ tf32", "+ 16-bit autocast"))
+    assert T.rung_up(cfg, tf32, caps, {"precision": "fp16"}).precision == "tf32"
+    assert T.rung_up(cfg, sixteen, caps, {"precision": "fp16"}).precision == "fp16"
 
 
 def test_the_best_loop_failing_while_paired_is_not_the_rungs_fault(climb, monkeypatch):
@@ -300,5 +300,5 @@ def test_the_best_loop_failing_while_paired_is_not_the_rungs_fault(climb, monkey
 
 
 def test_a_rung_without_a_single_pair_is_judged_too_few_not_a_crash():
-    kept, why = L.judge((C.SPEED,), L.speed_change([]), (None, L.NOT_MEASURED))
+    kept, why = L.judge((T.SPEED,), L.speed_change([]), (None, L.NOT_MEASURED))
     assert not kept and why == f"not kept: {L.TOO_FEW}"

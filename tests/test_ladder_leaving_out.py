@@ -3,7 +3,7 @@ made-up timings are in test_ladder.py."""
 
 import pytest
 
-from course_lib import config as C
+from course_lib import config as C, techniques as T
 from course_lib.ladder import OPTIMISED, ladder_configs, optimised_config, run_ladder, rungs_of
 
 
@@ -15,29 +15,29 @@ def one_block(tiny):
 def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_without_them(one_block):
     why = "left out under the test budget"
     results = run_ladder(one_block, leave_out={"+ compile": why, "+ checkpointing": why})
-    assert [r.label for r in results] == [r.name for r in C.LADDER] + [OPTIMISED]
+    assert [r.label for r in results] == [r.name for r in T.LADDER] + [OPTIMISED]
     by = {r.label: r for r in results}
     for name in ("+ compile", "+ checkpointing"):
         assert by[name].status == "skipped" and by[name].reason == why and by[name].ladder["kept"] is False
     ok = [r for r in rungs_of(results) if r.ok]
-    assert len(ok) == len(C.LADDER) - 2
+    assert len(ok) == len(T.LADDER) - 2
     for r in ok:  # no rung ran with a left-out technique
         assert r.config["compile"] is False and r.config["activation_checkpointing"] == "none"
     # each rung ran on the best loop so far: its config is the kept rungs' plus its own change
     kept = {}
     for r in ok[1:]:
         assert r.ladder["vs"] in [x.label for x in ok] and r.ladder["why"].startswith(("kept", "not kept"))
-        for t in C.TECHNIQUES:
+        for t in T.TECHNIQUES:
             value = t.value(C.TrainConfig.from_dict(r.config))
             if r.label in [name for name, _, _ in t.rungs]:
                 continue
             assert value == kept.get(t.name, t.off), (r.label, t.name)
         if r.ladder["kept"]:
-            for t in C.TECHNIQUES:
+            for t in T.TECHNIQUES:
                 if r.label in [name for name, _, _ in t.rungs]:
                     kept[t.name] = t.value(C.TrainConfig.from_dict(r.config))
     final = optimised_config(results)
-    assert {t.name: t.value(final) for t in C.TECHNIQUES} == {t.name: kept.get(t.name, t.off) for t in C.TECHNIQUES}
+    assert {t.name: t.value(final) for t in T.TECHNIQUES} == {t.name: kept.get(t.name, t.off) for t in T.TECHNIQUES}
 
 
 def test_a_name_that_is_not_a_rung_is_an_error_and_naive_cannot_be_left_out(one_block):
@@ -102,9 +102,9 @@ def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
             assert math.isclose(r.ladder["speedup"], direct.factor), r.label
         change = speed_change([tuple(p) for p in r.ladder["pairs"]])
         assert change.verdict == r.ladder["speed"] and math.isclose(change.factor, r.ladder["factor"]), r.label
-        if r.ladder["kept"] and r.ladder["aims"] == [C.SPEED]:
+        if r.ladder["kept"] and r.ladder["aims"] == [T.SPEED]:
             assert change.verdict == FASTER and change.low > 1, r.label
-        if r.ladder["kept"] and r.ladder["aims"] == [C.MEMORY]:
+        if r.ladder["kept"] and r.ladder["aims"] == [T.MEMORY]:
             assert r.ladder["memory"] == LEANER and r.ladder["speedup"] >= 1 - MIN_SPEED_CHANGE, r.label
         if not r.ladder["kept"] and r.stopped_early.startswith("stopped after"):
             assert r.ladder["speed"] == SLOWER and r.memory is None, r.label

@@ -3,15 +3,15 @@ the package keeps, explicit and tested (issue 32)."""
 
 import torch
 
-from course_lib import config as C, export, widgets
+from course_lib import config as C, export, techniques as T, widgets
 
 
 def test_every_technique_has_a_control_on_the_default_panel():
-    assert {t.name for t in C.TECHNIQUES} <= set(widgets.ALL_CONTROLS)
+    assert {t.name for t in T.TECHNIQUES} <= set(widgets.ALL_CONTROLS)
 
 
 def test_every_technique_has_an_export_snippet():
-    assert {t.field for t in C.TECHNIQUES} <= set(export.SNIPPETS) | set(export.NOT_EXPORTED)
+    assert {t.field for t in T.TECHNIQUES} <= set(export.SNIPPETS) | set(export.NOT_EXPORTED)
 
 
 # ---- the two pieces of global state, explicit and tested ---------------------------------------------------------

@@ -188,7 +188,7 @@ def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
 def test_clipping_off_is_a_no_op_and_a_bad_kind_is_refused(tiny_model):
     m = tiny_model()
     # clip_norm=None
-    assert T.build(C.TrainConfig(model=m.config, context=32, clip_kind="per_tensor"), m).clip is T._no_clip
+    assert T.build(C.TrainConfig(model=m.config, context=32, clip_kind="per_tensor"), m).clip is T.clipping._no_clip
     with pytest.raises(C.ConfigError, match="clip_kind='layerwise' is not one of 'global', 'per_tensor'"):
         C.TrainConfig(clip_kind="layerwise")
 

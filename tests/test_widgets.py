@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from course_lib import config as C, widgets
+from course_lib import config as C, techniques as T, widgets
 from course_lib.results import RunResult
 
 
@@ -249,7 +249,7 @@ def test_the_code_view_follows_the_controls_while_open(panel):
     panel.set(precision="bf16")
     assert panel.code_view.value != naive_text and "torch.autocast(" in panel.code_view.value
     assert panel.code_view.value == export.diff_html(
-        C.naive(panel.base), panel.config(), "naive fp32 -> this configuration"
+        T.naive(panel.base), panel.config(), "naive fp32 -> this configuration"
     )
     panel.set(attention="sdpa")
     assert "scaled_dot_product_attention" in panel.code_view.value and "torch.autocast(" in panel.code_view.value

@@ -1,0 +1,138 @@
+"""The techniques, one module each, and the registry the rest of the course iterates over.
+
+Each module holds everything about its technique: its declaration (config field, label, help, off value, ladder
+rungs, panel choices: a `Technique` or, for what every run has, a `Setting`), how it applies to the model and the step,
+its term in the memory estimate, and its piece of the exported script, rendered from the same runtime code.
+
+    TECHNIQUES   the speed and memory techniques, in ladder order: the ladder (LADDER), naive(), the panel's
+                 controls and the device checks iterate over them
+    BUILD_ORDER  every declaration, in the order assemble.build applies them: the exporter writes the script's
+                 pieces in this order
+
+Adding a technique: one module here with its `TECHNIQUE`, listed in TECHNIQUES and BUILD_ORDER, and its test
+(CONTRIBUTING.md shows it on activation checkpointing).
+"""
+
+from __future__ import annotations
+
+from ..config import ConfigError, TrainConfig
+from . import (
+    activation_checkpointing,
+    chunked_loss,
+    clipping,
+    data_parallel,
+    fused_adamw,
+    fused_attention,
+    grad_accumulation,
+    lr_schedule,
+    mixed_precision,
+    optimizer,
+    set_to_none,
+    torch_compile,
+    vocab_padding,
+)
+
+# The modules' public names, for `techniques.X` (course_lib.train, the notebooks and the tests use them).
+from .activation_checkpointing import (  # noqa: F401
+    CHECKPOINTED_BLOCKS,
+    CheckpointedBlock,
+    SelectiveCheckpointedBlock,
+    apply_activation_checkpointing,
+)
+from .assemble import Setup, build, optimizer_step  # noqa: F401
+from .chunked_loss import HeadLossInSlices, LossModule, loss_sum  # noqa: F401
+from .clipping import clip_by_global_norm, clip_by_tensor_norm, make_clipper  # noqa: F401
+from .data_parallel import SyncOnLastMicroBatch, shard_with_fsdp2, wrap_data_parallel  # noqa: F401
+from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Setting, Technique  # noqa: F401
+from .grad_accumulation import accumulate_micro_batches  # noqa: F401
+from .lr_schedule import (  # noqa: F401
+    constant_lr,
+    exponential_gamma,
+    exponential_lr,
+    inverse_sqrt_lr,
+    lr_at,
+    make_scheduler,
+    step_decay_lr,
+    warmup_cosine_lr,
+    wsd_lr,
+)
+from .mixed_precision import AUTOCAST_DTYPES, autocast_context, make_grad_scaler, matmul_precision  # noqa: F401
+from .model_parts import ModelParts  # noqa: F401
+from .optimizer import make_optimizer, optimizer_for, param_groups  # noqa: F401
+
+TECHNIQUES: tuple[Technique, ...] = (
+    mixed_precision.TECHNIQUE,
+    fused_attention.TECHNIQUE,
+    torch_compile.TECHNIQUE,
+    vocab_padding.TECHNIQUE,
+    fused_adamw.TECHNIQUE,
+    set_to_none.TECHNIQUE,
+    chunked_loss.TECHNIQUE,
+    activation_checkpointing.TECHNIQUE,
+)
+TECHNIQUE = {t.name: t for t in TECHNIQUES}
+
+BUILD_ORDER: tuple[Technique | Setting, ...] = (
+    activation_checkpointing.TECHNIQUE,
+    data_parallel.SETTING,
+    fused_attention.TECHNIQUE,
+    vocab_padding.TECHNIQUE,
+    chunked_loss.TECHNIQUE,
+    torch_compile.TECHNIQUE,
+    optimizer.SETTING,
+    fused_adamw.TECHNIQUE,
+    lr_schedule.SETTING,
+    mixed_precision.TECHNIQUE,
+    clipping.SETTING,
+    set_to_none.TECHNIQUE,
+    grad_accumulation.SETTING,
+)
+
+
+# ---- the ladder, derived from the declarations -----------------------------------------------------------------
+
+# naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
+LADDER: tuple[Rung, ...] = (
+    Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
+    *(Rung(name, what, t, value) for t in TECHNIQUES for name, value, what in t.rungs),
+)
+
+
+def naive(cfg: TrainConfig) -> TrainConfig:
+    """The naive baseline of any config: every technique off."""
+    for t in TECHNIQUES:
+        cfg = t.set(cfg, t.off)
+    return cfg
+
+
+def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
+    """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
+    if unknown := [k for k in options or {} if k not in TECHNIQUE]:
+        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(TECHNIQUE)}")
+    if unknown := [n for n in leave_out or {} if n not in [r.name for r in LADDER]]:
+        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
+    if LADDER[0].name in (leave_out or {}):
+        raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
+
+
+def rung_option(rung: Rung, options: dict | None):
+    """What `options` {technique: value} make `rung` set instead of its own value, or None. An option replaces what its
+    technique's last rung sets (precision=fp16: the 16-bit rung's format, not TF32's)."""
+    last = rung.technique is not None and rung is [r for r in LADDER if r.technique is rung.technique][-1]
+    return (options or {}).get(rung.technique.name) if last else None
+
+
+def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
+    """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities, or None for a device not on
+    this machine: applied unchecked, FAST_16BIT as bf16) resolves it: FAST_16BIT becomes
+    the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
+    `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
+    value = rung_option(rung, options)
+    if caps is not None and value is None and rung.value == FAST_16BIT:
+        value = caps.fast_16bit()[0] or "bf16"
+    try:
+        up = rung.apply(cfg, value)  # a combination no device can run raises here (fused AdamW without AdamW)
+        # caps None: a device this machine does not have (a GPU config written on a laptop), not checked further
+        return up if caps is None else caps.require(up)
+    except ConfigError as e:
+        return e

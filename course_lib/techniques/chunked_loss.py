@@ -1,0 +1,182 @@
+"""The chunked loss: the output layer and the cross-entropy on slices of the tokens, each slice's gradients made in
+the forward pass (`HeadLossInSlices`), so that only one slice of the (tokens x vocab) logits exists at a time and
+nothing is recomputed. `LossModule` is the model and its loss as one module (what compile traces), chunked or not.
+
+Its memory term (`memory_terms`): one slice's logits instead of three (tokens x vocab) fp32 tensors, and the two
+gradients it makes in forward and keeps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..codegen import Code, source
+from ..config import ConfigError, TrainConfig
+from ..data import IGNORE_INDEX
+from .declaration import MEMORY, Technique
+from .model_parts import ModelParts
+
+
+def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class HeadLossInSlices(torch.autograd.Function):
+    """The output layer and the summed cross-entropy of `hidden` (T, d), one slice of `chunks` at a time, each slice's
+    gradients computed in the forward pass: only one slice of the (T, V) logits ever exists, and nothing is recomputed
+    (backward scales the two kept gradients by the loss's own gradient, a number: the loop's 1/targets and loss scale).
+
+    Per slice of c tokens: the logits, head(h) (c, V), a 16-bit matmul under autocast; in fp32 the loss, log-sum-exp
+    minus the target's logit, and its gradient with respect to the logits, softmax - onehot (zero for padding); that
+    gradient, in the matmul's dtype as autograd would carry it, times the weight is the slice's input gradient (c, d),
+    and its transpose times the input is the slice's share of the weight gradient (V, d). The FLOPs are those of the
+    plain loss's forward and backward; the memory is one slice's logits instead of three (T, V) fp32 tensors."""
+
+    @staticmethod
+    def forward(
+        ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, head: nn.Module, chunks: int
+    ) -> torch.Tensor:
+        # this function makes the gradients itself: its slices are plain tensors (no autograd history)
+        hidden = hidden.detach()
+        grad_hidden = torch.empty_like(hidden)  # (T, d), filled slice by slice
+        grad_weight = torch.zeros_like(weight)  # (V, d), the slices' shares summed
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for h, t, gh in zip(hidden.chunk(chunks), targets.chunk(chunks), grad_hidden.chunk(chunks)):
+            logits = head(h)  # (c, V), 16-bit under autocast
+            # the loss in fp32: a copy of 16-bit logits, or the fp32 logits themselves, used up in place
+            p = logits.float()
+            valid = t != IGNORE_INDEX  # (c,)
+            t0 = t.clamp(min=0)[:, None]  # (c, 1): padding's index made a valid one; its row is zeroed below
+            picked = p.gather(1, t0).squeeze(1)  # the target's logit (c,)
+            m = p.amax(dim=-1, keepdim=True)  # (c, 1): exp never overflows
+            p.sub_(m).exp_()
+            s = p.sum(dim=-1, keepdim=True)
+            total = total + ((m.squeeze(1) + s.log().squeeze(1) - picked) * valid).sum()  # log-sum-exp - target logit
+            # softmax - onehot; 0 on padding
+            p.div_(s).scatter_add_(1, t0, -valid[:, None].to(p.dtype)).mul_(valid[:, None])
+            g = p.to(logits.dtype)  # d loss / d logits (c, V), in the matmul's dtype
+            gh.copy_(g @ weight)  # (c, d)
+            grad_weight += (g.t() @ h).float()  # (V, d)
+            del logits, p, g  # this slice's (c, V) tensors go before the next slice makes its own
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None
+
+
+class LossModule(nn.Module):
+    """Model and loss as one module: inputs and targets in, summed loss out.
+
+    Compiling this (not just the model) lets the compiler fuse the cross-entropy too. With loss_chunks > 1 the
+    output layer and the loss run on slices of the tokens (HeadLossInSlices), so only one slice of the
+    (tokens x vocab) logits exists at a time and none is recomputed; that needs the model's body and output layer
+    (`ModelParts`), a linear layer without bias.
+    """
+
+    def __init__(self, model: nn.Module, loss_chunks: int = 1, parts: ModelParts | None = None):
+        super().__init__()
+        self.model, self.loss_chunks = model, loss_chunks
+        self._body, self.head = (parts.body, parts.head) if parts else (None, None)
+        if loss_chunks > 1 and (self._body is None or self.head is None):
+            raise ConfigError(
+                "loss_chunks > 1 needs the model's body and output layer: pass ModelParts(body=..., head=...) "
+                "or set loss_chunks=1"
+            )
+        if loss_chunks > 1 and (not isinstance(self.head, nn.Linear) or self.head.bias is not None):
+            raise ConfigError(
+                "loss_chunks > 1 needs an output layer nn.Linear(..., bias=False): use such a head or set loss_chunks=1"
+            )
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.loss_chunks == 1:
+            return loss_sum(self.model(idx), targets)
+        hidden = self._body(idx)
+        hidden = hidden.reshape(-1, hidden.size(-1))  # (tokens, width)
+        return HeadLossInSlices.apply(hidden, self.head.weight, targets.reshape(-1), self.head, self.loss_chunks)
+
+
+# ---- its memory term -----------------------------------------------------------------------------------------------
+
+
+def memory_terms(tokens: int, h: int, vocab: int, chunks: int, autocast: bool) -> tuple[dict, dict]:
+    """The chunked loss's terms in the memory estimate, as ({term: (ledger category, bytes)} at the worst moment of a
+    forward slice, the same at the start of backward), for `tokens` tokens of width `h`, a (padded) vocabulary of
+    `vocab` and `chunks` slices (course_lib.memory.loss_terms says what each moment holds)."""
+    T, V = tokens, vocab
+    c = -(-T // chunks)  # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
+    fwd: dict[str, tuple[str, int]] = {}
+    kept = {
+        "input gradient, made in forward and kept (T h fp32)": ("activations", T * h * 4),
+        "weight gradient, made in forward and kept (V h fp32)": ("activations", V * h * 4),
+    }
+    fwd["the output layer's input, the final LayerNorm's output (T h fp32)"] = ("activations", T * h * 4)
+    fwd.update(kept)
+    fwd["the slice's per-token numbers (target, mask, target logit, max, sum)"] = ("logits", c * (8 + 1 + 4 + 4 + 4))
+    if autocast:
+        fwd["16-bit copy of the output layer's weight (V h), autocast's cache"] = ("logits", V * h * 2)
+        fwd["the slice's 16-bit logits (c V)"] = ("logits", c * V * 2)
+        fwd["the slice's softmax - onehot, fp32 and 16-bit (c V)"] = ("logits", c * V * (4 + 2))
+        fwd["the slice's weight-gradient share, 16-bit and fp32 (V h)"] = ("logits", V * h * (2 + 4))
+    else:  # the fp32 logits become softmax - onehot in place
+        fwd["the slice's logits, then softmax - onehot in place (c V fp32)"] = ("logits", c * V * 4)
+        fwd["the slice's weight-gradient share (V h fp32)"] = ("logits", V * h * 4)
+    back = {**kept, "the two gradients times the loss's gradient (T h + V h fp32)": ("other", (T + V) * h * 4)}
+    return fwd, back
+
+
+# ---- its piece of the exported script ------------------------------------------------------------------------------
+
+
+def export(cfg: TrainConfig) -> Code:
+    loss_sum_src = source(loss_sum)
+    if cfg.loss_chunks == 1:
+        fn = '''
+def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(b, s) token ids and targets -> the summed loss (a scalar)."""
+    return loss_sum(model(idx), targets)  # logits (b, s, vocab)
+'''
+        return Code(defs=(loss_sum_src, fn.strip() + "\n"))
+    fn = '''
+def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(b, s) token ids and targets -> the summed loss (a scalar), with the output layer and the loss in LOSS_CHUNKS
+    slices of the tokens, each slice's gradients made in forward: only one slice of the (tokens x vocab) logits
+    exists at a time, and backward recomputes nothing."""
+    hidden = model.hidden(idx)  # (b, s, d)
+    hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
+    return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
+'''
+    return Code(
+        constants=(
+            f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",
+        ),
+        defs=(source(HeadLossInSlices), fn.strip() + "\n"),
+    )
+
+
+TECHNIQUE = Technique(
+    "loss_chunks",
+    "loss chunks",
+    1,
+    help="the output layer and the loss in slices of the tokens, gradients made in forward: one slice of logits at "
+    "a time",
+    export=export,
+    rungs=(
+        (
+            "+ chunked loss",
+            8,
+            "output layer and loss in 8 token slices, gradients made in forward: "
+            "one slice of logits at a time, nothing recomputed",
+        ),
+    ),
+    choices=(1, 2, 4, 8, 16),
+    aims=(MEMORY,),
+    memory_term=memory_terms,
+)

@@ -1,0 +1,179 @@
+"""Data parallelism: every process trains the whole model on its own slice of the batch, inside a process group that
+torchrun starts. "ddp": DistributedDataParallel all-reduces the gradients in buckets during backward; "fsdp": FSDP2
+shards every parameter, gradient and optimizer state (ZeRO-3), fully_shard on each block and then the root. With
+accumulation, only the last micro-batch communicates (`SyncOnLastMicroBatch`). Notebook 07 (and course_lib.distributed)
+measure them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..codegen import Code, device_type
+from ..config import ConfigError, TrainConfig
+from .declaration import Setting
+from .model_parts import ModelParts
+
+
+class SyncOnLastMicroBatch(nn.Module):
+    """Data parallelism with gradient accumulation, with no DDP-specific code in the loop: before each training
+    forward it tells the wrapped DDP (or FSDP2) module whether this micro-batch's backward should communicate.
+    Only the last micro-batch of an optimizer step does (what `ddp.no_sync()` does for the others); with
+    `enabled = False` every micro-batch communicates (correct, but more traffic)."""
+
+    def __init__(self, wrapped: nn.Module, accum_steps: int):
+        super().__init__()
+        self.wrapped, self.accum_steps, self.enabled, self.calls = wrapped, accum_steps, True, 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            self.calls += 1
+            sync = (not self.enabled) or self.calls % self.accum_steps == 0
+            if hasattr(self.wrapped, "set_requires_gradient_sync"):  # FSDP2
+                self.wrapped.set_requires_gradient_sync(sync)
+            else:  # DistributedDataParallel: the flag no_sync() toggles
+                self.wrapped.require_backward_grad_sync = sync
+        return self.wrapped(idx)
+
+
+def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -> nn.Module:
+    """The module the loss calls: `model` itself ("none"), or wrapped for DDP / FSDP2 inside an initialised
+    process group (torchrun; see course_lib.distributed). The optimizer keeps `model`'s parameters."""
+    if cfg.data_parallel == "none":
+        return model
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError(
+            f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
+            "(course_lib.distributed.launch) or set data_parallel='none'"
+        )
+    if cfg.loss_chunks != 1:
+        raise ConfigError(
+            "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
+        )
+    dev = torch.device(cfg.device)
+    if cfg.data_parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    else:
+        shard_with_fsdp2(model, parts, dev.type)
+        wrapped = model
+    return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
+
+
+def shard_with_fsdp2(
+    model: nn.Module,
+    parts: ModelParts,
+    device_type: str,
+    reshard_after_forward: bool | None = None,
+    offload: bool = False,
+) -> None:
+    """FSDP2 in place, inside an initialised process group: fully_shard on every block, then on the root (embeddings,
+    final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
+    1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward: None is fully_shard's own
+    default (torch 2.13: free each block's gathered parameters after its forward, keep the root's, which backward
+    needs first); False keeps every gathered parameter from forward to backward (ZeRO-2's memory, one all-gather
+    less); True frees the root's too. offload keeps the shards in CPU memory."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    options = {"offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
+    if reshard_after_forward is not None:
+        options["reshard_after_forward"] = reshard_after_forward
+    for block in parts.blocks if parts.blocks is not None else ():
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+
+
+def export(cfg: TrainConfig) -> Code:
+    if cfg.data_parallel == "none":
+        return Code()
+    cuda = device_type(cfg) == "cuda"
+    started_by_torchrun = (
+        'if "RANK" not in os.environ:  # run with plain python: say how to start it\n'
+        '    sys.exit(f"start this script with torchrun, which starts its processes: '
+        'torchrun --nproc_per_node=2 {sys.argv[0]}")\n'
+    )
+    if cuda:
+        init = (
+            "# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
+            + started_by_torchrun
+            + 'local_rank = int(os.environ["LOCAL_RANK"])\n'
+            'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
+            "torch.cuda.set_device(device)\n"
+            'dist.init_process_group(backend="nccl", device_id=device)  # NCCL: GPU to GPU\n'
+            "rank, world = dist.get_rank(), dist.get_world_size()"
+        )
+        wrap_args = "model, device_ids=[local_rank]"
+    else:
+        init = (
+            "# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
+            + started_by_torchrun
+            + 'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
+            "rank, world = dist.get_rank(), dist.get_world_size()"
+        )
+        wrap_args = "model"
+    imports = ["import os", "import sys", "import torch.distributed as dist"]
+    if cfg.data_parallel == "fsdp":
+        return _fsdp(cfg, init, imports)
+    setup = (
+        "# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
+        "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
+        "# step. Its parameters are the model's own: the optimizer below holds them.\n"
+        f"ddp_model = DistributedDataParallel({wrap_args})"
+    )
+    micro = ""
+    if cfg.grad_accum_steps > 1:
+        micro = (
+            "# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
+            "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
+            "with sync:"
+        )
+    imports += ["from torch.nn.parallel import DistributedDataParallel"] + (["import contextlib"] if micro else [])
+    return Code(
+        imports=tuple(imports),
+        init=init,
+        setup=setup,
+        loss_model="ddp_model",
+        micro_sync=micro,
+        teardown="dist.destroy_process_group()",
+    )
+
+
+def _fsdp(cfg: TrainConfig, init: str, imports: list[str]) -> Code:
+    """FSDP2 (data_parallel="fsdp"), as techniques.shard_with_fsdp2 applies it: fully_shard on every block, then on
+    the root. The model keeps its name: fully_shard turns its parameters into shards in place."""
+    setup = (
+        "# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
+        "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"
+        "# are all-gathered, and freed after it; backward reduce-scatters the gradients, so each process receives\n"
+        "# its own shard's. The parameters are now shards (DTensors): the optimizer below is built on them.\n"
+        f'mesh = init_device_mesh("{device_type(cfg)}", (world,))\n'
+        "for block in model.blocks:\n"
+        "    fully_shard(block, mesh=mesh)\n"
+        "fully_shard(model, mesh=mesh)"
+    )
+    micro = (
+        (
+            "# Only the last micro-batch's backward reduce-scatters; "
+            "the others accumulate unsharded gradients locally.\n"
+            "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)"
+        )
+        if cfg.grad_accum_steps > 1
+        else ""
+    )
+    imports = imports + [
+        "from torch.distributed.device_mesh import init_device_mesh",
+        "from torch.distributed.fsdp import fully_shard",
+    ]
+    return Code(
+        imports=tuple(imports), init=init, setup=setup, micro_start=micro, teardown="dist.destroy_process_group()"
+    )
+
+
+SETTING = Setting("data_parallel", export)

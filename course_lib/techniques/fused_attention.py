@@ -1,0 +1,41 @@
+"""Fused attention: `scaled_dot_product_attention` (model.attention="sdpa") in place of the naive attention that
+writes out the (batch, heads, s, s) scores and probabilities. The model holds both (course_lib.model.ATTENTION_IMPLS)
+and its config picks one; notebook 04 shows what the fused kernel does by hand (a tiled attention with an online
+softmax). Its memory term (`what_attention_keeps`): whether a block keeps the s x s tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import model as model_mod
+from ..codegen import Code, source
+from ..config import TrainConfig
+from .declaration import MEMORY, SPEED, Technique
+
+
+def what_attention_keeps(cfg: TrainConfig) -> tuple[str, bool]:
+    """(what attention keeps, "naive" or "sdpa"; whether it keeps a bool causal mask). SDPA with dropout has no fused
+    CPU kernel: it falls back to its math path, which keeps what naive attention keeps (the probabilities, the dropout
+    mask and output) but the causal mask, which it adds as a float bias instead of keeping it."""
+    m = cfg.model
+    if m.attention == "sdpa" and m.dropout > 0 and torch.device(cfg.device).type == "cpu":
+        return "naive", False
+    return m.attention, m.attention == "naive"
+
+
+def export(cfg: TrainConfig) -> Code:
+    fn = model_mod.ATTENTION_IMPLS[cfg.model.attention]
+    return Code(model_defs=(source(fn),), model_edits=(("ATTENTION_IMPLS[cfg.attention]", fn.__name__),))
+
+
+TECHNIQUE = Technique(
+    "model.attention",
+    "attention",
+    "naive",
+    help="naive attention writes out the s x s scores; scaled_dot_product_attention fuses them away",
+    export=export,
+    rungs=(("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
+    aims=(SPEED, MEMORY),
+    memory_term=what_attention_keeps,
+)

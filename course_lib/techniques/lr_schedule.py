@@ -1,0 +1,128 @@
+"""Learning-rate schedules: the rate of optimizer step `step` (0-based), as plain functions (`lr_at` picks
+cfg.schedule's), and the LambdaLR the loop steps (`make_scheduler`). The exported script carries the same functions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codegen import Code, source
+from ..config import TrainConfig
+from .declaration import Setting
+
+
+def _warmup(step: int, lr: float, warmup: int) -> float:
+    return lr * (step + 1) / warmup
+
+
+def constant_lr(step: int, lr: float, warmup: int = 0) -> float:
+    return _warmup(step, lr, warmup) if step < warmup else lr
+
+
+def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup to `lr` over `warmup` steps, then half a cosine down to min_lr_ratio * lr, reached at
+    the last step (total - 1). GPT-3 decays to 10% of the maximum."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
+    floor = min_lr_ratio * lr
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+
+
+def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
+    """The original Transformer's schedule, scaled to peak at `lr`: with t = step + 1,
+    lr * min(t / warmup, sqrt(warmup / t)): linear up to t = warmup, then proportional to 1/sqrt(t)."""
+    if warmup < 1:
+        raise ValueError("inverse_sqrt_lr needs warmup >= 1 (it peaks at t = warmup)")
+    t = step + 1
+    return lr * min(t / warmup, math.sqrt(warmup / t))
+
+
+def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
+    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) /
+    step_size)."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    return lr * gamma ** ((step - warmup) // step_size)
+
+
+def wsd_lr(
+    step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0
+) -> float:
+    """Warmup-stable-decay: linear warmup, a long flat stretch at `lr`, then a linear cool-down over the last
+    `decay_fraction` of the steps, reaching min_lr_ratio * lr at the last step (total - 1)."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    decay_steps = max(1, math.ceil(decay_fraction * total))
+    start = total - decay_steps  # first step of the cool-down
+    if step < start:
+        return lr
+    progress = min(1.0, (step - start + 1) / decay_steps)
+    floor = min_lr_ratio * lr
+    return lr - (lr - floor) * progress
+
+
+def exponential_gamma(warmup: int, total: int, min_lr_ratio: float) -> float:
+    """The per-step factor of exponential_lr: min_lr_ratio reached at the last step, total - 1."""
+    return min_lr_ratio ** (1 / max(1, total - 1 - warmup))
+
+
+def exponential_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
+    """Linear warmup, then multiply the rate by the same factor gamma at every step: lr * gamma^(step - warmup)
+    (torch.optim.lr_scheduler.ExponentialLR after the warmup). gamma is chosen so that the last step (total - 1)
+    reaches min_lr_ratio * lr, as the cosine does: gamma = min_lr_ratio^(1 / (total - 1 - warmup))."""
+    if step < warmup:
+        return _warmup(step, lr, warmup)
+    return lr * exponential_gamma(warmup, total, min_lr_ratio) ** (step - warmup)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate of optimizer step `step` (0-based) for cfg.schedule, from the functions above."""
+    w = cfg.lr_warmup_steps
+    if cfg.schedule == "constant":
+        return constant_lr(step, cfg.lr, w)
+    if cfg.schedule == "cosine":
+        return warmup_cosine_lr(step, cfg.lr, w, cfg.steps, cfg.min_lr_ratio)
+    if cfg.schedule == "wsd":
+        return wsd_lr(step, cfg.lr, w, cfg.steps, min_lr_ratio=cfg.min_lr_ratio)
+    if cfg.schedule == "exponential":
+        return exponential_lr(step, cfg.lr, w, cfg.steps, cfg.min_lr_ratio)
+    return inverse_sqrt_lr(step, cfg.lr, w)
+
+
+def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
+
+
+_SCHEDULES = {
+    "constant": (constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
+    "cosine": (warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
+    "wsd": (wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
+    "inverse_sqrt": (inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)"),
+    "exponential": (exponential_lr, "exponential_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
+}
+# helpers a schedule function calls, written before it when its source names them (by their exported names)
+_SCHEDULE_HELPERS = {"linear_warmup": _warmup, "exponential_gamma": exponential_gamma}
+
+
+def export(cfg: TrainConfig) -> Code:
+    if cfg.schedule == "constant" and cfg.lr_warmup_steps == 0:
+        return Code()
+    fn, call = _SCHEDULES[cfg.schedule]
+    src = source(fn, rename={"_warmup": "linear_warmup"})
+    defs = tuple(
+        source(h, rename={"_warmup": "linear_warmup"}) for name, h in _SCHEDULE_HELPERS.items() if f"{name}(" in src
+    ) + (src,)
+    constants = [f"LR_WARMUP_STEPS = {cfg.lr_warmup_steps}"]
+    if "MIN_LR_RATIO" in call:
+        constants.append(f"MIN_LR_RATIO = {cfg.min_lr_ratio!r}")
+    setup = (
+        "# The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.\n"
+        f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: {call} / LR)"
+    )
+    return Code(constants=tuple(constants), defs=defs, setup=setup, schedule_step="scheduler.step()")
+
+
+SETTING = Setting("schedule", export, reads=("lr_warmup_steps", "min_lr_ratio"))

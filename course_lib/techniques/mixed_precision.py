@@ -1,0 +1,107 @@
+"""Mixed precision: the matmuls in 16 bits under autocast (bf16; fp16 with loss scaling), the weights, their
+gradients and the optimizer state in fp32; or TF32, fp32 matmuls on CUDA tensor cores with a 10-bit mantissa.
+
+The ladder's 16-bit rung takes the format this device runs fast (capabilities.Capabilities.fast_16bit). Its memory
+term: the bytes of an activation (`activation_format`): 2 under autocast, 4 otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+from ..codegen import Code, device_type
+from ..config import PRECISION_DTYPES, TrainConfig
+from ..tf32 import matmul_precision  # noqa: F401 - TF32's switch, the loop's step runs in it (kept below the device's
+from .declaration import FAST_16BIT, Technique  # capabilities, which time matmuls with it)
+
+AUTOCAST_DTYPES = {p: PRECISION_DTYPES[p] for p in ("bf16", "fp16")}  # the precisions autocast runs in
+
+
+def autocast_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """A factory of the context to run forward and loss in: autocast for bf16/fp16, else nothing."""
+    if precision in AUTOCAST_DTYPES:
+        kind, dtype = torch.device(device).type, AUTOCAST_DTYPES[precision]
+        return lambda: torch.autocast(device_type=kind, dtype=dtype)
+    return contextlib.nullcontext
+
+
+def make_grad_scaler(cfg: TrainConfig) -> torch.amp.GradScaler:
+    """Loss scaling only for fp16 (its narrow exponent flushes small gradients to zero); bf16 needs none."""
+    return torch.amp.GradScaler(
+        torch.device(cfg.device).type,
+        init_scale=cfg.loss_scale_init,
+        growth_interval=cfg.loss_scale_growth_interval,
+        enabled=cfg.precision == "fp16",
+    )
+
+
+def autocast_line(cfg: TrainConfig) -> str:
+    """The exported script's `with torch.autocast(...)` line for cfg's 16-bit precision."""
+    dtype = str(AUTOCAST_DTYPES[cfg.precision])  # "torch.bfloat16", as the script writes it
+    return f'with torch.autocast(device_type="{device_type(cfg)}", dtype={dtype}):'
+
+
+# ---- its memory term -----------------------------------------------------------------------------------------------
+
+
+def activation_format(cfg: TrainConfig) -> tuple[bool, int]:
+    """(autocast?, bytes of an activation): autocast makes the matmuls' outputs 16-bit; fp32 and tf32 keep 4 bytes."""
+    return cfg.precision in AUTOCAST_DTYPES, PRECISION_DTYPES[cfg.precision].itemsize
+
+
+# ---- its piece of the exported script ------------------------------------------------------------------------------
+
+
+def export(cfg: TrainConfig) -> Code:
+    if cfg.precision == "fp32":
+        return Code()
+    if cfg.precision == "tf32":
+        return Code(
+            setup=(
+                "# TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa "
+                "(CUDA Ampere and later;\n"
+                "# no effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.\n"
+                'torch.backends.cuda.matmul.fp32_precision = "tf32"\n'
+                'torch.backends.cudnn.conv.fp32_precision = "tf32"'
+            )
+        )
+    autocast = autocast_line(cfg) + "  # matmuls in " + cfg.precision + "; the weights stay fp32"
+    if cfg.precision == "bf16":
+        return Code(autocast=autocast)
+    return Code(
+        autocast=autocast,
+        setup=(
+            "# fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large\n"
+            "# scale before backward and divides the gradients by it before the step (skipped if any is inf/nan).\n"
+            f'scaler = torch.amp.GradScaler("{device_type(cfg)}", init_scale={cfg.loss_scale_init!r}, '
+            f"growth_interval={cfg.loss_scale_growth_interval})"
+        ),
+        backward="scaler.scale(loss).backward()",
+        unscale="scaler.unscale_(optimizer)  # the true gradients, for clipping" if cfg.clip_norm is not None else "",
+        step=(
+            "scaler.step(optimizer)\n"
+            "scaler.update()  # a smaller scale after an inf/nan, a larger one after many clean steps"
+        ),
+    )
+
+
+TECHNIQUE = Technique(
+    "precision",
+    "precision",
+    "fp32",
+    help="the format the matmuls run in: fp32, TF32 (CUDA tensor cores), or bf16/fp16 under autocast with fp32 weights",
+    export=export,
+    reads=("loss_scale_init", "loss_scale_growth_interval"),
+    rungs=(
+        ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
+        (
+            "+ 16-bit autocast",
+            FAST_16BIT,
+            "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 is fast), fp32 weights",
+        ),
+    ),
+    memory_term=activation_format,
+)

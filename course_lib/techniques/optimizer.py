@@ -1,0 +1,119 @@
+"""The optimizer: every optimizer the course uses, made in one place (`optimizer_for`), with weight decay on the
+matmul weights and embeddings only (`param_groups`). AdamW's implementation (for-loop or fused) is the fused_adamw
+technique's choice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..codegen import Code
+from ..config import TrainConfig
+from .declaration import Setting
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
+    """A list of dicts for the optimizer: decay on >=2-D tensors (matmul weights, embeddings), none on
+    biases and LayerNorm gains. Each parameter appears once (the tied embedding too)."""
+    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())
+    if not decay_2d_only:
+        return [{"params": params, "weight_decay": weight_decay}]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def optimizer_for(
+    kind: str,
+    params,
+    lr: float,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    momentum: float = 0.9,
+    fused: bool = False,
+) -> torch.optim.Optimizer:
+    """Every optimizer the course uses, made in one place. AdamW's baseline is the for-loop implementation
+    (foreach=False), the naive loop's; fused is one kernel for all tensors."""
+    if kind == "adamw":
+        return torch.optim.AdamW(
+            params, lr=lr, betas=betas, eps=eps, **({"fused": True} if fused else {"foreach": False})
+        )
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+    if kind == "adagrad":  # eps in the denominator, as AdamW's (torch's default for AdaGrad is 1e-10)
+        return torch.optim.Adagrad(params, lr=lr, eps=eps, foreach=False)
+    if kind == "rmsprop":  # torch's defaults otherwise: alpha 0.99, no momentum, not centered
+        return torch.optim.RMSprop(params, lr=lr, eps=eps, foreach=False)
+    if kind == "adafactor":
+        return torch.optim.Adafactor(params, lr=lr, foreach=False)
+    raise ValueError(f"unknown optimizer kind {kind!r}: adamw, sgd, sgd_momentum, adagrad, rmsprop or adafactor")
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    return optimizer_for(
+        cfg.optimizer,
+        param_groups(model, cfg.weight_decay, cfg.decay_2d_only),
+        cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        momentum=cfg.momentum,
+        fused=cfg.fused_adamw,
+    )
+
+
+def export(cfg: TrainConfig) -> Code:
+    constants = [f"LR = {cfg.lr!r}"]
+    groups = cfg.weight_decay > 0 and cfg.decay_2d_only
+    setup = []
+    if cfg.weight_decay > 0:
+        constants.append(f"WEIGHT_DECAY = {cfg.weight_decay!r}" + ("  # on >=2-D tensors only" if groups else ""))
+    if groups:
+        setup.append(
+            "# Weight decay only on >=2-D tensors (matmul weights, embeddings); none on biases and LayerNorm gains.\n"
+            "decay = [p for p in model.parameters() if p.dim() >= 2]\n"
+            "no_decay = [p for p in model.parameters() if p.dim() < 2]\n"
+            'params = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]'
+        )
+        params, wd = "params", []
+    else:
+        params = "model.parameters()"
+        wd = (
+            [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"]
+            if cfg.optimizer == "adamw" or cfg.weight_decay > 0
+            else []
+        )
+    if cfg.optimizer == "adamw":
+        constants += [f"BETAS = {tuple(cfg.betas)!r}", f"EPS = {cfg.eps!r}"]
+        args = ", ".join([params, "lr=LR", "betas=BETAS", "eps=EPS", *wd, "<adamw_impl>"])
+        line = f"optimizer = torch.optim.AdamW({args})"
+        why = "<adamw_why>"  # the fused_adamw snippet says which implementation
+    elif cfg.optimizer == "sgd":
+        line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
+    elif cfg.optimizer in ("adagrad", "rmsprop"):  # as techniques.optimizer_for makes them
+        constants.append(f"EPS = {cfg.eps!r}")
+        cls, why = {
+            "adagrad": (
+                "Adagrad",
+                "# AdaGrad: each coordinate's step divided by the root of its summed squared gradients.",
+            ),
+            "rmsprop": (
+                "RMSprop",
+                "# RMSProp: each coordinate's step divided by the root of a running average of g^2.",
+            ),
+        }[cfg.optimizer]
+        line = f"optimizer = torch.optim.{cls}({', '.join([params, 'lr=LR', 'eps=EPS', *wd, 'foreach=False'])})"
+    else:
+        constants.append(f"MOMENTUM = {cfg.momentum!r}")
+        line, why = (
+            f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
+            "# SGD with momentum: a running sum of gradients, one state tensor per parameter.",
+        )
+    setup.append(f"{why}\n{line}")
+    return Code(constants=tuple(constants), setup="\n".join(setup))
+
+
+SETTING = Setting("optimizer", export, reads=("lr", "betas", "eps", "momentum", "weight_decay", "decay_2d_only"))

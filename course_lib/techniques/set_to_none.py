@@ -1,0 +1,38 @@
+"""zero_grad(set_to_none=True): the gradients are freed between steps instead of zeroed in place, so they do not
+exist before backward makes them again. The loop's step calls it (course_lib.techniques.assemble.optimizer_step). Its
+memory term (`gradients_before_backward`): whether the gradients are there when a step's peak comes.
+"""
+
+from __future__ import annotations
+
+from ..codegen import Code
+from ..config import TrainConfig
+from .declaration import MEMORY, Technique
+
+
+def gradients_before_backward(cfg: TrainConfig) -> bool:
+    """Whether .grad holds gradients before a step's (last micro-batch's) backward: not where set_to_none freed them
+    and this is the step's only micro-batch (with accumulation the earlier micro-batches made them)."""
+    return not (cfg.set_to_none and cfg.grad_accum_steps == 1)
+
+
+def export(cfg: TrainConfig) -> Code:
+    if cfg.set_to_none:
+        return Code(
+            zero_grad=(
+                "optimizer.zero_grad(set_to_none=True)  # frees the gradients; the next backward allocates them afresh"
+            )
+        )
+    return Code(zero_grad="optimizer.zero_grad(set_to_none=False)  # zeroed in place: their memory stays allocated")
+
+
+TECHNIQUE = Technique(
+    "set_to_none",
+    "zero_grad(set_to_none)",
+    False,
+    help="free the gradients between steps instead of zeroing them in place",
+    export=export,
+    rungs=(("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),),
+    aims=(MEMORY,),
+    memory_term=gradients_before_backward,
+)
