@@ -230,54 +230,88 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# TrainConfig's fields by section, in the class's order: what a reader takes in at once. A field's name is unique
+# across sections, so dataclasses.replace, the panels and `--set field=value` name it directly.
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model",),
+    "run": ("device", "steps", "timing_warmup", "seed", "eval_every", "eval_batches", "measure_memory"),
+    "batch": ("batch_size", "grad_accum_steps", "context"),
+    "precision": ("precision", "loss_scale_init", "loss_scale_growth_interval"),
+    "speed and memory": (
+        "compile",
+        "compile_mode",
+        "fused_adamw",
+        "activation_checkpointing",
+        "loss_chunks",
+        "set_to_none",
+    ),
+    "optimisation": (
+        "optimizer",
+        "lr",
+        "betas",
+        "eps",
+        "momentum",
+        "weight_decay",
+        "decay_2d_only",
+        "schedule",
+        "lr_warmup_steps",
+        "min_lr_ratio",
+        "clip_norm",
+        "clip_kind",
+    ),
+    "parallelism": ("data_parallel",),
+}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
+    """How a model is trained, in the sections of SECTIONS. Each technique's field is explained in its own module of
+    course_lib.techniques (named after it)."""
+
+    # -- model: the network's shape (ModelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    # -- run: where, how long, what is measured
     device: str = "cpu"
-    # The batch. batch_size is sequences per optimizer step; it is split into grad_accum_steps micro-batches.
-    batch_size: int = 32
-    grad_accum_steps: int = 1
-    context: int = 512
     steps: int = 10
     timing_warmup: int = 2  # steps left out of the timing (the first one also compiles)
     seed: int = 0
-    # Techniques, each a switch.
+    eval_every: int = 0  # validation loss every this many steps (0: never)
+    eval_batches: int = 4
+    measure_memory: bool = True  # on a CPU, the last step runs under the memory ledger (and is not timed)
+    # -- batch: batch_size sequences of `context` tokens per optimizer step, in grad_accum_steps micro-batches
+    batch_size: int = 32
+    grad_accum_steps: int = 1
+    context: int = 512
+    # -- precision (techniques.mixed_precision): fp16's GradScaler starts at loss_scale_init and doubles after
+    # loss_scale_growth_interval clean steps (torch's own defaults, so they change nothing unless set)
     precision: Precision = "fp32"
-    compile: bool = False
+    loss_scale_init: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+    # -- speed and memory: the other techniques, each off in the naive loop
+    compile: bool = False  # techniques.torch_compile
     compile_mode: CompileMode = "default"
-    fused_adamw: bool = False
-    # "full": each block keeps only its input and recomputes the rest in backward; "selective": it also keeps the
-    # outputs of its matmuls (and attention) and recomputes only the cheap element-wise work (torch's selective
-    # checkpointing with a keep-the-matmuls policy). That is not the selective recomputation Korthikanti et al. (2022)
-    # propose: they keep the rest and recompute the attention core (QK^T, softmax, its dropout, the product with V: the
-    # s x s part), where this policy keeps naive attention's s x s scores and recomputes their softmax (notebook 02).
+    fused_adamw: bool = False  # techniques.fused_adamw
+    # techniques.activation_checkpointing: "full" keeps a block's input, "selective" also its matmul outputs
     activation_checkpointing: Checkpointing = "none"
-    loss_chunks: int = 1  # >1: output layer + loss in this many token slices, each slice's gradients made in forward
-    set_to_none: bool = False  # zero_grad(set_to_none=...): True frees gradients between steps
-    # Optimisation (notebook 05): optimiser, schedule, clipping, weight decay.
+    loss_chunks: int = 1  # techniques.chunked_loss: >1, the output layer and loss in this many token slices
+    set_to_none: bool = False  # techniques.set_to_none: zero_grad(set_to_none=True) frees gradients between steps
+    # -- optimisation (notebook 05): optimizer, weight decay, schedule, clipping
     optimizer: Optimizer = "adamw"
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     momentum: float = 0.9  # for sgd_momentum
+    weight_decay: float = 0.0
+    decay_2d_only: bool = True  # weight decay only on >=2-D parameters (matmuls, embeddings)
     schedule: Schedule = "constant"
     lr_warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine, wsd and exponential decay to this fraction of lr
     clip_norm: float | None = None  # clipping threshold; None is off
-    # How clip_norm applies: "global" scales every gradient by one factor from their joint norm (GPT-3; the direction is
-    # kept), "per_tensor" scales each tensor by its own norm (the direction of the whole gradient changes).
+    # "global": every gradient scaled by one factor from their joint norm (GPT-3; the direction is kept);
+    # "per_tensor": each tensor by its own norm (the direction of the whole gradient changes)
     clip_kind: ClipKind = "global"
-    weight_decay: float = 0.0
-    decay_2d_only: bool = True  # weight decay only on >=2-D parameters (matmuls, embeddings)
-    eval_every: int = 0  # validation loss every this many steps (0: never)
-    eval_batches: int = 4
-    measure_memory: bool = True  # on a CPU, the last step runs under the memory ledger (and is not timed)
-    # Notebook 03: the fp16 GradScaler's starting loss scale and how many clean steps before it doubles
-    # (the defaults are torch's own, so they change nothing unless set).
-    loss_scale_init: float = 65536.0
-    loss_scale_growth_interval: int = 2000
-    # Notebook 07: inside a torchrun process group, wrap the model for data parallelism ("ddp": DistributedDataParallel,
-    # "fsdp": FSDP2 fully_shard per block and at the root). "none" (the default) changes nothing.
+    # -- parallelism (notebook 07): inside a torchrun process group, "ddp" (DistributedDataParallel) or "fsdp" (FSDP2
+    # fully_shard per block and at the root); "none" changes nothing
     data_parallel: Literal["none", "ddp", "fsdp"] = "none"
 
     def __post_init__(self):
@@ -384,6 +418,13 @@ class TrainConfig:
 
     def with_model(self, **changes) -> "TrainConfig":
         return replace(self, model=replace(self.model, **changes))
+
+    def by_section(self) -> dict[str, dict[str, object]]:
+        """{section: {field: value}} in SECTIONS' order; the model's fields as "model.<field>"."""
+        model = {f"model.{f.name}": getattr(self.model, f.name) for f in dataclasses.fields(self.model)}
+        return {
+            name: model if name == "model" else {f: getattr(self, f) for f in names} for name, names in SECTIONS.items()
+        }
 
 
 # ---- Presets: start from a baseline and change a few fields -------------------------------------

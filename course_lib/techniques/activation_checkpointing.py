@@ -3,7 +3,9 @@
 - `none`: every block keeps what its backward needs (the naive loop).
 - `full` (`CheckpointedBlock`): a block keeps only its input; backward runs its forward again first.
 - `selective` (`SelectiveCheckpointedBlock`): a block also keeps its matmul and attention outputs, which are
-  expensive to recompute, and recomputes only the element-wise work between them.
+  expensive to recompute, and recomputes only the element-wise work between them. That is not the selection
+  Korthikanti et al. (2022) propose: they keep the rest and recompute the attention core (QK^T, softmax, its dropout,
+  the product with V: the s x s part); notebook 02 measures both.
 
 Applied first of all the techniques (course_lib.techniques.assemble): it wraps the eager blocks, before data
 parallelism or compile wrap the model. Its memory term: what one block keeps through the forward (`kept_per_layer`).
