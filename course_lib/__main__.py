@@ -179,6 +179,24 @@ def _new_file(path: str, force: bool, flag: str):
     return out
 
 
+def cmd_config(args) -> int:
+    """The config `chosen_config` names, section by section (config.SECTIONS); a technique that is on says what it
+    does and which module of course_lib.techniques holds it."""
+    try:
+        cfg = chosen_config(args)
+    except (C.ConfigError, TypeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    home = {t.field: t for t in T.TECHNIQUES}
+    for section, values in cfg.by_section().items():
+        print(f"{section}:")
+        for name, value in values.items():
+            t = home.get(name)
+            on = f"  <- on ({t.help}): {t.export.__module__}" if t is not None and value != t.off else ""
+            print(f"  {name:<28} {value!r}{on}")
+    return 0
+
+
 def cmd_export(args) -> int:
     """One standalone training script for a config (course_lib.export), the config `chosen_config` names."""
     from . import export
@@ -407,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_ladder)
+    p = sub.add_parser("config", help="print a config section by section (a preset, changed by --set, or a --rung)")
+    add_config_arguments(p, steps="optimizer steps (default: the preset's)")
+    p.set_defaults(func=cmd_config)
     p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.add_argument("--out", default=None, help="the script's path (default: standard output)")
