@@ -25,6 +25,7 @@ from pathlib import Path
 
 STRATEGIES = (
     "ddp",
+    "ddp_by_hand",
     "fsdp",
     "pipeline",
     "tensor_parallel",

@@ -1,0 +1,181 @@
+"""Data parallelism written by hand (notebook 07), three ways, each run through the course's one loop beside torch's
+DistributedDataParallel on the same batches:
+
+- `NaiveDDP`: after backward, one blocking all-reduce per gradient. All communication waits for the whole backward.
+- `OverlappedDDP`: a hook on every parameter (`register_post_accumulate_grad_hook`) launches its gradient's
+  all-reduce asynchronously the moment backward has finished it, while backward goes on with the layers before; the
+  step waits only for what is still in flight.
+- `BucketedDDP`: the same, but gradients are packed into buckets of about `bucket_bytes` (in the order backward makes
+  them, last layer first) and each bucket is all-reduced, flat, once all its gradients are ready: fewer, larger
+  messages, as torch's DDP does (25 MiB buckets by default).
+
+Each divides the summed gradients by the world size (the mean, what DDP applies), starts from rank 0's parameters
+(broadcast) and leaves the optimizer untouched. Measured per rank: the step time, the communication the step still
+waits for after backward ("exposed", the time in `finish`), all-reduce calls per step, and the largest difference
+between its parameters and torch DDP's after the same steps. Gradient accumulation is off here (every backward
+communicates).
+
+Options: {"steps": int, "bucket_kb": [int, ...]} (the bucket sizes to sweep).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..techniques import accumulate_micro_batches
+from . import _common
+
+
+class HandDDP:
+    """What every hand-written DDP shares: equal starting parameters, and `finish()` after backward, which leaves
+    every rank's .grad holding the mean of all ranks' gradients."""
+
+    def __init__(self, model: nn.Module):
+        self.world = dist.get_world_size()
+        self.params = [p for p in model.parameters() if p.requires_grad]  # the tied embedding once
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        self.calls = 0  # all-reduces launched
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+class NaiveDDP(HandDDP):
+    def finish(self) -> None:
+        for p in self.params:  # one blocking all-reduce per tensor, after the whole backward
+            dist.all_reduce(p.grad)
+            p.grad /= self.world
+            self.calls += 1
+
+
+class OverlappedDDP(HandDDP):
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        self.in_flight: list = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._launch)
+
+    def _launch(self, p: torch.Tensor) -> None:  # backward has finished p.grad: send it now, do not wait
+        self.in_flight.append(dist.all_reduce(p.grad, async_op=True))
+        self.calls += 1
+
+    def finish(self) -> None:
+        for work in self.in_flight:
+            work.wait()
+        self.in_flight.clear()
+        for p in self.params:
+            p.grad /= self.world
+
+
+class BucketedDDP(HandDDP):
+    def __init__(self, model: nn.Module, bucket_bytes: int):
+        super().__init__(model)
+        self.buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in reversed(self.params):  # backward makes the last layers' gradients first
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for in this backward
+        self.in_flight: list = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        i = self.bucket_of[id(p)]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0:  # the bucket is full: one flat all-reduce for all its gradients
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
+            self.calls += 1
+
+    def finish(self) -> None:
+        for i, flat, work in self.in_flight:
+            work.wait()
+            flat /= self.world
+            for q, part in zip(self.buckets[i], flat.split([q.numel() for q in self.buckets[i]])):
+                q.grad.copy_(part.view_as(q.grad))
+        self.in_flight.clear()
+        self.waiting = [len(b) for b in self.buckets]
+
+
+def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) -> dict:
+    """One run of the course's loop with `variant` ("torch": DistributedDataParallel; "naive", "overlapped",
+    "bucketed": by hand); what this rank measured."""
+    exposed: list[float] = []
+    hand: dict = {}
+
+    def on_build(setup):
+        if variant == "torch":
+            setup.loss_module.model.wrapped.register_comm_hook(None, _counting(hand))
+            return
+        ddp = {"naive": NaiveDDP, "overlapped": OverlappedDDP}.get(variant)
+        hand["ddp"] = ddp(setup.model) if ddp else BucketedDDP(setup.model, bucket_bytes)
+
+        def forward_backward(setup, micro, n_targets, meter):  # the loop's own, then the gradients averaged
+            loss = accumulate_micro_batches(setup, micro, n_targets, meter)
+            t0 = time.perf_counter()
+            hand["ddp"].finish()
+            exposed.append(time.perf_counter() - t0)
+            return loss
+
+        setup.forward_backward = forward_backward
+
+    run_cfg = replace(cfg, data_parallel="ddp" if variant == "torch" else "none")
+    result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)
+    calls = hand["ddp"].calls if "ddp" in hand else hand.get("calls", 0)
+    return {
+        "variant": variant,
+        "bucket_bytes": bucket_bytes,
+        "median_step_s": result.median_step_s,
+        "step_s": result.step_times,
+        "exposed_comm_s": statistics.median(exposed[cfg.timing_warmup :]) if exposed else None,
+        "allreduce_calls_per_step": calls / cfg.steps,
+        "losses": result.losses,
+        "params": {n: p.detach().clone() for n, p in setup.model.named_parameters()},
+    }
+
+
+def _counting(stats: dict):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    stats["calls"] = 0
+
+    def hook(state, bucket):
+        stats["calls"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    return hook
+
+
+# What --options may set, with the defaults (_common.check_options checks a launch's options against it).
+OPTIONS = {"steps": 6, "bucket_kb": [64, 1024]}
+
+
+def main(argv=None) -> None:
+    ctx = _common.start(argv, OPTIONS, "ddp_by_hand")
+    steps = int(ctx.options.get("steps", 6))
+    cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, measure_memory=False)
+    _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
+    runs = [run_variant(ctx, cfg, at, v) for v in ("torch", "naive", "overlapped")]
+    runs += [run_variant(ctx, cfg, at, "bucketed", kb * 1024) for kb in ctx.options.get("bucket_kb", [64, 1024])]
+    reference = runs[0]["params"]
+    for r in runs:
+        params = r.pop("params")
+        r["max_abs_param_diff_vs_torch_ddp"] = max((params[n] - reference[n]).abs().max().item() for n in params)
+    _common.write(ctx, {"strategy": "ddp_by_hand", "steps": steps, "runs": runs})
+    _common.finish()
+
+
+if __name__ == "__main__":
+    main()
