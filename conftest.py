@@ -46,7 +46,7 @@ FILE_GROUPS = {
     "test_export.py": "compile",
     "test_compile.py": "compile",
     "test_doctor.py": "compile",
-    "test_accumulation.py": "accumulation",
+    "test_accumulated_gradients.py": "accumulation",
     "test_selective_checkpointing.py": "selective checkpointing",
     **dict.fromkeys(
         ("test_distributed.py", "test_zero_stages.py", "test_tensor_parallel.py", "test_moe.py"), "launched"

@@ -1,8 +1,8 @@
 """course_lib: the shared package of the course "Optimising the training loop".
 
 Its layers, bottom to top (CONTRIBUTING.md; tests/test_imports.py holds every import to them): config and the base,
-the device's capabilities, model and data, measure and techniques, results and plots, the loop (train, ladder) with the
-notebooks' helpers, and the learner's side (widgets, the CLI).
+the device's capabilities, model and data, measure and techniques, results and plots, the loop (train, ladder), the
+notebooks' own helpers (lessons/), and the learner's side (widgets, the CLI).
 """
 
 from .config import ConfigError, ModelConfig, TrainConfig, preset

@@ -337,7 +337,7 @@ class MemoryLedger(TorchDispatchMode):
 
 class NotMeasured:
     """The step runs as it is: every hook of the step body is a no-op. The ledger's twin below has the same
-    methods, so the loop (and memory.account_step) has no measurement branch."""
+    methods, so the loop (and memory_estimate.account_step) has no measurement branch."""
 
     def watching(self, setup):
         return contextlib.nullcontext()

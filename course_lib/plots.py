@@ -300,9 +300,10 @@ def _measured_apart(predicted: dict, measured: dict) -> tuple[dict, dict, str]:
 
 
 def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) -> Figure:
-    """The last `last` runs that carry the formula's prediction (memory.run_beside_estimate: details["estimate"]), each
-    as memory.estimate's peak beside the measured peak, category by category (plot_formula_beside_measured). On CUDA
-    only the categories the allocator's peak lets apart are compared (_measured_apart), and the title says so."""
+    """The last `last` runs that carry the formula's prediction (memory_estimate.run_beside_estimate:
+    details["estimate"]), each as the estimate's peak beside the measured peak, category by category
+    (plot_formula_beside_measured). On CUDA only the categories the allocator's peak lets apart are compared
+    (_measured_apart), and the title says so."""
     shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
     pairs, merged = {}, set()
     for r in shown:
@@ -352,8 +353,8 @@ def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figu
 
 
 def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
-    """A predicted peak (memory.Estimate) as one bar stacked by category, beside a device's memory (the vertical
-    line)."""
+    """A predicted peak (memory_estimate.Estimate) as one bar stacked by category, beside a device's memory (the
+    vertical line)."""
     fig = new_figure((7, 2.2))
     ax = fig.add_subplot()
     left = 0.0

@@ -10,8 +10,8 @@ its paper reports (Brown et al., 2020, table D.1). The course's per-token count,
 (course_lib.measure.flops_per_token), adds attention's own work to the same rule.
 
 Activation checkpointing buys memory with compute: `checkpointing_costs` runs none / selective / full through the
-course's loop and puts beside each the memory the ledger measured, what memory.estimate predicted, the work of one
-step counted from the shapes (`step_work`), and the forward and backward times measured on the device.
+course's loop and puts beside each the memory the ledger measured, what memory_estimate.estimate predicted, the work of
+one step counted from the shapes (`step_work`), and the forward and backward times measured on the device.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import memory, train
+from . import memory_estimate, train
 from .config import TrainConfig
 from .data import Splits
 from .measure import StepTimer, _aliasing_returns, time_fn
@@ -128,12 +128,13 @@ class _WorkCounter(TorchDispatchMode):
 
 def step_work(cfg: TrainConfig) -> StepWork:
     """The work of one training step of `cfg` (the first, so that nothing before it is counted): the loop's own step
-    body (memory.account_step) under FakeTensorMode, so it takes no time and no memory and the counts are exact."""
+    body (memory_estimate.account_step) under FakeTensorMode, so it takes no time and no memory and the counts are
+    exact."""
     from torch.utils.flop_counter import FlopCounterMode
 
     flops, counter = FlopCounterMode(display=False), _WorkCounter()
     with flops, counter:
-        memory.account_step(cfg, fake=True, warm_steps=0)
+        memory_estimate.account_step(cfg, fake=True, warm_steps=0)
     return StepWork(matmul_flops=flops.get_total_flops(), elementwise_values=counter.values, ops=counter.ops)
 
 
@@ -169,7 +170,7 @@ class CheckpointingCost:
 
     mode: str
     result: RunResult  # train.run: losses, step time, memory (the CPU ledger's categories; on CUDA the peak)
-    estimate: memory.Estimate  # memory.estimate's prediction of the same step
+    estimate: memory_estimate.Estimate  # memory_estimate.estimate's prediction of the same step
     work: StepWork  # counted from the shapes
     seconds: dict[str, float]  # forward_backward_seconds
 
@@ -185,7 +186,7 @@ def checkpointing_costs(
             CheckpointingCost(
                 mode=mode,
                 result=train.run(cfg, f"checkpointing {mode}", splits=splits),
-                estimate=memory.estimate(cfg),
+                estimate=memory_estimate.estimate(cfg),
                 work=step_work(cfg),
                 seconds=forward_backward_seconds(cfg, repeats, splits),
             )

@@ -72,7 +72,7 @@ class PanelCase:
         return self.notebook.split("_")[0]
 
 
-# The bytes lesson of 07's and 08's panels, in each row's note (distributed/panel.py's _note).
+# The bytes lesson of 07's and 08's panels, in each row's note (distributed/strategy_panel.py's _note).
 BYTES_LESSON = (
     "sent per rank",
     "counted x ring share",
@@ -81,8 +81,8 @@ BYTES_LESSON = (
 
 # Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
 PANELS = [
-    # 01 and 02: each run's row sets the formula's peak beside the measured one (memory.run_beside_estimate), which the
-    # figure draws category by category
+    # 01 and 02: each run's row sets the formula's peak beside the measured one (memory_estimate.run_beside_estimate),
+    # which the figure draws category by category
     PanelCase(
         "01_naive_loop.ipynb",
         (("attention", "sdpa"),),

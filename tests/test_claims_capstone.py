@@ -3,7 +3,8 @@ cells."""
 
 import torch
 
-from course_lib import bench, config as C
+from course_lib import config as C
+from course_lib.lessons import micro_benchmarks
 from course_lib.model import GPT
 
 
@@ -16,6 +17,6 @@ def test_the_padded_gpt2_head_has_50304_rows_47_never_predicted():
 
 def test_foreach_and_fused_adamw_make_far_fewer_operator_calls_than_the_for_loop(tiny):
     params = [p.detach() for p in GPT(tiny().model).parameters()]
-    calls = bench.adamw_operator_calls(params)
+    calls = micro_benchmarks.adamw_operator_calls(params)
     assert calls["for-loop"] >= 4 * len(params)  # moments, decay and update: several calls per tensor
     assert len(params) > calls["foreach"] >= calls["fused"] >= 1, calls

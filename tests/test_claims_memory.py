@@ -22,7 +22,7 @@ from course_lib import (
     capabilities,
     config as C,
     export,
-    memory as M,
+    memory_estimate as M,
     plots,
     techniques as T,
     train,
@@ -143,8 +143,8 @@ def test_a_pf_day_buys_a_1b_model_about_14b_tokens():
 
 
 def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledger(splits, tiny):
-    """memory.run_beside_estimate is train.run (the same losses) with memory.estimate's prediction in its details and
-    its note; the step clock fits inside the wall clock."""
+    """memory_estimate.run_beside_estimate is train.run (the same losses) with the estimate's prediction in its details
+    and its note; the step clock fits inside the wall clock."""
     cfg = tiny(steps=4, timing_warmup=1)
     t0 = time.perf_counter()
     r = M.run_beside_estimate(cfg, "panel", splits=splits)

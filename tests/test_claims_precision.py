@@ -4,9 +4,9 @@ machine's measurements could refute; what is arithmetic, a restated constant or 
 here.
 
 Already covered elsewhere, so not repeated: the cosine and exponential schedules against torch's schedulers and the loop
-(test_optim), Adam's update size against SGD's, the optimizer-state formulas and their order, AdaGrad's and RMSProp's
-state (test_optim), the bias-correction peak of 6.57x at step 12 (test_optim), the bytes per parameter of pure bf16
-(test_low_precision), the GradScaler only for fp16 in techniques (test_techniques)."""
+(test_optimizers_by_hand), Adam's update size against SGD's, the optimizer-state formulas and their order, AdaGrad's and
+RMSProp's state (test_optimizers_by_hand), the bias-correction peak of 6.57x at step 12 (test_optimizers_by_hand), the
+bytes per parameter of pure bf16 (test_pure_bf16), the GradScaler only for fp16 in techniques (test_techniques)."""
 
 import math
 from dataclasses import replace
@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import config as C, optim, techniques
+from course_lib import config as C, techniques
+from course_lib.lessons import optimizers_by_hand as O
 from course_lib.model import GPT
 from course_lib.train import train
 
@@ -62,7 +63,7 @@ def test_notebook_05s_cosine_starts_above_zero_peaks_at_lr_and_ends_at_a_tenth(s
         C.cpu_preset("cpu"), lr=peak, schedule="cosine", lr_warmup_steps=warmup, steps=steps, min_lr_ratio=0.1
     )
     loop = [techniques.lr_at(t, cfg) for t in range(steps)]
-    ref = optim.torch_scheduler_curve(lambda opt: optim.torch_warmup_cosine(opt, warmup, steps, 0.1), peak, steps)
+    ref = O.torch_scheduler_curve(lambda opt: O.torch_warmup_cosine(opt, warmup, steps, 0.1), peak, steps)
     assert loop == pytest.approx(ref, rel=1e-9)
     assert 0 < loop[0] < peak and max(loop) == pytest.approx(peak) and loop[-1] == pytest.approx(0.1 * peak)
 
@@ -102,13 +103,11 @@ def _simulated_bias_ratios(betas, steps: int, g: float = 0.3) -> list[float]:
 def test_gpt3s_betas_bias_correction_numbers_in_notebook_05():
     """05, "Bias correction": with betas (0.9, 0.999) the uncorrected first step is 3.16x (not 30x); with GPT-3's
     (0.9, 0.95) it is too SMALL, 0.45x, and within 10% of 1 after a few steps. Measured by running the moments and
-    torch's AdamW (_simulated_bias_ratios), and optim.bias_correction_ratio (the closed form the notebook plots)
+    torch's AdamW (_simulated_bias_ratios), and O.bias_correction_ratio (the closed form the notebook plots)
     checked against that run."""
     default, gpt3 = _simulated_bias_ratios((0.9, 0.999), 200), _simulated_bias_ratios((0.9, 0.95), 200)
     for betas, ran in (((0.9, 0.999), default), ((0.9, 0.95), gpt3)):
-        assert all(
-            math.isclose(optim.bias_correction_ratio(t, betas), r, rel_tol=1e-6) for t, r in enumerate(ran, start=1)
-        )
+        assert all(math.isclose(O.bias_correction_ratio(t, betas), r, rel_tol=1e-6) for t, r in enumerate(ran, start=1))
     assert round(default[0], 2) == 3.16 and round(gpt3[0], 2) == 0.45
     settled = next(t for t in range(len(gpt3)) if all(abs(r - 1) < 0.1 for r in gpt3[t:])) + 1
     assert settled <= 10, settled
@@ -120,7 +119,7 @@ def test_adams_state_is_4_bytes_per_parameter_each_8_together(tiny):
     model = GPT(tiny().model)
     cfg = tiny()
     x = torch.randint(0, cfg.model.vocab_size, (2, 16))
-    measured = optim.measured_state_bytes("adamw", model, x, x)
+    measured = O.measured_state_bytes("adamw", model, x, x)
     n, tensors = model.num_params(), len(list(model.parameters()))
     assert measured == 8 * n + 4 * tensors
     opt = torch.optim.AdamW(model.parameters())
@@ -136,20 +135,20 @@ def test_adams_state_is_4_bytes_per_parameter_each_8_together(tiny):
 @pytest.mark.parametrize(
     "hand, ref",
     [
-        (lambda g: optim.HandAdagrad(g), lambda g: torch.optim.Adagrad(g, foreach=False)),
-        (lambda g: optim.HandRMSprop(g), lambda g: torch.optim.RMSprop(g, foreach=False)),
+        (lambda g: O.HandAdagrad(g), lambda g: torch.optim.Adagrad(g, foreach=False)),
+        (lambda g: O.HandRMSprop(g), lambda g: torch.optim.RMSprop(g, foreach=False)),
     ],
     ids=["adagrad", "rmsprop"],
 )
 def test_hand_adagrad_and_rmsprop_at_torchs_defaults(hand, ref, tiny):
     """05's AdaGrad and RMSProp cell checked the non-default options in front of the learner; torch's defaults here."""
-    assert optim.max_difference_after_steps(hand, ref, tiny().model, steps=3, weight_decay=0.1) < 1e-10
+    assert O.max_difference_after_steps(hand, ref, tiny().model, steps=3, weight_decay=0.1) < 1e-10
 
 
 def test_tensor_kind_finds_exactly_the_layernorm_gains(tiny):
-    """precision.tensor_kind sorts 03's updates lost by kind and picks 05's LayerNorm gains (cell 0e8246e3): its
+    """number_formats.tensor_kind sorts 03's updates lost by kind and picks 05's LayerNorm gains (cell 0e8246e3): its
     "LayerNorm gains" are the weights of the model's nn.LayerNorm modules, found here by module type, not by name."""
-    from course_lib.precision import tensor_kind
+    from course_lib.lessons.number_formats import tensor_kind
 
     model = GPT(tiny().model)
     by_type = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.LayerNorm)}

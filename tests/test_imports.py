@@ -22,13 +22,21 @@ LAYERS = (
     ),
     ("results", "results plots"),
     (
-        "the loop and the notebooks' helpers",
-        "train ladder memory profiling bench attention accumulation optim "
-        "training_compute export low_precision precision reference distributed._common distributed.ddp "
-        "distributed.expert_parallel distributed.fsdp distributed.pipeline distributed.resume distributed.selftest "
-        "distributed.series distributed.tensor_parallel distributed.zero_stages distributed.launch",
+        "the loop and the shared helpers",
+        "train ladder memory_estimate profiling training_compute export reference distributed._common distributed.ddp "
+        "distributed.ddp_by_hand distributed.expert_parallel distributed.fsdp distributed.pipeline distributed.resume "
+        "distributed.selftest distributed.series distributed.tensor_parallel distributed.zero_stages "
+        "distributed.launch",
     ),
-    ("the learner's side", "widgets doctor distributed.panel __main__ course_lib"),
+    (
+        "the notebooks' own helpers",
+        "lessons " + " ".join(f"lessons.{p.stem}" for p in (PACKAGE / "lessons").glob("*.py") if p.stem != "__init__"),
+    ),
+    (
+        "the learner's side",
+        "widgets doctor distributed.strategy_panel __main__ course_lib "
+        + " ".join(f"widgets.{p.stem}" for p in (PACKAGE / "widgets").glob("*.py") if p.stem != "__init__"),
+    ),
 )
 LAYER = {name: i for i, (_, names) in enumerate(LAYERS) for name in names.split()}
 

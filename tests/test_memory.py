@@ -1,5 +1,5 @@
-"""course_lib.memory: the formulas against hand-computed values (the paper's included), and against the CPU ledger
-of the one training loop where the formula is exact (parameters, gradients, optimizer state) or itemised
+"""course_lib.memory_estimate: the formulas against hand-computed values (the paper's included), and against the CPU
+ledger of the one training loop where the formula is exact (parameters, gradients, optimizer state) or itemised
 (activations: within 2 %). Tiny configs, CPU."""
 
 from dataclasses import replace
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import memory as M
+from course_lib import memory_estimate as M
 from course_lib.config import ModelConfig, gpt2_small_preset, tiny_preset
 from course_lib.data import Splits
 from course_lib.measure import GiB

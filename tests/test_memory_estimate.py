@@ -1,9 +1,9 @@
-"""memory.estimate against the ledger, lever by lever.
+"""memory_estimate.estimate against the ledger, lever by lever.
 
 The analytic estimate must model every lever the ledger measures. Its peak is compared with one measured step
-(memory.account_step: the loop's own step body under the CPU ledger, in FakeTensorMode, so nothing is allocated)
-for each lever alone from naive fp32, and for the combination of the issue (GPT-2 small at batch 32, context 1024,
-SDPA, full checkpointing, 8 loss chunks, set_to_none: the old estimate said 21.1 GiB, one step peaks at 5.2 GiB).
+(memory_estimate.account_step: the loop's own step body under the CPU ledger, in FakeTensorMode, so nothing is
+allocated) for each lever alone from naive fp32, and for the combination of the issue (GPT-2 small at batch 32, context
+1024, SDPA, full checkpointing, 8 loss chunks, set_to_none: the old estimate said 21.1 GiB, one step peaks at 5.2 GiB).
 
 Tolerance: TOL = 0.5 % of the measured peak, for the peak and for every category of it (parameters, gradients,
 optimizer state, activations, logits, other). The model is term by term, so it is exact but for what it leaves
@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import memory as M
+from course_lib import memory_estimate as M
 from course_lib.config import cpu_preset, gpt2_small_preset
 from course_lib.measure import CATEGORIES, GiB
 

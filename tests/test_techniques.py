@@ -162,9 +162,9 @@ def _grads_of(model, x, y):
 
 @pytest.mark.parametrize("kind", C.CLIP_KINDS)
 def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
-    """setup.clip applies clip_norm globally (one factor, as course_lib.optim writes it by hand) or per tensor (each
-    its own, the rule written out here)."""
-    from course_lib import optim
+    """setup.clip applies clip_norm globally (one factor, as course_lib.lessons.optimizers_by_hand writes it) or per
+    tensor (each its own, the rule written out here)."""
+    from course_lib.lessons import optimizers_by_hand as O
 
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
     m, ref = tiny_model(), tiny_model()
@@ -172,7 +172,7 @@ def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
     params, ref_params = _grads_of(m, x, y), _grads_of(ref, x, y)
     setup.clip(params, torch.nn.utils.get_total_norm([p.grad for p in params]))
     if kind == "global":
-        optim.clip_global_(ref_params, 0.05)
+        O.clip_global_(ref_params, 0.05)
     else:  # each gradient times min(1, max_norm / (||g_i|| + 1e-6)), tensor by tensor
         for p in ref_params:
             p.grad.mul_(min(1.0, 0.05 / (float(p.grad.norm()) + 1e-6)))
@@ -180,9 +180,9 @@ def test_the_loops_clipping_is_the_rule_of_its_kind(kind, tiny_model):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-8)
     norms = [float(p.grad.norm()) for p in params]
     if kind == "per_tensor":
-        assert max(norms) <= 0.05 + 1e-6 and optim.global_grad_norm(params) > 0.05 * 1.5  # each capped, not the whole
+        assert max(norms) <= 0.05 + 1e-6 and O.global_grad_norm(params) > 0.05 * 1.5  # each capped, not the whole
     else:
-        assert optim.global_grad_norm(params) == pytest.approx(0.05, rel=1e-4)
+        assert O.global_grad_norm(params) == pytest.approx(0.05, rel=1e-4)
 
 
 def test_clipping_off_is_a_no_op_and_a_bad_kind_is_refused(tiny_model):

@@ -199,11 +199,11 @@ def test_loss_scale_controls_read_as_powers_of_two(tiny):
 
 
 def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(splits, tiny):
-    """Notebook 06's runner (accumulation.normalisation_run): whole-batch normalisation matches the big batch under
-    uneven padding, the mean of means does not; both runs drawn."""
+    """Notebook 06's runner (accumulated_gradients.normalisation_run): whole-batch normalisation matches the big batch
+    under uneven padding, the mean of means does not; both runs drawn."""
     import ipywidgets as W
 
-    from course_lib import accumulation as acc
+    from course_lib.lessons import accumulated_gradients as acc
 
     def runner(cfg, label, callback, imbalance, normalisation):
         r, d = acc.normalisation_run(cfg, splits.train, splits.pad_id, imbalance, normalisation, label, callback)
@@ -228,7 +228,7 @@ def test_the_padding_panel_measures_each_normalisation_against_the_big_batch(spl
 
 
 def test_the_strategy_panel_refuses_what_a_strategy_cannot_run(tiny):
-    from course_lib.distributed import panel as DP
+    from course_lib.distributed import strategy_panel as DP
 
     cfg = tiny().with_model(n_layer=4, n_head=4)
     assert DP.why_not(cfg, "ddp", 3, 1) is None and DP.why_not(cfg, "gpipe", 2, 2) is None
@@ -283,7 +283,7 @@ def test_the_strategy_panel_exports_ddp_and_fsdp_as_torchrun_scripts(tmp_path, t
     import ipywidgets as W
 
     from course_lib import export
-    from course_lib.distributed import panel as DP
+    from course_lib.distributed import strategy_panel as DP
 
     p = widgets.Panel(
         tiny(measure_memory=False),

@@ -1,4 +1,4 @@
-"""course_lib.low_precision: lost bf16 updates, stochastic rounding, Kahan-compensated updates (tiny, CPU).
+"""course_lib.lessons.pure_bf16: lost bf16 updates, stochastic rounding, Kahan-compensated updates (tiny, CPU).
 
 bf16 arithmetic is the same on every CPU (emulated where there are no bf16 instructions), so these hold anywhere."""
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import low_precision as L, optim
+from course_lib.lessons import optimizers_by_hand, pure_bf16 as L
 
 BF16 = torch.bfloat16
 
@@ -60,8 +60,8 @@ def test_kahan_recovers_the_sum_of_many_tiny_updates():
 
 
 def test_low_precision_adamw_is_adamw(tiny):
-    # on fp64 weights (computed in fp64, stored to fp64) it is exactly AdamW: the rule is optim.adamw_update's
-    diff = optim.max_difference_after_steps(
+    # on fp64 weights (computed and stored in fp64) it is exactly AdamW, the rule of optimizers_by_hand.adamw_update
+    diff = optimizers_by_hand.max_difference_after_steps(
         lambda g: L.LowPrecisionAdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1),
         lambda g: torch.optim.AdamW(g, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, foreach=False),
         tiny().model,
@@ -132,8 +132,8 @@ def test_a_run_logs_the_updates_lost_for_good(splits, tiny):
 def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16(tiny):
     import matplotlib
 
-    from course_lib import precision as P
     from course_lib.config import ConfigError
+    from course_lib.lessons import number_formats as P
     from course_lib.plots import new_figure
 
     cfg = tiny(batch_size=2, context=32, steps=3, timing_warmup=1, measure_memory=False, lr=1e-4)
@@ -166,8 +166,9 @@ def test_notebook_03s_panel_runner_shows_op_dtypes_loss_scaling_and_pure_bf16(ti
 def test_the_panel_runner_asks_the_device_first(monkeypatch, tiny):
     # a precision this device cannot run (bf16 on a V100, say) is a ConfigError with the device's reason, before any op
     # runs
-    from course_lib import capabilities as K, precision as P
+    from course_lib import capabilities as K
     from course_lib.config import ConfigError
+    from course_lib.lessons import number_formats as P
 
     real = K._precisions
     monkeypatch.setattr(

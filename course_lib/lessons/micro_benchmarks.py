@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .measure import MemoryLedger, time_fn
+from ..measure import MemoryLedger, time_fn
 
 # ---- one call: time and memory -------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""course_lib.precision: the formats, autocast's dtypes, fp16 underflow and loss scaling, accuracy vs fp64."""
+"""course_lib.lessons.number_formats: the formats, autocast's dtypes, fp16 underflow and loss scaling, accuracy vs
+fp64."""
 
 import dataclasses
 import math
@@ -7,8 +8,8 @@ import time
 import pytest
 import torch
 
-from course_lib import precision as P
 from course_lib.config import ConfigError, TrainConfig, tiny_preset
+from course_lib.lessons import number_formats as P
 from course_lib.train import run
 
 HAS_AMPERE = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8

@@ -8,10 +8,11 @@ neighbouring bf16 values around its weight is rounded away, and the weight does 
   compensation buffer keeps what rounding dropped and adds it back later).
 - `replay`: one sequence of updates applied to bf16 weights with each rounding and to fp32 weights (the reference):
   the share of the movement each lost, and its error per weight.
-- `LowPrecisionAdamW`: AdamW's rule (optim.adamw_update, the same function as notebook 05's) computed one format wider
-  than the weights from state stored in the weights' format, written back with one of the roundings; it logs, every
-  step, the share of parameters whose update was lost, the share of the update that reached the weights, and the
-  share of all updates so far that never did (`lost_so_far`: what rounding to nearest loses for good).
+- `LowPrecisionAdamW`: AdamW's rule (optimizers_by_hand.adamw_update, the same function as notebook 05's) computed
+  one format wider than the weights from state stored in the weights' format, written back with one of the roundings;
+  it logs, every step, the share of parameters whose update was lost, the share of the update that reached the
+  weights, and the share of all updates so far that never did (`lost_so_far`: what rounding to nearest loses for
+  good).
 - `train`: the course's loop (train.Trainer) with that optimizer on a model stored in bf16 (or fp32: the master-weights
   reference); `bytes_per_parameter`: weights + gradients + optimizer state, measured from the tensors.
 
@@ -25,12 +26,12 @@ import dataclasses
 
 import torch
 
-from . import measure, techniques, train as train_mod
-from .config import TrainConfig
-from .model import GPT
-from .optim import HandAdamW, adamw_update
-from .plots import placeholder
-from .results import RunResult
+from .. import measure, techniques, train as train_mod
+from ..config import TrainConfig
+from ..model import GPT
+from ..plots import placeholder
+from ..results import RunResult
+from .optimizers_by_hand import HandAdamW, adamw_update
 
 ROUNDINGS = ("nearest", "stochastic", "kahan")
 
@@ -126,13 +127,14 @@ def replay(
 class LowPrecisionAdamW(HandAdamW):
     """AdamW whose weights and moments stay in the parameters' own format (bf16: 2 + 2 + 2 bytes per parameter; Kahan
     adds a 2-byte compensation buffer). Each step reads them one format wider (fp32 for bf16, fp64 for fp32, so that
-    what the weights' rounding loses is visible), applies optim.adamw_update there, and stores the moments back
-    rounded to nearest and the weights with `rounding`. After every step, `lost[-1]` is the share of parameters whose
-    update was lost, and `kept[-1]` the share of the update that reached the weights, sum(applied x update) /
-    sum(update^2): 1 when every update lands, in expectation too (stochastic rounding moves a weight by a whole gap,
-    or not at all, but right on average). `lost_so_far[-1]` is the same share for the sums over all steps so far,
-    1 - sum(A·U)/sum(U·U) with U a parameter's updates summed and A what was applied: rounding to nearest rounds
-    some updates up and others away, so one step's share can be near 0 while the small updates are lost for good."""
+    what the weights' rounding loses is visible), applies optimizers_by_hand.adamw_update there, and stores the
+    moments back rounded to nearest and the weights with `rounding`. After every step, `lost[-1]` is the share of
+    parameters whose update was lost, and `kept[-1]` the share of the update that reached the weights, sum(applied x
+    update) / sum(update^2): 1 when every update lands, in expectation too (stochastic rounding moves a weight by a
+    whole gap, or not at all, but right on average). `lost_so_far[-1]` is the same share for the sums over all steps
+    so far, 1 - sum(A·U)/sum(U·U) with U a parameter's updates summed and A what was applied: rounding to nearest
+    rounds some updates up and others away, so one step's share can be near 0 while the small updates are lost for
+    good."""
 
     def __init__(self, params, rounding: str = "nearest", seed: int = 0, **adamw):
         """adamw: HandAdamW's lr, betas, eps, weight_decay (and its defaults)."""

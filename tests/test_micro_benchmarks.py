@@ -1,4 +1,4 @@
-"""course_lib.bench: timing, peak memory, ugly sizes, AdamW implementations, compile events."""
+"""course_lib.lessons.micro_benchmarks: timing, peak memory, ugly sizes, AdamW implementations, compile events."""
 
 import time
 import types
@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from course_lib import bench as B
+from course_lib.lessons import micro_benchmarks as B
 
 
 def test_time_fn_returns_the_median_of_the_timed_calls(monkeypatch):

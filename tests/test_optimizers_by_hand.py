@@ -1,4 +1,5 @@
-"""course_lib.optim: hand-written AdamW, schedules, clipping, state bytes, weight-decay groups (tiny, CPU)."""
+"""course_lib.lessons.optimizers_by_hand: hand-written AdamW, schedules, clipping, state bytes, weight-decay groups
+(tiny, CPU)."""
 
 import math
 from dataclasses import replace
@@ -6,9 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import optim as O, techniques
+from course_lib import techniques
 from course_lib.config import tiny_preset
 from course_lib.data import load_splits, random_windows
+from course_lib.lessons import optimizers_by_hand as O
 from course_lib.model import GPT
 from course_lib.train import train
 
@@ -357,7 +359,7 @@ def test_adagrad_steps_shrink_like_one_over_sqrt_t():
 
 @pytest.mark.parametrize("kind", ["adagrad", "rmsprop"])
 def test_new_kinds_state_bytes_and_memory_model(kind, tiny):
-    from course_lib import memory
+    from course_lib import memory_estimate as M
 
     m = _model()
     params = list(m.parameters())
@@ -367,7 +369,7 @@ def test_new_kinds_state_bytes_and_memory_model(kind, tiny):
         == O.expected_state_bytes(kind, params)
         == 4 * m.num_params() + 4 * len(params)
     )
-    assert memory.static_bytes(m.num_params(), kind, 4, len(params))["optimizer state"] == O.expected_state_bytes(
+    assert M.static_bytes(m.num_params(), kind, 4, len(params))["optimizer state"] == O.expected_state_bytes(
         kind, params
     )
 

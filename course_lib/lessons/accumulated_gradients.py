@@ -21,11 +21,11 @@ from typing import Callable
 
 import torch
 
-from . import data as data_mod
-from .config import TrainConfig
-from .model import GPT
-from .results import RunResult
-from .techniques import loss_sum
+from .. import data as data_mod
+from ..config import TrainConfig
+from ..model import GPT
+from ..results import RunResult
+from ..techniques import loss_sum
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -192,7 +192,7 @@ def loop_equivalence(
     """Train the same model on the same data twice with course_lib.train.train: once as one big batch per step
     (grad_accum_steps=1), once as the micro-batches (grad_accum_steps=K). Returns (big, accumulated) results;
     their losses and gradient norms should agree to rounding."""
-    from .train import train
+    from ..train import train
 
     k = len(micro_per_step(0))
     base = replace(cfg, batch_size=k * cfg.micro_batch_size, measure_memory=False)
@@ -220,7 +220,7 @@ def accumulation_sweep(
 ) -> list[RunResult]:
     """One run of the one loop (course_lib.train.run) per number of accumulation steps, all with the effective
     batch base.batch_size; the micro-batch is batch_size / K."""
-    from .train import run
+    from ..train import run
 
     runner = runner or run
     results = []
@@ -254,8 +254,8 @@ def normalisation_run(
     sequences, padded unevenly (imbalanced_lengths), under `normalisation`, against the big batch's gradient.
     The accumulated gradient is computed cfg.steps times on a fresh model of cfg (timed, the first
     cfg.timing_warmup left out of the median); returns (the run as a RunResult, details for the plots)."""
-    from . import measure
-    from .results import provenance
+    from .. import measure
+    from ..results import provenance
 
     k, b, s = cfg.grad_accum_steps, cfg.micro_batch_size, cfg.context
     lengths = imbalanced_lengths(s, k, imbalance)

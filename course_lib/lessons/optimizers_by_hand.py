@@ -24,9 +24,9 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from . import data as data_mod, measure, techniques
-from .model import GPT
-from .techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
+from .. import data as data_mod, measure, techniques
+from ..model import GPT
+from ..techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
 
 # ---- AdamW from its update rule -------------------------------------------------------------------
 
@@ -572,7 +572,7 @@ def bias_correction_runs(betas: dict[str, tuple[float, float]], steps: int) -> t
 def plot_bias_correction(closed: dict, ran: dict):
     """The closed form as lines, the update rule's run as dots (steps spaced evenly on a log axis), the first step and
     the peak of the first series annotated."""
-    from .plots import new_figure
+    from ..plots import new_figure
 
     fig = new_figure((7, 3.2))
     ax = fig.subplots()

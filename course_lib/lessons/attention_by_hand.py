@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from .bench import peak_bytes, time_fn
-from .model import naive_attention, sdpa_attention
+from ..model import naive_attention, sdpa_attention
+from .micro_benchmarks import peak_bytes, time_fn
 
 __all__ = [
     "naive_attention",
@@ -216,7 +216,7 @@ def context_sweep(
     allocates beyond its inputs (CPU: every storage followed by the course's ledger; CUDA: the allocator's peak),
     with `backward` the gradients of q, k, v and everything saved for backward included.
     """
-    from .measure import device_name
+    from ..measure import device_name
 
     name = device_name(device)
     points, out_of_memory = [], set()

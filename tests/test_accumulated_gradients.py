@@ -5,7 +5,8 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import accumulation as acc, config, data
+from course_lib import config, data
+from course_lib.lessons import accumulated_gradients as acc
 from course_lib.measure import CATEGORIES
 
 CONTEXT = 32

@@ -589,7 +589,7 @@ def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[s
 
 def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
     """A run of the course's loop (train.run) with the formula beside it: widgets.Panel's runner in notebooks 01 and 02.
-    memory.estimate's prediction of the step's peak goes in the result's details ("estimate": by_category, peak_bytes,
+    estimate's prediction of the step's peak goes in the result's details ("estimate": by_category, peak_bytes,
     when), and its note sets the predicted peak beside the measured one (plots.plot_memory_vs_estimate draws both,
     category by category). kwargs go to train.run (splits=...)."""
     from .train import run

@@ -9,9 +9,9 @@
 - Matmul throughput per format on this device.
 - Why master weights: one real update added to the weights stored in each format (`updates_lost_by_format`).
 - The notebook's panel (`panel_runner`, with `plot_op_dtypes` and `plot_scaler_trace`): a run's op dtypes, its loss
-  scale, and pure bf16 through low_precision.train.
+  scale, and pure bf16 through pure_bf16.train.
 
-The training runs go through course_lib.train (or low_precision.train, the same loop); nothing here is a second loop.
+The training runs go through course_lib.train (or pure_bf16.train, the same loop); nothing here is a second loop.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .config import TrainConfig
-from .plots import placeholder
+from ..config import TrainConfig
+from ..plots import placeholder
 
 SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 for _name, _short in (("float8_e4m3fn", "fp8 e4m3"), ("float8_e5m2", "fp8 e5m2")):
@@ -283,7 +283,7 @@ def record_dtypes(
 ) -> list[OpRecord]:
     """Run forward and loss under the autocast of `precision` (as the training loop does), then backward
     outside it, recording the dtype of every operation. Gradients are left in the model's .grad."""
-    from .techniques import autocast_context, loss_sum
+    from ..techniques import autocast_context, loss_sum
 
     device = next(model.parameters()).device
     autocast = autocast_context(precision, str(device))
@@ -355,7 +355,7 @@ class GradientSample:
 
 
 def _batch(cfg: TrainConfig, seed: int):
-    from . import data as data_mod
+    from .. import data as data_mod
 
     splits = data_mod.load_splits()
     gen = torch.Generator().manual_seed(seed)
@@ -365,7 +365,7 @@ def _batch(cfg: TrainConfig, seed: int):
 
 def fresh_model(cfg: TrainConfig) -> nn.Module:
     """The GPT of `cfg`, initialised with cfg.seed exactly as the training loop initialises it."""
-    from .model import GPT
+    from ..model import GPT
 
     torch.manual_seed(cfg.seed)
     return GPT(cfg.model).to(cfg.device)
@@ -380,8 +380,8 @@ def gradient_sample(
 ) -> GradientSample:
     """One forward + backward of the model of `cfg` on one batch, under the autocast of `precision`, the loss
     (mean over target tokens, as in the loop) multiplied by `loss_scale` before backward. No optimizer step."""
-    from .data import count_targets
-    from .techniques import autocast_context, loss_sum
+    from ..data import count_targets
+    from ..techniques import autocast_context, loss_sum
 
     model = copy.deepcopy(model) if model is not None else fresh_model(cfg)
     x, y = batch if batch is not None else _batch(cfg, cfg.seed)
@@ -434,8 +434,8 @@ def matmul_errors(n: int = 512, device: str = "cpu", seed: int = 0) -> dict[str,
     a = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     b = torch.randn(n, n, generator=gen, dtype=torch.float64).to(device)
     ref = a @ b
-    from .capabilities import capabilities
-    from .techniques import matmul_precision
+    from ..capabilities import capabilities
+    from ..techniques import matmul_precision
 
     m = torch.backends.cuda.matmul
     prev = (m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction)
@@ -472,7 +472,7 @@ def one_step_errors(
 ) -> list[StepError]:
     """One step's loss and parameter gradients in each precision against the same step in fp64 (same initial
     weights, same batch). fp16 runs with and without `fp16_loss_scale`. TF32 is measured on CUDA Ampere+ only."""
-    from .capabilities import capabilities
+    from ..capabilities import capabilities
 
     model = fresh_model(cfg)
     batch = _batch(cfg, cfg.seed)
@@ -505,8 +505,8 @@ def gradient_sample_with_grads(
 ) -> tuple[float, torch.Tensor]:
     """(loss, all parameter gradients as one flat fp64 vector, unscaled) of one forward + backward on a copy of
     `model`."""
-    from .data import count_targets
-    from .techniques import autocast_context, loss_sum, matmul_precision
+    from ..data import count_targets
+    from ..techniques import autocast_context, loss_sum, matmul_precision
 
     m = copy.deepcopy(model)
     x, y = batch
@@ -540,8 +540,8 @@ def updates_lost_by_format(
     `optimizers` {label: make(params) -> Optimizer}, added exactly to the weights stored in each format and rounded
     once: ({(label, kind, format): share of the weights with a nonzero update whose stored value did not change}, table
     rows)."""
-    from .data import count_targets
-    from .techniques import loss_sum
+    from ..data import count_targets
+    from ..techniques import loss_sum
 
     model = fresh_model(cfg)
     x, y = _batch(cfg, cfg.seed)
@@ -584,7 +584,7 @@ def matmul_tflops(
 ) -> tuple[float | None, str]:
     """Achieved TFLOP/s of an n x n matmul in `precision` on `device` (course_lib.capabilities.matmul_tflops),
     or (None, why) where it would not mean anything (TF32 off CUDA Ampere+)."""
-    from . import capabilities as caps
+    from .. import capabilities as caps
 
     if precision == "tf32" and not (
         torch.device(device).type == "cuda" and caps.capabilities(device).precisions["tf32"].ok
@@ -794,14 +794,14 @@ def op_dtypes(records: list[OpRecord], model: nn.Module | None = None) -> dict[s
 
 def panel_runner(cfg: TrainConfig, label: str, callback=None, weights: str = "fp32 master weights"):
     """What Run does on notebook 03's panel (widgets.Panel's runner; `weights` is its extra control, a key of
-    low_precision.SCHEMES). Records the dtype each op of one step runs in (op_dtypes), then trains `cfg` through the
-    course's loop with fp32 master weights, or with the weights, gradients and AdamW state in bf16 (low_precision.train:
+    pure_bf16.SCHEMES). Records the dtype each op of one step runs in (op_dtypes), then trains `cfg` through the
+    course's loop with fp32 master weights, or with the weights, gradients and AdamW state in bf16 (pure_bf16.train:
     the update lost per step). An fp16 run also measures one step's activation gradients lost to zero at its starting
     loss scale. The result's note (the table's last column) says what it found."""
-    from . import low_precision as L
-    from .capabilities import require
-    from .config import ConfigError
-    from .train import run
+    from ..capabilities import require
+    from ..config import ConfigError
+    from ..train import run
+    from . import pure_bf16 as L
 
     # before the dtype recording runs anything this device cannot (bf16 on a V100: a ConfigError, the fix named)
     require(cfg)

@@ -1,9 +1,10 @@
-"""course_lib.attention: naive, tiled and SDPA attention are the same function; the sweep measures what it claims."""
+"""course_lib.lessons.attention_by_hand: naive, tiled and SDPA attention are the same function; the sweep measures
+what it claims."""
 
 import pytest
 import torch
 
-from course_lib import attention as A
+from course_lib.lessons import attention_by_hand as A
 
 SHAPES = [(1, 1, 1, 8), (2, 3, 37, 16), (1, 2, 128, 32), (2, 2, 200, 64)]
 

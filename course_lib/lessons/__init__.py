@@ -1,0 +1,20 @@
+"""The notebooks' own helpers: code that a notebook uses to show or measure something, which the training loop, the
+ladder, the exporter and the panels never use. The library the loop uses is the rest of course_lib; nothing there
+imports from here.
+
+- `number_formats` (03): the formats side by side, the dtype autocast gives each op, fp16 underflow and loss
+  scaling, error against fp64, why master weights; 03's panel runner.
+- `pure_bf16` (03): training with weights, gradients and AdamW's state all in bf16; stochastic rounding, Kahan sums.
+- `attention_by_hand` (04): tiled (flash-style) and windowed attention in plain PyTorch, which SDPA backend runs,
+  the context-length sweep.
+- `flash_attention` (04): FlashAttention-2's forward and backward as an `autograd.Function`, checked against SDPA.
+- `micro_benchmarks` (04): timing and peak memory of one call, "ugly" sizes, AdamW's implementations, what
+  torch.compile does when shapes change.
+- `optimizers_by_hand` (05): AdamW, AdaGrad and RMSProp written from their update rules and checked against torch's;
+  schedules, clipping and optimizer state bytes, measured.
+- `accumulated_gradients` (06): the big batch's arithmetic, the accumulated gradient under each normalisation, the
+  padding trap.
+
+A notebook may borrow from another's helper rather than write it twice (05 reads `number_formats.tensor_kind`;
+`pure_bf16`'s optimizer is `optimizers_by_hand`'s AdamW). Each module has its own test file, named after it.
+"""
