@@ -97,6 +97,11 @@ def text(name: str, value) -> str:
     return FORMATS[name](value) if name in FORMATS else str(value)
 
 
+def _change(name: str, new, shown) -> str:
+    """A change in a run's label: the name for a switch turned on, "no name" for one turned off, else name=value."""
+    return name if new is True else f"no {name}" if new is False else f"{name}={shown}"
+
+
 def _offered(options: list) -> list:
     return [o[1] if isinstance(o, tuple) else o for o in options]
 
@@ -304,11 +309,11 @@ class Controls:
         for k, start in (("preset", self.matching_preset), ("device", lambda: str(self.base.device))):
             if k in self.widgets and self.widgets[k].value != start():
                 parts.append(f"{k}={self.widgets[k].value}")
-        changed = [
-            (k, current(cfg, k), current(self.base, k), text) for k in self.widgets if k not in ("preset", "device")
-        ]
-        changed += [(k, v, self._extra_start[k], lambda _k, v: v) for k, v in self.extra_values().items()]
-        for k, new, old, write in changed:
-            if new != old:
-                parts.append(k if new is True else f"no {k}" if new is False else f"{k}={write(k, new)}")
+        for k in [k for k in self.widgets if k not in ("preset", "device")]:
+            new = current(cfg, k)
+            if new != current(self.base, k):
+                parts.append(_change(k, new, text(k, new)))
+        for k, new in self.extra_values().items():
+            if new != self._extra_start[k]:
+                parts.append(_change(k, new, new))
         return ", ".join(parts) if parts else "baseline"
