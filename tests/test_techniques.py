@@ -124,7 +124,8 @@ def test_the_chunked_loss_recomputes_nothing_counted_by_flop_counter_mode(tiny_m
 
 @pytest.mark.parametrize("schedule, warmup", [("wsd", 2), ("inverse_sqrt", 3), ("constant", 0)])
 def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, splits, tiny):
-    """The loop logs, step by step, the schedule's curve from its plain function (shapes checked in test_optim)."""
+    """The loop logs, step by step, the schedule's curve from its plain function (shapes checked in
+    test_optimizers_by_hand)."""
     from course_lib.train import train
 
     cfg = C.TrainConfig(
