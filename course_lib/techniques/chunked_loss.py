@@ -109,7 +109,7 @@ class LossModule(nn.Module):
 def memory_terms(tokens: int, h: int, vocab: int, chunks: int, autocast: bool) -> tuple[dict, dict]:
     """The chunked loss's terms in the memory estimate, as ({term: (ledger category, bytes)} at the worst moment of a
     forward slice, the same at the start of backward), for `tokens` tokens of width `h`, a (padded) vocabulary of
-    `vocab` and `chunks` slices (course_lib.memory.loss_terms says what each moment holds)."""
+    `vocab` and `chunks` slices (course_lib.memory_estimate.loss_terms says what each moment holds)."""
     T, V = tokens, vocab
     c = -(-T // chunks)  # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
     fwd: dict[str, tuple[str, int]] = {}
