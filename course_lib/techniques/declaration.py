@@ -43,7 +43,7 @@ class Technique:
     choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
     aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
     reads: tuple[str, ...] = ()  # the other config fields `export` reads
-    # Its term in the memory estimate (course_lib.memory_estimate calls it), or None, and then `memory_note` says why none.
+    # Its term in the memory estimate (course_lib.memory_estimate calls it), or None: then `memory_note` says why.
     memory_term: Callable | None = None
     memory_note: str = ""
 
