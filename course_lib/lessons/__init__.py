@@ -5,9 +5,8 @@ imports from here.
 - `number_formats` (03): the formats side by side, the dtype autocast gives each op, fp16 underflow and loss
   scaling, error against fp64, why master weights; 03's panel runner.
 - `pure_bf16` (03): training with weights, gradients and AdamW's state all in bf16; stochastic rounding, Kahan sums.
-- `attention_by_hand` (04): tiled (flash-style) and windowed attention in plain PyTorch, which SDPA backend runs,
-  the context-length sweep.
-- `flash_attention` (04): FlashAttention-2's forward and backward as an `autograd.Function`, checked against SDPA.
+- `attention_by_hand` (04): tiled (flash-style) and windowed attention in plain PyTorch, FlashAttention-2's forward
+  and backward as an `autograd.Function` (`flash_attention`), which SDPA backend runs, the context-length sweep.
 - `micro_benchmarks` (04): timing and peak memory of one call, "ugly" sizes, AdamW's implementations, what
   torch.compile does when shapes change.
 - `optimizers_by_hand` (05): AdamW, AdaGrad and RMSProp written from their update rules and checked against torch's;

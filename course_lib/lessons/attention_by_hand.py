@@ -1,4 +1,4 @@
-"""Attention three ways, and the measurements of notebook 04.
+"""Attention three ways, flash attention's backward by hand, and the measurements of notebook 04.
 
 - `naive_attention` (from model.py): writes out the (batch, heads, s, s) scores and probabilities.
 - `sdpa_attention` (from model.py): `F.scaled_dot_product_attention`, which picks a fused kernel.
@@ -9,6 +9,20 @@
 
 And the measurements: which SDPA backend actually runs (`sdpa_backend`), and a context-length sweep that
 times naive against SDPA attention and measures their peak memory (`context_sweep`).
+
+Flash attention by hand, forward and backward: FlashAttention-2's algorithm as a PyTorch `autograd.Function`
+(`flash_attention`), to read and to check against the real kernel.
+- Forward (`tiled_attention`): it keeps for backward only its inputs, the output O and the log-sum-exp L of every
+  query row: O(s d) numbers, where autograd through naive attention keeps the (s x s) probabilities of every head.
+- Backward (`flash_backward`): walks the tiles again, key block by key block, and *recomputes* each tile's
+  probabilities from Q, K and L, P = exp(Q K^T / sqrt(d) - L), instead of reading them from memory. With
+  D = rowsum(dO * O) (= rowsum(P * dP), one number per query row):
+      dV_j += P^T dO_i        dP = dO_i V_j^T        dS = P * (dP - D_i)
+      dQ_i += dS K_j / sqrt(d)      dK_j += dS^T Q_i / sqrt(d)
+  That is one more Q K^T per tile: 7 products of (s x s x d) where naive attention's forward and backward do 6
+  (`recompute_share`), to never write or read an (s x s) tensor. On a GPU, memory traffic, not FLOPs, is what
+  attention waits for. Inside, the tiles are computed in fp32 whatever the inputs' format (the kernels accumulate in
+  fp32 too) and cast back. It is for understanding: slower than SDPA's fused kernel on any device.
 """
 
 from __future__ import annotations
@@ -27,6 +41,8 @@ __all__ = [
     "naive_attention",
     "sdpa_attention",
     "tiled_attention",
+    "flash_attention",
+    "flash_backward",
     "windowed_attention",
     "max_abs_diff",
     "sdpa_backend",
@@ -55,8 +71,8 @@ def tiled_attention(
     Only a (block_q x block_k) tile of scores exists at a time: the s x s matrix never does.
 
     q, k, v: (..., s, head_dim). Returns the output (and the log-sum-exp per query when `return_lse`).
-    Under autograd this function saves its tiles for backward; flash attention instead writes its own
-    backward that recomputes them (see the notebook).
+    Under autograd this function saves its tiles for backward; `flash_attention` below has its own backward
+    instead, which recomputes them.
     """
     if causal and q.size(-2) != k.size(-2):
         raise ValueError("causal tiled_attention needs as many queries as keys")
@@ -74,9 +90,7 @@ def tiled_attention(
             j1 = min(j0 + block_k, k_end)
             scores = qi @ k[..., j0:j1, :].transpose(-2, -1)  # one tile: (..., i1-i0, j1-j0)
             if causal and j1 - 1 > i0:  # the tile crosses the diagonal: mask keys after each query
-                rows = torch.arange(i0, i1, device=q.device).unsqueeze(-1)
-                cols = torch.arange(j0, j1, device=q.device).unsqueeze(0)
-                scores = scores.masked_fill(cols > rows, float("-inf"))
+                scores = scores.masked_fill(_causal_tile_mask(i0, i1, j0, j1, q.device), float("-inf"))
             m_new = torch.maximum(m, scores.amax(dim=-1))
             p = torch.exp(scores - m_new.unsqueeze(-1))
             correction = torch.exp(m - m_new)  # rescales what was summed under the old maximum
@@ -100,6 +114,103 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
 
 
+def _causal_tile_mask(i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
+    """(i1 - i0, j1 - j0) bool: True where key j comes after query i (masked out)."""
+    rows = torch.arange(i0, i1, device=device).unsqueeze(-1)
+    cols = torch.arange(j0, j1, device=device).unsqueeze(0)
+    return cols > rows
+
+
+def flash_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    d_out: torch.Tensor,
+    causal: bool = True,
+    block_q: int = 64,
+    block_k: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of softmax attention from what the forward kept (q, k, v: (..., s, d); out: (..., s, d); lse:
+    (..., s)) and the output's gradient, tile by tile, recomputing each tile's probabilities (module docstring)."""
+    s_q, s_k, scale = q.size(-2), k.size(-2), 1.0 / math.sqrt(q.size(-1))
+    D = (d_out * out).sum(dim=-1)  # (..., s_q): rowsum(dO * O) = rowsum(P * dP)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for j0 in range(0, s_k, block_k):  # outer loop over key blocks: dK_j and dV_j finish in one pass
+        j1 = min(j0 + block_k, s_k)
+        kj, vj = k[..., j0:j1, :], v[..., j0:j1, :]
+        first = (j0 // block_q) * block_q if causal else 0  # query blocks before it see none of these keys
+        for i0 in range(first, s_q, block_q):
+            i1 = min(i0 + block_q, s_q)
+            qi, doi = q[..., i0:i1, :], d_out[..., i0:i1, :]
+            scores = (qi @ kj.transpose(-2, -1)) * scale  # the tile again: (..., i1-i0, j1-j0)
+            if causal and j1 - 1 > i0:  # the tile crosses the diagonal
+                scores = scores.masked_fill(_causal_tile_mask(i0, i1, j0, j1, q.device), float("-inf"))
+            p = torch.exp(scores - lse[..., i0:i1, None])  # the probabilities, recomputed from L
+            dv[..., j0:j1, :] += p.transpose(-2, -1) @ doi
+            dp = doi @ vj.transpose(-2, -1)
+            ds = p * (dp - D[..., i0:i1, None])  # softmax's backward, row by row
+            dq[..., i0:i1, :] += (ds @ kj) * scale
+            dk[..., j0:j1, :] += (ds.transpose(-2, -1) @ qi) * scale
+    return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    """softmax(Q K^T / sqrt(d)) V, causal or not, keeping only O and L for backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool = True, block_q: int = 64, block_k: int = 64):
+        if causal and q.size(-2) != k.size(-2):
+            raise ValueError("causal flash_attention needs as many queries as keys")
+        qf, kf, vf = q.float(), k.float(), v.float()
+        out, lse = tiled_attention(qf, kf, vf, block_q, block_k, causal, return_lse=True)
+        ctx.save_for_backward(q, k, v, out, lse)  # O(s d): no (s x s) tensor is kept
+        ctx.options = (causal, block_q, block_k)
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_backward(q.float(), k.float(), v.float(), out, lse, d_out.float(), *ctx.options)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64
+) -> torch.Tensor:
+    """Attention with the hand-written flash forward and backward; q, k, v: (batch, heads, s, head_dim)."""
+    return FlashAttention.apply(q, k, v, causal, block_q, block_k)
+
+
+# The (s x s x d) matrix products of attention. Forward: S = Q K^T, O = P V. Backward: dV = P^T dO, dP = dO V^T,
+# dQ = dS K, dK = dS^T Q. Flash's backward also recomputes S = Q K^T (a causal mask halves every product alike).
+PRODUCTS = {"forward": 2, "backward": 4, "recomputed in backward": 1}
+
+
+def recompute_share() -> float:
+    """The share of flash attention's matmul FLOPs spent recomputing Q K^T in backward (1 of 7)."""
+    return PRODUCTS["recomputed in backward"] / sum(PRODUCTS.values())
+
+
+def peak_bytes_by_length(
+    lengths: list[int], batch: int = 1, heads: int = 2, head_dim: int = 64, block: int = 64
+) -> list[dict]:
+    """Peak bytes of one forward and backward at each sequence length, by the CPU memory ledger: the hand-written
+    flash attention against naive attention, fp32, causal. Flash's grows in proportion to s, naive's with s^2."""
+    rows = []
+    for s in lengths:
+        gen = torch.Generator().manual_seed(s)
+        q, k, v = (torch.randn(batch, heads, s, head_dim, generator=gen, requires_grad=True) for _ in range(3))
+        fns = {"flash": lambda: flash_attention(q, k, v, True, block, block), "naive": lambda: naive_attention(q, k, v)}
+        row = {"s": s}
+        for name, fn in fns.items():
+            row[name], row["method"] = peak_bytes(lambda: fn().sum().backward())
+            q.grad = k.grad = v.grad = None
+        rows.append(row)
+    return rows
+
+
 def _naive(q, k, v):
     return naive_attention(q, k, v)
 
@@ -112,7 +223,11 @@ def _tiled(q, k, v):
     return tiled_attention(q, k, v, block_q=128, block_k=128)
 
 
-IMPLS: dict[str, Callable] = {"naive": _naive, "sdpa": _sdpa, "tiled": _tiled}
+def _flash(q, k, v):
+    return flash_attention(q, k, v, block_q=128, block_k=128)
+
+
+IMPLS: dict[str, Callable] = {"naive": _naive, "sdpa": _sdpa, "tiled": _tiled, "flash": _flash}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
