@@ -26,6 +26,7 @@ from pathlib import Path
 STRATEGIES = (
     "ddp",
     "ddp_by_hand",
+    "collectives",
     "fsdp",
     "pipeline",
     "tensor_parallel",
@@ -154,7 +155,10 @@ def check_strategy_options(strategy: str, options: dict) -> None:
 
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    options = _common.check_options(options, importlib.import_module(f"{__package__}.{strategy}").OPTIONS, strategy)
+    module = importlib.import_module(f"{__package__}.{strategy}")
+    options = _common.check_options(options, module.OPTIONS, strategy)
+    if hasattr(module, "check"):  # what the kinds alone cannot say (collectives: a size range, the ops' names)
+        module.check(options)
     for run in options.get("runs", []) if strategy == "series" else []:
         check_strategy_options(run["strategy"], run.get("options", {}))
 
