@@ -1,7 +1,8 @@
 """Test-wide settings, shared fixtures and markers.
 
-COURSE_BUDGET=smoke makes every notebook and experiment small (read by course_lib.budget); notebook kernels
-started by nbval inherit the environment, so they see it too.
+COURSE_BUDGET=smoke makes every notebook and experiment small (read by course_lib.budget), and
+COURSE_FILL_EXERCISES=1 fills the exercises' stubs with the references; notebook kernels started by nbval inherit the
+environment, so they see both.
 
 Markers, given here by where a test lives, so that `pytest -m "not notebook and not browser"` is a fast inner
 loop: unit (the default), distributed (starts torchrun processes), notebook (an nbval cell), browser (a real
@@ -14,6 +15,9 @@ import os
 import pytest
 
 os.environ.setdefault("COURSE_BUDGET", "smoke")
+# The notebooks' exercises: a stub left as it is gets the reference filled in, so every checker runs in the tests
+# (course_lib.exercises); a learner's kernel does not have it and sees "not solved yet".
+os.environ.setdefault("COURSE_FILL_EXERCISES", "1")
 
 # pytest-xdist runs the tests in several worker processes (`pytest -n 2`, the README's command). Each worker, and
 # every notebook kernel and torchrun rank it starts (they inherit the environment), gets its share of the cores: two

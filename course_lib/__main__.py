@@ -197,6 +197,24 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_exercises(args) -> int:
+    """The exercises (course_lib.exercises); --verify runs every checker against its reference and its mistakes."""
+    from . import exercises
+
+    if not args.verify:
+        for ex in exercises.EXERCISES.values():
+            print(f"  {ex.notebook}  {ex.name:<16} {ex.title} ({len(ex.mistakes)} typical mistakes recorded)")
+        return 0
+    rows = exercises.verify()
+    for r in rows:
+        mark = "ok  " if r["ok"] else "FAIL"
+        what = "passes" if r["answer"] == "reference" else "caught, with its hint"
+        print(f"{mark} {r['notebook']} {r['exercise']:<16} {r['answer']:<38} {what if r['ok'] else r['said']}")
+    bad = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(bad)} of {len(rows)} as they must be")
+    return 1 if bad else 0
+
+
 def cmd_export(args) -> int:
     """One standalone training script for a config (course_lib.export), the config `chosen_config` names."""
     from . import export
@@ -425,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_ladder)
+    p = sub.add_parser("exercises", help="list the notebooks' exercises; --verify checks every checker")
+    p.add_argument("--verify", action="store_true", help="each checker against its reference and its recorded mistakes")
+    p.set_defaults(func=cmd_exercises)
     p = sub.add_parser("config", help="print a config section by section (a preset, changed by --set, or a --rung)")
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.set_defaults(func=cmd_config)

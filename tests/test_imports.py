@@ -33,6 +33,11 @@ LAYERS = (
         "lessons " + " ".join(f"lessons.{p.stem}" for p in (PACKAGE / "lessons").glob("*.py") if p.stem != "__init__"),
     ),
     (
+        "the exercises",
+        "exercises "
+        + " ".join(f"exercises.{p.stem}" for p in (PACKAGE / "exercises").glob("*.py") if p.stem != "__init__"),
+    ),
+    (
         "the learner's side",
         "widgets doctor distributed.strategy_panel __main__ course_lib "
         + " ".join(f"widgets.{p.stem}" for p in (PACKAGE / "widgets").glob("*.py") if p.stem != "__init__"),
