@@ -221,7 +221,7 @@ def gpu_generation_rows() -> list[dict[str, str]]:
     rows = []
     for (major, minor), gen in GPU_GENERATIONS.items():
         p = gpu_precisions(major, minor)
-        fast = fast_16bit(p, gen)[0]  # config.rung_up: else bf16, which such a GPU refuses: the rung is skipped
+        fast = fast_16bit(p, gen)[0]  # techniques.rung_up: else bf16, which such a GPU refuses: the rung is skipped
         rows.append(
             {
                 "compute capability": f"{major}.{minor}",

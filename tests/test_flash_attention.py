@@ -1,5 +1,5 @@
-"""The hand-written flash attention (course_lib.lessons.attention_by_hand.flash_attention): equal to SDPA forward and backward, keeping
-no (s x s) tensor, its memory growing in proportion to s, its backward recomputing exactly one Q K^T."""
+"""The hand-written flash attention (course_lib.lessons.attention_by_hand.flash_attention): equal to SDPA forward and
+backward, keeping no (s x s) tensor, its memory growing in proportion to s, its backward recomputing one Q K^T."""
 
 import pytest
 import torch
