@@ -105,7 +105,7 @@ def judge(
     fixed: bool = False,
     loop_speedup: float | None = None,
 ) -> tuple[bool, str]:
-    """(kept, why) for a rung that aims at `aims` (techniques.SPEED, techniques.MEMORY), measured as `speed` and `memory`
+    """(kept, why) for a rung that aims at `aims` (techniques.SPEED or MEMORY), measured as `speed` and `memory`
     against the best loop so far. `device_note` is what the device says of the technique (no bf16 instructions),
     added where it was not kept. `fixed`: kept whatever it measured (the fixed ladder). `loop_speedup`: the loop's
     speed-up over naive fp32 with this rung; a memory technique that would leave the loop slower than naive fp32 is not
