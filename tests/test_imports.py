@@ -30,7 +30,9 @@ LAYERS = (
     ),
     (
         "the notebooks' own helpers",
-        "lessons " + " ".join(f"lessons.{p.stem}" for p in (PACKAGE / "lessons").glob("*.py") if p.stem != "__init__"),
+        # distributed.ring_attention: a torchrun program only notebook 08 uses, built on lessons.attention_by_hand
+        "lessons distributed.ring_attention "
+        + " ".join(f"lessons.{p.stem}" for p in (PACKAGE / "lessons").glob("*.py") if p.stem != "__init__"),
     ),
     (
         "the exercises",

@@ -34,6 +34,7 @@ STRATEGIES = (
     "zero_stages",
     "resume",
     "expert_parallel",
+    "ring_attention",
     "series",
 )
 
