@@ -13,6 +13,8 @@ imports from here.
   schedules, clipping and optimizer state bytes, measured.
 - `accumulated_gradients` (06): the big batch's arithmetic, the accumulated gradient under each normalisation, the
   padding trap.
+- `communication` (07): the collectives benchmark's table, JSON and plot, its alpha-beta fit, the naive DDP's predicted
+  communication; the hand-written DDPs' step time, exposed communication and bucket sweep, drawn.
 
 A notebook may borrow from another's helper rather than write it twice (05 reads `number_formats.tensor_kind`;
 `pure_bf16`'s optimizer is `optimizers_by_hand`'s AdamW). Each module has its own test file, named after it.
