@@ -184,6 +184,25 @@ def setting_type(name: str):
     )
 
 
+def _owner(name: str) -> tuple[str, str]:
+    """("train" or "model", the field's own name) for a setting's name, or a ConfigError (setting_type says why)."""
+    setting_type(name)
+    train = {f.name for f in dataclasses.fields(TrainConfig)}
+    return ("train", name) if name in train and name != "model" else ("model", name.removeprefix("model."))
+
+
+def get_setting(cfg: "TrainConfig", name: str):
+    """The value of a setting: a TrainConfig field, or a ModelConfig field as "model.<field>" or by its own name."""
+    where, field_name = _owner(name)
+    return getattr(cfg if where == "train" else cfg.model, field_name)
+
+
+def with_setting(cfg: "TrainConfig", name: str, value) -> "TrainConfig":
+    """cfg with one setting (get_setting's names) changed."""
+    where, field_name = _owner(name)
+    return replace(cfg, **{field_name: value}) if where == "train" else cfg.with_model(**{field_name: value})
+
+
 def parse_setting(name: str, text: str):
     """A setting's value from text (the command line's --set FIELD=VALUE), by its declared type."""
     return parse_value(name, setting_type(name), text)

@@ -39,7 +39,7 @@ import difflib
 import functools
 import re
 import textwrap
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Callable
 
 from . import bpe, config as C, data as data_mod, model as model_mod, techniques as T
@@ -650,14 +650,10 @@ def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> Tr
 
 
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
-    """cfg with one field set: a technique's name (techniques.TECHNIQUE), a TrainConfig field or "model.<field>"."""
+    """cfg with one setting set: a technique's name (techniques.TECHNIQUE), a TrainConfig field or "model.<field>"."""
     if name in T.TECHNIQUE:
         return T.TECHNIQUE[name].set(cfg, value)
-    if name.startswith("model.") and name[6:] in {f.name for f in fields(C.ModelConfig)}:
-        return cfg.with_model(**{name[6:]: value})
-    if name in {f.name for f in fields(TrainConfig)} and name != "model":
-        return replace(cfg, **{name: value})
-    raise ConfigError(
-        f"--set {name}=...: {name!r} is neither a technique ({', '.join(T.TECHNIQUE)}), a TrainConfig field "
-        "nor model.<ModelConfig field>"
-    )
+    try:
+        return C.with_setting(cfg, name, value)
+    except ConfigError as e:
+        raise ConfigError(f"--set {name}=...: {e}") from None

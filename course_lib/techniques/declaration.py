@@ -7,11 +7,11 @@ and the functions of its module that the rest of the course calls: the piece of 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from ..codegen import Code
-from ..config import TrainConfig
+from ..config import TrainConfig, get_setting, with_setting
 
 # What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
 # memory technique only where it made the peak smaller (course_lib.ladder.judge).
@@ -52,14 +52,10 @@ class Technique:
         return self.field.removeprefix("model.")
 
     def value(self, cfg: TrainConfig):
-        return getattr(cfg.model, self.name) if self.field.startswith("model.") else getattr(cfg, self.field)
+        return get_setting(cfg, self.field)
 
     def set(self, cfg: TrainConfig, value) -> TrainConfig:
-        return (
-            cfg.with_model(**{self.name: value})
-            if self.field.startswith("model.")
-            else replace(cfg, **{self.field: value})
-        )
+        return with_setting(cfg, self.field, value)
 
 
 @dataclass(frozen=True)

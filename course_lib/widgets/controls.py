@@ -89,7 +89,7 @@ def _field_types() -> dict[str, object]:
 
 def current(cfg: C.TrainConfig, name: str):
     """The value of field `name` in cfg (a ModelConfig field read from cfg.model)."""
-    return getattr(cfg.model, name) if name in MODEL_FIELDS else getattr(cfg, name)
+    return C.get_setting(cfg, name)
 
 
 def text(name: str, value) -> str:
