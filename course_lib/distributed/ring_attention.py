@@ -4,7 +4,7 @@ The sequence is cut into 2n equal chunks for n ranks, and each rank keeps the qu
 - `naive`: chunks 2r and 2r+1, a contiguous slice. Under a causal mask the last rank's queries see every key and the
   first rank's almost none: the last rank does most of the work while the others wait for it.
 - `zigzag`: chunks r and 2n-1-r, one from each end. Every rank gets one early and one late chunk, so the same number of
-  tiles to compute (Brandon et al. 2023, "Striped attention"; the Llama 3 and Megatron context parallelism do this).
+  tiles to compute (the load balancing of Megatron-LM's context parallelism and of Llama 3's training).
 
 Forward (`ring_forward`): n steps. At each step a rank attends its queries to the key/value block it holds (its own
 first), one chunk pair at a time with `lessons.attention_by_hand.tiled_attention`, which also returns each query row's
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..config import ConfigError, did_you_mean
 from ..lessons.attention_by_hand import flash_attention, flash_backward, tiled_attention
 from ..lessons.micro_benchmarks import peak_bytes
 from . import _common
@@ -89,12 +90,15 @@ def tiles(q_len: int, k_len: int, block: int, causal: bool) -> int:
 def work_per_rank(world: int, layout: str, s: int, block: int, causal: bool = True) -> list[int]:
     """Tiles each rank computes in one forward (as many again in backward) at sequence length s: what a run counts,
     counted here without running it."""
-    c = s // (2 * world)
-    return [
-        sum(tiles(c, c, block, diagonal) for owner in range(world)
-            for _a, _b, diagonal in _pairs(chunks_of(r, world, layout), chunks_of(owner, world, layout), causal))
-        for r in range(world)
-    ]  # fmt: skip
+    c, counts = s // (2 * world), []
+    for r in range(world):
+        pairs = [
+            p
+            for owner in range(world)
+            for p in _pairs(chunks_of(r, world, layout), chunks_of(owner, world, layout), causal)
+        ]
+        counts.append(sum(tiles(c, c, block, diagonal) for _a, _b, diagonal in pairs))
+    return counts
 
 
 def _pairs(q_chunks, k_chunks, causal):
@@ -284,7 +288,7 @@ def memory_at(ctx: _common.Ctx, s: int, opts: dict) -> dict:
     peak, method = peak_bytes(
         lambda: ring_attention(*mine, "zigzag", opts["causal"], opts["block"]).backward(g), device=ctx.device
     )
-    row = {"s": s, "peak_bytes": peak, "method": method, "local_qkv_bytes": 3 * mine[0].numel() * 4}
+    row = {"s": s, "peak_bytes": peak, "method": method, "local_qkv_bytes": sum(t.nbytes for t in mine)}
     if ctx.is_first:
         whole = [t.clone().requires_grad_() for t in (q, k, v)]
         row["one_process_peak_bytes"], _ = peak_bytes(
@@ -307,12 +311,29 @@ OPTIONS = {
 }
 
 
+def check(options: dict, world: int | None = None) -> None:
+    """A ConfigError for options of the right kind that make no run (launch asks before any process starts; each rank
+    asks again with its world size, which the lengths must divide into 2 * world chunks)."""
+    o = {**OPTIONS, **options}
+    bad = [x for x in o["layouts"] if x not in LAYOUTS]
+    if bad or not o["layouts"]:
+        hint = did_you_mean(str(bad[0]), LAYOUTS) if bad else ""
+        raise ConfigError(f"ring_attention: layouts are some of {', '.join(LAYOUTS)}; got {o['layouts']}{hint}")
+    sizes = {n: o[n] for n in ("length", "batch", "heads", "head_dim", "block", "repeats")}
+    if any(v < 1 for v in sizes.values()) or any(s < 1 for s in o["memory_lengths"]):
+        raise ConfigError(f"ring_attention: lengths, sizes and repeats are >= 1; got {sizes}, {o['memory_lengths']}")
+    for s in [o["length"], *o["memory_lengths"]] if world else []:
+        if s % (2 * world):
+            raise ConfigError(f"ring_attention: length {s} does not cut into {2 * world} equal chunks ({world} ranks)")
+
+
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "ring_attention")
     opts = ctx.options
-    if opts["length"] % (2 * ctx.world) or any(s % (2 * ctx.world) for s in opts["memory_lengths"]):
-        raise SystemExit(f"error: ring_attention: every length must divide into {2 * ctx.world} chunks")
-    torch.manual_seed(0)
+    try:
+        check(opts, ctx.world)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
     runs = [check_layout(ctx, layout, opts) for layout in opts["layouts"]]
     memory = [memory_at(ctx, s, opts) for s in opts["memory_lengths"]]
     shape = {n: opts[n] for n in ("length", "batch", "heads", "head_dim", "block", "causal")}
