@@ -52,6 +52,7 @@ FILE_GROUPS = {
     "test_doctor.py": "compile",
     "test_accumulated_gradients.py": "accumulation",
     "test_selective_checkpointing.py": "selective checkpointing",
+    "test_ring_attention.py": "ring attention",  # its launches (2 and 4 processes) once, in one module fixture
     **dict.fromkeys(
         ("test_distributed.py", "test_zero_stages.py", "test_tensor_parallel.py", "test_moe.py"), "launched"
     ),
