@@ -1,5 +1,11 @@
-"""Pipeline parallelism with torch.distributed.pipelining: the GPT cut by layers into one stage per rank,
-the batch cut into micro-batches, run with the GPipe and 1F1B schedules.
+"""Pipeline parallelism with torch.distributed.pipelining: the GPT cut by layers into stages, the batch cut into
+micro-batches, run with the GPipe, 1F1B, interleaved 1F1B and zero-bubble schedules.
+
+GPipe and 1F1B run one stage per rank. The interleaved schedules run several (`stages_per_rank`, v): the same blocks
+cut into v x p smaller stages, rank r holding stages r, r+p, r+2p, ... ("loop" placement; Narayanan et al. 2021), or,
+for ZB-V, stages r and 2p-1-r (the "V": rank 0 holds the first and the last stage; Qi et al. 2024, section 6). The
+zero-bubble schedules split each backward into its input gradient (I, what the previous stage waits for) and its
+weight gradient (W, which nobody waits for), and fill the bubble with the W's.
 
 Stage 0 holds the embeddings and the first blocks, the last stage the last blocks, the final LayerNorm and
 the output layer; the cut points balance an estimate of each part's work (the output layer of a small model
@@ -12,17 +18,26 @@ The tied input/output embedding: every rank builds the whole GPT from the same s
 two copies, one per end of the pipeline, equal at the start. Each end's backward gives only its part of the
 gradient (the embedding lookup's, or the output layer's), so after every backward the two ends all-reduce that
 gradient between them, as Megatron-LM does: both then hold the unsplit model's gradient of the tied weight, take
-the same AdamW step, and stay equal. (With one stage the tie is the model's own and nothing is sent.)
+the same AdamW step, and stay equal. Where one rank holds both ends (one stage; ZB-V's rank 0) the two stages share
+the one Parameter, and its gradient accumulates both parts with nothing sent.
 
-Rank results: for every schedule and micro-batch count, step times and a timeline of when this stage ran the
-forward (F) and backward (B) of each micro-batch; the peak bytes allocated during a step (CPU ledger or CUDA
-peak); parameter bytes of the stage; the collectives of the last step (sends and receives of activations and their
-gradients, the tied embedding's and the gradient norm's all-reduces: _common.CollectiveCounter) and the bytes the rank
-wrote meanwhile (gloo); and (step 0) the pipeline's loss and gradients (blocks, and the tied embedding on the end
-stages) against the unsplit model.
+Rank results: for every schedule and micro-batch count, step times and a timeline of when each of this rank's stages
+ran the forward (F), backward (B; or its input part I and weight part W) of each micro-batch; the bytes autograd
+saved for backward per stage, live, at their peak during the memory step (`SavedBytes`); the peak bytes allocated
+during that step (CPU ledger or CUDA peak); parameter bytes of the rank's stages; the collectives of the last step
+(sends and receives of activations and their gradients, the tied embedding's and the gradient norm's all-reduces:
+_common.CollectiveCounter) and the bytes the rank wrote meanwhile (gloo); and (step 0, every schedule at the largest
+micro-batch count) the pipeline's loss and gradients (blocks, and the tied embedding on the end stages) against the
+unsplit model.
 
-Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"], "n_layer": 8,
-"batch_size": 8, "steps": 3}
+The bubble: `bubble_fraction` (p-1)/(m+p-1) and `interleaved_bubble_fraction` (p-1)/(v m+p-1) are the idle shares
+of the formulas; `timeline_bubble` measures one from timelines (idle time / total); `simulate` replays the order a
+schedule ran its work in with made-up durations and free communication, so `schedule_bubble` gives a schedule's own
+idle share at equal stage work (the formula's assumptions) for any schedule, the zero-bubble ones included.
+
+Options: {"microbatches": [2, 4, 8] (at least one per stage), "schedules": ["gpipe", "1f1b"] (or any of
+ALL_SCHEDULES), "stages_per_rank": 2 (the interleaved schedules'; ZB-V needs 2), "n_layer": 8, "batch_size": 8,
+"steps": 3}
 
 Its steps are course_lib.train's one loop (Trainer): a PipelineSchedule owns forward and backward across the stages (it
 calls each stage's forward per micro-batch, sends and receives activations and gradients, and runs the backward
@@ -33,8 +48,10 @@ ledger are the loop's, as for every other run.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
+from collections import defaultdict
 from dataclasses import replace
 from typing import Callable
 
@@ -43,16 +60,180 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import measure, techniques
-from ..config import ConfigError
+from ..config import ConfigError, did_you_mean
 from ..model import GPT
 from . import _common
 
+# GPipe and 1F1B: one stage per rank (the default launch, and notebook 08's panel). The others: several stages per rank.
 SCHEDULES = ("gpipe", "1f1b")
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb", "zbv")
+ALL_SCHEDULES = SCHEDULES + INTERLEAVED
+SCHEDULE_NAMES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "interleaved 1F1B",
+    "interleaved_zb": "interleaved zero bubble",
+    "zbv": "zero bubble V",
+}
+TORCH_CLASSES = {  # torch.distributed.pipelining's schedule for each
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+
+
+# ---- the bubble: formulas, timelines, a schedule's own order replayed ---------------------------------------
 
 
 def bubble_fraction(p: int, m: int) -> float:
-    """Idle share of a GPipe or 1F1B step with p equal stages and m micro-batches: (p-1)/(m+p-1)."""
+    """Idle share of a GPipe or 1F1B step with p equal stages and m micro-batches: (p-1)/(m+p-1) (GPipe, Huang et al.
+    2019: the pipeline fills and drains over p-1 slots of the m+p-1 a step lasts; 1F1B reorders the same work)."""
     return (p - 1) / (m + p - 1)
+
+
+def interleaved_bubble_fraction(p: int, m: int, v: int) -> float:
+    """Idle share of interleaved 1F1B with v stages per rank: (p-1)/(v m + p-1). Each stage is 1/v of a rank's layers,
+    so filling and draining the pipeline costs (p-1) slots that are v times shorter (Narayanan et al. 2021, section
+    2.2.2: bubble time over ideal time (p-1)/(v m), which as a share of the whole step is this). v=1 is GPipe's."""
+    return (p - 1) / (v * m + p - 1)
+
+
+def formula_bubble(schedule: str, p: int, m: int, v: int) -> float:
+    """The formula a schedule is compared with: (p-1)/(m+p-1) with one stage per rank, (p-1)/(v m+p-1) with v. The
+    zero-bubble schedules are held to the interleaved form too: their forwards and input gradients alone leave that
+    much idle, and their weight gradients fill part of it (schedule_bubble says how much)."""
+    return interleaved_bubble_fraction(p, m, stages_per_rank(schedule, v))
+
+
+def timeline_bubble(timelines: list[list]) -> float:
+    """Idle time over total time, from one timeline per rank (a device): 1 - (busy time summed over ranks) /
+    (ranks x the step's span, from the first start to the last end on any rank). An event: (kind, micro-batch,
+    start, end, ...)."""
+    events = [e for tl in timelines for e in tl]
+    start, end = min(e[2] for e in events), max(e[3] for e in events)
+    busy = sum(e[3] - e[2] for e in events)
+    return 1 - busy / (len(timelines) * (end - start))
+
+
+def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
+    """timeline_bubble of run `key` (e.g. "gpipe/m=4"), from every rank's timeline of one of its timed steps."""
+    return timeline_bubble([r["runs"][key]["timelines"][step] for r in ranks])
+
+
+# Equal stage work: a backward costs two forwards (two matmuls per forward one), its input and weight halves one each.
+EQUAL_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+def simulate(orders: list[list[tuple[str, int, int]]], costs: dict[str, float] | None = None) -> list[list[tuple]]:
+    """Replay each rank's order of work with made-up durations and free communication. orders[r]: rank r's actions in
+    the order it runs them, (kind, stage, micro-batch), kind F (forward), B (whole backward), I (its input gradient) or
+    W (its weight gradient). An action starts when its rank is free and what it needs is done: F the previous stage's F
+    of that micro-batch; B and I their own F and the next stage's B or I; W its own I. Returns each rank's timeline
+    [(kind, micro-batch, start, end, stage)]. An order that waits for itself raises ValueError."""
+    costs = {**EQUAL_COSTS, **(costs or {})}
+    last = max(stage for order in orders for _, stage, _ in order)
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "B" (an input gradient, B or I) | "W", stage, mb) -> end
+    free, at = [0.0] * len(orders), [0] * len(orders)
+    out: list[list[tuple]] = [[] for _ in orders]
+    while any(at[r] < len(order) for r, order in enumerate(orders)):
+        progressed = False
+        for r, order in enumerate(orders):
+            while at[r] < len(order):
+                kind, stage, mb = order[at[r]]
+                if kind == "F":
+                    needs = [("F", stage - 1, mb)] if stage > 0 else []
+                elif kind in ("B", "I"):
+                    needs = [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < last else [])
+                elif kind == "W":
+                    needs = [("B", stage, mb)]
+                else:
+                    raise ValueError(f"unknown kind of work {kind!r}: F, B, I or W")
+                if any(n not in done for n in needs):
+                    break
+                start = max([free[r]] + [done[n] for n in needs])
+                free[r] = end = start + costs[kind]
+                done[("B" if kind == "I" else kind, stage, mb)] = end
+                out[r].append((kind, mb, start, end, stage))
+                at[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: order[at[r]] for r, order in enumerate(orders) if at[r] < len(order)}
+            raise ValueError(f"this order never finishes: each rank waits for work that comes later ({stuck})")
+    return out
+
+
+def schedule_bubble(orders: list[list[tuple[str, int, int]]], costs: dict[str, float] | None = None) -> float:
+    """A schedule's own idle share: its order of work replayed (simulate) with equal stage work and free communication,
+    the formulas' assumptions; with EQUAL_COSTS, GPipe's and 1F1B's orders give (p-1)/(m+p-1) exactly."""
+    return timeline_bubble(simulate(orders, costs))
+
+
+def run_orders(ranks: list[dict], key: str, step: int = -1) -> list[list[tuple[str, int, int]]]:
+    """The order each rank ran its work in, in run `key`'s step `step`: [(kind, stage, micro-batch)] per rank."""
+    orders = []
+    for r in ranks:
+        tl = r["runs"][key]["stage_timelines"][step]
+        events = sorted((e[4], e[0], int(stage), e[1]) for stage, events in tl.items() for e in events)
+        orders.append([(kind, stage, mb) for _, kind, stage, mb in events])
+    return orders
+
+
+def bubbles(ranks: list[dict], key: str) -> dict[str, float]:
+    """Run `key`'s bubble three ways: "measured" (its last timed step's timelines), "schedule" (its order of work at
+    equal stage work, schedule_bubble) and "formula" (formula_bubble)."""
+    run = ranks[0]["runs"][key]
+    return {
+        "measured": measured_bubble(ranks, key),
+        "schedule": schedule_bubble(run_orders(ranks, key)),
+        "formula": formula_bubble(run["schedule"], len(ranks), run["microbatches"], run["stages_per_rank"]),
+    }
+
+
+# ---- where the stages go ------------------------------------------------------------------------------------------
+
+
+def stages_per_rank(schedule: str, v: int) -> int:
+    """How many stages each rank runs: 1 for GPipe and 1F1B, v for the interleaved schedules, 2 for ZB-V."""
+    if schedule not in ALL_SCHEDULES:
+        raise ConfigError(
+            f"unknown schedule {schedule!r}{did_you_mean(schedule, ALL_SCHEDULES)}: one of {', '.join(ALL_SCHEDULES)}"
+        )
+    return 1 if schedule in SCHEDULES else 2 if schedule == "zbv" else v
+
+
+def stage_ranks(schedule: str, world: int, v: int) -> list[int]:
+    """The rank of every stage: loop placement (stage s on rank s mod p), or for ZB-V the V (rank r holds stages r and
+    2p-1-r, so rank 0 holds the first and the last)."""
+    n = world * stages_per_rank(schedule, v)
+    if schedule == "zbv":
+        return [s if s < world else n - 1 - s for s in range(n)]
+    return [s % world for s in range(n)]
+
+
+def why_not(schedule: str, world: int, m: int, batch: int, n_layer: int, v: int) -> str | None:
+    """Why `schedule` cannot run with these numbers (None when it can)."""
+    k = stages_per_rank(schedule, v)
+    if batch % m:
+        return f"batch_size={batch} does not split into {m} equal micro-batches"
+    if m < world:
+        return f"{world} ranks need at least {world} micro-batches (one per rank), got {m}"
+    if n_layer < world * k:
+        return f"{world * k} stages ({k} per rank) need at least {world * k} blocks, the model has {n_layer}"
+    rounds = max(1, m // world)
+    if schedule in ("interleaved_1f1b", "interleaved_zb") and m % rounds:
+        return f"torch's {TORCH_CLASSES[schedule]} needs m to be a multiple of max(1, m // p) = {rounds}, got m={m}"
+    return None
+
+
+def check(options: dict) -> None:
+    """A ConfigError for options of the right kind that name no schedule (launch asks before any process starts)."""
+    o = {**OPTIONS, **options}
+    for name in o["schedules"]:
+        stages_per_rank(name, 1)
+    if int(o["stages_per_rank"]) < 1:
+        raise ConfigError(f"pipeline: stages_per_rank is at least 1, got {o['stages_per_rank']}")
 
 
 def split_points(n_layer: int, p: int, block_cost: float, head_cost: float) -> list[tuple[int, int]]:
@@ -82,15 +263,16 @@ def split_points(n_layer: int, p: int, block_cost: float, head_cost: float) -> l
 class StageModule(nn.Module):
     """One stage of a GPT, cut out of the GPT itself: its `embed` if first, its Block objects blocks[lo:hi], its
     `head` (final LayerNorm and output layer) if last. No forward code of its own beyond choosing which of the
-    model's pieces to run.
+    model's pieces to run. `index`: its place in the pipeline (0 for the first stage).
 
     Takes `gpt` over (pass a copy to keep the whole model, as `main` does): like torchtitan's pipeline split, the
     parts this stage does not run are dropped from it, so that the stage's parameters, and the memory it keeps,
     are its own part only; `gpt.blocks` becomes the stage's slice (the same Block objects)."""
 
-    def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool):
+    def __init__(self, gpt: GPT, lo: int, hi: int, first: bool, last: bool, index: int | None = None):
         super().__init__()
         self.first, self.last, self.lo, self.hi = first, last, lo, hi
+        self.index = index if index is not None else 0 if first else None
         gpt.blocks = nn.ModuleList(gpt.blocks[lo:hi])
         if not first:
             gpt.wte = gpt.wpe = gpt.drop = None  # on the last stage lm_head keeps the tied weight, as its own copy
@@ -114,45 +296,173 @@ class StageModule(nn.Module):
         return self.gpt.head(x) if self.last else x  # logits (b, s, padded_vocab) or activations (b, s, d)
 
 
-def tie_group(world: int):
-    """The process group of the first and the last stage, which share the tied embedding; None with one stage.
-    Every rank must call this (torch.distributed.new_group is collective)."""
-    return dist.new_group([0, world - 1]) if world > 1 else None
+class RankStages(nn.Module):
+    """The stages one rank runs (one for GPipe and 1F1B, several for the interleaved schedules), as the one module the
+    loop trains: its parameters are what this rank's optimizer updates. Where the rank holds both ends of the pipeline,
+    the last stage's output layer is tied again to the first stage's embedding: one Parameter, as in the GPT, whose
+    gradient accumulates both ends' parts."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.stages = nn.ModuleList(sorted(stages, key=lambda s: s.index))
+        first, last = self.first_stage, self.last_stage
+        if first is not None and last is not None and first is not last:
+            last.gpt.lm_head.weight = first.gpt.wte.weight
+
+    @property
+    def first_stage(self) -> StageModule | None:
+        return next((s for s in self.stages if s.first), None)
+
+    @property
+    def last_stage(self) -> StageModule | None:
+        return next((s for s in self.stages if s.last), None)
+
+    def blocks(self) -> list[nn.Module]:
+        return [b for s in self.stages for b in s.blocks]
+
+    def tied_weight(self) -> torch.Tensor | None:
+        """This rank's copy of the tied embedding: the first stage's (on a rank holding both ends, the last's too), else
+        the last stage's, else None."""
+        first, last = self.first_stage, self.last_stage
+        return first.gpt.wte.weight if first is not None else last.gpt.lm_head.weight if last is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a rank's stages run through the pipeline schedule (PipelineStep), not as one module")
 
 
-def all_reduce_tied_grad(stage_mod: StageModule, group) -> None:
+def build_rank_stages(full: GPT, ranges: list[tuple[int, int]], placement: list[int], rank: int) -> RankStages:
+    """This rank's stages of `full` (left whole: each stage is cut from a copy), ranges[s] the blocks of stage s and
+    placement[s] its rank."""
+    n = len(ranges)
+    return RankStages(
+        [
+            StageModule(copy.deepcopy(full), lo, hi, s == 0, s == n - 1, index=s)
+            for s, (lo, hi) in enumerate(ranges)
+            if placement[s] == rank
+        ]
+    )
+
+
+def tie_group(world: int, ranks: tuple[int, int] | None = None):
+    """The process group of the ranks holding the first and the last stage (by default 0 and world-1), which share the
+    tied embedding; None when one rank holds both. Every rank must call this (torch.distributed.new_group is
+    collective)."""
+    ends = ranks or (0, world - 1)
+    return dist.new_group(sorted(set(ends))) if ends[0] != ends[1] else None
+
+
+def all_reduce_tied_grad(stages: RankStages, group) -> None:
     """Sum the two ends' gradients of the tied embedding: each then holds the unsplit model's gradient."""
-    w = stage_mod.tied_weight()
+    w = stages.tied_weight()
     if group is not None and w is not None:
         dist.all_reduce(w.grad, group=group)
 
 
-def _record(stage, events: list):
-    """Wrap the stage's per-micro-batch forward and backward to log (kind, micro-batch, start, end)."""
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+# ---- measuring a step: timelines and the bytes saved for backward --------------------------------------------------
+
+
+class _Held:
+    """What autograd keeps in place of a saved tensor while SavedBytes counts it: the tensor, and a release when
+    autograd lets go of it."""
+
+    __slots__ = ("tensor", "_release")
+
+    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]):
+        self.tensor, self._release = tensor, release
+
+    def __del__(self):
+        self._release()
+
+
+class SavedBytes:
+    """The bytes autograd keeps for backward, per stage, while they live: every tensor a stage's forward (and the last
+    stage's loss) saves, each storage once per stage, the parameters left out (a matmul saves its weight, which is no
+    activation). A storage counts from when it is saved to when autograd lets go of it: after its micro-batch's
+    backward, or, in a zero-bubble schedule, after its weight gradient (W), which still needs what the forward saved.
+    `peak[stage]` is the most a stage held at once, `rank_peak` the most this rank's stages held together. Counts only
+    while `on`."""
+
+    def __init__(self, params=()):
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self.live: dict[int, int] = defaultdict(int)
+        self.peak: dict[int, int] = defaultdict(int)
+        self.rank_live = self.rank_peak = 0
+        self._held: dict[tuple[int, int], list[int]] = {}  # (stage, storage address) -> [references, bytes]
+        self.on = False
+
+    def _add(self, stage: int, n: int) -> None:
+        self.live[stage] += n
+        self.rank_live += n
+        self.peak[stage] = max(self.peak[stage], self.live[stage])
+        self.rank_peak = max(self.rank_peak, self.rank_live)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        entry = self._held[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._held[key]
+            self._add(key[0], -entry[1])
+
+    def hooks(self, stage: int):
+        """A context in which what autograd saves is counted for `stage` (a no-op while off)."""
+        if not self.on:
+            return contextlib.nullcontext()
+
+        def pack(t: torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() in self._params or st.nbytes() == 0:
+                return t
+            key = (stage, st.data_ptr())  # the storage lives at least as long as this count: _Held keeps it
+            if key not in self._held:
+                self._held[key] = [0, st.nbytes()]
+                self._add(stage, st.nbytes())
+            self._held[key][0] += 1
+            return _Held(t, lambda: self._release(key))
+
+        def unpack(held):
+            return held.tensor if isinstance(held, _Held) else held
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _record(stage, events: list, saved: SavedBytes):
+    """Wrap the stage's per-micro-batch work to log (kind, stage, micro-batch, start, end): F its forward (counted by
+    `saved`), B its whole backward, I and W the input and weight halves of a zero-bubble schedule's backward."""
+    fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+    index = stage.stage_index
 
     def forward_one_chunk(chunk_id, *args, **kwargs):
         t0 = time.time()
-        out = fwd(chunk_id, *args, **kwargs)
-        events.append(("F", chunk_id, t0, time.time()))
+        with saved.hooks(index):
+            out = fwd(chunk_id, *args, **kwargs)
+        events.append(("F", index, chunk_id, t0, time.time()))
         return out
 
-    def backward_one_chunk(chunk_id, *args, **kwargs):
+    def backward_one_chunk(chunk_id, loss=None, full_backward=True, last_backward=False):
         t0 = time.time()
-        out = bwd(chunk_id, *args, **kwargs)
-        events.append(("B", chunk_id, t0, time.time()))
+        out = bwd(chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        events.append(("B" if full_backward else "I", index, chunk_id, t0, time.time()))
+        return out
+
+    def backward_weight_one_chunk(chunk_id, last_backward=False):
+        t0 = time.time()
+        out = wgt(chunk_id, last_backward=last_backward)
+        events.append(("W", index, chunk_id, t0, time.time()))
         return out
 
     stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
-def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
-    """1 - (busy time summed over stages) / (stages x the step's span), from every rank's timeline."""
-    timelines = [r["runs"][key]["timelines"][step] for r in ranks]
-    start = min(e[2] for tl in timelines for e in tl)
-    end = max(e[3] for tl in timelines for e in tl)
-    busy = sum(e[3] - e[2] for tl in timelines for e in tl)
-    return 1 - busy / (len(timelines) * (end - start))
+def split_timeline(events: list, stage_indices: list[int]) -> tuple[list, dict]:
+    """A step's events (kind, stage, micro-batch, start, end), in the order the rank ran them, as the rank's timeline
+    [[kind, micro-batch, start, end]] and one per stage, {"stage": [[kind, micro-batch, start, end, place in the
+    rank's order]]} (JSON keys are strings)."""
+    rank_tl = [[kind, mb, t0, t1] for kind, _stage, mb, t0, t1 in events]
+    by_stage: dict[str, list] = {str(s): [] for s in stage_indices}
+    for i, (kind, stage, mb, t0, t1) in enumerate(events):
+        by_stage[str(stage)].append([kind, mb, t0, t1, i])
+    return rank_tl, by_stage
 
 
 class PipelineStep:
@@ -163,26 +473,46 @@ class PipelineStep:
 
     Each micro-batch's loss is its summed cross-entropy over the count of target tokens of the whole step (as in the
     loop), so the schedule must not scale the gradients again (scale_grads=False): their sum is the step's gradient.
-    `events` holds this step's timeline, (kind, micro-batch, start, end); `after_backward`, if set, sees the step's
-    batch once backward is done (the check against the unsplit model)."""
+    `events` holds this step's work, (kind, stage, micro-batch, start, end); `saved` counts the bytes saved for
+    backward per stage while it is on; `after_backward`, if set, sees the step's batch once backward is done (the
+    check against the unsplit model)."""
 
-    def __init__(self, stage_mod: StageModule, ctx: _common.Ctx, schedule_name: str, n_microbatches: int, tied_group):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    def __init__(
+        self,
+        stages: RankStages,
+        ctx: _common.Ctx,
+        schedule_name: str,
+        n_microbatches: int,
+        tied_group,
+        n_stages: int | None = None,
+    ):
+        import torch.distributed.pipelining as pp
 
-        self.stage_mod, self.ctx, self.tied_group = stage_mod, ctx, tied_group
-        stage = PipelineStage(stage_mod, ctx.rank, ctx.world, ctx.device)
+        self.stages, self.ctx, self.tied_group = stages, ctx, tied_group
+        self.n_stages = n_stages or ctx.world
         self.events: list = []
-        _record(stage, self.events)
-        schedule_cls = ScheduleGPipe if schedule_name == "gpipe" else Schedule1F1B
-        self.schedule = schedule_cls(stage, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.saved = SavedBytes(stages.parameters())
+        pipe_stages = []
+        for s in stages.stages:
+            pipe_stage = pp.PipelineStage(s, s.index, self.n_stages, ctx.device)
+            _record(pipe_stage, self.events, self.saved)
+            pipe_stages.append(pipe_stage)
+        schedule_cls = getattr(pp, TORCH_CLASSES[schedule_name])
+        self.schedule = schedule_cls(
+            pipe_stages[0] if schedule_name in SCHEDULES else pipe_stages,
+            n_microbatches=n_microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,
+        )
         self.after_backward: Callable | None = None
         self._n_targets, self._scaler = 1, None
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self._scaler.scale(techniques.loss_sum(logits, targets) / self._n_targets)
+        with self.saved.hooks(self.n_stages - 1):  # the loss is the last stage's: what it saves, that stage keeps
+            return self._scaler.scale(techniques.loss_sum(logits, targets) / self._n_targets)
 
     def __call__(self, setup: techniques.Setup, micro, n_targets: int, meter) -> torch.Tensor:
-        ctx = self.ctx
+        first, last = self.stages.first_stage is not None, self.stages.last_stage is not None
         x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
         self._n_targets, self._scaler = n_targets, setup.scaler
         self.events.clear()
@@ -190,15 +520,15 @@ class PipelineStep:
         dist.barrier()  # every stage starts the step together, so the timelines line up
         # Forward and backward interleave inside the schedule: the ledger counts the step's storages as one phase.
         with setup.autocast(), meter.phase("pipeline"):
-            if ctx.is_first and ctx.is_last:
+            if first and last:
                 self.schedule.step(x, target=y, losses=losses)
-            elif ctx.is_first:
+            elif first:
                 self.schedule.step(x)
-            elif ctx.is_last:
+            elif last:
                 self.schedule.step(target=y, losses=losses)
             else:
                 self.schedule.step()
-        all_reduce_tied_grad(self.stage_mod, self.tied_group)
+        all_reduce_tied_grad(self.stages, self.tied_group)
         scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
         step_loss = (
             torch.stack([loss.detach() for loss in losses]).sum() / scale
@@ -210,13 +540,13 @@ class PipelineStep:
         return step_loss
 
 
-def stage_grad_norm(stage_mod: StageModule) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """The gradient norm of the whole model from the stages' parts: each stage's sum of squares, summed over all
+def stage_grad_norm(stages: RankStages) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The gradient norm of the whole model from the stages' parts: each rank's sum of squares, summed over all
     ranks. The tied embedding's gradient is on both ends after their all-reduce: it counts once (the first stage's)."""
 
     def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-        tied = stage_mod.tied_weight()
-        twin = tied.grad if tied is not None and not stage_mod.first else None
+        last = stages.last_stage
+        twin = last.gpt.lm_head.weight.grad if last is not None and stages.first_stage is None else None
         own = [g for g in grads if g is not twin]
         sq = (
             torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in own]).sum()
@@ -229,17 +559,118 @@ def stage_grad_norm(stage_mod: StageModule) -> Callable[[list[torch.Tensor]], to
     return grad_norm
 
 
-def stage_flops_per_token(stage_mod: StageModule, context: int) -> int:
-    """This stage's share of the PaLM count (measure.flops_per_token): 6 x its weights that multiply (its blocks, and
+def stage_flops_per_token(stages: RankStages, context: int) -> int:
+    """This rank's share of the PaLM count (measure.flops_per_token): 6 x its weights that multiply (its blocks, and
     the output layer on the last stage) + 12 x its layers x width x context."""
-    n_weights = sum(p.numel() for p in stage_mod.blocks.parameters()) + (
-        stage_mod.gpt.lm_head.weight.numel() if stage_mod.last else 0
+    blocks = stages.blocks()
+    last = stages.last_stage
+    n_weights = sum(p.numel() for b in blocks for p in b.parameters()) + (
+        last.gpt.lm_head.weight.numel() if last is not None else 0
     )
-    return 6 * n_weights + 12 * len(stage_mod.blocks) * stage_mod.gpt.config.n_embd * context
+    return 6 * n_weights + 12 * len(blocks) * stages.stages[0].gpt.config.n_embd * context
+
+
+# ---- plots ---------------------------------------------------------------------------------------------------------
+
+HATCH = {"F": None, "B": "////", "I": "\\\\\\\\", "W": "xxx"}
+
+
+def plot_timeline(ranks: list[dict], key: str, ax, step: int = -1) -> None:
+    """A Gantt chart of run `key`'s step `step`: a row per rank, a bar per piece of work (F forward, hatched B backward,
+    I its input half, W its weight half), coloured by micro-batch; with several stages per rank, a rank's later stages
+    are lighter. The title gives the bubble measured, at equal stage work (the schedule's own order) and by formula."""
+    run0 = ranks[0]["runs"][key]
+    timelines = [r["runs"][key]["stage_timelines"][step] for r in ranks]
+    t0 = min(e[2] for tl in timelines for events in tl.values() for e in events)
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    for r, tl in enumerate(timelines):
+        local = sorted(int(s) for s in tl)
+        for stage, events in tl.items():
+            alpha = 1.0 if int(stage) == local[0] else 0.5
+            for kind, mb, a, b, _order in events:
+                ax.broken_barh(
+                    [((a - t0) * 1e3, (b - a) * 1e3)],
+                    (r - 0.4, 0.8),
+                    facecolor=cmap(mb % 10),
+                    alpha=alpha,
+                    hatch=HATCH.get(kind),
+                    edgecolor="k",
+                    lw=0.4,
+                )
+                ax.text((a - t0) * 1e3 + (b - a) * 5e2, r, f"{kind}{mb}", ha="center", va="center", fontsize=5)
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step started")
+    b = bubbles(ranks, key)
+    stages = f", {run0['stages_per_rank']} stages per rank" if run0["stages_per_rank"] > 1 else ""
+    ax.set_title(
+        f"{SCHEDULE_NAMES[run0['schedule']]}, m={run0['microbatches']}{stages}: bubble measured {b['measured']:.2f}, "
+        f"at equal stage work {b['schedule']:.2f}, formula {b['formula']:.2f}",
+        fontsize=8,
+    )
+
+
+def plot_bubbles(ranks: list[dict], keys: list[str], ax) -> None:
+    """The bubble of each run, three bars: measured (its timelines), its schedule's order at equal stage work and free
+    communication (schedule_bubble), and the formula ((p-1)/(m+p-1), or (p-1)/(v m+p-1) with v stages per rank)."""
+    import numpy as np
+
+    x = np.arange(len(keys))
+    values = [bubbles(ranks, k) for k in keys]
+    for i, (what, label) in enumerate(
+        (("measured", "measured"), ("schedule", "its order at equal stage work"), ("formula", "formula"))
+    ):
+        ax.bar(x + (i - 1) * 0.27, [b[what] for b in values], 0.27, label=label)
+    ax.set_xticks(x, [k.replace("/", "\n") for k in keys], fontsize=7)
+    ax.set_ylabel("idle share of the step")
+    ax.set_title(f"Bubble per schedule, {len(ranks)} ranks", fontsize=9)
+    ax.legend(fontsize=7)
+
+
+def plot_saved_bytes(ranks: list[dict], keys: list[str], ax) -> None:
+    """The most each stage held for backward at once during a step (SavedBytes), a group of bars per run, a bar per
+    stage in pipeline order."""
+    for i, key in enumerate(keys):
+        by_stage = {int(s): b for r in ranks for s, b in r["runs"][key]["saved_peak_bytes_by_stage"].items()}
+        n = len(by_stage)
+        for s, nbytes in sorted(by_stage.items()):
+            ax.bar(i + (s - (n - 1) / 2) * 0.8 / n, nbytes / 2**20, 0.8 / n, color=f"C{s % 10}")
+    ax.set_xticks(range(len(keys)), [k.replace("/", "\n") for k in keys], fontsize=7)
+    ax.set_ylabel("MiB saved for backward (peak)")
+    ax.set_title("Activations held per stage (bar per stage, in order)", fontsize=9)
+
+
+def plot_schedules(ranks: list[dict], keys: list[str] | None = None):
+    """One figure: a Gantt chart per run (`keys`, by default every run of the launch), then the bubble per run and
+    the activations each stage held. `ranks`: a pipeline launch's rank JSONs (LaunchResult.ranks)."""
+    from ..plots import new_figure
+
+    keys = keys or list(ranks[0]["runs"])
+    fig = new_figure((11, 1.3 + 0.35 * len(ranks) * len(keys) + 2.8))
+    grid = fig.add_gridspec(len(keys) + 1, 2, height_ratios=[0.35 * len(ranks) + 0.6] * len(keys) + [2.8])
+    for i, key in enumerate(keys):
+        plot_timeline(ranks, key, fig.add_subplot(grid[i, :]))
+    plot_bubbles(ranks, keys, fig.add_subplot(grid[-1, 0]))
+    plot_saved_bytes(ranks, keys, fig.add_subplot(grid[-1, 1]))
+    fig.suptitle(
+        f"Pipeline schedules on {len(ranks)} ranks - {ranks[0]['provenance']['device']} "
+        f"(F forward, hatched: B backward, I its input half, W its weight half)",
+        fontsize=9,
+    )
+    return fig
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
-OPTIONS = {"microbatches": [2, 4, 8], "schedules": list(SCHEDULES), "steps": 3, "batch_size": None, "n_layer": 8}
+OPTIONS = {
+    "microbatches": [2, 4, 8],
+    "schedules": list(SCHEDULES),
+    "steps": 3,
+    "batch_size": None,
+    "n_layer": 8,
+    "stages_per_rank": 2,
+}
 
 
 def main(argv=None) -> None:
@@ -247,15 +678,19 @@ def main(argv=None) -> None:
 
     ctx = _common.start(argv, OPTIONS, "pipeline")
     o = ctx.options
-    ms = [int(m) for m in o.get("microbatches", [2, 4, 8])]
-    schedules = o.get("schedules", list(SCHEDULES))
-    steps = int(o.get("steps", 3))
+    check(o)
+    ms = [int(m) for m in o["microbatches"]]
+    schedules = list(o["schedules"])
+    steps = int(o["steps"])
+    v = int(o["stages_per_rank"])
     batch = int(o["batch_size"] or max(ms))
     if ctx.cfg.compile:
         raise ConfigError("the pipeline's stages run eager: set compile=False")
-    mcfg = replace(ctx.cfg.model, n_layer=int(o.get("n_layer", 8)))
-    # One extra step at the end is the memory step (the CPU ledger watches it; on CUDA the run's peak is read): the
-    # timed steps are the first `steps`.
+    mcfg = replace(ctx.cfg.model, n_layer=int(o["n_layer"]))
+    if ctx.cfg.activation_checkpointing != "none" and any(stages_per_rank(s, v) > 1 for s in schedules):
+        raise ConfigError("activation checkpointing wraps one stage's blocks: turn it off for several stages per rank")
+    # One extra step at the end is the memory step (the CPU ledger watches it; on CUDA the run's peak is read; the
+    # bytes saved for backward are counted in it): the timed steps are the first `steps`.
     cfg = replace(
         ctx.cfg,
         model=mcfg,
@@ -267,51 +702,68 @@ def main(argv=None) -> None:
     )
     torch.manual_seed(cfg.seed)
     full = GPT(mcfg).to(ctx.device)
-    d, s, v = mcfg.n_embd, cfg.context, mcfg.padded_vocab_size
-    ranges = split_points(mcfg.n_layer, ctx.world, block_cost=12 * d * d + 2 * s * d, head_cost=d * v)
-    lo, hi = ranges[ctx.rank]
+    d, s, vocab = mcfg.n_embd, cfg.context, mcfg.padded_vocab_size
+    block_cost, head_cost = 12 * d * d + 2 * s * d, d * vocab
     _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
 
     payload = {
         "strategy": "pipeline",
         "stages": ctx.world,
-        "ranges": ranges,
+        "ranges": split_points(mcfg.n_layer, ctx.world, block_cost, head_cost),
         "batch_size": batch,
         "context": cfg.context,
         "n_layer": mcfg.n_layer,
         "config": cfg.to_dict(),
         "runs": {},
+        "skipped": {},
     }
-    tied = tie_group(ctx.world)
+    tied = tie_group(ctx.world)  # the loop placement's ends; ZB-V's are both on rank 0 (no group)
+    check_at = max(ms)
     for sched_name in schedules:
+        k = stages_per_rank(sched_name, v)
+        n_stages = ctx.world * k
+        placement = stage_ranks(sched_name, ctx.world, v)
+        ranges = split_points(mcfg.n_layer, n_stages, block_cost, head_cost) if mcfg.n_layer >= n_stages else []
         for m in ms:
-            if batch % m or m < ctx.world:  # torch's schedules need at least one micro-batch per stage
+            key = f"{sched_name}/m={m}"
+            reason = why_not(sched_name, ctx.world, m, batch, mcfg.n_layer, v)
+            if reason:
+                payload["skipped"][key] = reason
                 continue
-            # same start each run
-            stage_mod = StageModule(copy.deepcopy(full), lo, hi, ctx.is_first, ctx.is_last).to(ctx.device)
+            stages = build_rank_stages(full, ranges, placement, ctx.rank).to(ctx.device)  # same start each run
             # The course's one loop, with the pipeline's forward-backward and the norm over all stages plugged in.
             trainer = Trainer(
                 cfg,
-                stage_mod,
-                parts=techniques.ModelParts(blocks=stage_mod.blocks, head=stage_mod.gpt.lm_head),
+                stages,
+                parts=techniques.ModelParts(
+                    blocks=stages.stages[0].blocks if k == 1 else None,
+                    head=stages.last_stage.gpt.lm_head if stages.last_stage is not None else None,
+                ),
                 batches=at,
-                flops_per_token=stage_flops_per_token(stage_mod, cfg.context),
+                flops_per_token=stage_flops_per_token(stages, cfg.context),
             )
-            step_fn = PipelineStep(stage_mod, ctx, sched_name, m, tied)
-            trainer.setup.forward_backward, trainer.setup.grad_norm = step_fn, stage_grad_norm(stage_mod)
-            check: dict = {}
-            if sched_name == schedules[0] and m == max(ms):
+            step_fn = PipelineStep(
+                stages, ctx, sched_name, m, tied if placement[0] != placement[-1] else None, n_stages=n_stages
+            )
+            trainer.setup.forward_backward, trainer.setup.grad_norm = step_fn, stage_grad_norm(stages)
+            against_unsplit: dict = {}
+            if m == check_at:
 
-                def compare_once(x, y, n_targets, step_loss, check=check, stage_mod=stage_mod):
-                    if not check:  # the first step, from the same weights as `full`
-                        check.update(_compare_with_unsplit(full, stage_mod, x, y, n_targets, step_loss, ctx))
+                def compare_once(x, y, n_targets, step_loss, out=against_unsplit, stages=stages):
+                    if not out:  # the first step, from the same weights as `full`
+                        out.update(_compare_with_unsplit(full, stages, x, y, n_targets, step_loss))
 
                 step_fn.after_backward = compare_once
             timelines: list = []
+            stage_timelines: list = []
 
-            def keep_timeline(step, _result, timelines=timelines, step_fn=step_fn):
+            def keep_timeline(step, _result, timelines=timelines, stage_timelines=stage_timelines, step_fn=step_fn):
                 if step < steps:
-                    timelines.append([list(e) for e in step_fn.events])
+                    rank_tl, by_stage = split_timeline(step_fn.events, [st.index for st in stages.stages])
+                    timelines.append(rank_tl)
+                    stage_timelines.append(by_stage)
+                if step == steps - 1:  # the next step is the memory step: count what it saves for backward
+                    step_fn.saved.on = True
 
             counter = _common.CollectiveCounter()  # the last step's sends, receives and all-reduces (the memory step)
             with counter.last_step_of(cfg.steps) as count:
@@ -320,14 +772,19 @@ def main(argv=None) -> None:
                     keep_timeline(step, result)
                     count(step, result)
 
-                result = trainer.fit(f"{sched_name}/m={m}", callback=callback)
-            held_before = sum(measure.static_bytes(stage_mod, trainer.setup.optimizer).values())
-            payload["runs"][f"{sched_name}/m={m}"] = {
+                result = trainer.fit(key, callback=callback)
+            held_before = sum(measure.static_bytes(stages, trainer.setup.optimizer).values())
+            payload["runs"][key] = {
                 "schedule": sched_name,
                 "microbatches": m,
+                "stages_per_rank": k,
+                "stage_ranges": ranges,
+                "stage_ranks": placement,
+                "rank_stages": [st.index for st in stages.stages],
                 "step_times": result.step_times[:steps],
                 "timelines": timelines,
-                "losses": result.losses[:steps] if ctx.is_last else [],
+                "stage_timelines": stage_timelines,
+                "losses": result.losses[:steps] if stages.last_stage is not None else [],
                 "grad_norms": result.grad_norms[:steps],
                 "step_peak_bytes": result.memory["peak_bytes"] - held_before,
                 "peak_method": (
@@ -339,38 +796,41 @@ def main(argv=None) -> None:
                         "and optimizer state"
                     )
                 ),
-                "parameter_bytes": measure.tensor_bytes(stage_mod.parameters()),
+                "saved_peak_bytes_by_stage": {str(i): step_fn.saved.peak[i] for i in sorted(step_fn.saved.peak)},
+                "saved_peak_bytes": step_fn.saved.rank_peak,
+                "saved_method": "saved_tensors_hooks over the memory step: bytes autograd held for backward at once, "
+                "each storage once per stage, parameters excluded",
+                "parameter_bytes": measure.tensor_bytes(stages.parameters()),
                 "collectives_last_step": dict(counter.counts),
                 "written_last_step": counter.written if ctx.backend == "gloo" else None,
-                **({"check": check} if check else {}),
+                **({"check": against_unsplit} if against_unsplit else {}),
             }
     payload["full_model_parameter_bytes"] = measure.tensor_bytes(full.parameters())
     _common.write(ctx, payload)
     _common.finish()
 
 
-def _compare_with_unsplit(
-    full: GPT, stage_mod: StageModule, x, y, n_targets: int, step_loss: torch.Tensor, ctx
-) -> dict:
-    """The unsplit model on the same batch: its loss against the pipeline's (last stage), its block gradients
-    against this stage's, and (first and last stage, after the all-reduce) its tied-embedding gradient."""
+def _compare_with_unsplit(full: GPT, stages: RankStages, x, y, n_targets: int, step_loss: torch.Tensor) -> dict:
+    """The unsplit model on the same batch: its loss against the pipeline's (the rank holding the last stage), its block
+    gradients against this rank's stages', and (the ranks holding an end, after the all-reduce) its tied-embedding
+    gradient."""
     ref = copy.deepcopy(full)
     ref.zero_grad()
     loss = techniques.loss_sum(ref(x), y) / n_targets
     loss.backward()
     out = {}
-    if ctx.is_last:
+    if stages.last_stage is not None:
         out["pipeline_loss"] = step_loss.item()
         out["unsplit_loss"] = loss.item()
-    diffs = []
-    for i, block in enumerate(stage_mod.blocks):
-        for (name, p), (_, q) in zip(block.named_parameters(), ref.blocks[stage_mod.lo + i].named_parameters()):
-            diffs.append((p.grad - q.grad).abs().max().item())
+    diffs, sizes = [], []
+    for stage in stages.stages:
+        for i, block in enumerate(stage.blocks):
+            for p, q in zip(block.parameters(), ref.blocks[stage.lo + i].parameters()):
+                diffs.append((p.grad - q.grad).abs().max().item())
+                sizes.append(q.grad.abs().max().item())
     out["max_abs_block_grad_diff"] = max(diffs)
-    out["max_abs_block_grad"] = max(
-        q.grad.abs().max().item() for b in ref.blocks[stage_mod.lo : stage_mod.hi] for q in b.parameters()
-    )
-    tied = stage_mod.tied_weight()
+    out["max_abs_block_grad"] = max(sizes)
+    tied = stages.tied_weight()
     if tied is not None:
         out["max_abs_tied_grad_diff"] = (tied.grad - ref.wte.weight.grad).abs().max().item()
         out["max_abs_tied_grad"] = ref.wte.weight.grad.abs().max().item()
