@@ -197,10 +197,48 @@ def cmd_config(args) -> int:
     return 0
 
 
+def exercises_status(folder: str) -> int:
+    """`exercises --status [notebooks]`: which exercises pass in the notebooks on disk (course_lib.exercises.status)."""
+    from pathlib import Path
+
+    from .exercises import status
+
+    here = Path(folder or "notebooks")
+    if not folder and not here.is_dir():  # run from elsewhere: the course's own notebooks
+        here = Path(__file__).resolve().parent.parent / "notebooks"
+    try:
+        rows = status.progress(here)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(status.table(rows))
+    return 0
+
+
+def exercises_guide(path: str) -> int:
+    """`exercises --guide [PATH]`: rewrite the exercises' blocks of the teacher's guide from the exercises."""
+    from pathlib import Path
+
+    from .exercises import guide
+
+    target = Path(path) if path else guide.GUIDE
+    try:
+        changed = guide.write(target)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{target}: " + ("the exercises' blocks rewritten" if changed else "up to date"))
+    return 0
+
+
 def cmd_exercises(args) -> int:
     """The exercises (course_lib.exercises); --verify runs every checker against its reference and its mistakes."""
     from . import exercises
 
+    if args.status is not None:
+        return exercises_status(args.status)
+    if args.guide is not None:
+        return exercises_guide(args.guide)
     if not args.verify:
         for ex in exercises.EXERCISES.values():
             print(f"  {ex.notebook}  {ex.name:<16} {ex.title} ({len(ex.mistakes)} typical mistakes recorded)")
@@ -445,6 +483,22 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_ladder)
     p = sub.add_parser("exercises", help="list the notebooks' exercises; --verify checks every checker")
     p.add_argument("--verify", action="store_true", help="each checker against its reference and its recorded mistakes")
+    p.add_argument(
+        "--status",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="NOTEBOOKS",
+        help="which exercises pass in the notebooks on disk (default folder: ./notebooks, else the course's)",
+    )
+    p.add_argument(
+        "--guide",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="rewrite the exercises' part of the teacher's guide (default: docs/teachers_guide.md)",
+    )
     p.set_defaults(func=cmd_exercises)
     p = sub.add_parser("config", help="print a config section by section (a preset, changed by --set, or a --rung)")
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
