@@ -89,7 +89,7 @@ def _eval(cfg: TrainConfig) -> Code:
         return Code()
     size = "MICRO_BATCH_SIZE" if cfg.grad_accum_steps > 1 else "BATCH_SIZE"
     loss = "total += loss_sum(model(x), y).item()"
-    body = f"{autocast_line(cfg)}\n    {loss}" if cfg.precision in ("bf16", "fp16") else loss
+    body = f"{autocast_line(cfg)}\n    {loss}" if cfg.precision in T.AUTOCAST_DTYPES else loss
     fn = f'''
 @torch.no_grad()
 def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed: int = 1234) -> float:
@@ -124,10 +124,7 @@ def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed:
 
 
 def _check(cfg: TrainConfig) -> None:
-    if cfg.data_parallel != "none" and cfg.loss_chunks != 1:
-        raise ConfigError(
-            "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
-        )
+    T.data_parallel.check(cfg)
     if cfg.steps <= cfg.timing_warmup:
         raise ConfigError(
             f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "

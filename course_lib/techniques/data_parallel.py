@@ -37,6 +37,14 @@ class SyncOnLastMicroBatch(nn.Module):
         return self.wrapped(idx)
 
 
+def check(cfg: TrainConfig) -> None:
+    """What data parallelism cannot be combined with (the loop and the exported script both ask)."""
+    if cfg.data_parallel != "none" and cfg.loss_chunks != 1:
+        raise ConfigError(
+            "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
+        )
+
+
 def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -> nn.Module:
     """The module the loss calls: `model` itself ("none"), or wrapped for DDP / FSDP2 inside an initialised
     process group (torchrun; see course_lib.distributed). The optimizer keeps `model`'s parameters."""
@@ -49,10 +57,7 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
             f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
             "(course_lib.distributed.launch) or set data_parallel='none'"
         )
-    if cfg.loss_chunks != 1:
-        raise ConfigError(
-            "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
-        )
+    check(cfg)
     dev = torch.device(cfg.device)
     if cfg.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
