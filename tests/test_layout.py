@@ -3,18 +3,13 @@ the package keeps, explicit and tested (issue 32)."""
 
 import torch
 
-from course_lib import config as C, export, techniques as T, widgets
+from course_lib import config as C, export
+
+# A technique's control and its snippet come from its declaration (tests/test_panel_parts.py builds the controls of a
+# made-up registry; tests/test_technique_registry.py holds every module's snippet to its own module).
 
 
-def test_every_technique_has_a_control_on_the_default_panel():
-    assert {t.name for t in T.TECHNIQUES} <= set(widgets.ALL_CONTROLS)
-
-
-def test_every_technique_has_an_export_snippet():
-    assert {t.field for t in T.TECHNIQUES} <= set(export.SNIPPETS) | set(export.NOT_EXPORTED)
-
-
-# ---- the two pieces of global state, explicit and tested ---------------------------------------------------------
+# ---- the three pieces of global state, explicit and tested ---------------------------------------------------------
 
 
 def test_a_run_seeds_itself_whatever_the_global_rng_held_before(tiny):
@@ -38,3 +33,17 @@ def test_the_exported_script_is_cached_by_its_frozen_config():
     assert export.script(cfg) is export.script(cfg)
     assert export.script(cfg.with_model(attention="sdpa")) != export.script(cfg)
     assert export.script.cache_info().maxsize is not None  # bounded: a long session does not grow it without end
+
+
+def test_a_compiled_run_starts_with_a_fresh_compiler_and_an_eager_one_leaves_it_alone(tiny, monkeypatch):
+    """Trainer resets dynamo before a compiled run (an earlier model's guards and dynamo's cache limit would otherwise
+    decide what this run compiles, and its first step would not honestly include compiling); an eager run does not
+    touch the compiler's state."""
+    from course_lib.train import Trainer
+
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    Trainer(tiny(steps=2, timing_warmup=1, measure_memory=False))
+    assert resets == []
+    Trainer(tiny(steps=2, timing_warmup=1, measure_memory=False, compile=True))
+    assert resets == [1]

@@ -65,21 +65,23 @@ def test_config_prints_every_section_and_names_the_module_of_each_technique_that
     assert "did you mean" in capsys.readouterr().err
 
 
-def test_the_sections_hold_every_field_once_in_the_class_order():
+def test_the_sections_hold_every_field_once_in_the_class_order(tiny):
     names = [f.name for f in dataclasses.fields(C.TrainConfig)]
     assert [n for section in C.SECTIONS.values() for n in section] == names
-    cfg = C.tiny_preset()
+    cfg = tiny()
     flat = {k: v for section in cfg.by_section().values() for k, v in section.items()}
     assert flat["batch_size"] == cfg.batch_size and flat["model.n_embd"] == cfg.model.n_embd
 
 
-def test_adding_a_technique_is_one_declaration_the_ladder_and_naive_follow(monkeypatch):
-    """A made-up technique on an existing field, registered: the ladder gets its rung and naive() turns it off."""
+def test_adding_a_technique_is_one_declaration_the_ladder_and_naive_follow(monkeypatch, tiny):
+    """A made-up technique on an existing field, registered: the ladder gets its rung (through the same ladder_of the
+    registry uses) and naive() turns it off."""
     extra = T.Technique(
         "eval_every", "eval", 0, help="validation loss", export=lambda cfg: Code(), rungs=(("+ eval", 5, "e"),)
     )
     techniques = (*T.TECHNIQUES, extra)
-    ladder = (T.LADDER[0], *(T.Rung(n, w, t, v) for t in techniques for n, v, w in t.rungs))
-    assert ladder[-1].name == "+ eval" and ladder[-1].apply(C.tiny_preset()).eval_every == 5
+    ladder = T.ladder_of(techniques)
+    assert ladder[: len(T.LADDER)] == T.LADDER and ladder[-1].name == "+ eval"
+    assert ladder[-1].apply(tiny()).eval_every == 5
     monkeypatch.setattr(T, "TECHNIQUES", techniques)
-    assert T.naive(dataclasses.replace(C.tiny_preset(), eval_every=3)).eval_every == 0
+    assert T.naive(tiny(eval_every=3)).eval_every == 0

@@ -91,11 +91,16 @@ BUILD_ORDER: tuple[Technique | Setting, ...] = (
 
 # ---- the ladder, derived from the declarations -----------------------------------------------------------------
 
-# naive fp32 to everything on, one change per rung, in the order of TECHNIQUES.
-LADDER: tuple[Rung, ...] = (
-    Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
-    *(Rung(name, what, t, value) for t in TECHNIQUES for name, value, what in t.rungs),
-)
+
+def ladder_of(techniques: tuple[Technique, ...]) -> tuple[Rung, ...]:
+    """Naive fp32 to everything on, one change per rung, in the order of `techniques`."""
+    return (
+        Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
+        *(Rung(name, what, t, value) for t in techniques for name, value, what in t.rungs),
+    )
+
+
+LADDER: tuple[Rung, ...] = ladder_of(TECHNIQUES)
 
 
 def naive(cfg: TrainConfig) -> TrainConfig:
