@@ -19,17 +19,46 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-from . import accumulated_loss, adamw, online_softmax, step_timing
+from . import (
+    accumulated_loss,
+    adamw,
+    bf16_rounding,
+    capstone,
+    flops,
+    gradient_buckets,
+    loss_scaling,
+    memory,
+    online_softmax,
+    pipeline_schedule,
+    ring_all_reduce,
+    step_timing,
+    tensor_parallel_split,
+)
 from .core import Exercise, Verdict, check_function, fill_stubs
 
+# In the order of the notebooks, each notebook's in the order it asks them.
 EXERCISES: dict[str, Exercise] = {
     ex.name: ex
     for ex in (
         step_timing.EXERCISE,
+        flops.EXERCISE,
+        memory.STATIC,
+        memory.BLOCK,
+        bf16_rounding.EXERCISE,
+        loss_scaling.EXERCISE,
+        online_softmax.SOFTMAX,
         online_softmax.EXERCISE,
         adamw.EXERCISE,
         adamw.SCHEDULE,
+        accumulated_loss.MICRO_STEPS,
         accumulated_loss.EXERCISE,
+        ring_all_reduce.EXERCISE,
+        gradient_buckets.EXERCISE,
+        pipeline_schedule.EXERCISE,
+        pipeline_schedule.BUBBLE,
+        tensor_parallel_split.EXERCISE,
+        capstone.CHOOSE,
+        capstone.BATCH,
     )
 }
 
@@ -77,7 +106,10 @@ def verify() -> list[dict]:
         for m in ex.mistakes:
             v = check_function(ex, m.fn)
             caught = not v.solved and m.hint in v.message
-            rows.append(
-                {"exercise": ex.name, "notebook": ex.notebook, "answer": m.name, "ok": caught, "said": v.message}
-            )
+            said = v.message
+            if v.solved:
+                said = f"not caught: no case tells this wrong answer from the reference ({v.message})"
+            elif not caught:
+                said = f"caught without its own hint: {v.message}"
+            rows.append({"exercise": ex.name, "notebook": ex.notebook, "answer": m.name, "ok": caught, "said": said})
     return rows

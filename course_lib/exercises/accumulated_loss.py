@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IGNORE_INDEX
+from ..lessons.accumulated_gradients import accumulation_steps_for
 from .core import Case, Exercise, Mistake
 
 
@@ -87,4 +88,64 @@ EXERCISE = Exercise(
         f"your step loss is {float(got):.4f}, the reference's {float(expected):.4f} "
         f"({float(got) / float(expected):.2f}x)"
     ),
+)
+
+
+def micro_steps(target_tokens: int, micro_batch: int, context: int, processes: int = 1) -> int:
+    """The reference: the accumulation steps K that make `target_tokens` per optimizer step with micro-batches of
+    `micro_batch` sequences of `context` tokens on each of `processes` processes (T = b s K P), as an int; a target
+    that is not a whole multiple of b s P raises ValueError rather than changing the batch you asked for."""
+    return accumulation_steps_for(target_tokens, micro_batch, context, processes)
+
+
+def _steps_cases() -> list[Case]:
+    return [
+        Case("2^19 tokens, b 16, s 1024, one process", (2**19, 16, 1024)),
+        Case("2^19 tokens on 8 processes", (2**19, 16, 1024, 8)),
+        Case("a target that is not a multiple of b s P (500,000 tokens)", (500_000, 16, 1024)),
+        Case("2^20 tokens, b 8, s 2048, 4 processes", (2**20, 8, 2048, 4)),
+    ]
+
+
+def _true_division(target_tokens, micro_batch, context, processes=1):
+    return target_tokens / (micro_batch * context * processes)
+
+
+def _rounded_down(target_tokens, micro_batch, context, processes=1):
+    return target_tokens // (micro_batch * context * processes)
+
+
+def _processes_left_out(target_tokens, micro_batch, context, processes=1):
+    return target_tokens // (micro_batch * context)
+
+
+MICRO_STEPS = Exercise(
+    name="micro_steps",
+    notebook="06",
+    title="Accumulation steps for a token budget",
+    reference=micro_steps,
+    cases=_steps_cases,
+    mistakes=(
+        Mistake(
+            "true division",
+            _true_division,
+            "T / (b s P) is a float (32.0), and range(32.0) raises TypeError: divide with divmod or //, after "
+            "checking that nothing is left over.",
+        ),
+        Mistake(
+            "rounded down",
+            _rounded_down,
+            "When b s P does not divide T, rounding K down silently trains on a smaller batch than the recipe's: "
+            "raise ValueError and let the caller change b or T.",
+        ),
+        Mistake(
+            "processes left out",
+            _processes_left_out,
+            "Each of the P processes runs its own micro-batches: one micro-step covers b s P tokens, so K = T / "
+            "(b s P), P times fewer micro-steps.",
+        ),
+    ),
+    rtol=0.0,
+    atol=0.0,
+    describe=lambda case, expected, got: f"your K is {got}, the reference's {expected} ({got / expected:.3g}x)",
 )

@@ -80,3 +80,91 @@ EXERCISE = Exercise(
     rtol=1e-5,
     atol=1e-5,
 )
+
+
+def online_softmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The reference: softmax over the last dimension of x (rows, n). The exercise computes it reading the row in
+    blocks of `block` columns, keeping a running maximum m and a running sum l of exp(x - m), rescaling l by
+    exp(m_old - m_new) when the maximum grows, then normalising; torch's softmax gives the same numbers."""
+    return torch.softmax(x, dim=-1)
+
+
+def _softmax_cases() -> list[Case]:
+    gen = torch.Generator().manual_seed(0)
+    rising = torch.arange(10.0).repeat(3, 1) + torch.randn(3, 10, generator=gen)
+    masked = torch.randn(2, 12, generator=gen)
+    masked[:, 7:] = float("-inf")  # keys after the query (causal): no weight
+    return [
+        Case("scores in one block", (torch.randn(4, 8, generator=gen), 8)),
+        Case("scores that grow along the row (the maximum moves at every block)", (rising, 3)),
+        Case("a block size that does not divide the row", (torch.randn(3, 11, generator=gen) * 3, 4)),
+        Case("masked keys (-inf) at the end of the row", (masked, 4)),
+        Case("every score below -200 (e^x underflows fp32)", (torch.randn(2, 9, generator=gen) - 250.0, 4)),
+    ]
+
+
+def _blocks(x, block):
+    return [x[:, j : j + block] for j in range(0, x.shape[-1], block)]
+
+
+def _not_rescaled(x, block):
+    m = torch.full(x.shape[:-1], float("-inf"))
+    ell = torch.zeros(x.shape[:-1])
+    for xb in _blocks(x, block):
+        m = torch.maximum(m, xb.amax(-1))
+        ell = ell + torch.exp(xb - m[:, None]).sum(-1)  # the old sum was taken under the old maximum
+    return torch.exp(x - m[:, None]) / ell[:, None]
+
+
+def _max_from_zero(x, block):
+    m = torch.zeros(x.shape[:-1])
+    ell = torch.zeros(x.shape[:-1])
+    for xb in _blocks(x, block):
+        m_new = torch.maximum(m, xb.amax(-1))
+        ell = ell * torch.exp(m - m_new) + torch.exp(xb - m_new[:, None]).sum(-1)
+        m = m_new
+    return torch.exp(x - m[:, None]) / ell[:, None]
+
+
+def _per_block(x, block):
+    return torch.cat([torch.softmax(xb, -1) for xb in _blocks(x, block)], dim=-1)
+
+
+def _softmax_describe(case, expected, got) -> str:
+    sums = got.sum(-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
+        return f"your rows' weights add up to {float(sums.min()):.4g} to {float(sums.max()):.4g}, a softmax's to 1"
+    ratio = got / expected
+    return f"your weights are {float(ratio.min()):.3g}x to {float(ratio.max()):.3g}x the reference's"
+
+
+SOFTMAX = Exercise(
+    name="online_softmax",
+    notebook="04",
+    title="The online softmax",
+    reference=online_softmax,
+    cases=_softmax_cases,
+    mistakes=(
+        Mistake(
+            "each block on its own",
+            _per_block,
+            "Each block normalised by its own sum: every block's weights then add up to 1. The denominator is the "
+            "sum over the whole row, kept as a running l across the blocks.",
+        ),
+        Mistake(
+            "the old sum not rescaled",
+            _not_rescaled,
+            "When a block raises the maximum from m to m', the sum so far was taken as exp(x - m): multiply it by "
+            "exp(m - m') before adding the new block's terms.",
+        ),
+        Mistake(
+            "the maximum started at 0",
+            _max_from_zero,
+            "Start the running maximum at -inf, not 0: with every score far below 0, exp(x - 0) underflows to 0 and "
+            "0/0 gives NaN.",
+        ),
+    ),
+    rtol=1e-5,
+    atol=1e-7,
+    describe=_softmax_describe,
+)
