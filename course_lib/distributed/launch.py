@@ -32,6 +32,7 @@ STRATEGIES = (
     "tensor_parallel",
     "selftest",
     "zero_stages",
+    "zero1_by_hand",
     "resume",
     "expert_parallel",
     "ring_attention",
