@@ -25,12 +25,19 @@ _BLOCK = re.compile(
 def _task(ex: Exercise) -> str:
     """What the learner writes, from the reference's docstring ("The reference: the median of ...")."""
     doc = inspect.getdoc(ex.reference) or ""
-    first = doc.split("\n\n")[0].replace("\n", " ").strip()
-    return re.sub(r"^The reference:\s*", "", first)
+    first = " ".join(doc.split("\n\n")[0].split())
+    return re.sub(r"^The reference(: |, |\. )", "", first)  # not capitalised: it may start with a symbol (o_i)
+
+
+def _signature(ex: Exercise) -> str:
+    """`name(a, b, c=0.1)`: the stub's parameters, without annotations (they are strings under PEP 563)."""
+    params = inspect.signature(ex.reference).parameters.values()
+    params = [p.replace(annotation=inspect.Parameter.empty) for p in params]
+    return f"{ex.name}({', '.join(str(p) for p in params)})"
 
 
 def exercise_markdown(ex: Exercise) -> str:
-    signature = f"{ex.name}{inspect.signature(ex.reference)}"
+    signature = _signature(ex)
     cases = "; ".join(c.name for c in ex.cases())
     lines = [
         f"- **{ex.title}** (`{signature}`): {_task(ex)}",
