@@ -36,16 +36,11 @@ from .techniques.activation_checkpointing import kept_per_layer, selective_activ
 from .techniques.chunked_loss import memory_terms as chunked_loss_terms
 from .techniques.fused_attention import what_attention_keeps as _attention
 from .techniques.mixed_precision import activation_format as _precision
+from .techniques.optimizer import state_bytes as optimizer_state_bytes
 from .techniques.set_to_none import gradients_before_backward
 
 # Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
 BYTES = {p: dtype.itemsize for p, dtype in PRECISION_DTYPES.items()}  # bytes per value
-# Optimizer states per parameter: SGD keeps none, momentum one buffer, Adam/AdamW two moments (m and v).
-# adagrad: sum of g^2; rmsprop: its average
-OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}
-# PyTorch's Adam/AdamW (and Adagrad, RMSprop) also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar
-# tensor.
-STEP_COUNTER_BYTES = {"sgd": 0, "sgd_momentum": 0, "adamw": 4, "adagrad": 4, "rmsprop": 4}
 GB = 10**9  # decimal gigabyte, as papers and blog posts often quote
 
 
@@ -75,16 +70,14 @@ def static_bytes(
 ) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state: num_params x bytes x count.
 
-    count is 1 for parameters, 1 for gradients and OPTIMIZER_STATES[optimizer] for the state; AdamW's per-tensor
-    step counters add 4 bytes per parameter tensor (pass n_param_tensors to include them).
+    count is 1 for parameters, 1 for gradients, and the optimizer's state is its own term
+    (techniques.optimizer.state_bytes: AdamW's two moments, and its per-tensor step counters when n_param_tensors
+    is given).
     """
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZER_STATES)}")
-    n_states = OPTIMIZER_STATES[optimizer]
     return {
         "parameters": n_params * bytes_per_value,
         "gradients": n_params * bytes_per_value,
-        "optimizer state": n_states * n_params * bytes_per_value + STEP_COUNTER_BYTES[optimizer] * n_param_tensors,
+        "optimizer state": optimizer_state_bytes(optimizer, n_params, n_param_tensors, bytes_per_value),
     }
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from .. import data as data_mod, measure, techniques
 from ..model import GPT
 from ..techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
+from ..techniques.optimizer import STATES_PER_PARAMETER, state_bytes as state_bytes_formula
 
 # ---- AdamW from its update rule -------------------------------------------------------------------
 
@@ -435,14 +436,8 @@ def expected_state_bytes(kind: str, params: list[torch.Tensor]) -> int:
     buffer, 4N, + a step counter per tensor."""
     n = sum(p.numel() for p in params)
     t = len(params)
-    if kind == "adamw":
-        return 2 * 4 * n + 4 * t
-    if kind == "sgd":
-        return 0
-    if kind == "sgd_momentum":
-        return 4 * n
-    if kind in ("adagrad", "rmsprop"):
-        return 4 * n + 4 * t
+    if kind in STATES_PER_PARAMETER:  # the memory estimate's own term
+        return state_bytes_formula(kind, n, t)
     if kind == "adafactor":
         total = 0
         for p in params:

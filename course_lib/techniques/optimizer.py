@@ -12,6 +12,20 @@ from ..codegen import Code
 from ..config import TrainConfig
 from .declaration import Setting
 
+# What each optimizer keeps per parameter (its memory term, which memory_estimate.static_bytes reads): SGD nothing,
+# momentum one buffer, Adam/AdamW two moments (m and v), AdaGrad its sum of g^2, RMSProp its average. torch's
+# Adam/AdamW, AdaGrad and RMSprop also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar tensor.
+STATES_PER_PARAMETER = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}
+STEP_COUNTER_BYTES = {"sgd": 0, "sgd_momentum": 0, "adamw": 4, "adagrad": 4, "rmsprop": 4}
+
+
+def state_bytes(kind: str, n_params: int, n_param_tensors: int = 0, bytes_per_value: int = 4) -> int:
+    """Bytes of the optimizer's state for n_params parameters in n_param_tensors tensors (its term in the memory
+    estimate); pass n_param_tensors to count the per-tensor step counters."""
+    if kind not in STATES_PER_PARAMETER:
+        raise ValueError(f"optimizer={kind!r} is not one of {', '.join(STATES_PER_PARAMETER)}")
+    return STATES_PER_PARAMETER[kind] * n_params * bytes_per_value + STEP_COUNTER_BYTES[kind] * n_param_tensors
+
 
 def param_groups(model: nn.Module, weight_decay: float, decay_2d_only: bool = True) -> list[dict]:
     """A list of dicts for the optimizer: decay on >=2-D tensors (matmul weights, embeddings), none on
