@@ -102,3 +102,15 @@ def test_each_rank_keeps_one_shard_of_adamws_state(ranks):
         assert {k: v["calls"] for k, v in replicated["collectives_last_step"].items()} == {"all-reduce": 1}
     if world == 4:
         assert ranks[0]["padding_elements"] == 2
+
+
+@pytest.mark.distributed
+def test_the_figure_has_two_stacked_bars_per_rank(ranks):
+    from course_lib.distributed.zero1_by_hand import plot_state_bytes
+
+    ax = plot_state_bytes(ranks).axes[0]
+    assert len(ax.patches) == 2 * 2 * len(ranks)  # (every rank's AdamW, ZeRO-1) x (parameters, state)
+    heights = [p.get_height() for p in ax.patches]
+    world = len(ranks)
+    state_replicated, state_zero1 = heights[world : 2 * world], heights[3 * world :]
+    assert all(z < r / world + 1e-3 for z, r in zip(state_zero1, state_replicated))  # MiB: 1/N, plus a few bytes

@@ -194,6 +194,43 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str) -> dict:
     }
 
 
+def plot_state_bytes(ranks: list[dict], ax=None):
+    """Per rank, two stacked bars (AdamW on every rank, ZeRO-1 by hand): the parameters and the optimizer state each
+    holds between steps, measured from the tensors; a dotted line at AdamW's 8 bytes per parameter divided by the
+    ranks. `ranks`: a zero1_by_hand launch's rank JSONs (LaunchResult.ranks)."""
+    from ..plots import new_figure
+
+    if ax is None:
+        ax = new_figure((6, 3.2)).subplots()
+    width, world = 0.38, len(ranks)
+    for i, variant in enumerate(("replicated", "zero1")):
+        x = [r["rank"] + (i - 0.5) * width for r in ranks]
+        params = [r["runs"][variant]["bytes_held"]["parameters"] / 2**20 for r in ranks]
+        state = [r["runs"][variant]["optimizer_state_bytes"] / 2**20 for r in ranks]
+        ax.bar(x, params, width, color="#4c72b0", label="parameters" if i == 0 else None)
+        ax.bar(
+            x,
+            state,
+            width,
+            bottom=params,
+            color="#55a868" if i == 0 else "#c44e52",
+            label="AdamW state, every rank" if i == 0 else "AdamW state, ZeRO-1 by hand",
+        )
+    n = ranks[0]["n_params"]
+    ax.axhline(
+        (ranks[0]["runs"]["zero1"]["bytes_held"]["parameters"] + 8 * n / world) / 2**20,
+        color="k",
+        ls=":",
+        lw=0.8,
+        label="parameters + 8 bytes x N / ranks",
+    )
+    ax.set_xticks([r["rank"] for r in ranks], [f"rank {r['rank']}" for r in ranks])
+    ax.set_ylabel("MiB held between steps")
+    ax.set_title(f"AdamW's state sharded over {world} ranks - {ranks[0]['provenance']['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    return ax.figure
+
+
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
 OPTIONS = {"steps": 4}
 
