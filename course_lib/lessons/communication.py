@@ -189,8 +189,17 @@ def plot_ddp_by_hand(ranks: list[dict]):
         ax_b.plot(x, [r["step_ms"] for r in buckets], "o-", color="#4c72b0", label="step time")
         ax_b.plot(x, [r["exposed_ms"] for r in buckets], "s--", color="#c44e52", label="exposed communication")
         for r in buckets:
-            ax_b.annotate(f"{r['calls_per_step']:g} calls", (r["bucket_kb"], r["step_ms"]), fontsize=7)
+            n = r["calls_per_step"]
+            ax_b.annotate(
+                f"{n:g} call{'' if n == 1 else 's'}",
+                (r["bucket_kb"], r["step_ms"]),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax_b.set(xscale="log", xlabel="bucket size (KiB)", ylabel="ms per step (slowest rank, median)")
+        ax_b.set_ylim(bottom=0)
+        ax_b.margins(x=0.15)
         ax_b.legend(fontsize=7)
     ax_b.set_title("Bucket sweep: fewer, larger messages, or more overlap", fontsize=9)
     p = ranks[0]["provenance"]
