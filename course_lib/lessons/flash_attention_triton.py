@@ -16,8 +16,9 @@
   (`PRODUCTS`). The atomic-add variant would save those two but adds to dQ from many programs at once.
 
 On a CPU, Triton's interpreter runs these kernels (numpy underneath, slow, small sizes only): set TRITON_INTERPRET=1
-before this module is imported (triton reads it when `@triton.jit` decorates a kernel); `interpreted()` says which way
-the kernels were made. On an NVIDIA GPU they compile. `benchmark` times them against SDPA's flash kernel
+before this module is imported and keep it set while they run (triton 3.x reads it when `@triton.jit` decorates a
+kernel, and again inside its interpreter); `interpreted()` says which way the kernels were made. On an NVIDIA GPU they
+compile. `benchmark` times them against SDPA's flash kernel
 (`python -m course_lib.lessons.flash_attention_triton --json runs/flash-triton.json`, in `.ci/gpu`'s `flash` stage).
 """
 
@@ -44,11 +45,11 @@ __all__ = [
     "PRODUCTS",
 ]
 
-# The (s x s x d) matrix products per tile of this implementation (a causal mask halves each alike).
+# The (s x s x d) matrix products of this implementation, tile by tile (a causal mask halves each alike).
 PRODUCTS = {
-    "forward": 2,  # S = q_ptr k_ptr^T, out_ptr = P v_ptr
-    "backward, dK/dV kernel": 4,  # S again, dP = dO v_ptr^T, dV = P^T dO, dK = dS^T q_ptr
-    "backward, dQ kernel": 3,  # S and dP a third and second time, dQ = dS k_ptr
+    "forward": 2,  # S = Q K^T, O = P V
+    "backward, dK/dV kernel": 4,  # S again, dP = dO V^T, dV = P^T dO, dK = dS^T Q
+    "backward, dQ kernel": 3,  # S and dP a third and second time, dQ = dS K
 }
 
 
@@ -126,8 +127,7 @@ def _backward_dk_dv(
 
     dk = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
-    # Query blocks before the one holding key k_block*BLOCK_K see none of these keys under a causal mask.
-    first = (k_block * BLOCK_K // BLOCK_Q) * BLOCK_Q if CAUSAL else 0
+    first = k_block * BLOCK_K if CAUSAL else 0  # under a causal mask, queries before the first key see none of them
     for i0 in range(first, seq_q, BLOCK_Q):
         rows = i0 + tl.arange(0, BLOCK_Q)
         row_ok = rows < seq_q
@@ -193,6 +193,8 @@ def interpreted() -> bool:
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, block_q: int, block_k: int) -> None:
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(-1) != k.size(-1):
         raise ValueError(f"q, k, v must be (batch, heads, s, head_dim) alike; got {q.shape}, {k.shape}, {v.shape}")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q, k, v must share one of fp32, fp16, bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
     if causal and q.size(-2) != k.size(-2):
         raise ValueError("causal flash_attention_triton needs as many queries as keys")
     for name, n in (("head_dim", q.size(-1)), ("block_q", block_q), ("block_k", block_k)):
@@ -237,16 +239,16 @@ def backward(q, k, v, out, lse, d_out, causal: bool = True, block_q: int = 64, b
     b, h, s_q, d = q.shape
     s_k = k.size(-2)
     q, k, v, out, d_out = (t.contiguous() for t in (q, k, v, out, d_out))
-    delta = torch.empty_like(lse)
+    D = torch.empty_like(lse)  # rowsum(dO * O), one number per query row
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scale, dot, warps = 1.0 / math.sqrt(d), _dot_precision(q.dtype), _warps(d)
-    _backward_preprocess[(triton.cdiv(s_q, block_q), b * h)](out, d_out, delta, s_q, HEAD_DIM=d, BLOCK_Q=block_q)
+    _backward_preprocess[(triton.cdiv(s_q, block_q), b * h)](out, d_out, D, s_q, HEAD_DIM=d, BLOCK_Q=block_q)
     _backward_dk_dv[(triton.cdiv(s_k, block_k), b * h)](
-        q, k, v, d_out, lse, delta, dk, dv, s_q, s_k, scale,
+        q, k, v, d_out, lse, D, dk, dv, s_q, s_k, scale,
         HEAD_DIM=d, BLOCK_Q=block_q, BLOCK_K=block_k, CAUSAL=causal, DOT=dot, num_warps=warps,
     )  # fmt: skip
     _backward_dq[(triton.cdiv(s_q, block_q), b * h)](
-        q, k, v, d_out, lse, delta, dq, s_q, s_k, scale,
+        q, k, v, d_out, lse, D, dq, s_q, s_k, scale,
         HEAD_DIM=d, BLOCK_Q=block_q, BLOCK_K=block_k, CAUSAL=causal, DOT=dot, num_warps=warps,
     )  # fmt: skip
     return dq, dk, dv
