@@ -122,7 +122,8 @@ def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
     return timeline_bubble([r["runs"][key]["timelines"][step] for r in ranks])
 
 
-# Equal stage work: a backward costs two forwards (two matmuls per forward one), its input and weight halves one each.
+# Equal stage work: a backward does two matmuls for each one of the forward (the input's gradient and the weight's),
+# so B costs two F's, and its input and weight halves one each (where ZB-V's paper has no bubble at all).
 EQUAL_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
@@ -427,7 +428,8 @@ class SavedBytes:
 
 def _record(stage, events: list, saved: SavedBytes):
     """Wrap the stage's per-micro-batch work to log (kind, stage, micro-batch, start, end): F its forward (counted by
-    `saved`), B its whole backward, I and W the input and weight halves of a zero-bubble schedule's backward."""
+    `saved`), B its whole backward, I and W the input and weight halves of a zero-bubble schedule's backward (torch's
+    first stage has no input gradient to send: its I is empty and its W runs the whole backward)."""
     fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
     index = stage.stage_index
 
