@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..lessons.optimizers_by_hand import adamw_update
+from ..lessons.optimizers_by_hand import HandAdamW, adamw_update
 from ..techniques import warmup_cosine_lr
 from .core import Case, Exercise, Mistake
 
@@ -16,6 +16,22 @@ def adamw_step(p, g, m, v, t: int, lr: float, betas=(0.9, 0.999), eps: float = 1
     p, m, v = p.clone(), m.clone(), v.clone()
     adamw_update(p, g, m, v, t, lr, betas, eps, weight_decay)
     return p, m, v
+
+
+def optimizer_from(step) -> type[torch.optim.Optimizer]:
+    """An optimizer built on a step function with adamw_step's signature (the learner's, once it passes): the loop of
+    optimizers_by_hand.HandAdamW calls it for every parameter, and its new (p, m, v) replace the old. So a learner's
+    AdamW trains the course's model beside torch.optim.AdamW (notebook 05)."""
+
+    class StepAdamW(HandAdamW):
+        def update(self, p, g, state, group):
+            args = (group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            new_p, new_m, new_v = step(p, g, state["m"], state["v"], state["t"], *args)
+            p.copy_(new_p)
+            state["m"].copy_(new_m)
+            state["v"].copy_(new_v)
+
+    return StepAdamW
 
 
 def _state(shape, seed, scale=1.0):

@@ -54,7 +54,7 @@ class Exercise:
     describe_structure: bool = False
 
 
-@dataclass
+@dataclass(repr=False)
 class Verdict:
     exercise: str
     solved: bool
@@ -64,6 +64,8 @@ class Verdict:
 
     def __str__(self) -> str:
         return self.message
+
+    __repr__ = __str__  # a console shows the message, as a notebook's box does
 
     def _repr_html_(self) -> str:
         colour = "#1a7f37" if self.solved else "#b35900"
