@@ -32,7 +32,7 @@ import torch
 from . import measure, techniques
 from .config import PRECISION_DTYPES, ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB, MemoryReport
-from .techniques.activation_checkpointing import kept_per_layer, selective_activation_terms  # noqa: F401 - notebook 02
+from .techniques.activation_checkpointing import kept_per_layer, selective_activation_terms
 from .techniques.chunked_loss import memory_terms as chunked_loss_terms
 from .techniques.fused_attention import what_attention_keeps as _attention
 from .techniques.mixed_precision import activation_format as _precision
@@ -288,7 +288,13 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
         # still cached from the forward: the block input, the MLP's first matmul output (= GELU's saved input) and, with
         # SDPA, the QKV output and attention output (= what SDPA saves); the recompute stops before the MLP's second
         # matmul runs, so its cached output is never taken and stays too
-        cached = X * R + 4 * X * B + (3 * X * B + X * B + b * a * s * 4 if attention == "sdpa" else 0)
+        kept = selective_activation_terms(s, b, h, a, B, attention, residual_bytes=R)
+        sdpa_kept = ("QKV matmul output (3 x sbh)", "attention output (sbh)", "softmax logsumexp (b a s, fp32)")
+        cached = sum(
+            kept[t]
+            for t in ("block input (sbh)", "MLP first matmul output (4 x sbh)", *sdpa_kept)
+            if t in kept and (attention == "sdpa" or t not in sdpa_kept)
+        )
         mlp["kept by selective checkpointing, still cached"] = ("activations", cached + X * B)
         mlp["the block's other saved tensors, recomputed"] = ("other", saved - cached)
     else:
@@ -340,9 +346,10 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     # checkpointing, naive attention: the recompute at softmax x V
     rec: dict[str, tuple[str, int]] = {}
     if ck == "selective":  # cached: the block input and every matmul output not yet taken by the recompute
+        kept = selective_activation_terms(s, b, h, a, B, attention, residual_bytes=R)
         rec["kept by selective checkpointing, still cached"] = (
             "activations",
-            X * R + 3 * X * B + X * B + X * B + 4 * X * B + X * B,
+            sum(kept.values()) - kept["QK^T matmul output (a s^2 b)"],  # the scores, which the recompute has taken
         )
     else:
         rec["block input, kept"] = ("activations", X * R)

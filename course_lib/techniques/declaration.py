@@ -43,7 +43,8 @@ class Technique:
     choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
     aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
     reads: tuple[str, ...] = ()  # the other config fields `export` reads
-    # Its term in the memory estimate (course_lib.memory_estimate calls it), or None: then `memory_note` says why.
+    # Its term in the memory estimate: the function of its module that memory_estimate calls for it (by name: each term
+    # enters the estimate at its own place in the step), or None, and then `memory_note` says why it has none.
     memory_term: Callable | None = None
     memory_note: str = ""
 
