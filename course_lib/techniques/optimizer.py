@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..codegen import Code
+from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import Setting
 
@@ -85,13 +85,10 @@ def export(cfg: TrainConfig) -> Code:
     setup = []
     if cfg.weight_decay > 0:
         constants.append(f"WEIGHT_DECAY = {cfg.weight_decay!r}" + ("  # on >=2-D tensors only" if groups else ""))
-    if groups:
-        setup.append(
-            "# Weight decay only on >=2-D tensors (matmul weights, embeddings); none on biases and LayerNorm gains.\n"
-            "decay = [p for p in model.parameters() if p.dim() >= 2]\n"
-            "no_decay = [p for p in model.parameters() if p.dim() < 2]\n"
-            'params = [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}]'
-        )
+    defs = ()
+    if groups:  # the loop's own param_groups, rendered
+        defs = (source(param_groups),)
+        setup.append("params = param_groups(model, WEIGHT_DECAY)")
         params, wd = "params", []
     else:
         params = "model.parameters()"
@@ -127,7 +124,7 @@ def export(cfg: TrainConfig) -> Code:
             "# SGD with momentum: a running sum of gradients, one state tensor per parameter.",
         )
     setup.append(f"{why}\n{line}")
-    return Code(constants=tuple(constants), setup="\n".join(setup))
+    return Code(constants=tuple(constants), defs=defs, setup="\n".join(setup))
 
 
 SETTING = Setting("optimizer", export, reads=("lr", "betas", "eps", "momentum", "weight_decay", "decay_2d_only"))
