@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from ..config import ConfigError, did_you_mean
 from ..lessons.attention_by_hand import flash_attention, flash_backward, tiled_attention
 from ..lessons.micro_benchmarks import peak_bytes
+from ..timing import synchronize
 from . import _common
 
 LAYOUTS = ("naive", "zigzag")
@@ -149,6 +150,7 @@ def _around_the_ring(blocks: list[torch.Tensor], stats: dict):
 
 def _forward_step(q, kv, pairs, c, block, out, lse, stats) -> None:
     """This rank's queries against one key/value block, chunk pair by chunk pair, merged into (out, lse)."""
+    synchronize(q.device)
     t0 = time.perf_counter()
     for a, b, diagonal in pairs:
         rows, keys = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
@@ -156,11 +158,13 @@ def _forward_step(q, kv, pairs, c, block, out, lse, stats) -> None:
                                 return_lse=True)  # fmt: skip
         out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o, l_)
         stats["forward_tiles"] += tiles(c, c, block, diagonal)
+    synchronize(q.device)  # on a GPU: the kernels done, not just queued
     stats["compute_s"] += time.perf_counter() - t0
 
 
 def _backward_step(q, kv, out, lse, d_out, pairs, c, block, dq, dkv, stats) -> None:
     """The shares of one key/value block's chunk pairs: dQ's added to dq, dK's and dV's to the travelling dkv."""
+    synchronize(q.device)
     t0 = time.perf_counter()
     for a, b, diagonal in pairs:
         rows, keys = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
@@ -170,6 +174,7 @@ def _backward_step(q, kv, out, lse, d_out, pairs, c, block, dq, dkv, stats) -> N
         dkv[0][..., keys, :] += shares[1]
         dkv[1][..., keys, :] += shares[2]
         stats["backward_tiles"] += tiles(c, c, block, diagonal)
+    synchronize(q.device)
     stats["compute_s"] += time.perf_counter() - t0
 
 
@@ -261,6 +266,7 @@ def check_layout(ctx: _common.Ctx, layout: str, opts: dict) -> dict:
         dist.barrier()
         t0 = time.perf_counter()
         ring_attention(*fresh, layout, opts["causal"], opts["block"], timed).backward(g)
+        synchronize(ctx.device)
         walls.append(time.perf_counter() - t0)
         computes.append(timed["compute_s"])
     return {
