@@ -148,7 +148,7 @@ def _around_the_ring(blocks: list[torch.Tensor], stats: dict):
             blocks, reqs, incoming = incoming, None, None
 
 
-def _forward_step(q, kv, pairs, c, block, out, lse, stats) -> None:
+def attend_block(q, kv, pairs, c, block, out, lse, stats) -> None:
     """This rank's queries against one key/value block, chunk pair by chunk pair, merged into (out, lse)."""
     synchronize(q.device)
     t0 = time.perf_counter()
@@ -162,7 +162,7 @@ def _forward_step(q, kv, pairs, c, block, out, lse, stats) -> None:
     stats["compute_s"] += time.perf_counter() - t0
 
 
-def _backward_step(q, kv, out, lse, d_out, pairs, c, block, dq, dkv, stats) -> None:
+def attend_block_backward(q, kv, out, lse, d_out, pairs, c, block, dq, dkv, stats) -> None:
     """The shares of one key/value block's chunk pairs: dQ's added to dq, dK's and dV's to the travelling dkv."""
     synchronize(q.device)
     t0 = time.perf_counter()
@@ -184,7 +184,7 @@ def ring_forward(q, k, v, layout: str = "zigzag", causal: bool = True, block: in
     mine, c = chunks_of(dist.get_rank(), world, layout), q.size(-2) // 2
     out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))  # no key seen yet: L = -inf
     for owner, kv in _around_the_ring([k, v], stats):
-        _forward_step(q, kv, _pairs(mine, chunks_of(owner, world, layout), causal), c, block, out, lse, stats)
+        attend_block(q, kv, _pairs(mine, chunks_of(owner, world, layout), causal), c, block, out, lse, stats)
         del kv  # let it go before the next block is sent on
     return out, lse
 
@@ -197,7 +197,7 @@ def ring_backward(q, k, v, out, lse, d_out, layout="zigzag", causal=True, block=
     dq, dkv = torch.zeros_like(q), [torch.zeros_like(k), torch.zeros_like(v)]
     for owner, kv in _around_the_ring([k, v], stats):
         pairs = _pairs(mine, chunks_of(owner, world, layout), causal)
-        _backward_step(q, kv, out, lse, d_out, pairs, c, block, dq, dkv, stats)
+        attend_block_backward(q, kv, out, lse, d_out, pairs, c, block, dq, dkv, stats)
         del kv
         if world == 1:
             break
