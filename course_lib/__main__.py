@@ -129,7 +129,7 @@ def chosen_config(args) -> C.TrainConfig:
     at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in `ladder --set`, and other
     fields change the preset the ladder climbs from). Raises ConfigError, TypeError or ValueError saying what to
     change."""
-    from . import export
+    from . import export, ladder
 
     if getattr(args, "ladder", None):
         if args.rung is not None:
@@ -165,7 +165,7 @@ def chosen_config(args) -> C.TrainConfig:
             base = export.with_setting(base, name, C.parse_setting(name, value))
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
-    return export.rung_config(base, rung, options) if rung is not None else base
+    return ladder.rung_config(base, rung, options) if rung is not None else base
 
 
 def _new_file(path: str, force: bool, flag: str):

@@ -43,10 +43,8 @@ from dataclasses import fields
 from typing import Callable
 
 from . import bpe, config as C, data as data_mod, model as model_mod, techniques as T
-from .capabilities import capabilities
 from .codegen import Code, device_type, field_line, merge, raw, replace_all, source
 from .config import ConfigError, TrainConfig
-from .ladder import ladder_configs
 from .techniques.mixed_precision import autocast_line
 
 # config field -> its snippet, in build order: the techniques' own, then validation's (below)
@@ -626,24 +624,6 @@ def ladder_diffs(results: list):
             + "</details>"
         )
     return HTML("\n".join(parts))
-
-
-def rung_config(base: TrainConfig, rung: str, options: dict | None = None) -> TrainConfig:
-    """The ladder's cumulative config at the rung named: ladder_configs, what `ladder` runs there (a rung this
-    device cannot run is skipped). For a device this machine does not have (a GPU config written on a laptop), every
-    rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
-    names = [r.name for r in T.LADDER]
-    if rung not in names:
-        raise ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
-    try:
-        capabilities(base.device)
-        here = True
-    except ConfigError:  # not on this machine
-        here = False
-    cfg = dict((r.name, c) for r, c in ladder_configs(base, options, on_this_machine=here))[rung]
-    if isinstance(cfg, ConfigError):
-        raise ConfigError(f"the rung {rung!r} cannot run on this device: {cfg}")
-    return cfg
 
 
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:

@@ -193,6 +193,24 @@ def ladder_configs(
     return out
 
 
+def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> C.TrainConfig:
+    """The ladder's cumulative config at the rung named: ladder_configs, what `ladder` runs there (a rung this
+    device cannot run is skipped). For a device this machine does not have (a GPU config written on a laptop), every
+    rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
+    names = [r.name for r in T.LADDER]
+    if rung not in names:
+        raise C.ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
+    try:
+        capabilities(base.device)
+        here = True
+    except C.ConfigError:  # not on this machine
+        here = False
+    cfg = dict((r.name, c) for r, c in ladder_configs(base, options, on_this_machine=here))[rung]
+    if isinstance(cfg, C.ConfigError):
+        raise C.ConfigError(f"the rung {rung!r} cannot run on this device: {cfg}")
+    return cfg
+
+
 def run_ladder(
     base: C.TrainConfig,
     steps: int | None = None,

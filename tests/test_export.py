@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import config as C, data, export, techniques as T, train
+from course_lib import config as C, data, export, ladder, techniques as T, train
 from course_lib.__main__ import main as cli
 from course_lib.capabilities import capabilities
 from course_lib.doctor import check_config
@@ -421,7 +421,7 @@ def test_export_command_writes_a_rung(tmp_path, capsys, tiny):
         )
         == 0
     )
-    expected = export.rung_config(tiny(steps=3), "+ 16-bit autocast")
+    expected = ladder.rung_config(tiny(steps=3), "+ 16-bit autocast")
     # the 16-bit format this CPU runs fast, or bf16 where it runs none fast (what the ladder then measures)
     assert expected.precision == (capabilities("cpu").fast_16bit()[0] or "bf16") and out.read_text() == export.script(
         expected
@@ -623,6 +623,6 @@ def test_a_rung_of_a_gpu_config_written_on_a_machine_without_that_gpu(tiny):
     if torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA: here the GPU's capabilities would be asked")
     base = tiny(device="cuda", optimizer="sgd")
-    assert export.rung_config(base, "+ tf32").precision == "tf32"
+    assert ladder.rung_config(base, "+ tf32").precision == "tf32"
     with pytest.raises(C.ConfigError, match="cannot run on this device"):
-        export.rung_config(base, "+ fused AdamW")
+        ladder.rung_config(base, "+ fused AdamW")
