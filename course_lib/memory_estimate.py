@@ -18,7 +18,7 @@ Where the bytes of one training step go, by category (the same categories as mea
 `account_step` runs one training step of a config under the CPU ledger, optionally under FakeTensorMode, so
 that a model too big for this machine (GPT-2 small at batch 32, context 1024) is accounted without allocating.
 It is one step for accounting only (no data, no timing, no results): the training loop is course_lib.train.
-Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator (course_lib.distributed.zero).
+Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator (course_lib.distributed.zero_memory).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from course_lib import config as C
-from course_lib.distributed import strategy_panel as DP, zero as Z
+from course_lib.distributed import strategy_panel as DP, zero_memory as Z
 from course_lib.distributed._common import KINDS, CollectiveCounter, bytes_written
 
 pytestmark = pytest.mark.skipif(

@@ -15,7 +15,7 @@ import torch
 
 from course_lib import config as C, techniques, train
 from course_lib.config import ModelConfig
-from course_lib.distributed import _common, launch as L, pipeline as P, tensor_parallel as TP, zero
+from course_lib.distributed import _common, launch as L, pipeline as P, tensor_parallel as TP, zero_memory
 from course_lib.model import GPT
 
 pytestmark = pytest.mark.skipif(
@@ -28,16 +28,17 @@ pytestmark = pytest.mark.skipif(
 
 def test_zero_calculator_reproduces_the_papers_example():
     # ZeRO paper, figure 1: Ψ = 7.5B parameters, N = 64 devices, K = 12.
-    gb = [zero.zero_gb(7.5e9, 64, stage) for stage in (0, 1, 2, 3)]
+    gb = [zero_memory.zero_gb(7.5e9, 64, stage) for stage in (0, 1, 2, 3)]
     assert [round(g, 1) for g in gb] == [120.0, 31.4, 16.6, 1.9]
-    assert zero.zero_gb(7.5e9, 1, 3) == zero.zero_gb(7.5e9, 1, 0)  # one device: nothing to shard
+    assert zero_memory.zero_gb(7.5e9, 1, 3) == zero_memory.zero_gb(7.5e9, 1, 0)  # one device: nothing to shard
     with pytest.raises(ValueError):
-        zero.zero_bytes(1, 2, stage=4)
+        zero_memory.zero_bytes(1, 2, stage=4)
 
 
 def test_traffic_and_bubble_formulas():
-    assert zero.ring_all_reduce_bytes(100, 2) == 100 and zero.ring_all_reduce_bytes(100, 1) == 0
-    assert zero.data_parallel_traffic(1e9, 8, 3) == pytest.approx(1.5 * zero.data_parallel_traffic(1e9, 8, 0))
+    assert zero_memory.ring_all_reduce_bytes(100, 2) == 100 and zero_memory.ring_all_reduce_bytes(100, 1) == 0
+    traffic = zero_memory.data_parallel_traffic
+    assert traffic(1e9, 8, 3) == pytest.approx(1.5 * traffic(1e9, 8, 0))
     assert P.bubble_fraction(4, 1) == 0.75 and P.bubble_fraction(4, 8) == pytest.approx(3 / 11)
     ranges = P.split_points(8, 2, block_cost=1, head_cost=4)
     assert ranges == [(0, 6), (6, 8)]  # 6 blocks against 2 blocks + an output layer worth 4
@@ -239,7 +240,7 @@ def test_each_rank_sends_the_ring_share_and_this_torchs_gloo_reduce_scatter_send
     # broadcast (N-1)/N on average over the ranks; this torch's gloo sends as much for a reduce-scatter as for an
     # all-reduce (07, 08 and the README say so: a torch whose gloo sends (N-1)/N fails here, and their text must
     # change).
-    from course_lib.distributed import zero
+    from course_lib.distributed import zero_memory
 
     r = launched["selftest"].raise_for_status()
     n, sends = len(r.ranks), r.ranks[0]["sends"]
@@ -250,5 +251,5 @@ def test_each_rank_sends_the_ring_share_and_this_torchs_gloo_reduce_scatter_send
         pytest.skip("bytes written to sockets are read on Linux (/proc/self/io) only")
     share = {k: sum(rank["sends"][k]["written"] for rank in r.ranks) / n / sends[k]["counted"] for k in sends}
     for kind in ("all-reduce", "all-gather", "broadcast"):
-        assert share[kind] == pytest.approx(zero.sent_share(kind, n), rel=0.02), (kind, share)
+        assert share[kind] == pytest.approx(zero_memory.sent_share(kind, n), rel=0.02), (kind, share)
     assert share["reduce-scatter"] == pytest.approx(2 * (n - 1) / n, rel=0.03), share

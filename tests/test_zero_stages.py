@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_lib.distributed import zero
+from course_lib.distributed import zero_memory
 from course_lib.distributed._common import CollectiveCounter
 
 pytestmark = pytest.mark.skipif(
@@ -16,15 +16,15 @@ pytestmark = pytest.mark.skipif(
 
 def test_offload_formula_moves_a_shard_each_way_and_frees_the_optimizer_state():
     psi, n = 1e9, 8
-    fp32 = zero.offload_optimizer_bytes(psi, n, 2, **zero.FP32_ADAMW)
+    fp32 = zero_memory.offload_optimizer_bytes(psi, n, 2, **zero_memory.FP32_ADAMW)
     assert fp32["device to host (gradients)"] == 4 * psi / n and fp32["host to device (parameters)"] == 4 * psi / n
     assert (
         fp32["saved on the device (optimizer state)"]
-        == zero.zero_parts(psi, n, 2, **zero.FP32_ADAMW)["optimizer state"]
+        == zero_memory.zero_parts(psi, n, 2, **zero_memory.FP32_ADAMW)["optimizer state"]
         == 8 * psi / n
     )
     # below stage 2 every device holds (and so moves) the whole gradient
-    assert zero.offload_optimizer_bytes(psi, n, 0)["device to host (gradients)"] == 2 * psi
+    assert zero_memory.offload_optimizer_bytes(psi, n, 0)["device to host (gradients)"] == 2 * psi
 
 
 def test_the_counter_sees_no_collective_in_plain_arithmetic():
@@ -49,7 +49,7 @@ def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(laun
         return ranks[0]["runs"][str(stage)]["collectives_last_step"]
 
     for rank in ranks:
-        s0, s1, s2, s3 = (mem(rank, s) for s in zero.STAGES)
+        s0, s1, s2, s3 = (mem(rank, s) for s in zero_memory.STAGES)
         assert s0["parameters after forward"] == s0["gradients"] == 4 * psi  # stage 0: everything whole, fp32
         # stage 1: only the state is split
         assert s1["gradients"] == 4 * psi and s1["optimizer state"] < s0["optimizer state"]
@@ -70,11 +70,11 @@ def test_zero_stages_shard_what_the_formula_says_and_train_like_one_process(laun
     assert set(coll(2)) == set(coll(3)) == {"all-gather", "reduce-scatter"}
     assert 4 * psi <= coll(2)["all-gather"]["bytes"] < coll(3)["all-gather"]["bytes"]
     assert coll(2)["reduce-scatter"] == coll(3)["reduce-scatter"] and coll(2)["reduce-scatter"]["bytes"] >= 4 * psi
-    assert ranks[0]["formula"]["2"] == zero.zero_parts(psi, n, 2, **zero.FP32_ADAMW)
+    assert ranks[0]["formula"]["2"] == zero_memory.zero_parts(psi, n, 2, **zero_memory.FP32_ADAMW)
     # what each rank sends: stage 0 the paper's all-reduce (2(N-1)/N of the gradients), this stage 1 1.5x that (its
     # broadcast comes on top of DDP's all-reduce); gloo's sockets agree (written: what the rank wrote in that step)
-    sent = {s: zero.bytes_sent(coll(s), n) for s in zero.STAGES}
-    assert sent[0] == pytest.approx(zero.data_parallel_traffic(psi, n, 0, grad_bytes=4, param_bytes=4))
+    sent = {s: zero_memory.bytes_sent(coll(s), n) for s in zero_memory.STAGES}
+    assert sent[0] == pytest.approx(zero_memory.data_parallel_traffic(psi, n, 0, grad_bytes=4, param_bytes=4))
     assert sent[1] == pytest.approx(1.5 * sent[0]) and sent[3] == pytest.approx(1.5 * sent[0], rel=0.01)
     # stage 2 (FSDP2 keeping the gathered parameters): a reduce-scatter and one all-gather, the volume of DDP's
     # all-reduce (the paper's stage 2; 07 cell 27613262 and the tables of 662425f2 say so)

@@ -300,7 +300,7 @@ class CollectiveCounter(TorchDispatchMode):
     ("by_group_size", {"2": bytes}): a collective on a subgroup (the pipeline's tied-embedding all-reduce between its
     two end stages) is shared among that group's ranks, not the world's. Not seen: collectives issued inside a DTensor
     operator (the scalar all-reduce of the gradient norm). What each rank sends of those bytes depends on the algorithm
-    and the group's size: `zero.bytes_sent`.
+    and the group's size: `zero_memory.bytes_sent`.
 
     `written` is what the process wrote to its sockets while counting (`bytes_written`, Linux): the bytes a gloo rank
     really sent, to compare with that formula; None where it cannot be read."""

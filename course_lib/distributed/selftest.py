@@ -3,7 +3,7 @@
 reports a failed or hung run and stops every process; {"measure_bytes": B} also runs an all-reduce, an all-gather, a
 reduce-scatter and a broadcast of B bytes each (the full side of the exchange, as _common.CollectiveCounter counts it)
 and records, for each, the bytes this rank wrote to its sockets meanwhile (gloo on Linux; None elsewhere): what one
-rank really sends, beside the ring algorithms' formula (zero.sent_share)."""
+rank really sends, beside the ring algorithms' formula (zero_memory.sent_share)."""
 
 from __future__ import annotations
 

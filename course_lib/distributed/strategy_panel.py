@@ -21,13 +21,12 @@ Notebook 08's (MODEL_PARALLEL):
 
 Every run becomes one row: a RunResult whose details["ranks"] holds, per rank, the bytes it measured by category
 ("memory"), the bytes it sent by kind of collective ("sent": the counted collectives of one step times the ring
-algorithms' share, zero.bytes_sent; all-to-all: the bytes expert parallelism itself handed to other ranks), what it
-wrote to its sockets meanwhile ("written": measured, gloo on Linux; None elsewhere) and its step time. That is what
+algorithms' share, zero_memory.bytes_sent; all-to-all: the bytes expert parallelism itself handed to other ranks), what
+it wrote to its sockets meanwhile ("written": measured, gloo on Linux; None elsewhere) and its step time. That is what
 `plot_rank_memory` and `plot_rank_bytes` draw. A config the strategy cannot run is a "skipped" row with the reason, a
-failed launch an "error" row with the ranks' errors. The runner's `export_config` tells the panel's code view and
-export button what a run trains: DDP and FSDP2 are the course's loop with data_parallel set (a torchrun script); the
-other strategies run course_lib.distributed's own programs, not exported.
-"""
+failed launch an "error" row with the ranks' errors. The runner's `export_config` tells the panel's code view and export
+button what a run trains: DDP and FSDP2 are the course's loop with data_parallel set (a torchrun script); the other
+strategies run course_lib.distributed's own programs, not exported. """
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ from typing import Callable
 from ..config import ConfigError, TrainConfig
 from ..plots import CATEGORY_COLORS
 from ..results import RunResult, provenance
-from . import launch as L, pipeline as P, zero as Z
+from . import launch as L, pipeline as P, zero_memory as Z
 
 DATA_PARALLEL = {
     "ddp": "DDP (ZeRO-0)",
@@ -124,7 +123,7 @@ def _median_ms(times: list[float], skip: int = 1) -> float | None:
 
 def _sent(collectives: dict, n: int) -> dict[str, float]:
     """Bytes this rank sent, by kind: the counted bytes times each kind's ring share for the size of the group each call
-    ran on (zero.sent_by_kind; n, the world's size, where the record has no group sizes)."""
+    ran on (zero_memory.sent_by_kind; n, the world's size, where the record has no group sizes)."""
     return {kind: b for kind, b in Z.sent_by_kind(collectives, n).items() if b}
 
 
@@ -414,8 +413,8 @@ def plot_rank_memory(results: list[RunResult], ax):
 
 def plot_rank_bytes(results: list[RunResult], ax):
     """Bytes each rank sent in one step (tensor parallel and MoE: one forward and backward), stacked by kind of
-    collective: the counted bytes times the ring algorithms' share (zero.sent_share; all-to-all as expert parallelism
-    counted it). A black tick: what the rank wrote to its sockets meanwhile, measured (gloo on Linux)."""
+    collective: the counted bytes times the ring algorithms' share (zero_memory.sent_share; all-to-all as expert
+    parallelism counted it). A black tick: what the rank wrote to its sockets meanwhile, measured (gloo on Linux)."""
     bars, ticks = _rank_bars(results)
     seen = _stacked(ax, bars, "sent", tuple(KIND_COLORS), KIND_COLORS)
     measured = [(x, row["written"]) for x, _r, row in bars if row.get("written") is not None]

@@ -29,7 +29,7 @@ import torch
 
 from .. import measure, techniques
 from ..model import GPT
-from . import _common, zero
+from . import _common, zero_memory
 
 STAGE_NAMES = {
     0: "DDP",
@@ -146,13 +146,13 @@ def one_process_params(cfg, at, world: int) -> tuple[dict, dict]:
 
 
 # What --options may set, with the defaults (_common.check_options checks a launch's options against it).
-OPTIONS = {"steps": 3, "stages": list(zero.STAGES), "offload": False, "reference": True}
+OPTIONS = {"steps": 3, "stages": list(zero_memory.STAGES), "offload": False, "reference": True}
 
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "zero_stages")
     steps = int(ctx.options.get("steps", 3))
-    stages = [int(s) for s in ctx.options.get("stages", zero.STAGES)]
+    stages = [int(s) for s in ctx.options.get("stages", zero_memory.STAGES)]
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, batch_size=ctx.cfg.micro_batch_size)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
     runs, finals = {}, {}
@@ -166,7 +166,9 @@ def main(argv=None) -> None:
         "steps": steps,
         "n_params": n_params,
         "runs": runs,
-        "formula": {s: zero.zero_parts(n_params, ctx.world, s, **zero.FP32_ADAMW) for s in zero.STAGES},
+        "formula": {
+            s: zero_memory.zero_parts(n_params, ctx.world, s, **zero_memory.FP32_ADAMW) for s in zero_memory.STAGES
+        },
     }
     if ctx.is_first and ctx.options.get("reference", True):
         ref_result, ref = one_process_params(cfg, at, ctx.world)
