@@ -242,13 +242,16 @@ def test_the_ring_all_reduce_leaves_every_rank_the_sum(n):
         assert all(torch.allclose(out[r][c], total, atol=1e-6) for r in range(n))
 
 
-def test_the_tensor_parallel_partials_sum_to_the_whole_mlp():
-    gen = torch.Generator().manual_seed(0)
-    x, w1, w2 = torch.randn(5, 8, generator=gen), torch.randn(8, 32, generator=gen), torch.randn(32, 8, generator=gen)
+def test_the_tensor_parallel_partials_and_c_projs_bias_are_the_courses_mlp():
+    from course_lib.model import MLP
+
+    torch.manual_seed(0)
+    mlp = MLP(config.tiny_preset("cpu").model)
+    x = torch.randn(5, mlp.c_fc.in_features)
     for n in (1, 2, 4, 8):
-        partials = X.EXERCISES["mlp_partials"].reference(x, w1, w2, n)
+        partials = X.EXERCISES["mlp_partials"].reference(x, mlp.c_fc.weight.T, mlp.c_fc.bias, mlp.c_proj.weight.T, n)
         assert len(partials) == n
-        torch.testing.assert_close(sum(partials), torch.nn.functional.gelu(x @ w1) @ w2)
+        torch.testing.assert_close(sum(partials) + mlp.c_proj.bias, mlp(x))
 
 
 @pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 4), (4, 8), (3, 7)])

@@ -1,5 +1,5 @@
-"""Notebook 08: tensor parallelism of an MLP by hand (Megatron-LM's split): the first weight by columns, the second by
-rows, so that each rank computes a partial output and one all-reduce (a sum) gives the full one."""
+"""Notebook 08: tensor parallelism of the course's MLP by hand (Megatron-LM's split): the first weight by columns, the
+second by rows, so that each rank computes a partial output and one all-reduce (a sum) gives the full one."""
 
 from __future__ import annotations
 
@@ -9,22 +9,25 @@ import torch.nn.functional as F
 from .core import Case, Exercise, Mistake
 
 
-def mlp_partials(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, n: int) -> list[torch.Tensor]:
-    """The reference. x (tokens, h), w1 (h, 4h), w2 (4h, h): the MLP gelu(x @ w1) @ w2 split over n ranks. Rank r holds
-    the r-th of n equal column blocks of w1 (whole hidden units) and the same rows of w2; it computes
-    gelu(x @ w1_r) @ w2_r with no communication (GELU acts on each hidden unit alone). Returns the n partial outputs,
-    each (tokens, h); their sum, what an all-reduce makes, is gelu(x @ w1) @ w2."""
-    return [F.gelu(x @ a) @ b for a, b in zip(w1.chunk(n, dim=1), w2.chunk(n, dim=0))]
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")  # course_lib.model.MLP's GELU
+
+
+def mlp_partials(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The reference. x (tokens, h), w1 (h, 4h) and b1 (4h,), w2 (4h, h): the course's MLP, gelu(x @ w1 + b1) @ w2
+    (GELU's tanh form; with nn.Linear, w1 = c_fc.weight.T, w2 = c_proj.weight.T) split over n ranks. Rank r holds the
+    r-th of n equal column blocks of w1 and b1 (whole hidden units) and the same rows of w2, and computes
+    gelu(x @ w1_r + b1_r) @ w2_r with no communication: GELU acts on each hidden unit alone. Returns the n partial
+    outputs, each (tokens, h); their sum (what an all-reduce makes), plus c_proj's bias once, is the MLP's output."""
+    return [_gelu(x @ a + c) @ b for a, c, b in zip(w1.chunk(n, dim=1), b1.chunk(n), w2.chunk(n, dim=0))]
 
 
 def _weights(tokens: int, h: int, seed: int, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, h, generator=gen, dtype=dtype)
-    return (
-        x,
-        torch.randn(h, 4 * h, generator=gen, dtype=dtype) / h**0.5,
-        torch.randn(4 * h, h, generator=gen, dtype=dtype) / (2 * h**0.5),
-    )
+    w1 = torch.randn(h, 4 * h, generator=gen, dtype=dtype) / h**0.5
+    b1 = torch.randn(4 * h, generator=gen, dtype=dtype) * 0.1
+    return x, w1, b1, torch.randn(4 * h, h, generator=gen, dtype=dtype) / (2 * h**0.5)
 
 
 def _cases() -> list[Case]:
@@ -36,22 +39,22 @@ def _cases() -> list[Case]:
     ]
 
 
-def _gelu_after_sum(x, w1, w2, n):
-    return [(x @ a) @ b for a, b in zip(w1.chunk(n, dim=1), w2.chunk(n, dim=0))]
+def _gelu_after_sum(x, w1, b1, w2, n):
+    return [(x @ a + c) @ b for a, c, b in zip(w1.chunk(n, dim=1), b1.chunk(n), w2.chunk(n, dim=0))]
 
 
-def _rows_first(x, w1, w2, n):
-    return [F.gelu(xr @ a) @ w2 / n for xr, a in zip(x.chunk(n, dim=1), w1.chunk(n, dim=0))]
+def _rows_first(x, w1, b1, w2, n):
+    return [_gelu(xr @ a + b1 / n) @ w2 / n for xr, a in zip(x.chunk(n, dim=1), w1.chunk(n, dim=0))]
 
 
-def _strided_rows(x, w1, w2, n):
-    return [F.gelu(x @ a) @ w2[r::n] for r, a in enumerate(w1.chunk(n, dim=1))]
+def _strided_rows(x, w1, b1, w2, n):
+    return [_gelu(x @ a + c) @ w2[r::n] for r, (a, c) in enumerate(zip(w1.chunk(n, dim=1), b1.chunk(n)))]
 
 
 def _describe(case, expected, got) -> str:
     full, total = sum(expected), sum(got)
     error = float((total - full).norm() / full.norm())
-    return f"the sum of your partial outputs is off from gelu(x @ w1) @ w2 by {error:.3g} of its norm"
+    return f"the sum of your partial outputs is off from gelu(x @ w1 + b1) @ w2 by {error:.3g} of its norm"
 
 
 EXERCISE = Exercise(
@@ -65,7 +68,7 @@ EXERCISE = Exercise(
             "GELU left for after the all-reduce",
             _gelu_after_sum,
             "GELU belongs before the second matmul, on each rank: a column split keeps every hidden unit whole on one "
-            "rank, so gelu(x @ w1_r) needs nothing from the others, while gelu of the summed output is another "
+            "rank, so gelu(x @ w1_r + b1_r) needs nothing from the others, while GELU of the summed output is another "
             "function.",
         ),
         Mistake(
