@@ -9,6 +9,8 @@ a button's callback came out blank or half drawn in JupyterLab (from the first o
 Running every cell of nine notebooks in a browser would take far too long on a small machine, so the browser gets
 a fresh copy of each notebook holding only its cells tagged "panel-setup" (the imports and environment, and what the
 panel cell uses) and "panel" (the panel itself), in their order; nbval still runs every notebook top to bottom.
+A learner's exercise is solved through the page too: 05's warm-up + cosine stub is overwritten in the cell's editor
+with an answer, and the checker must say "solved" and the next cell draw the learner's schedule.
 One JupyterLab serves all the copies, in one browser tab: each notebook is opened there as a learner opens the next one
 (a page load of JupyterLab costs ~4 CPU-s of Chromium on 2 cores), and they share one kernel, each running its own
 tagged cells in it after the widgets of the one before were closed (a kernel's start, imports included, costs ~5 CPU-s).
@@ -206,6 +208,7 @@ def lab(tmp_path_factory):
         (work / case.notebook).write_text(
             json.dumps(panel_cells(case.notebook), indent=1, ensure_ascii=False), encoding="utf-8"
         )
+    (work / EXERCISE.notebook).write_text(json.dumps(exercise_cells(), indent=1, ensure_ascii=False), encoding="utf-8")
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
@@ -219,6 +222,7 @@ def lab(tmp_path_factory):
     env = {
         **{k: v for k, v in os.environ.items() if k != "MPLBACKEND"},
         "COURSE_BUDGET": os.environ.get("COURSE_BUDGET", "smoke"),
+        "COURSE_FILL_EXERCISES": "0",  # a learner's page: a stub stays a stub (the exercise test types an answer)
         "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
         "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
         "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
@@ -486,6 +490,67 @@ def test_a_notebooks_panel_reruns_its_lesson_and_redraws_a_real_figure(lab_tab, 
     finally:
         if not passed:
             lab_tab.drop()  # the next case starts from a fresh page and a fresh kernel
+
+
+# ---- a learner solves an exercise in the page ---------------------------------------------------------------------
+
+# 05's warm-up + cosine exercise: its setup cells, the exercise cell (the stub), and the cell after it, which draws the
+# learner's schedule beside torch's. The test types a solution over the stub, as a learner would, and runs the cells.
+EXERCISE = PanelCase("exercise_05.ipynb", (), ())
+EXERCISE_SOURCE, EXERCISE_NAME = "05_algorithmic_hyperparameters.ipynb", '"warmup_cosine"'
+SOLUTION = """def lr_at(step, lr, warmup, total, min_lr_ratio=0.1):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - 1 - warmup)
+    floor = min_lr_ratio * lr
+    return floor + 0.5 * (lr - floor) * (1 + math.cos(math.pi * progress))
+
+lr_at = exercises.attempt("warmup_cosine", lr_at)
+"""
+
+
+def exercise_cells() -> dict:
+    nb = json.loads((ROOT / "notebooks" / EXERCISE_SOURCE).read_text(encoding="utf-8"))
+    cells = nb["cells"]
+    i = next(
+        k
+        for k, c in enumerate(cells)
+        if "exercise" in c.get("metadata", {}).get("tags", []) and EXERCISE_NAME in "".join(c["source"])
+    )
+    keep = [c for c in cells if SETUP_TAG in c.get("metadata", {}).get("tags", [])] + cells[i : i + 2]
+    for c in keep:
+        if c["cell_type"] == "code":
+            c["outputs"], c["execution_count"] = [], None
+    return {**nb, "cells": keep}
+
+
+def test_a_learner_types_a_solution_and_the_checker_passes_and_the_figure_draws_it(lab_tab):
+    """The exercise cell, solved through the page (typed over the stub in the cell's editor), says "solved", and the
+    cell after it draws the learner's schedule (its figure has real content, and the printout names lr_at's gap)."""
+    page = lab_tab(EXERCISE)
+    try:
+        cells = page.locator(".jp-Notebook .jp-CodeCell")
+        n = sum(c["cell_type"] == "code" for c in exercise_cells()["cells"])
+        stub = cells.nth(n - 2)  # the exercise cell; the last one draws what it returns
+        _wait_for_text(stub, "raise NotImplementedError", "the exercise cell, rendered", timeout_s=60)
+        stub.locator(".cm-content").click()
+        page.keyboard.press("Control+A")
+        page.keyboard.insert_text(SOLUTION)
+        assert "raise NotImplementedError" not in stub.inner_text()
+        _run_all_cells(page)
+        verdict = stub.locator(".jp-OutputArea")
+        _wait_for_text(verdict, "solved", "the exercise cell's verdict", timeout_s=RUN_ALL_S)
+        assert "not solved" not in verdict.inner_text()
+        drawn = cells.nth(cells.count() - 1).locator(".jp-OutputArea")
+        _wait_for_text(drawn, "lr_at's gap", "the cell that draws the learner's schedule", timeout_s=RUN_ALL_S)
+        img = drawn.locator("img").first
+        img.wait_for(timeout=60_000)
+        png = base64.b64decode(img.get_attribute("src").split(",", 1)[1])
+        ink, size = png_ink(png)
+        assert ink > MIN_INK, f"the learner's schedule figure is {size} px with {ink:.2%} drawn"
+        assert (error := _first_error(page)) is None, error
+    finally:
+        lab_tab.drop()
 
 
 def _choose(page, label: str, option: str) -> None:

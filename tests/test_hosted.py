@@ -116,4 +116,4 @@ def test_every_install_cell_in_the_notebooks_is_the_one_written_here():
             assert source == H.install_cell(), f"{nb.name}: run `python -m course_lib.hosted`"
         cells = json.loads(nb.read_text())["cells"]
         tagged = [i for i, c in enumerate(cells) if H.TAG in c.get("metadata", {}).get("tags", [])]
-        assert tagged in ([], [1]), f"{nb.name}: the install cell is the first code cell, right after the title"
+        assert tagged == [1], f"{nb.name}: the install cell is the first code cell, right after the title"
