@@ -273,8 +273,8 @@ def cmd_export(args) -> int:
     except (C.ConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    how = "torchrun --nproc_per_node=N" if cfg.data_parallel != "none" else "python"
-    print(f"wrote {out} ({len(text.splitlines())} lines): run it with `{how} {out}`", file=sys.stderr)
+    how = export.run_command(cfg, str(out))
+    print(f"wrote {out} ({len(text.splitlines())} lines): run it with `{how}`", file=sys.stderr)
     return 0
 
 

@@ -136,6 +136,11 @@ def _check(cfg: TrainConfig) -> None:
         )
 
 
+def run_command(cfg: TrainConfig, path: str = "train.py", nproc: str = "N") -> str:
+    """How to run the exported script: plain python, or torchrun (one process per device) under data parallelism."""
+    return f"torchrun --nproc_per_node={nproc} {path}" if cfg.data_parallel != "none" else f"python {path}"
+
+
 def techniques_on(cfg: TrainConfig) -> list[str]:
     """What the script does beyond the naive loop, in words (its docstring's list)."""
     on = []
@@ -333,7 +338,7 @@ def script(cfg: TrainConfig) -> str:
     ddp = cfg.data_parallel != "none"  # DDP or FSDP2: torchrun, one process per device, rank 0 prints
     pr = "print0" if ddp else "print"
     on = techniques_on(cfg)
-    run = "torchrun --nproc_per_node=N train.py" if ddp else "python train.py"
+    run = run_command(cfg)
     what = (
         ["Beyond the naive fp32 loop:", *(f"- {w}" for w in on), "Nothing of any other technique is in this file."]
         if on

@@ -26,7 +26,7 @@ it wrote to its sockets meanwhile ("written": measured, gloo on Linux; None else
 `plot_rank_memory` and `plot_rank_bytes` draw. A config the strategy cannot run is a "skipped" row with the reason, a
 failed launch an "error" row with the ranks' errors. The runner's `export_config` tells the panel's code view and export
 button what a run trains: DDP and FSDP2 are the course's loop with data_parallel set (a torchrun script); the other
-strategies run course_lib.distributed's own programs, not exported. """
+strategies run course_lib.distributed's own programs, not exported."""
 
 from __future__ import annotations
 

@@ -81,9 +81,9 @@ class ExportBox:
         what = re.sub(r"[^A-Za-z0-9]+", "_", self.name(cfg)).strip("_")[:60]
         path = Path(directory or Path.cwd()) / f"train_{what or 'baseline'}.py"
         path.write_text(text, encoding="utf-8")
-        run = "torchrun --nproc_per_node=2" if cfg.data_parallel != "none" else "python"
+        run = export.run_command(cfg, path.name, nproc="2")
         self.status.value = (
             f"Wrote <code>{html.escape(str(path.resolve()))}</code> ({text.count(chr(10))} lines); "
-            f"run it with <code>{run} {html.escape(path.name)}</code>"
+            f"run it with <code>{html.escape(run)}</code>"
         )
         return path
