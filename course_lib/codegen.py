@@ -108,6 +108,7 @@ class Code:
     micro_start: str = ""  # a line before each micro-batch's forward (FSDP2's gradient-sync switch)
     autocast: str = ""  # the `with` line around forward and loss
     backward: str = ""  # default "loss.backward()"
+    after_backward: str = ""  # after the step's last backward (a hand-written DDP waits for its all-reduces)
     unscale: str = ""  # before clipping (fp16)
     clip: str = ""  # gradient clipping
     step: str = ""  # default "optimizer.step()"

@@ -321,9 +321,10 @@ class TrainConfig:
     # "global": every gradient scaled by one factor from their joint norm (GPT-3; the direction is kept);
     # "per_tensor": each tensor by its own norm (the direction of the whole gradient changes)
     clip_kind: ClipKind = "global"
-    # -- parallelism (notebook 07): inside a torchrun process group, "ddp" (DistributedDataParallel) or "fsdp" (FSDP2
-    # fully_shard per block and at the root); "none" changes nothing
-    data_parallel: Literal["none", "ddp", "fsdp"] = "none"
+    # -- parallelism (notebook 07, techniques.data_parallel): inside a torchrun process group, "ddp"
+    # (DistributedDataParallel), "fsdp" (FSDP2 fully_shard per block and at the root) or "bucketed" (DDP written by
+    # hand, the gradients all-reduced in buckets as backward makes them); "none" changes nothing
+    data_parallel: Literal["none", "ddp", "fsdp", "bucketed"] = "none"
 
     def __post_init__(self):
         if isinstance(self.betas, list):

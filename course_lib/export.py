@@ -26,9 +26,10 @@ Gradient accumulation: the micro-batch loop is written only when grad_accum_step
 as the plain nanoGPT step (one batch, forward, backward, step), and accumulation, when on, is then visible in a
 diff as exactly what it adds: the loop over micro-batches, the summed step loss and, under DDP, no_sync.
 
-Data parallelism (data_parallel="ddp" or "fsdp") writes a torchrun script: every process draws the same global batch
-and trains on its slice; DDP wraps the model in DistributedDataParallel, FSDP2 shards it with fully_shard (each block,
-then the root), as techniques.shard_with_fsdp2 does.
+Data parallelism (data_parallel="ddp", "fsdp" or "bucketed") writes a torchrun script: every process draws the same
+global batch and trains on its slice; DDP wraps the model in DistributedDataParallel, FSDP2 shards it with fully_shard
+(each block, then the root), as techniques.shard_with_fsdp2 does, and "bucketed" carries the loop's own hand-written
+DDP (techniques.data_parallel.BucketedDDP, rendered).
 
 Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training.
 """
@@ -155,6 +156,8 @@ def techniques_on(cfg: TrainConfig) -> list[str]:
         on.append("DistributedDataParallel (torchrun)")
     if cfg.data_parallel == "fsdp":
         on.append("FSDP2: fully_shard on every block and the root, ZeRO-3 (torchrun)")
+    if cfg.data_parallel == "bucketed":
+        on.append("DDP written by hand: gradients all-reduced in buckets as backward makes them (torchrun)")
     return on
 
 
@@ -315,7 +318,8 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
         ]
     else:
         lines += [forward, backward]
-    for piece in (code.unscale, code.clip, code.step or "optimizer.step()", code.zero_grad, code.schedule_step):
+    pieces = (code.after_backward, code.unscale, code.clip, code.step or "optimizer.step()", code.zero_grad)
+    for piece in (*pieces, code.schedule_step):
         if piece:
             lines.append(piece)
     lines += sync + [

@@ -221,6 +221,7 @@ DP_DRIVER = textwrap.dedent('''
 DP_CASES = {
     "ddp": dataclasses.replace(BASE, data_parallel="ddp", grad_accum_steps=2),
     "fsdp": dataclasses.replace(BASE, data_parallel="fsdp", grad_accum_steps=2),
+    "bucketed": dataclasses.replace(BASE, data_parallel="bucketed"),  # DDP by hand (it all-reduces every backward)
 }
 
 
@@ -273,6 +274,14 @@ def dp_runs(tmp_path_factory) -> dict:
 def test_ddp_script_trains_like_the_course_loop(dp_runs):
     script_losses, course, stdout = dp_runs["ddp"]
     assert script_losses == course, f"DDP: {script_losses} against {course}"
+    assert "tokens/s" in stdout
+
+
+def test_the_hand_written_ddp_script_trains_like_the_course_loop(dp_runs):
+    """data_parallel="bucketed": the loop's own BucketedDDP, rendered into the script (its hooks all-reduce buckets of
+    gradients while backward runs, finish() waits for the rest): the same losses as the course's loop, bit for bit."""
+    script_losses, course, stdout = dp_runs["bucketed"]
+    assert script_losses == course, f"DDP by hand: {script_losses} against {course}"
     assert "tokens/s" in stdout
 
 

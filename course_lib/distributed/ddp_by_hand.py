@@ -29,22 +29,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..techniques import accumulate_micro_batches
+from ..techniques.data_parallel import BucketedDDP, HandDDP
 from . import _common
-
-
-class HandDDP:
-    """What every hand-written DDP shares: equal starting parameters, and `finish()` after backward, which leaves
-    every rank's .grad holding the mean of all ranks' gradients."""
-
-    def __init__(self, model: nn.Module):
-        self.world = dist.get_world_size()
-        self.params = [p for p in model.parameters() if p.requires_grad]  # the tied embedding once
-        for p in model.parameters():
-            dist.broadcast(p.data, src=0)
-        self.calls = 0  # all-reduces launched
-
-    def finish(self) -> None:
-        raise NotImplementedError
 
 
 class NaiveDDP(HandDDP):
@@ -72,41 +58,6 @@ class OverlappedDDP(HandDDP):
         self.in_flight.clear()
         for p in self.params:
             p.grad /= self.world
-
-
-class BucketedDDP(HandDDP):
-    def __init__(self, model: nn.Module, bucket_bytes: int):
-        super().__init__(model)
-        self.buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for p in reversed(self.params):  # backward makes the last layers' gradients first
-            if size >= bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
-        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
-        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for in this backward
-        self.in_flight: list = []
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._ready)
-
-    def _ready(self, p: torch.Tensor) -> None:
-        i = self.bucket_of[id(p)]
-        self.waiting[i] -= 1
-        if self.waiting[i] == 0:  # the bucket is full: one flat all-reduce for all its gradients
-            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
-            self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
-            self.calls += 1
-
-    def finish(self) -> None:
-        for i, flat, work in self.in_flight:
-            work.wait()
-            flat /= self.world
-            for q, part in zip(self.buckets[i], flat.split([q.numel() for q in self.buckets[i]])):
-                q.grad.copy_(part.view_as(q.grad))
-        self.in_flight.clear()
-        self.waiting = [len(b) for b in self.buckets]
 
 
 def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) -> dict:

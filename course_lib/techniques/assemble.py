@@ -79,6 +79,8 @@ class Setup:
     # (setup, micro-batches, n_targets, meter) -> the step's loss, gradients left in .grad
     forward_backward: Callable[..., torch.Tensor] = accumulate_micro_batches
     grad_norm: Callable[[list[torch.Tensor]], torch.Tensor] = torch.nn.utils.get_total_norm  # of all gradients together
+    # after the last backward of a step: a hand-written data parallelism waits for its all-reduces (else a no-op)
+    sync_gradients: Callable[[], None] = data_parallel._no_sync
 
 
 def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:
@@ -97,4 +99,5 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
         scaler=make_grad_scaler(cfg),
         parts=parts,
         clip=make_clipper(cfg),
+        sync_gradients=data_parallel.gradient_sync(cfg, model),
     )

@@ -8,9 +8,10 @@ measure them.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ..codegen import Code, device_type
+from ..codegen import Code, device_type, source
 from ..config import ConfigError, TrainConfig
 from .declaration import Setting
 from .model_parts import ModelParts
@@ -37,11 +38,72 @@ class SyncOnLastMicroBatch(nn.Module):
         return self.wrapped(idx)
 
 
+# ---- data parallelism written by hand (data_parallel="bucketed"; course_lib.distributed.ddp_by_hand runs it beside
+# torch's DDP and two simpler hand-written ones) ------------------------------------------------------------------
+
+BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket size (bucket_cap_mb=25)
+
+
+class HandDDP:
+    """What every hand-written DDP shares: equal starting parameters, and `finish()` after backward, which leaves
+    every rank's .grad holding the mean of all ranks' gradients."""
+
+    def __init__(self, model: nn.Module):
+        self.world = dist.get_world_size()
+        self.params = [p for p in model.parameters() if p.requires_grad]  # the tied embedding once
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        self.calls = 0  # all-reduces launched
+
+    def finish(self) -> None:
+        raise NotImplementedError
+
+
+class BucketedDDP(HandDDP):
+    def __init__(self, model: nn.Module, bucket_bytes: int):
+        super().__init__(model)
+        self.buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for p in reversed(self.params):  # backward makes the last layers' gradients first
+            if size >= bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
+        self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
+        self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for in this backward
+        self.in_flight: list = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._ready)
+
+    def _ready(self, p: torch.Tensor) -> None:
+        i = self.bucket_of[id(p)]
+        self.waiting[i] -= 1
+        if self.waiting[i] == 0:  # the bucket is full: one flat all-reduce for all its gradients
+            flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
+            self.calls += 1
+
+    def finish(self) -> None:
+        for i, flat, work in self.in_flight:
+            work.wait()
+            flat /= self.world
+            for q, part in zip(self.buckets[i], flat.split([q.numel() for q in self.buckets[i]])):
+                q.grad.copy_(part.view_as(q.grad))
+        self.in_flight.clear()
+        self.waiting = [len(b) for b in self.buckets]
+
+
 def check(cfg: TrainConfig) -> None:
     """What data parallelism cannot be combined with (the loop and the exported script both ask)."""
-    if cfg.data_parallel != "none" and cfg.loss_chunks != 1:
+    if cfg.data_parallel in ("ddp", "fsdp") and cfg.loss_chunks != 1:
         raise ConfigError(
             "data_parallel needs loss_chunks=1 (the chunked loss calls the model's body, which the wrapper hides)"
+        )
+    if cfg.data_parallel == "bucketed" and cfg.grad_accum_steps != 1:
+        raise ConfigError(
+            "data_parallel='bucketed' (DDP by hand) all-reduces on every backward: set grad_accum_steps=1, or use "
+            "data_parallel='ddp', which skips the sync on all but the last micro-batch"
         )
 
 
@@ -50,14 +112,14 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
     process group (torchrun; see course_lib.distributed). The optimizer keeps `model`'s parameters."""
     if cfg.data_parallel == "none":
         return model
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
             "(course_lib.distributed.launch) or set data_parallel='none'"
         )
     check(cfg)
+    if cfg.data_parallel == "bucketed":
+        return model  # no wrapper: hooks on the parameters do the work (gradient_sync)
     dev = torch.device(cfg.device)
     if cfg.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -67,6 +129,16 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
         shard_with_fsdp2(model, parts, dev.type)
         wrapped = model
     return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
+
+
+def _no_sync() -> None:
+    """Nothing to wait for: torch's DDP and FSDP2 finish their communication inside backward."""
+
+
+def gradient_sync(cfg: TrainConfig, model: nn.Module):
+    """What the step calls after the last backward: for data_parallel="bucketed", the hand-written DDP's finish (wait
+    for the buckets in flight, divide by the world size), its hooks registered on `model` here; else nothing."""
+    return BucketedDDP(model, BUCKET_BYTES).finish if cfg.data_parallel == "bucketed" else _no_sync
 
 
 def shard_with_fsdp2(
@@ -126,6 +198,20 @@ def export(cfg: TrainConfig) -> Code:
     imports = ["import os", "import sys", "import torch.distributed as dist"]
     if cfg.data_parallel == "fsdp":
         return _fsdp(cfg, init, imports)
+    if cfg.data_parallel == "bucketed":  # the loop's own hand-written DDP, rendered
+        return Code(
+            imports=tuple(imports),
+            init=init,
+            constants=(f"BUCKET_BYTES = {BUCKET_BYTES}  # gradients all-reduced in buckets of about this many bytes",),
+            defs=(source(HandDDP), source(BucketedDDP)),
+            setup=(
+                "# DDP written by hand: every process holds the whole model and trains on its own slice of the batch;\n"
+                "# hooks on the parameters all-reduce the gradients in buckets while backward runs.\n"
+                "ddp = BucketedDDP(model, BUCKET_BYTES)"
+            ),
+            after_backward="ddp.finish()  # the buckets still in flight; then every process holds the mean gradient",
+            teardown="dist.destroy_process_group()",
+        )
     setup = (
         "# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
         "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
