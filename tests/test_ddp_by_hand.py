@@ -29,3 +29,21 @@ def test_naive_and_overlapped_send_one_message_per_tensor_and_buckets_fewer(rank
     small, large = runs[("bucketed", 64 * 1024)], runs[("bucketed", 4096 * 1024)]
     assert per_tensor > small["allreduce_calls_per_step"] > large["allreduce_calls_per_step"] == 1
     assert all(r["exposed_comm_s"] is not None and r["exposed_comm_s"] >= 0 for r in ranks[0]["runs"][1:])
+
+
+def test_the_timeline_shows_overlap_where_the_hooks_send_during_backward(ranks):
+    """Each rank's last step: the overlapped and bucketed DDPs launch all-reduces before backward has ended (their
+    hooks fire inside it), the naive one only after; every wait ends after backward. An ordering, not a speed."""
+    from course_lib.lessons import communication
+
+    for rank in ranks:
+        for r in rank["runs"][1:]:
+            t = r["timeline_last_step"]
+            assert t["launches"] and t["backward_done"] <= t["waited_until"], r["variant"]
+            during = [x for x in t["launches"] if x < t["backward_done"]]
+            if r["variant"] == "naive":
+                assert during == [], t
+            else:
+                assert during, (r["variant"], t)
+    fig = communication.plot_overlap_timeline(ranks)
+    assert len(fig.axes[0].get_yticklabels()) == 2 * (len(ranks[0]["runs"]) - 1)

@@ -65,6 +65,7 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
     "bucketed": by hand); what this rank measured."""
     exposed: list[float] = []
     hand: dict = {}
+    timelines: list[dict] = []  # per step: backward's end, the end of the wait, when each all-reduce left
 
     def on_build(setup):
         if variant == "torch":
@@ -74,16 +75,34 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
         hand["ddp"] = ddp(setup.model) if ddp else BucketedDDP(setup.model, bucket_bytes)
 
         def forward_backward(setup, micro, n_targets, meter):  # the loop's own, then the gradients averaged
+            launches.clear()
+            start = time.perf_counter()
             loss = accumulate_micro_batches(setup, micro, n_targets, meter)
             t0 = time.perf_counter()
             hand["ddp"].finish()
-            exposed.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            exposed.append(t1 - t0)
+            timelines.append(
+                {"backward_done": t0 - start, "waited_until": t1 - start, "launches": [t - start for t in launches]}
+            )
             return loss
 
         setup.forward_backward = forward_backward
 
+    # when each all-reduce leaves this rank: dist.all_reduce, timed where the hand-written DDPs call it
+    launches: list[float] = []
+    all_reduce = dist.all_reduce
+
+    def timed_all_reduce(*args, **kwargs):
+        launches.append(time.perf_counter())
+        return all_reduce(*args, **kwargs)
+
     run_cfg = replace(cfg, data_parallel="ddp" if variant == "torch" else "none")
-    result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)
+    dist.all_reduce = timed_all_reduce
+    try:
+        result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)
+    finally:
+        dist.all_reduce = all_reduce
     calls = hand["ddp"].calls if "ddp" in hand else hand.get("calls", 0)
     return {
         "variant": variant,
@@ -92,6 +111,7 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
         "step_s": result.step_times,
         "exposed_comm_s": statistics.median(exposed[cfg.timing_warmup :]) if exposed else None,
         "allreduce_calls_per_step": calls / cfg.steps,
+        "timeline_last_step": timelines[-1] if timelines else None,  # seconds from the step's forward
         "losses": result.losses,
         "params": {n: p.detach().clone() for n, p in setup.model.named_parameters()},
     }

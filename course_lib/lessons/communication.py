@@ -155,7 +155,7 @@ def ddp_rows(ranks: list[dict]) -> list[dict]:
         exposed = [r["exposed_comm_s"] for r in runs]
         rows.append(
             {
-                "name": {"bucketed": f"bucketed {kb} KiB", "torch": "torch DDP"}.get(r0["variant"], r0["variant"]),
+                "name": _run_name(r0),
                 "variant": r0["variant"],
                 "bucket_kb": kb,
                 "step_ms": 1e3 * max(r["median_step_s"] for r in runs),
@@ -207,3 +207,32 @@ def plot_ddp_by_hand(ranks: list[dict]):
         f"{len(ranks)} processes on {p['device']}, {ranks[0]['backend']}, torch {p['torch']}: measured", fontsize=9
     )
     return fig
+
+
+def plot_overlap_timeline(ranks: list[dict], names: tuple[str, ...] | None = None):
+    """Each rank's last timed step, one row per hand-written DDP: forward and backward (blue), then the wait for the
+    communication still in flight (red), and a tick where each all-reduce left the rank. The overlapped and bucketed
+    DDPs send during backward (ticks inside the blue bar); the naive one sends only after it."""
+    runs = [
+        (rank["rank"], r)
+        for rank in ranks
+        for r in rank["runs"]
+        if r.get("timeline_last_step") and (names is None or _run_name(r) in names)
+    ]
+    fig = new_figure((9, 0.45 * len(runs) + 1.2))
+    ax = fig.subplots()
+    for y, (rank, r) in enumerate(runs):
+        t = r["timeline_last_step"]
+        ax.barh(y, 1e3 * t["backward_done"], color="#c6d5ea", edgecolor="white")
+        ax.barh(y, 1e3 * (t["waited_until"] - t["backward_done"]), left=1e3 * t["backward_done"], color="#c44e52")
+        ax.plot([1e3 * x for x in t["launches"]], [y] * len(t["launches"]), "|", color="black", markersize=9)
+    ax.set_yticks(range(len(runs)), [f"rank {rank}: {_run_name(r)}" for rank, r in runs], fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="ms from the step's forward (blue: forward and backward; red: the wait after it; |: an all-reduce)")
+    ax.set_title("When each rank's gradients left it, in its last step", fontsize=9)
+    return fig
+
+
+def _run_name(r: dict) -> str:
+    kb = r["bucket_bytes"] // 1024
+    return {"bucketed": f"bucketed {kb} KiB", "torch": "torch DDP"}.get(r["variant"], r["variant"])
