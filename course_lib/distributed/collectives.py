@@ -12,7 +12,9 @@ Sizes, times and bandwidths follow nccl-tests (its doc/PERFORMANCE.md), so that 
   the last rank is done); the median over the repetitions is quoted, the quartiles are its spread.
 - algorithm bandwidth, algbw = bytes / time; bus bandwidth, busbw = algbw x BUS_FACTOR: 2(n-1)/n for all-reduce,
   (n-1)/n for the others. busbw is what each rank's link carries in the ring algorithms (notebook 07, section 1), so it
-  does not depend on n and compares with a link's peak: the number to read off the plot's plateau.
+  does not depend on n and compares with a link's peak: the number to read off the plot's plateau. (This torch's gloo
+  sends an all-reduce's bytes for a reduce-scatter, notebook 07 measures: its reduce-scatter busbw understates its
+  traffic 2x.)
 
 Options: {"min_bytes": 1024, "max_bytes": ..., "factor": 4 (each size this many times the one before), "warmup": 3,
 "repeats": 10, "ops": [names in OPS]}. Each rank writes its table (the same on every rank: the slowest rank's times).

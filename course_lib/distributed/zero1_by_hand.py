@@ -21,10 +21,10 @@ the same bits an unsharded AdamW gives them:
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
 Memory: AdamW keeps 8 bytes per parameter (two fp32 moments) and a step counter per tensor; each rank here keeps 8 S
-bytes, 8 N / W plus the padding's share (at most 8 (W-1) bytes), and one counter. Traffic per step: the all-reduce of
-the gradients (as DDP), and the all-gather of the parameters (ZeRO's paper counts a reduce-scatter in place of the
-all-reduce, since a rank needs only its shard's gradient: the same bytes as an all-reduce's second half; here the whole
-gradient is kept for clipping).
+bytes, 8 N / W plus the padding's share (under 8 bytes per rank; 8 (W-1) at most over all ranks), and one counter.
+Traffic per step: the all-reduce of the gradients (as DDP), and the all-gather of the parameters, 1.5x DDP's bytes
+(ZeRO's paper counts a reduce-scatter in place of the all-reduce, since a rank needs only its shard's gradient: the same
+bytes as an all-reduce's first half; here the whole gradient is kept for clipping).
 
 Measured per rank, for both runs: losses, step times, the bytes held (parameters, gradients, optimizer state) and the
 collectives of the last step; and the largest difference between the two runs' parameters after the last step.

@@ -12,6 +12,7 @@ reference only when asked (`show_reference=True`).
 
 from __future__ import annotations
 
+import html
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -69,7 +70,8 @@ class Verdict:
 
     def _repr_html_(self) -> str:
         colour = "#1a7f37" if self.solved else "#b35900"
-        return f'<div style="border-left:4px solid {colour};padding:4px 10px">{self.message}</div>'
+        style = f"border-left:4px solid {colour};padding:4px 10px;white-space:pre-wrap"  # the reference's lines kept
+        return f'<div style="{style}">{html.escape(self.message)}</div>'
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,8 @@ def _same_structure(expected, got) -> bool:
         )
     a, b = expected, got
     if _numeric(a) != _numeric(b):
+        return False
+    if torch.is_tensor(a) and not torch.is_tensor(b):  # a tensor is what the next cell backpropagates or indexes
         return False
     if isinstance(a, int) and not isinstance(a, bool) and isinstance(b, float):
         return False
@@ -236,7 +240,7 @@ def _explain(ex: Exercise, case: Case, expected, got) -> tuple[str, str]:
             continue
         if close(ex, wrong, got, equal_nan=True):
             return head + f"{what}. {m.hint}", m.name
-    return head + f"{what}. Compare your steps with the formula above, one line at a time.", ""
+    return head + f"{what}. Compare your function with the rule its docstring states, one step at a time.", ""
 
 
 def fill_stubs() -> bool:

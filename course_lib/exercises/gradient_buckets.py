@@ -93,7 +93,7 @@ EXERCISE = Exercise(
             "a bucket never over the size",
             _never_over,
             "A gradient joins the open bucket even when it takes the bucket past bucket_bytes; the bucket is closed "
-            "once it holds at least bucket_bytes (torch's DDP does the same).",
+            "once it holds at least bucket_bytes (torch's DDP does the same, with its first bucket capped at 1 MiB).",
         ),
         Mistake(
             "full only above the size",

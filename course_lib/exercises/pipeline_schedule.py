@@ -129,7 +129,7 @@ BUBBLE = Exercise(
             "runs m of them.",
         ),
     ),
-    rtol=1e-9,
+    rtol=1e-6,
     atol=1e-12,
     describe=lambda case, expected, got: (
         f"your bubble is {got:.4g} of the step, the reference's {expected:.4g} ({got / expected:.3g}x)"

@@ -47,7 +47,7 @@ EXERCISE = Exercise(
             "The median is the middle of the *sorted* times (with an even count, the mean of the two middle ones).",
         ),
     ),
-    rtol=1e-9,
+    rtol=1e-6,
     atol=1e-12,
     describe=lambda case, expected, got: (
         f"your step time is {got:.4g} s where the median of the timed steps is {expected:.4g} s"
