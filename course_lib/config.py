@@ -19,7 +19,7 @@ from typing import Callable, Literal
 import torch
 
 Precision = Literal["fp32", "tf32", "bf16", "fp16"]
-Attention = Literal["naive", "sdpa"]
+Attention = Literal["naive", "sdpa", "flash"]  # flash: the course's own, in PyTorch (course_lib.flash_attention)
 Optimizer = Literal["adamw", "sgd", "sgd_momentum", "adagrad", "rmsprop"]
 Schedule = Literal["constant", "cosine", "wsd", "inverse_sqrt", "exponential"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
@@ -226,6 +226,10 @@ class ModelConfig:
             "change one so that n_embd/n_head is a whole head size",
         )
         _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        _check(
+            self.attention != "flash" or self.dropout == 0,
+            "attention='flash' (the course's flash attention) has no dropout: set dropout=0 or attention='sdpa'",
+        )
 
     @property
     def padded_vocab_size(self) -> int:

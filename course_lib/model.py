@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .flash_attention import flash_attention
 
 
 def naive_attention(
@@ -36,7 +37,16 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
 
 
-ATTENTION_IMPLS = {"naive": naive_attention, "sdpa": sdpa_attention}
+def flash_by_hand_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False
+) -> torch.Tensor:
+    """The same function through the course's own flash attention, written in PyTorch (course_lib.flash_attention:
+    tiles, an online softmax, a backward that recomputes them): no s x s matrix either, slower. No dropout (the
+    config refuses it)."""
+    return flash_attention(q, k, v, causal=True)
+
+
+ATTENTION_IMPLS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_by_hand_attention}
 
 
 class CausalSelfAttention(nn.Module):

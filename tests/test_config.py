@@ -30,7 +30,8 @@ def test_presets_are_valid_and_shaped_as_documented():
         (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps takes an integer"),
         (lambda: C.TrainConfig(steps=0), "steps must be a positive int"),
         (lambda: C.TrainConfig(optimizer="sgd", fused_adamw=True), "fused_adamw applies to optimizer='adamw'"),
-        (lambda: C.ModelConfig(attention="flash"), "attention='flash' is not one of"),
+        (lambda: C.ModelConfig(attention="flashy"), "attention='flashy' is not one of"),
+        (lambda: C.ModelConfig(attention="flash", dropout=0.1), "(the course's flash attention) has no dropout"),
     ],
 )
 def test_invalid_configs_say_what_to_change(make, words):

@@ -48,6 +48,7 @@ CASES = {
     "bf16 autocast": (dataclasses.replace(BASE, precision="bf16"), False, None),
     "fp16 + GradScaler + clipping": (dataclasses.replace(BASE, precision="fp16", clip_norm=0.5), False, None),
     "sdpa": (BASE.with_model(attention="sdpa"), False, None),
+    "the course's flash attention": (BASE.with_model(attention="flash"), False, None),
     "vocab x64": (BASE.with_model(vocab_multiple=64), False, None),
     "fused AdamW": (dataclasses.replace(BASE, fused_adamw=True), False, None),
     "set_to_none": (dataclasses.replace(BASE, set_to_none=True), False, None),

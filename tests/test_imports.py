@@ -14,7 +14,7 @@ PACKAGE = Path(course_lib.__file__).parent
 LAYERS = (
     ("base", "cache timing tf32 bpe budget config codegen distributed distributed.zero_memory"),
     ("device", "capabilities"),
-    ("model and data", "model data moe"),
+    ("model and data", "model data moe flash_attention"),
     (
         "measurement and techniques",
         "measure techniques "

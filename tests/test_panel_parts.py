@@ -40,7 +40,7 @@ def test_a_technique_in_the_registry_gets_a_control_with_its_label_choices_and_t
         "the loss one slice at a time",
         (("1", 1), ("3", 3)),
     )
-    assert (attention.description, [v for _, v in attention.options]) == ("attention kind", ["naive", "sdpa"])
+    assert (attention.description, [v for _, v in attention.options]) == ("attention kind", ["naive", "sdpa", "flash"])
     c.set(set_to_none=True, loss_chunks=3, attention="sdpa")
     cfg = c.config()
     assert (cfg.set_to_none, cfg.loss_chunks, cfg.model.attention) == (True, 3, "sdpa")

@@ -10,19 +10,10 @@
 And the measurements: which SDPA backend actually runs (`sdpa_backend`), and a context-length sweep that
 times naive against SDPA attention and measures their peak memory (`context_sweep`).
 
-Flash attention by hand, forward and backward: FlashAttention-2's algorithm as a PyTorch `autograd.Function`
-(`flash_attention`), to read and to check against the real kernel.
-- Forward (`tiled_attention`): it keeps for backward only its inputs, the output O and the log-sum-exp L of every
-  query row: O(s d) numbers, where autograd through naive attention keeps the (s x s) probabilities of every head.
-- Backward (`flash_backward`): walks the tiles again, key block by key block, and *recomputes* each tile's
-  probabilities from Q, K and L, P = exp(Q K^T / sqrt(d) - L), instead of reading them from memory. With
-  D = rowsum(dO * O) (= rowsum(P * dP), one number per query row):
-      dV_j += P^T dO_i        dP = dO_i V_j^T        dS = P * (dP - D_i)
-      dQ_i += dS K_j / sqrt(d)      dK_j += dS^T Q_i / sqrt(d)
-  That is one more Q K^T per tile: 7 products of (s x s x d) where naive attention's forward and backward do 6
-  (`recompute_share`), to never write or read an (s x s) tensor. On a GPU, memory traffic, not FLOPs, is what
-  attention waits for. Inside, the tiles are computed in fp32 whatever the inputs' format (the kernels accumulate in
-  fp32 too) and cast back. It is for understanding: slower than SDPA's fused kernel on any device.
+Flash attention by hand, forward and backward (`flash_attention`, `flash_backward`, `tiled_attention` its forward):
+FlashAttention-2's algorithm in PyTorch, written in course_lib.flash_attention (the model can use it:
+ModelConfig.attention="flash") and measured here: its memory by sequence length (`peak_bytes_by_length`) and the
+share of its FLOPs its backward spends recomputing (`recompute_share`).
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..flash_attention import FlashAttention, flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
 from .micro_benchmarks import peak_bytes, time_fn
 
@@ -53,56 +45,6 @@ __all__ = [
 ]
 
 
-def tiled_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_q: int = 64,
-    block_k: int = 64,
-    causal: bool = True,
-    return_lse: bool = False,
-):
-    """Exact (causal) softmax attention, one tile at a time, with an online softmax.
-
-    For each block of queries we walk over the blocks of keys and keep, per query row, three running
-    quantities: the largest score seen so far `m`, the sum of exp(score - m) `ell`, and the weighted sum of
-    values `acc` (also relative to exp(-m)). When a new tile raises the maximum from m to m', the old `ell`
-    and `acc` are rescaled by exp(m - m'), so at the end acc / ell is exactly softmax(scores) @ v.
-    Only a (block_q x block_k) tile of scores exists at a time: the s x s matrix never does.
-
-    q, k, v: (..., s, head_dim). Returns the output (and the log-sum-exp per query when `return_lse`).
-    Under autograd this function saves its tiles for backward; `flash_attention` below has its own backward
-    instead, which recomputes them.
-    """
-    if causal and q.size(-2) != k.size(-2):
-        raise ValueError("causal tiled_attention needs as many queries as keys")
-    s_q, s_k, d = q.size(-2), k.size(-2), q.size(-1)
-    scale = 1.0 / math.sqrt(d)
-    outs, lses = [], []
-    for i0 in range(0, s_q, block_q):
-        i1 = min(i0 + block_q, s_q)
-        qi = q[..., i0:i1, :] * scale
-        m = qi.new_full(qi.shape[:-1], float("-inf"))  # running max per query row
-        ell = qi.new_zeros(qi.shape[:-1])  # running sum of exp(score - m)
-        acc = qi.new_zeros(qi.shape)  # running sum of exp(score - m) * v
-        k_end = i1 if causal else s_k  # keys after the block's last query are all masked
-        for j0 in range(0, k_end, block_k):
-            j1 = min(j0 + block_k, k_end)
-            scores = qi @ k[..., j0:j1, :].transpose(-2, -1)  # one tile: (..., i1-i0, j1-j0)
-            if causal and j1 - 1 > i0:  # the tile crosses the diagonal: mask keys after each query
-                scores = scores.masked_fill(_causal_tile_mask(i0, i1, j0, j1, q.device), float("-inf"))
-            m_new = torch.maximum(m, scores.amax(dim=-1))
-            p = torch.exp(scores - m_new.unsqueeze(-1))
-            correction = torch.exp(m - m_new)  # rescales what was summed under the old maximum
-            ell = ell * correction + p.sum(dim=-1)
-            acc = acc * correction.unsqueeze(-1) + p @ v[..., j0:j1, :]
-            m = m_new
-        outs.append(acc / ell.unsqueeze(-1))
-        lses.append(m + torch.log(ell))
-    out = torch.cat(outs, dim=-2)
-    return (out, torch.cat(lses, dim=-1)) if return_lse else out
-
-
 def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 64) -> torch.Tensor:
     """Causal *local* attention: query i sees keys i-window+1 .. i only. A different function from full
     attention whenever s > window (this is not what flash attention does)."""
@@ -112,75 +54,6 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     j = torch.arange(s, device=q.device).unsqueeze(0)
     keep = (j <= i) & (j > i - window)
     return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v
-
-
-def _causal_tile_mask(i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
-    """(i1 - i0, j1 - j0) bool: True where key j comes after query i (masked out)."""
-    rows = torch.arange(i0, i1, device=device).unsqueeze(-1)
-    cols = torch.arange(j0, j1, device=device).unsqueeze(0)
-    return cols > rows
-
-
-def flash_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    d_out: torch.Tensor,
-    causal: bool = True,
-    block_q: int = 64,
-    block_k: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of softmax attention from what the forward kept (q, k, v: (..., s, d); out: (..., s, d); lse:
-    (..., s)) and the output's gradient, tile by tile, recomputing each tile's probabilities (module docstring)."""
-    s_q, s_k, scale = q.size(-2), k.size(-2), 1.0 / math.sqrt(q.size(-1))
-    D = (d_out * out).sum(dim=-1)  # (..., s_q): rowsum(dO * O) = rowsum(P * dP)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for j0 in range(0, s_k, block_k):  # outer loop over key blocks: dK_j and dV_j finish in one pass
-        j1 = min(j0 + block_k, s_k)
-        kj, vj = k[..., j0:j1, :], v[..., j0:j1, :]
-        first = (j0 // block_q) * block_q if causal else 0  # query blocks before it see none of these keys
-        for i0 in range(first, s_q, block_q):
-            i1 = min(i0 + block_q, s_q)
-            qi, doi = q[..., i0:i1, :], d_out[..., i0:i1, :]
-            scores = (qi @ kj.transpose(-2, -1)) * scale  # the tile again: (..., i1-i0, j1-j0)
-            if causal and j1 - 1 > i0:  # the tile crosses the diagonal
-                scores = scores.masked_fill(_causal_tile_mask(i0, i1, j0, j1, q.device), float("-inf"))
-            p = torch.exp(scores - lse[..., i0:i1, None])  # the probabilities, recomputed from L
-            dv[..., j0:j1, :] += p.transpose(-2, -1) @ doi
-            dp = doi @ vj.transpose(-2, -1)
-            ds = p * (dp - D[..., i0:i1, None])  # softmax's backward, row by row
-            dq[..., i0:i1, :] += (ds @ kj) * scale
-            dk[..., j0:j1, :] += (ds.transpose(-2, -1) @ qi) * scale
-    return dq, dk, dv
-
-
-class FlashAttention(torch.autograd.Function):
-    """softmax(Q K^T / sqrt(d)) V, causal or not, keeping only O and L for backward (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool = True, block_q: int = 64, block_k: int = 64):
-        if causal and q.size(-2) != k.size(-2):
-            raise ValueError("causal flash_attention needs as many queries as keys")
-        qf, kf, vf = q.float(), k.float(), v.float()
-        out, lse = tiled_attention(qf, kf, vf, block_q, block_k, causal, return_lse=True)
-        ctx.save_for_backward(q, k, v, out, lse)  # O(s d): no (s x s) tensor is kept
-        ctx.options = (causal, block_q, block_k)
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(q.float(), k.float(), v.float(), out, lse, d_out.float(), *ctx.options)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64
-) -> torch.Tensor:
-    """Attention with the hand-written flash forward and backward; q, k, v: (batch, heads, s, head_dim)."""
-    return FlashAttention.apply(q, k, v, causal, block_q, block_k)
 
 
 # The (s x s x d) matrix products of attention. Forward: S = Q K^T, O = P V. Backward: dV = P^T dO, dP = dO V^T,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import model as model_mod
+from .. import flash_attention as F_, model as model_mod
 from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import MEMORY, SPEED, Technique
@@ -21,19 +21,31 @@ def what_attention_keeps(cfg: TrainConfig) -> tuple[str, bool]:
     m = cfg.model
     if m.attention == "sdpa" and m.dropout > 0 and torch.device(cfg.device).type == "cpu":
         return "naive", False
+    if m.attention == "flash":  # the course's own flash attention keeps what SDPA's flash kernel keeps (O and lse)
+        return "sdpa", False
     return m.attention, m.attention == "naive"
 
 
 def export(cfg: TrainConfig) -> Code:
     fn = model_mod.ATTENTION_IMPLS[cfg.model.attention]
-    return Code(model_defs=(source(fn),), model_edits=(("ATTENTION_IMPLS[cfg.attention]", fn.__name__),))
+    # the course's flash attention brings its code along: its forward, its backward and the autograd.Function
+    helpers = (
+        (F_._causal_tile_mask, F_.tiled_attention, F_.flash_backward, F_.FlashAttention, F_.flash_attention)
+        if cfg.model.attention == "flash"
+        else ()
+    )
+    return Code(
+        model_defs=(*(source(h) for h in helpers), source(fn)),
+        model_edits=(("ATTENTION_IMPLS[cfg.attention]", fn.__name__),),
+    )
 
 
 TECHNIQUE = Technique(
     "model.attention",
     "attention",
     "naive",
-    help="naive attention writes out the s x s scores; scaled_dot_product_attention fuses them away",
+    help="naive attention writes out the s x s scores; scaled_dot_product_attention fuses them away; flash is the "
+    "course's own flash attention, in PyTorch (slow, for measuring your own kernel)",
     export=export,
     rungs=(("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
     aims=(SPEED, MEMORY),
