@@ -298,3 +298,14 @@ def test_a_learners_adamw_step_trains_the_model_as_torch_does_and_a_wrong_one_do
 
     assert against_torch(adamw.adamw_step) < 1e-10
     assert against_torch(X.EXERCISES["adamw_step"].mistakes[0].fn) > 1e-4
+
+
+def test_a_shortcut_the_exercise_is_there_to_avoid_is_named_not_passed(monkeypatch):
+    """torch.softmax for the online softmax, a bf16 conversion for rounding to bf16: the right numbers, refused, and the
+    verdict says what the exercise asks instead. The references themselves may use them."""
+    monkeypatch.setenv(core.FILL_ENV, "0")
+    softmax = X.check("online_softmax", lambda x, block: torch.softmax(x, -1))
+    assert not softmax.solved and "in blocks" in softmax.message and softmax.mistake == "shortcut"
+    bf16 = X.check("round_to_bf16", lambda x: x.to(torch.bfloat16).float())
+    assert not bf16.solved and "on the bits" in bf16.message
+    assert X.check("online_softmax", X.EXERCISES["online_softmax"].reference).solved

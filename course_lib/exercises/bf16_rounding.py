@@ -54,6 +54,15 @@ def _describe(case, expected, got) -> str:
     return f"{differ} of your {got.numel()} values differ from bf16's rounding"
 
 
+def _bf16_shortcut(func, out) -> str | None:
+    if isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16:
+        return (
+            "your function makes a torch.bfloat16 tensor, which rounds for you: the exercise is to round on the bits "
+            "of the fp32 values (view them as int32, add the rounding bias, clear the low 16 bits)."
+        )
+    return None
+
+
 EXERCISE = Exercise(
     name="round_to_bf16",
     notebook="03",
@@ -83,4 +92,5 @@ EXERCISE = Exercise(
     rtol=0.0,
     atol=0.0,
     describe=_describe,
+    shortcut=_bf16_shortcut,
 )

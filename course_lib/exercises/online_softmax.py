@@ -127,7 +127,11 @@ def _max_from_zero(x, block):
 
 
 def _per_block(x, block):
-    return torch.cat([torch.softmax(xb, -1) for xb in _blocks(x, block)], dim=-1)
+    out = []
+    for xb in _blocks(x, block):  # each block's exp over its own sum, written out as a learner would
+        e = torch.exp(xb - xb.amax(-1, keepdim=True))
+        out.append(e / e.sum(-1, keepdim=True))
+    return torch.cat(out, dim=-1)
 
 
 def _softmax_describe(case, expected, got) -> str:
@@ -136,6 +140,18 @@ def _softmax_describe(case, expected, got) -> str:
         return f"your rows' weights add up to {float(sums.min()):.4g} to {float(sums.max()):.4g}, a softmax's to 1"
     ratio = got / expected
     return f"your weights are {float(ratio.min()):.3g}x to {float(ratio.max()):.3g}x the reference's"
+
+
+_SOFTMAX_OPS = {"_softmax", "softmax", "_log_softmax", "log_softmax", "logsumexp", "_safe_softmax"}
+
+
+def _softmax_shortcut(func, out) -> str | None:
+    if func.overloadpacket.__name__ in _SOFTMAX_OPS:
+        return (
+            f"your function calls torch's {func.overloadpacket.__name__}, which reads the whole row at once: the "
+            "exercise is to read it in blocks, with a running maximum and a running sum."
+        )
+    return None
 
 
 SOFTMAX = Exercise(
@@ -167,4 +183,5 @@ SOFTMAX = Exercise(
     rtol=1e-5,
     atol=1e-7,
     describe=_softmax_describe,
+    shortcut=_softmax_shortcut,
 )
