@@ -1,0 +1,47 @@
+"""A small re-run box for a measurement that is not a training run (a kernel sweep, a torchrun launch): a few controls,
+a Run button, and the figure of the last run. `run(**values)` returns (result, figure); every result is kept in
+`results`, a plain list outside the widgets, and the figure is shown as PNG bytes in an Image widget (a figure
+displayed into an Output widget from a button's callback came out blank in JupyterLab: see widgets/figure.py).
+An error is shown as one line, the results so far are kept, and the box goes on.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Callable
+
+import ipywidgets as W
+from matplotlib.figure import Figure
+
+from ..plots import figure_png
+
+
+class Rerun:
+    def __init__(self, run: Callable[..., tuple[object, Figure]], title: str = "", **controls: W.ValueWidget):
+        self.run_fn, self.controls, self.results = run, controls, []
+        self.button = W.Button(description="Run", button_style="primary", icon="play")
+        self.status = W.HTML(html.escape(title))
+        self.image = W.Image(format="png", layout=W.Layout(display="none", max_width="100%", height="auto"))
+        self.button.on_click(self.run)
+        self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.image])
+
+    def run(self, _=None) -> object:
+        """One run with the controls' values: its result kept in `results`, its figure shown."""
+        values = {name: w.value for name, w in self.controls.items()}
+        self.button.disabled, self.status.value = True, "running ..."
+        try:
+            result, fig = self.run_fn(**values)
+        except Exception as e:  # noqa: BLE001 - the learner sees the reason in one line; what ran before is kept
+            self.status.value = f"<b>error</b>: {html.escape(f'{type(e).__name__}: {e}')}"
+            return None
+        finally:
+            self.button.disabled = False
+        self.results.append(result)
+        self.image.value, self.image.layout.display = figure_png(fig), None
+        self.status.value = html.escape(f"run {len(self.results)}: {values}")
+        return result
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.box)
