@@ -136,7 +136,7 @@ API = [
     (lambda: C.TrainConfig(device="tpu"), "is not a torch device"),
     (lambda: C.ModelConfig(n_layer=True), "n_layer takes an integer"),
     (lambda: C.ModelConfig(dropout=1.5), "dropout must be in [0, 1)"),
-    (lambda: C.ModelConfig(attention="flash"), "is not one of 'naive', 'sdpa'"),
+    (lambda: C.ModelConfig(attention="flashy"), "is not one of 'naive', 'sdpa', 'flash'"),
     (lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "stepz": 3}), "did you mean 'steps'"),
     (
         lambda: C.TrainConfig.from_dict({**C.tiny_preset("cpu").to_dict(), "model": {"n_layers": 2}}),
