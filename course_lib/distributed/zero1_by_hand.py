@@ -3,7 +3,8 @@ one loop beside the same loop with unsharded torch.optim.AdamW on every rank, on
 
 Each step, each rank
 1. runs forward and backward on its slice of the global batch (the loop's own `accumulate_micro_batches`);
-2. averages the gradients with the other ranks: one all-reduce of all of them, flat, then / world. Every rank then
+2. averages the gradients with the other ranks through the loop's own hand-written DDP (data_parallel="bucketed":
+   gradients all-reduced in flat buckets, then / world; one bucket for the course's small models). Every rank then
    holds the whole averaged gradient, so the loop's global-norm clipping needs nothing more;
 3. updates only its shard of the parameters with AdamW, keeping AdamW's two moments for that shard alone;
 4. all-gathers the updated shards, so that every rank holds the whole updated model again.
@@ -145,41 +146,20 @@ class Zero1AdamW(torch.optim.Optimizer):
         return loss
 
 
-def average_gradients(params: list[torch.Tensor], world: int, group=None) -> None:
-    """Every rank's gradients to their mean over the ranks: one all-reduce of all of them, flat, then / world."""
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
-
-
 def run_variant(ctx: _common.Ctx, cfg, at, variant: str) -> dict:
-    """One run of the course's loop, the gradients averaged by hand: "replicated" (the loop's torch.optim.AdamW on every
-    rank) or "zero1" (Zero1AdamW)."""
-    built: dict = {}
+    """One run of the course's loop with its hand-written DDP (data_parallel="bucketed": rank 0's weights broadcast,
+    the gradients averaged in buckets, one here for a model this small): "replicated" (the loop's torch.optim.AdamW on
+    every rank) or "zero1" (Zero1AdamW)."""
 
     def on_build(setup):
-        params = list({id(p): p for p in setup.model.parameters()}.values())  # the tied embedding once
-        for p in params:  # every rank starts from rank 0's weights (they are equal already: the same seed)
-            dist.broadcast(p.data, src=0)
         if variant == "zero1":
             groups = techniques.param_groups(setup.model, cfg.weight_decay, cfg.decay_2d_only)
             setup.optimizer = Zero1AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
             setup.scheduler = techniques.make_scheduler(cfg, setup.optimizer)
 
-        def forward_backward(setup, micro, n_targets, meter):  # the loop's own, then the gradients averaged
-            loss = techniques.accumulate_micro_batches(setup, micro, n_targets, meter)
-            average_gradients(params, ctx.world)
-            return loss
-
-        setup.forward_backward = forward_backward
-        built["setup"] = setup
-
     counter = _common.CollectiveCounter()
     with counter.last_step_of(cfg.steps) as count:
-        result, setup = _common.train_rank(ctx, cfg, at, variant, on_build, count)
+        result, setup = _common.train_rank(ctx, replace(cfg, data_parallel="bucketed"), at, variant, on_build, count)
     held = measure.static_bytes(setup.model, setup.optimizer)  # between steps (gradients: set_to_none frees them)
     return {
         "variant": variant,

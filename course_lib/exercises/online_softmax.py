@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import ring_attention
 from .core import Case, Exercise, Mistake
 
 
@@ -13,10 +14,8 @@ def merge_tiles(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference. o_i (rows, d): softmax-weighted values over key set i alone; lse_i (rows,): the log of that
     softmax's denominator. Over both key sets the denominator is e^lse1 + e^lse2, so each part is weighted by its share
-    e^(lse_i - lse), computed without ever forming e^lse_i (it overflows)."""
-    lse = torch.logaddexp(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - lse), torch.exp(lse2 - lse)
-    return w1[:, None] * o1 + w2[:, None] * o2, lse
+    e^(lse_i - lse), computed without ever forming e^lse_i (it overflows). Ring attention merges its blocks with it."""
+    return ring_attention.merge(o1, lse1, o2, lse2)
 
 
 def _tile(rows, d, scale, seed):

@@ -34,9 +34,13 @@ class FigureView:
         self.image.add_class("course-plots")  # a stable hook for the browser test
 
     def show(self, results: Sequence[RunResult]) -> None:
-        self.last = draw(results, self.plots)  # a Figure outside pyplot: nothing to close
-        if self.last is None:
+        self.show_figure(draw(results, self.plots))  # a Figure outside pyplot: nothing to close
+
+    def show_figure(self, fig: Figure | None) -> None:
+        """Show `fig` (None: hide the image until there is one)."""
+        self.last = fig
+        if fig is None:
             self.image.layout.display = "none"
             return
-        self.image.value = figure_png(self.last)
+        self.image.value = figure_png(fig)
         self.image.layout.display = None

@@ -1,7 +1,8 @@
 """A small re-run box for a measurement that is not a training run (a kernel sweep, a torchrun launch): a few controls,
 a Run button, and the figure of the last run. `run(**values)` returns (result, figure); every result is kept in
 `results`, a plain list outside the widgets, and the figure is shown as PNG bytes in an Image widget (a figure
-displayed into an Output widget from a button's callback came out blank in JupyterLab: see widgets/figure.py).
+displayed into an Output widget from a button's callback came out blank in JupyterLab: widgets/figure.py's
+FigureView, which it uses).
 An error is shown as one line, the results so far are kept, and the box goes on.
 """
 
@@ -13,7 +14,7 @@ from typing import Callable
 import ipywidgets as W
 from matplotlib.figure import Figure
 
-from ..plots import figure_png
+from .figure import FigureView
 
 
 class Rerun:
@@ -21,7 +22,8 @@ class Rerun:
         self.run_fn, self.controls, self.results = run, controls, []
         self.button = W.Button(description="Run", button_style="primary", icon="play")
         self.status = W.HTML(html.escape(title))
-        self.image = W.Image(format="png", layout=W.Layout(display="none", max_width="100%", height="auto"))
+        self.figure = FigureView()  # the panel's figure widget, shown from a figure the run made
+        self.image = self.figure.image
         self.button.on_click(self.run)
         self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.image])
 
@@ -37,7 +39,7 @@ class Rerun:
         finally:
             self.button.disabled = False
         self.results.append(result)
-        self.image.value, self.image.layout.display = figure_png(fig), None
+        self.figure.show_figure(fig)
         self.status.value = html.escape(f"run {len(self.results)}: {values}")
         return result
 
