@@ -13,7 +13,9 @@ What is kept (`judge`):
 - SDPA, which aims at both, where it helped one without hurting the other.
 
 A rung that did not help stays in the table, not kept, with its measured factor and the device's reason (bf16 on a
-CPU without bf16 instructions), and the next rung climbs from the best loop so far. A speed rung far slower than the
+CPU without bf16 instructions), and the next rung climbs from the best loop so far. A speed rung not kept for a reason
+other than missing hardware gets a second look at the end, on top of the loop the climb reached (its row named
+"<rung>, again"): what came after it can change its verdict. A speed rung far slower than the
 best loop in each of its first timed steps is stopped there: its verdict is already clear. The last row is the loop
 this device ends with, timed once more against naive fp32 in pairs. `fixed=True` climbs the fixed ladder instead:
 every rung the device can run is kept, whatever it measured, for comparison.
@@ -293,6 +295,30 @@ def run_ladder(
                 break
         if on_result:
             on_result(results)
+    if best is not None and not fixed:
+        # A second look: a speed rung not kept on the way up is tried once more on top of the loop the climb ended
+        # with, since what came after it can change its verdict. On an H200 (the reference model) bf16 autocast lost
+        # to fp32 while attention was still naive, and SDPA came after it.
+        again = second_look(results)
+        n += len(again)
+        for rung in again:
+            if progress:
+                progress(_progress_text(len(results), n, again_label(rung.name), started))
+            cfg = T.rung_up(best.cfg, rung, caps, options)
+            if isinstance(cfg, C.ConfigError):
+                continue
+            give_up = rung.aims == (T.SPEED,)
+            result, trainer, pairs = _measure(cfg, again_label(rung.name), best, progress, give_up=give_up)
+            result.reason = result.reason or rung.what_changed
+            loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
+            trainer = None
+            if loop is not None:
+                if best is not naive_loop:
+                    best.trainer = None
+                best = loop
+            results.append(result)
+            if on_result:
+                on_result(results)
     if best is not None:
         if progress:
             progress(_progress_text(n - 1, n, OPTIMISED, started))
@@ -300,6 +326,29 @@ def run_ladder(
         if on_result:
             on_result(results)
     return results
+
+
+AGAIN = ", again"  # a second look's label: the rung's name and this
+
+
+def again_label(name: str) -> str:
+    return name + AGAIN
+
+
+def second_look(results: list[RunResult]) -> list[T.Rung]:
+    """The speed rungs of a climb worth a second look on top of its last loop: run, not kept, and neither for want of
+    hardware (bf16 converted in software stays slow whatever comes after it) nor before a climb that kept nothing
+    after them (the loop they would meet again is the one they lost to)."""
+    rungs = {rung.name: rung for rung in T.LADDER}
+    out = []
+    for i, r in enumerate(results):
+        rung = rungs.get(r.label)
+        if rung is None or T.SPEED not in rung.aims or not r.ok or r.ladder.get("kept", True):
+            continue
+        if r.ladder.get("device_note") or not any(later.ladder.get("kept") for later in results[i + 1 :]):
+            continue
+        out.append(rung)
+    return out
 
 
 def _not_run(label: str, why: str, prov: dict, ladder: dict) -> RunResult:

@@ -47,7 +47,15 @@ TECHNIQUE = Technique(
     help="naive attention writes out the s x s scores; scaled_dot_product_attention fuses them away; flash is the "
     "course's own flash attention, in PyTorch (slow, for measuring your own kernel)",
     export=export,
-    rungs=(("+ sdpa (flash)", "sdpa", "scaled_dot_product_attention: no s x s matrix in memory"),),
+    rungs=(
+        (
+            "+ sdpa",
+            "sdpa",
+            # not "(flash)": torch picks the kernel, and on a CUDA GPU in fp32 its flash kernel cannot run
+            "scaled_dot_product_attention: a fused kernel (flash or memory-efficient, as torch picks for this device "
+            "and dtype), no s x s matrix in memory",
+        ),
+    ),
     aims=(SPEED, MEMORY),
     memory_term=what_attention_keeps,
 )
