@@ -63,9 +63,7 @@ def test_a_ladder_option_changes_what_a_rung_sets(one_block):
 
 
 def test_the_fixed_ladder_keeps_every_rung_it_runs(one_block):
-    results = run_ladder(
-        one_block, rungs=["naive fp32", "+ sdpa", "+ set_to_none", "+ chunked loss"], fixed=True
-    )
+    results = run_ladder(one_block, rungs=["naive fp32", "+ sdpa", "+ set_to_none", "+ chunked loss"], fixed=True)
     ran = [r for r in rungs_of(results) if r.ok]
     assert [r.label for r in ran] == ["naive fp32", "+ sdpa", "+ set_to_none", "+ chunked loss"]
     assert all(r.ladder["kept"] for r in ran) and all("kept (fixed ladder)" in r.ladder["why"] for r in ran[1:])
