@@ -55,7 +55,8 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
     for r in ran[1:]:  # each measured in pairs against the best loop so far, with its verdict
         assert len(r["ladder"]["pairs"]) == 3 and r["ladder"]["why"].startswith(("kept", "not kept")), r["ladder"]
     top = by[L.OPTIMISED]
-    kept = [n for n in names[1:] if by[n]["ladder"]["kept"]]
+    # the kept rungs in the order they ran: the ladder's, then any second looks ("<rung>, again")
+    kept = [label for label, r in list(by.items())[1:-1] if r["ladder"]["kept"]]
     assert top["ladder"]["kept_rungs"] == kept and top["status"] == "ok"
     # The optimised loop is what export writes from this file.
     script = tmp_path / "train.py"
