@@ -267,32 +267,24 @@ def run_ladder(
         if rung.name in leave_out or isinstance(cfg, C.ConfigError):
             why = leave_out.get(rung.name) or str(cfg)
             results.append(_not_run(rung.name, why, prov, {"kept": False, "why": f"not run: {why}"}))
-        else:
-            result, trainer, pairs = _measure(
-                cfg, rung.name, best, progress, give_up=not fixed and rung.aims == (T.SPEED,)
-            )
+        elif best is None:  # naive fp32: the baseline
+            result, trainer, _ = _measure(cfg, rung.name, None, progress, give_up=False)
             result.reason = result.reason or rung.what_changed
-            if best is None:  # naive fp32: the baseline
-                result.ladder = {
-                    "kept": result.ok,
-                    "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
-                    "speedup": 1.0 if result.ok else None,
-                    "memory_vs_naive": 1.0 if result.ok else None,
-                }
-                if result.ok:
-                    naive_loop = best = _Loop(trainer, result, 1.0)
-            else:
-                loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
-                trainer = None  # a rung not kept: its model and optimizer go before the next rung builds its own
-                if loop is not None:
-                    if best is not naive_loop:
-                        best.trainer = None  # the superseded loop's model and optimizer can go
-                    best = loop
+            result.ladder = {
+                "kept": result.ok,
+                "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
+                "speedup": 1.0 if result.ok else None,
+                "memory_vs_naive": 1.0 if result.ok else None,
+            }
             results.append(result)
-            if best is None:  # naive fp32 itself did not run: nothing to climb from
+            if not result.ok:  # nothing to climb from
                 why = "naive fp32, the baseline, did not run"
                 results += [_not_run(later.name, why, prov, {"kept": False}) for later in T.LADDER[i + 1 :]]
                 break
+            naive_loop = best = _Loop(trainer, result, 1.0)
+        else:
+            result, best = _climb(cfg, rung.name, rung, best, naive_loop, caps, fixed, progress)
+            results.append(result)
         if on_result:
             on_result(results)
     if best is not None and not fixed:
@@ -307,15 +299,7 @@ def run_ladder(
             cfg = T.rung_up(best.cfg, rung, caps, options)
             if isinstance(cfg, C.ConfigError):
                 continue
-            give_up = rung.aims == (T.SPEED,)
-            result, trainer, pairs = _measure(cfg, again_label(rung.name), best, progress, give_up=give_up)
-            result.reason = result.reason or rung.what_changed
-            loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
-            trainer = None
-            if loop is not None:
-                if best is not naive_loop:
-                    best.trainer = None
-                best = loop
+            result, best = _climb(cfg, again_label(rung.name), rung, best, naive_loop, caps, fixed, progress)
             results.append(result)
             if on_result:
                 on_result(results)
@@ -326,6 +310,28 @@ def run_ladder(
         if on_result:
             on_result(results)
     return results
+
+
+def _climb(
+    cfg: C.TrainConfig,
+    label: str,
+    rung: T.Rung,
+    best: _Loop,
+    naive_loop: _Loop,
+    caps: Capabilities,
+    fixed: bool,
+    progress,
+) -> tuple[RunResult, _Loop]:
+    """One rung on top of `best`: measured in pairs with it and judged. (Its result, the best loop after it.) The loop
+    that loses goes: a rung not kept drops its model and optimizer here, before the next rung builds its own."""
+    result, trainer, pairs = _measure(cfg, label, best, progress, give_up=not fixed and rung.aims == (T.SPEED,))
+    result.reason = result.reason or rung.what_changed
+    loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
+    if loop is None:
+        return result, best
+    if best is not naive_loop:
+        best.trainer = None  # the superseded loop's model and optimizer can go
+    return result, loop
 
 
 AGAIN = ", again"  # a second look's label: the rung's name and this
