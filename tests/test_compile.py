@@ -80,3 +80,25 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
         torch.testing.assert_close(
             grads["compiled"][name], eager, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
+def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeypatch):
+    """A mode that replays CUDA graphs reuses the memory of their last outputs: the loop marks each forward (each
+    micro-batch's) as a new step, so that no backward reads an overwritten output; the default mode needs no mark.
+    (torch.compile itself is replaced by the identity: what is checked is the loop's calls, not the compiler.)"""
+    import dataclasses
+
+    from course_lib.config import tiny_preset
+    from course_lib.techniques import torch_compile
+    from course_lib.train import run
+
+    marks = []
+    monkeypatch.setattr(torch_compile.torch, "compile", lambda fn, mode=None: fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    cfg = dataclasses.replace(
+        tiny_preset("cpu"), compile=True, compile_mode=mode, steps=3, grad_accum_steps=2, batch_size=2,
+        measure_memory=False,
+    )
+    assert run(cfg).ok
+    assert len(marks) == (3 * 2 if mode in torch_compile.CUDA_GRAPH_MODES else 0)

@@ -318,3 +318,27 @@ def test_building_a_ranks_stages_leaves_the_whole_model_as_it_was():
     before = copy.deepcopy(gpt.state_dict())
     P.build_rank_stages(gpt, [(0, 2), (2, 4)], [0, 1], 0)
     assert len(gpt.blocks) == 4 and all(torch.equal(before[k], v) for k, v in gpt.state_dict().items())
+
+
+def test_slowdown_together_tells_ranks_with_cores_of_their_own_from_ranks_sharing_them():
+    """GPipe, p=2, m=2, made-up timelines. Ranks with cores of their own: every forward 1 s, every backward 2 s, alone
+    or not, and the measured bubble is the formula's. Ranks sharing cores: work running beside the other rank's takes
+    twice as long, the fill and the drain shrink against the rest, and the bubble measured falls below the formula's;
+    slowdown_together names the cause."""
+
+    def runs(f, b, f_together, b_together):
+        # rank 0: F0 alone, F1 beside rank 1's F0, then B1 beside rank 1's B0 ... laid out by hand
+        t = [0.0, f, f + f_together]
+        rank0 = [["F", 0, t[0], t[1]], ["F", 1, t[1], t[2]]]
+        rank1 = [["F", 0, t[1], t[1] + f_together], ["F", 1, t[2], t[2] + f], ["B", 1, t[2] + f, t[2] + f + b]]
+        s = rank1[-1][3]
+        rank1.append(["B", 0, s, s + b_together])
+        rank0 += [["B", 1, s, s + b_together], ["B", 0, s + b_together, s + b_together + b]]
+        return [{"runs": {"gpipe/m=2": {"timelines": [tl]}}} for tl in (rank0, rank1)]
+
+    own = runs(1.0, 2.0, 1.0, 2.0)
+    shared = runs(1.0, 2.0, 2.0, 4.0)
+    assert P.slowdown_together(own, "gpipe/m=2") == pytest.approx(1.0)
+    assert P.slowdown_together(shared, "gpipe/m=2") == pytest.approx(2.0)
+    assert P.measured_bubble(own, "gpipe/m=2") == pytest.approx(P.bubble_fraction(2, 2))
+    assert P.measured_bubble(shared, "gpipe/m=2") < P.bubble_fraction(2, 2) - 0.05

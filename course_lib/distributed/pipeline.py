@@ -117,6 +117,28 @@ def timeline_bubble(timelines: list[list]) -> float:
     return 1 - busy / (len(timelines) * (end - start))
 
 
+def slowdown_together(ranks: list[dict], key: str, step: int = -1) -> float | None:
+    """How much longer a rank's work took while another rank worked too than while it worked alone (the fill and the
+    drain), largest over the ranks and kinds of work (median durations, one timed step); None when no kind ran both
+    ways. About 1 when the ranks have cores of their own; well above 1 when they share cores (with each other or with
+    other work), and then the fill and drain, where one rank runs alone and faster, shrink: the measured bubble falls
+    below the formula's, which assumes a stage's work takes the same time whenever it runs."""
+    timelines = [r["runs"][key]["timelines"][step] for r in ranks]
+    worst = None
+    for r, tl in enumerate(timelines):
+        others = [e for q, other in enumerate(timelines) if q != r for e in other]
+        durations: dict[tuple[str, bool], list[float]] = defaultdict(list)
+        for kind, _mb, t0, t1, *_ in tl:
+            overlap = sum(max(0.0, min(t1, e[3]) - max(t0, e[2])) for e in others)
+            durations[(kind, overlap > (t1 - t0) / 2)].append(t1 - t0)
+        for kind in {k for k, _ in durations}:
+            alone, together = durations.get((kind, False)), durations.get((kind, True))
+            if alone and together:
+                ratio = sorted(together)[len(together) // 2] / max(sorted(alone)[len(alone) // 2], 1e-9)
+                worst = ratio if worst is None else max(worst, ratio)
+    return worst
+
+
 def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
     """timeline_bubble of run `key` (e.g. "gpipe/m=4"), from every rank's timeline of one of its timed steps."""
     return timeline_bubble([r["runs"][key]["timelines"][step] for r in ranks])
@@ -426,6 +448,18 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
+def _no_warm_up_with_itself(stage) -> None:
+    """torch 2.11 warms up each stage's link to its neighbour stages with a send and a receive, also where the
+    neighbour is on the same rank (ZB-V's two middle stages), and gloo refuses a rank's send to itself ("Pair is not
+    connected"). A rank needs no link with itself: those warm-up messages are left out. (torch 2.13 warms up another
+    way and never calls this.)"""
+    warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if warm_up is None:
+        return
+    me = dist.get_rank(stage.group)
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != me]
+
+
 def _record(stage, events: list, saved: SavedBytes):
     """Wrap the stage's per-micro-batch work to log (kind, stage, micro-batch, start, end): F its forward (counted by
     `saved`), B its whole backward, I and W the input and weight halves of a zero-bubble schedule's backward (torch's
@@ -497,6 +531,7 @@ class PipelineStep:
         pipe_stages = []
         for s in stages.stages:
             pipe_stage = pp.PipelineStage(s, s.index, self.n_stages, ctx.device)
+            _no_warm_up_with_itself(pipe_stage)
             _record(pipe_stage, self.events, self.saved)
             pipe_stages.append(pipe_stage)
         schedule_cls = getattr(pp, TORCH_CLASSES[schedule_name])
