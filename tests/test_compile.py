@@ -97,7 +97,12 @@ def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeyp
     monkeypatch.setattr(torch_compile.torch, "compile", lambda fn, mode=None: fn)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     cfg = dataclasses.replace(
-        tiny_preset("cpu"), compile=True, compile_mode=mode, steps=3, grad_accum_steps=2, batch_size=2,
+        tiny_preset("cpu"),
+        compile=True,
+        compile_mode=mode,
+        steps=3,
+        grad_accum_steps=2,
+        batch_size=2,
         measure_memory=False,
     )
     assert run(cfg).ok

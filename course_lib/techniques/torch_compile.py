@@ -11,7 +11,6 @@ from ..codegen import Code
 from ..config import TrainConfig
 from .declaration import Technique
 
-
 # The modes that replay CUDA graphs on a GPU. A replay reuses the memory of the last one's outputs, so the loop says
 # when a new forward begins (torch.compiler.cudagraph_mark_step_begin); without it, a backward that still reads a
 # forward's output can find it overwritten (seen on an H200 with torch 2.11).
@@ -44,8 +43,7 @@ def export(cfg: TrainConfig) -> Code:
     if cfg.compile_mode not in CUDA_GRAPH_MODES:
         return Code(setup=setup + f"compiled_loss = torch.compile(compute_loss{mode})", loss_fn="compiled_loss")
     return Code(
-        setup=setup
-        + f"graphed_loss = torch.compile(compute_loss{mode})\n\n"
+        setup=setup + f"graphed_loss = torch.compile(compute_loss{mode})\n\n"
         "def compiled_loss(*args):\n"
         "    # CUDA graphs replay into the memory of their last outputs: say that a new forward begins\n"
         "    torch.compiler.cudagraph_mark_step_begin()\n"
