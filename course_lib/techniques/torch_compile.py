@@ -18,7 +18,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def apply(cfg: TrainConfig, loss_module):
-    """What the loop calls: `loss_module` itself, or compiled."""
+    """What the loop calls: `loss_module` itself, or compiled (in a CUDA-graph mode, behind a function that marks each
+    forward a new step)."""
     if not cfg.compile:
         return loss_module
     compiled = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
