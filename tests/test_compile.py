@@ -86,16 +86,25 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
 def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeypatch):
     """A mode that replays CUDA graphs reuses the memory of their last outputs: the loop marks each forward (each
     micro-batch's) as a new step, so that no backward reads an overwritten output; the default mode needs no mark.
-    (torch.compile itself is replaced by the identity: what is checked is the loop's calls, not the compiler.)"""
+    (torch.compile itself is replaced by a function that logs each forward: what is checked is the loop's calls, not
+    the compiler.)"""
     import dataclasses
 
     from course_lib.config import tiny_preset
     from course_lib.techniques import torch_compile
     from course_lib.train import run
 
-    marks = []
-    monkeypatch.setattr(torch_compile.torch, "compile", lambda fn, mode=None: fn)
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    events = []
+
+    def counting_forwards(fn, mode=None):
+        def forward(*args):
+            events.append("forward")
+            return fn(*args)
+
+        return forward
+
+    monkeypatch.setattr(torch_compile.torch, "compile", counting_forwards)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
     cfg = dataclasses.replace(
         tiny_preset("cpu"),
         compile=True,
@@ -106,4 +115,5 @@ def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeyp
         measure_memory=False,
     )
     assert run(cfg).ok
-    assert len(marks) == (3 * 2 if mode in torch_compile.CUDA_GRAPH_MODES else 0)
+    marked = mode in torch_compile.CUDA_GRAPH_MODES
+    assert events == (["mark", "forward"] if marked else ["forward"]) * (3 * 2)  # 3 steps of 2 micro-batches

@@ -342,3 +342,26 @@ def test_slowdown_together_tells_ranks_with_cores_of_their_own_from_ranks_sharin
     assert P.slowdown_together(shared, "gpipe/m=2") == pytest.approx(2.0)
     assert P.measured_bubble(own, "gpipe/m=2") == pytest.approx(P.bubble_fraction(2, 2))
     assert P.measured_bubble(shared, "gpipe/m=2") < P.bubble_fraction(2, 2) - 0.05
+
+
+def test_slowdown_together_is_none_without_both_ways_and_skips_empty_events():
+    """No kind of work that ran both alone and beside another rank's: None. An event of no length (nothing done) is
+    left out, so it cannot make a median of 0 and an endless ratio."""
+    side_by_side = [{"runs": {"k": {"timelines": [[["F", 0, 0.0, 1.0]]]}}} for _ in range(2)]
+    assert P.slowdown_together(side_by_side, "k") is None
+    rank0 = [["F", 0, 0.0, 1.0], ["F", 1, 1.0, 1.0], ["F", 2, 1.5, 1.5], ["F", 3, 2.0, 3.0]]
+    with_empty = [{"runs": {"k": {"timelines": [tl]}}} for tl in (rank0, [["F", 0, 2.0, 3.0]])]
+    assert P.slowdown_together(with_empty, "k") == pytest.approx(1.0)
+
+
+def test_a_rank_leaves_out_only_the_warm_up_messages_to_itself():
+    """torch 2.11's warm-up of ZB-V's stages sends a rank a message from itself, which gloo refuses: those are left
+    out, the messages to the other ranks kept (torch 2.13 never calls this warm-up)."""
+    from types import SimpleNamespace
+
+    from course_lib.distributed.pipeline import _no_warm_up_with_itself
+
+    ops = [SimpleNamespace(group_peer=p) for p in (0, 1, 1, 2)]
+    stage = SimpleNamespace(group_rank=1, _get_init_p2p_neighbors_ops=lambda: ops)
+    _no_warm_up_with_itself(stage)
+    assert [op.group_peer for op in stage._get_init_p2p_neighbors_ops()] == [0, 2]

@@ -94,9 +94,9 @@ def test_more_keys_than_queries_without_a_mask():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_16_bit_inputs_are_as_close_to_the_fp32_answer_as_sdpa_in_16_bits(dtype):
     """The 16-bit path (P and dS cast to the inputs' format before their products, fp32 accumulators): the error
-    against the fp32 answer is at most twice SDPA's own in that format (plus 1e-3), and under 2e-2, for the output and
-    every gradient. Twice: the blocks round in another order than SDPA's kernel (on an H200, torch 2.11, bf16's dQ was
-    off by 0.016 where SDPA's was off by 0.0098)."""
+    against the fp32 answer is at most SDPA's own in that format (plus 1e-3; in bf16 twice SDPA's), and under 2e-2, for
+    the output and every gradient. Twice in bf16: its 8-bit mantissa rounds the blocks' sums in another order than
+    SDPA's kernel (on an H200, torch 2.11, bf16's dQ was off by 0.016 where SDPA's was off by 0.0098)."""
     if dtype == torch.bfloat16 and FT.interpreted():
         pytest.skip("Triton's interpreter keeps bf16 as raw uint16 bits, and its tl.dot multiplies them as integers")
     q32, k32, v32 = _qkv(96, d=32)
@@ -104,12 +104,13 @@ def test_16_bit_inputs_are_as_close_to_the_fp32_answer_as_sdpa_in_16_bits(dtype)
     truth = _forward_backward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q32, k32, v32, grad32)
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q32, k32, v32))
     grad = grad32.to(dtype)
+    slack = 2 if dtype == torch.bfloat16 else 1
     ours = _forward_backward(lambda *t: FT.flash_attention_triton(*t, True, 32, 32), q, k, v, grad)
     sdpa = _forward_backward(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True), q, k, v, grad)
     for name, t, a, b in zip(("output", "dQ", "dK", "dV"), truth, ours, sdpa):
         assert a.dtype == dtype
         err, sdpa_err = float((a.float() - t).abs().max()), float((b.float() - t).abs().max())
-        assert err <= 2 * sdpa_err + 1e-3 and err < 2e-2, (name, err, sdpa_err)
+        assert err <= slack * sdpa_err + 1e-3 and err < 2e-2, (name, err, sdpa_err)
 
 
 def test_it_keeps_no_s_by_s_tensor_for_backward():

@@ -117,31 +117,39 @@ def timeline_bubble(timelines: list[list]) -> float:
     return 1 - busy / (len(timelines) * (end - start))
 
 
+def _timelines(ranks: list[dict], key: str, step: int) -> list[list]:
+    """Every rank's timeline of run `key`'s timed step `step`."""
+    return [r["runs"][key]["timelines"][step] for r in ranks]
+
+
 def slowdown_together(ranks: list[dict], key: str, step: int = -1) -> float | None:
     """How much longer a rank's work took while another rank worked too than while it worked alone (the fill and the
-    drain), largest over the ranks and kinds of work (median durations, one timed step); None when no kind ran both
-    ways. About 1 when the ranks have cores of their own; well above 1 when they share cores (with each other or with
-    other work), and then the fill and drain, where one rank runs alone and faster, shrink: the measured bubble falls
-    below the formula's, which assumes a stage's work takes the same time whenever it runs."""
-    timelines = [r["runs"][key]["timelines"][step] for r in ranks]
+    drain), largest over the ranks and kinds of work (median durations, one timed step), for one stage per rank (GPipe,
+    1F1B: a rank's forwards are then all the same work); None when no kind ran both ways. About 1 when the ranks have
+    cores of their own; well above 1 when they share cores (with each other or with other work), and then the fill and
+    drain, where one rank runs alone and faster, shrink: the measured bubble falls below the formula's, which assumes
+    a stage's work takes the same time whenever it runs. Events under a microsecond (nothing done) are left out."""
+    timelines = _timelines(ranks, key, step)
     worst = None
     for r, tl in enumerate(timelines):
         others = [e for q, other in enumerate(timelines) if q != r for e in other]
         durations: dict[tuple[str, bool], list[float]] = defaultdict(list)
         for kind, _mb, t0, t1, *_ in tl:
+            if t1 - t0 <= 1e-6:
+                continue
             overlap = sum(max(0.0, min(t1, e[3]) - max(t0, e[2])) for e in others)
             durations[(kind, overlap > (t1 - t0) / 2)].append(t1 - t0)
         for kind in {k for k, _ in durations}:
             alone, together = durations.get((kind, False)), durations.get((kind, True))
             if alone and together:
-                ratio = sorted(together)[len(together) // 2] / max(sorted(alone)[len(alone) // 2], 1e-9)
+                ratio = sorted(together)[len(together) // 2] / sorted(alone)[len(alone) // 2]
                 worst = ratio if worst is None else max(worst, ratio)
     return worst
 
 
 def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
     """timeline_bubble of run `key` (e.g. "gpipe/m=4"), from every rank's timeline of one of its timed steps."""
-    return timeline_bubble([r["runs"][key]["timelines"][step] for r in ranks])
+    return timeline_bubble(_timelines(ranks, key, step))
 
 
 # Equal stage work: a backward does two matmuls for each one of the forward (the input's gradient and the weight's),
@@ -456,8 +464,7 @@ def _no_warm_up_with_itself(stage) -> None:
     warm_up = getattr(stage, "_get_init_p2p_neighbors_ops", None)
     if warm_up is None:
         return
-    me = dist.get_rank(stage.group)
-    stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != me]
+    stage._get_init_p2p_neighbors_ops = lambda: [op for op in warm_up() if op.group_peer != stage.group_rank]
 
 
 def _record(stage, events: list, saved: SavedBytes):

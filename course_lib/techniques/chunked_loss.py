@@ -21,8 +21,8 @@ from .model_parts import ModelParts
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX), in fp32 whatever the
-    logits' format: on a GPU, 16-bit logits would keep the log-softmax in 16 bits, and a step's sum overflows fp16's
-    largest number, 65504 (16,384 tokens at a loss of 4 do)."""
+    logits' format: on a GPU, F.cross_entropy keeps the log-softmax of 16-bit logits in 16 bits (a CPU's mixed
+    precision upcasts it)."""
     return F.cross_entropy(
         logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )

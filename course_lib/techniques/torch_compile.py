@@ -26,9 +26,9 @@ def apply(cfg: TrainConfig, loss_module):
     if cfg.compile_mode not in CUDA_GRAPH_MODES:
         return compiled
 
-    def each_forward_a_new_step(*args):
+    def each_forward_a_new_step(*args, **kwargs):
         torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args)
+        return compiled(*args, **kwargs)
 
     return each_forward_a_new_step
 
