@@ -605,7 +605,7 @@ def ladder_diffs(results: list):
 
     from .ladder import AGAIN, OPTIMISED
 
-    rungs = {r.name: r for r in T.LADDER}
+    rungs = T.RUNGS
     climbed = [r for r in results if r.label != OPTIMISED]
     second_looks = climbed[len(rungs) :]  # "<rung>, again": a rung tried once more on top of the loop the climb reached
     if [r.label for r in climbed[: len(rungs)]] != list(rungs) or any(

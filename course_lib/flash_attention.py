@@ -120,8 +120,6 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool = True, block_q: int = 64, block_k: int = 64):
-        if causal and q.size(-2) != k.size(-2):
-            raise ValueError("causal flash_attention needs as many queries as keys")
         qf, kf, vf = q.float(), k.float(), v.float()
         out, lse = tiled_attention(qf, kf, vf, block_q, block_k, causal, return_lse=True)
         ctx.save_for_backward(q, k, v, out, lse)  # O(s d): no (s x s) tensor is kept
@@ -140,3 +138,14 @@ def flash_attention(
 ) -> torch.Tensor:
     """Attention with the hand-written flash forward and backward; q, k, v: (batch, heads, s, head_dim)."""
     return FlashAttention.apply(q, k, v, causal, block_q, block_k)
+
+
+def merge(out_a, lse_a, out_b, lse_b):
+    """Two attentions of the same queries over disjoint sets of keys -> the attention over their union.
+
+    Each out is softmax-weighted over its own keys, sum_j exp(s_j - L) v_j with L = log sum_j exp(s_j); over the union,
+    L = log(exp(L_a) + exp(L_b)) and each part is reweighted by exp(L_part - L). A part that saw no key has L = -inf
+    and weight 0."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
+    return out, lse

@@ -260,15 +260,28 @@ def run_ladder(
     results: list[RunResult] = []
     naive_loop = best = None
     started, n = time.perf_counter(), len(T.LADDER) + 1
+
+    def climb_one(label: str, rung: T.Rung, why_not: str | None = None) -> None:
+        """One rung, or a second look, on top of the best loop so far: its row, measured and judged, or why not."""
+        nonlocal best
+        cfg = T.rung_up(best.cfg, rung, caps, options)
+        if why_not or isinstance(cfg, C.ConfigError):
+            why = why_not or str(cfg)
+            results.append(_not_run(label, why, prov, {"kept": False, "why": f"not run: {why}"}))
+        else:
+            result, best = _climb(cfg, label, rung, best, naive_loop, caps, fixed, progress)
+            results.append(result)
+
     for i, rung in enumerate(T.LADDER):
         if progress:
             progress(_progress_text(i, n, rung.name, started))
-        cfg = T.naive(base) if best is None else T.rung_up(best.cfg, rung, caps, options)
-        if rung.name in leave_out or isinstance(cfg, C.ConfigError):
-            why = leave_out.get(rung.name) or str(cfg)
+        if best is not None:
+            climb_one(rung.name, rung, leave_out.get(rung.name))
+        elif rung.name in leave_out:
+            why = leave_out[rung.name]
             results.append(_not_run(rung.name, why, prov, {"kept": False, "why": f"not run: {why}"}))
-        elif best is None:  # naive fp32: the baseline
-            result, trainer, _ = _measure(cfg, rung.name, None, progress, give_up=False)
+        else:  # naive fp32: the baseline
+            result, trainer, _ = _measure(T.naive(base), rung.name, None, progress, give_up=False)
             result.reason = result.reason or rung.what_changed
             result.ladder = {
                 "kept": result.ok,
@@ -282,9 +295,6 @@ def run_ladder(
                 results += [_not_run(later.name, why, prov, {"kept": False}) for later in T.LADDER[i + 1 :]]
                 break
             naive_loop = best = _Loop(trainer, result, 1.0)
-        else:
-            result, best = _climb(cfg, rung.name, rung, best, naive_loop, caps, fixed, progress)
-            results.append(result)
         if on_result:
             on_result(results)
     if best is not None and not fixed:
@@ -296,11 +306,7 @@ def run_ladder(
         for rung in again:
             if progress:
                 progress(_progress_text(len(results), n, again_label(rung.name), started))
-            cfg = T.rung_up(best.cfg, rung, caps, options)
-            if isinstance(cfg, C.ConfigError):
-                continue
-            result, best = _climb(cfg, again_label(rung.name), rung, best, naive_loop, caps, fixed, progress)
-            results.append(result)
+            climb_one(again_label(rung.name), rung)
             if on_result:
                 on_result(results)
     if best is not None:
@@ -345,10 +351,9 @@ def second_look(results: list[RunResult]) -> list[T.Rung]:
     """The speed rungs of a climb worth a second look on top of its last loop: run, not kept, and neither for want of
     hardware (bf16 converted in software stays slow whatever comes after it) nor before a climb that kept nothing
     after them (the loop they would meet again is the one they lost to)."""
-    rungs = {rung.name: rung for rung in T.LADDER}
     out = []
     for i, r in enumerate(results):
-        rung = rungs.get(r.label)
+        rung = T.RUNGS.get(r.label)
         if rung is None or T.SPEED not in rung.aims or not r.ok or r.ladder.get("kept", True):
             continue
         if r.ladder.get("device_note") or not any(later.ladder.get("kept") for later in results[i + 1 :]):

@@ -71,6 +71,8 @@ def run_step(
         n_targets = sum(data_mod.count_targets(y) for _, y in micro)
     with meter.watching(setup):
         step_loss = setup.forward_backward(setup, micro, n_targets, meter)  # techniques.accumulate_micro_batches
+        with meter.phase("backward"):
+            setup.sync_gradients()  # DDP by hand (data_parallel="bucketed"): its last all-reduces; else nothing
         with meter.phase("optimizer"):
             norm, lr, scale = techniques.optimizer_step(setup, cfg, params, on_grads=meter.on_grads)
     return step_loss, norm, lr, scale

@@ -2,7 +2,6 @@
 the PyTorch by-hand version's. On a CPU the kernels run in Triton's interpreter (small sizes); on a GPU they compile.
 Skipped, saying so, where triton is not installed (the optional extra: pip install -e ".[kernels]")."""
 
-import contextlib
 import importlib.util
 import inspect
 import re
@@ -17,31 +16,13 @@ if importlib.util.find_spec("triton") is None:
         allow_module_level=True,
     )
 
-from course_lib.lessons import attention_by_hand as FA  # noqa: E402
+from course_lib import flash_attention as FA  # noqa: E402
+from course_lib.lessons import flash_attention_triton as FT  # noqa: E402
 
+# The test that runs this file (test_flash_attention_triton.py) starts it in a process of its own, with
+# TRITON_INTERPRET=1 where there is no GPU: no other test's notebook kernel or torchrun rank inherits it.
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
-
-
-@contextlib.contextmanager
-def _interpreter_env():
-    """TRITON_INTERPRET=1 where there is no GPU, while this module's kernels are made and while they run, and only then:
-    triton 3.x reads it when @triton.jit decorates a kernel and again while its interpreter runs one. Left set in this
-    process it would reach every notebook kernel and torchrun rank that tests started later in this worker."""
-    with pytest.MonkeyPatch.context() as mp:
-        if not ON_GPU:
-            mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
-
-with _interpreter_env():
-    from course_lib.lessons import flash_attention_triton as FT
-
-
-@pytest.fixture(autouse=True)
-def _interpreted():
-    with _interpreter_env():
-        yield
 
 
 # fp32 on a CPU: the same products as SDPA's, summed in another order. On a GPU the kernels' fp32 dots are asked for

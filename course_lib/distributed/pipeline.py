@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -142,7 +143,7 @@ def slowdown_together(ranks: list[dict], key: str, step: int = -1) -> float | No
         for kind in {k for k, _ in durations}:
             alone, together = durations.get((kind, False)), durations.get((kind, True))
             if alone and together:
-                ratio = sorted(together)[len(together) // 2] / sorted(alone)[len(alone) // 2]
+                ratio = statistics.median(together) / statistics.median(alone)
                 worst = ratio if worst is None else max(worst, ratio)
     return worst
 

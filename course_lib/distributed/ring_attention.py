@@ -7,13 +7,13 @@ The sequence is cut into 2n equal chunks for n ranks, and each rank keeps the qu
   tiles to compute (the load balancing of Megatron-LM's context parallelism and of Llama 3's training).
 
 Forward (`ring_forward`): n steps. At each step a rank attends its queries to the key/value block it holds (its own
-first), one chunk pair at a time with `lessons.attention_by_hand.tiled_attention`, which also returns each query row's
+first), one chunk pair at a time with `flash_attention.tiled_attention`, which also returns each query row's
 log-sum-exp L; partial results over disjoint sets of keys merge exactly by their L (`merge`, the online softmax's
 rescaling one block at a time). Meanwhile the block travels on to the next rank and the previous rank's arrives:
 n-1 hops, the sending overlapped with the computing. A chunk pair whose keys all come after its queries is skipped;
 on the diagonal the causal mask applies; below it no mask.
 
-Backward (`ring_backward`): the same ring again, with `lessons.attention_by_hand.flash_backward` per chunk pair,
+Backward (`ring_backward`): the same ring again, with `flash_attention.flash_backward` per chunk pair,
 recomputing each tile's probabilities from the final L and O (so the shares are those of the full attention). dQ
 stays at home; a dK/dV accumulator travels with each key/value block, every rank adds its share, and after n hops
 it is back with the block's owner.
@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..config import ConfigError, did_you_mean
-from ..lessons.attention_by_hand import flash_attention, flash_backward, tiled_attention
+from ..flash_attention import flash_attention, flash_backward, merge, tiled_attention
 from ..lessons.micro_benchmarks import peak_bytes
 from ..timing import synchronize
 from . import _common
@@ -69,17 +69,6 @@ def relation(q_chunk: int, k_chunk: int, causal: bool) -> str | None:
     if not causal or k_chunk < q_chunk:
         return "full"
     return "diagonal" if k_chunk == q_chunk else None
-
-
-def merge(out_a, lse_a, out_b, lse_b):
-    """Two attentions of the same queries over disjoint sets of keys -> the attention over their union.
-
-    Each out is softmax-weighted over its own keys, sum_j exp(s_j - L) v_j with L = log sum_j exp(s_j); over the union,
-    L = log(exp(L_a) + exp(L_b)) and each part is reweighted by exp(L_part - L). A part that saw no key has L = -inf
-    and weight 0."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
-    return out, lse
 
 
 def tiles(q_len: int, k_len: int, block: int, causal: bool) -> int:

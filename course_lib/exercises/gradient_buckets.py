@@ -3,24 +3,8 @@ order backward makes them."""
 
 from __future__ import annotations
 
+from ..techniques.data_parallel import bucket_plan  # the reference: the rule the course's hand-written DDP uses
 from .core import Case, Exercise, Mistake
-
-
-def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """The reference. sizes[i]: the bytes of parameter i's gradient, parameters in the model's order. Backward makes
-    the last parameters' gradients first, so the buckets fill from the last parameter to the first: each bucket a list
-    of parameter indices in the order they are added; a bucket is full, and the next one starts, once it holds at least
-    `bucket_bytes` (one all-reduce per bucket, launched as soon as its last gradient is ready). The rule of
-    course_lib.techniques.data_parallel.BucketedDDP, and of torch's DDP (bucket_cap_mb)."""
-    buckets: list[list[int]] = [[]]
-    held = 0
-    for i in reversed(range(len(sizes))):
-        if held >= bucket_bytes:
-            buckets.append([])
-            held = 0
-        buckets[-1].append(i)
-        held += sizes[i]
-    return buckets
 
 
 def _cases() -> list[Case]:

@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 
-from ..flash_attention import FlashAttention, flash_attention, flash_backward, tiled_attention  # noqa: F401
+# notebook 04 reads the hand-written flash attention here, beside the other attentions of its lesson
+from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
 from .micro_benchmarks import peak_bytes, time_fn
 

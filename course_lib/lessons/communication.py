@@ -209,16 +209,11 @@ def plot_ddp_by_hand(ranks: list[dict]):
     return fig
 
 
-def plot_overlap_timeline(ranks: list[dict], names: tuple[str, ...] | None = None):
+def plot_overlap_timeline(ranks: list[dict]):
     """Each rank's last timed step, one row per hand-written DDP: forward and backward (blue), then the wait for the
     communication still in flight (red), and a tick where each all-reduce left the rank. The overlapped and bucketed
     DDPs send during backward (ticks inside the blue bar); the naive one sends only after it."""
-    runs = [
-        (rank["rank"], r)
-        for rank in ranks
-        for r in rank["runs"]
-        if r.get("timeline_last_step") and (names is None or _run_name(r) in names)
-    ]
+    runs = [(rank["rank"], r) for rank in ranks for r in rank["runs"] if r.get("timeline_last_step")]
     fig = new_figure((9, 0.45 * len(runs) + 1.2))
     ax = fig.subplots()
     for y, (rank, r) in enumerate(runs):

@@ -101,6 +101,7 @@ def ladder_of(techniques: tuple[Technique, ...]) -> tuple[Rung, ...]:
 
 
 LADDER: tuple[Rung, ...] = ladder_of(TECHNIQUES)
+RUNGS: dict[str, Rung] = {rung.name: rung for rung in LADDER}  # a rung by its name
 
 
 def naive(cfg: TrainConfig) -> TrainConfig:

@@ -59,17 +59,28 @@ class HandDDP:
         raise NotImplementedError
 
 
+def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Which gradients are all-reduced together. sizes[i]: the bytes of parameter i's gradient, parameters in the
+    model's order. Backward makes the last parameters' gradients first, so the buckets fill from the last parameter to
+    the first: each bucket a list of parameter indices in the order they are added; a bucket is full, and the next one
+    starts, once it holds at least `bucket_bytes` (one all-reduce per bucket, launched as soon as its last gradient is
+    ready). torch's DDP buckets the same way (bucket_cap_mb)."""
+    buckets: list[list[int]] = [[]]
+    held = 0
+    for i in reversed(range(len(sizes))):
+        if held >= bucket_bytes:
+            buckets.append([])
+            held = 0
+        buckets[-1].append(i)
+        held += sizes[i]
+    return buckets
+
+
 class BucketedDDP(HandDDP):
     def __init__(self, model: nn.Module, bucket_bytes: int):
         super().__init__(model)
-        self.buckets: list[list[torch.Tensor]] = [[]]
-        size = 0
-        for p in reversed(self.params):  # backward makes the last layers' gradients first
-            if size >= bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += p.numel() * p.element_size()
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        self.buckets = [[self.params[i] for i in bucket] for bucket in bucket_plan(sizes, bucket_bytes)]
         self.bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.waiting = [len(b) for b in self.buckets]  # gradients each bucket still waits for in this backward
         self.in_flight: list = []
@@ -203,7 +214,7 @@ def export(cfg: TrainConfig) -> Code:
             imports=tuple(imports),
             init=init,
             constants=(f"BUCKET_BYTES = {BUCKET_BYTES}  # gradients all-reduced in buckets of about this many bytes",),
-            defs=(source(HandDDP), source(BucketedDDP)),
+            defs=(source(HandDDP), source(bucket_plan), source(BucketedDDP)),
             setup=(
                 "# DDP written by hand: every process holds the whole model and trains on its own slice of the batch;\n"
                 "# hooks on the parameters all-reduce the gradients in buckets while backward runs.\n"

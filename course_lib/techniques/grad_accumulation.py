@@ -27,8 +27,6 @@ def accumulate_micro_batches(
             setup.scaler.scale(loss).backward()
         step_loss += loss.detach()
         del loss  # the graph and its activations go now, not when the next micro-batch reassigns it
-    with meter.phase("backward"):
-        setup.sync_gradients()  # DDP by hand (data_parallel="bucketed"): its last all-reduces; else nothing
     return step_loss
 
 
