@@ -64,7 +64,7 @@ def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
     model's order. Backward makes the last parameters' gradients first, so the buckets fill from the last parameter to
     the first: each bucket a list of parameter indices in the order they are added; a bucket is full, and the next one
     starts, once it holds at least `bucket_bytes` (one all-reduce per bucket, launched as soon as its last gradient is
-    ready). torch's DDP buckets the same way (bucket_cap_mb)."""
+    ready): the rule of BucketedDDP below, and of torch's DDP (bucket_cap_mb)."""
     buckets: list[list[int]] = [[]]
     held = 0
     for i in reversed(range(len(sizes))):
