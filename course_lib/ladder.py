@@ -347,6 +347,12 @@ def again_label(name: str) -> str:
     return name + AGAIN
 
 
+def rung_name(result: RunResult) -> str:
+    """The rung a climb's result measured: its label, less AGAIN for a second look (the label is all a saved
+    climb's JSON records of it)."""
+    return result.label.removesuffix(AGAIN)
+
+
 def second_look(results: list[RunResult]) -> list[T.Rung]:
     """The speed rungs of a climb worth a second look on top of its last loop: run, not kept, and neither for want of
     hardware (bf16 converted in software stays slow whatever comes after it) nor before a climb that kept nothing

@@ -523,7 +523,7 @@ def test_diff_html_shows_exactly_the_lines_a_technique_adds(tiny):
 
 
 def test_the_fsdp_script_shards_every_block_then_the_root(tmp_path, pyflakes):
-    """FSDP2 as techniques.wrap_data_parallel applies it, before the optimizer (which then holds the shards); on a GPU
+    """FSDP2 as techniques.apply_data_parallel applies it, before the optimizer (which then holds the shards); on a GPU
     one process per GPU with NCCL; with accumulation, the reduce-scatter only on the last micro-batch."""
     cfg = dataclasses.replace(
         everything_on(BASE),

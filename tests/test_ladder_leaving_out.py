@@ -4,7 +4,7 @@ made-up timings are in test_ladder.py."""
 import pytest
 
 from course_lib import config as C, techniques as T
-from course_lib.ladder import AGAIN, OPTIMISED, ladder_configs, optimised_config, run_ladder, rungs_of
+from course_lib.ladder import AGAIN, OPTIMISED, ladder_configs, optimised_config, run_ladder, rung_name, rungs_of
 
 
 @pytest.fixture
@@ -33,12 +33,12 @@ def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_withou
         assert r.ladder["vs"] in [x.label for x in ok] and r.ladder["why"].startswith(("kept", "not kept"))
         for t in T.TECHNIQUES:
             value = t.value(C.TrainConfig.from_dict(r.config))
-            if r.label.removesuffix(AGAIN) in [name for name, _, _ in t.rungs]:
+            if rung_name(r) in [name for name, _, _ in t.rungs]:
                 continue
             assert value == kept.get(t.name, t.off), (r.label, t.name)
         if r.ladder["kept"]:
             for t in T.TECHNIQUES:
-                if r.label.removesuffix(AGAIN) in [name for name, _, _ in t.rungs]:
+                if rung_name(r) in [name for name, _, _ in t.rungs]:
                     kept[t.name] = t.value(C.TrainConfig.from_dict(r.config))
     final = optimised_config(results)
     assert {t.name: t.value(final) for t in T.TECHNIQUES} == {t.name: kept.get(t.name, t.off) for t in T.TECHNIQUES}
@@ -113,4 +113,4 @@ def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
         below = by[r.ladder["vs"]]  # only the vocabulary rung changes the parameter bytes: by exactly its padding rows
         if r.memory and below.memory:
             grew = r.memory["by_category"]["parameters"] - below.memory["by_category"]["parameters"]
-            assert grew == (pad_bytes if r.label.removesuffix(AGAIN) == "+ vocab to x64" else 0), (r.label, grew)
+            assert grew == (pad_bytes if rung_name(r) == "+ vocab to x64" else 0), (r.label, grew)

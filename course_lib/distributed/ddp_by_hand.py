@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..techniques import accumulate_micro_batches
 from ..techniques.data_parallel import BucketedDDP, HandDDP
 from . import _common
 
@@ -36,9 +35,9 @@ from . import _common
 class NaiveDDP(HandDDP):
     def finish(self) -> None:
         for p in self.params:  # one blocking all-reduce per tensor, after the whole backward
+            self._launching()
             dist.all_reduce(p.grad)
             p.grad /= self.world
-            self.calls += 1
 
 
 class OverlappedDDP(HandDDP):
@@ -49,8 +48,8 @@ class OverlappedDDP(HandDDP):
             p.register_post_accumulate_grad_hook(self._launch)
 
     def _launch(self, p: torch.Tensor) -> None:  # backward has finished p.grad: send it now, do not wait
+        self._launching()
         self.in_flight.append(dist.all_reduce(p.grad, async_op=True))
-        self.calls += 1
 
     def finish(self) -> None:
         for work in self.in_flight:
@@ -66,43 +65,35 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
     exposed: list[float] = []
     hand: dict = {}
     timelines: list[dict] = []  # per step: backward's end, the end of the wait, when each all-reduce left
+    forward_began = [0.0]
 
     def on_build(setup):
         if variant == "torch":
             setup.loss_module.model.wrapped.register_comm_hook(None, _counting(hand))
             return
         ddp = {"naive": NaiveDDP, "overlapped": OverlappedDDP}.get(variant)
-        hand["ddp"] = ddp(setup.model) if ddp else BucketedDDP(setup.model, bucket_bytes)
+        hand["ddp"] = ddp = ddp(setup.model) if ddp else BucketedDDP(setup.model, bucket_bytes)
+        loss_fn = setup.loss_fn
 
-        def forward_backward(setup, micro, n_targets, meter):  # the loop's own, then the gradients averaged
-            launches.clear()
-            start = time.perf_counter()
-            loss = accumulate_micro_batches(setup, micro, n_targets, meter)
+        def loss_fn_timed(*args):  # the step's forward begins (one micro-batch a step here)
+            forward_began[0] = time.perf_counter()
+            return loss_fn(*args)
+
+        def finish_timed():  # the loop's slot after the last backward (Setup.sync_gradients): the wait, timed
             t0 = time.perf_counter()
-            hand["ddp"].finish()
+            ddp.finish()
             t1 = time.perf_counter()
+            start = forward_began[0]
             exposed.append(t1 - t0)
             timelines.append(
-                {"backward_done": t0 - start, "waited_until": t1 - start, "launches": [t - start for t in launches]}
+                {"backward_done": t0 - start, "waited_until": t1 - start, "launches": [t - start for t in ddp.launched]}
             )
-            return loss
+            ddp.launched.clear()
 
-        setup.forward_backward = forward_backward
-
-    # when each all-reduce leaves this rank: dist.all_reduce, timed where the hand-written DDPs call it
-    launches: list[float] = []
-    all_reduce = dist.all_reduce
-
-    def timed_all_reduce(*args, **kwargs):
-        launches.append(time.perf_counter())
-        return all_reduce(*args, **kwargs)
+        setup.loss_fn, setup.sync_gradients = loss_fn_timed, finish_timed
 
     run_cfg = replace(cfg, data_parallel="ddp" if variant == "torch" else "none")
-    dist.all_reduce = timed_all_reduce
-    try:
-        result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)
-    finally:
-        dist.all_reduce = all_reduce
+    result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)
     calls = hand["ddp"].calls if "ddp" in hand else hand.get("calls", 0)
     return {
         "variant": variant,

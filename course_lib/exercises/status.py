@@ -48,7 +48,7 @@ class Row:
 # ---- reading a notebook (in this process: parsing runs nothing) ---------------------------------------------------
 
 
-def _code_cells(path: Path) -> list[tuple[list[str], str]]:
+def code_cells(path: Path) -> list[tuple[list[str], str]]:
     """(tags, source) of each code cell; a line of IPython magic (% or !) is left out: it is not Python."""
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     out = []
@@ -120,7 +120,7 @@ def jobs_of(path: Path) -> tuple[list[dict], list[Row]]:
     """The checks to run for notebook `path` (one per exercise whose stub cell was found and parses), and the rows
     already decided here (a cell that does not parse, no cell for an exercise)."""
     nb = path.name[:2]
-    cells = _code_cells(path)
+    cells = code_cells(path)
     tagged = [src for tags, src in cells if TAG in tags]
     parsed: list[tuple[str, ast.Module | None, SyntaxError | None]] = []
     for src in tagged:

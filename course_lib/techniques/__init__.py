@@ -42,7 +42,7 @@ from .activation_checkpointing import (  # noqa: F401
 from .assemble import Setup, build, optimizer_step  # noqa: F401
 from .chunked_loss import HeadLossInSlices, LossModule, loss_sum  # noqa: F401
 from .clipping import clip_by_global_norm, clip_by_tensor_norm, make_clipper  # noqa: F401
-from .data_parallel import SyncOnLastMicroBatch, shard_with_fsdp2, wrap_data_parallel  # noqa: F401
+from .data_parallel import SyncOnLastMicroBatch, apply_data_parallel, shard_with_fsdp2  # noqa: F401
 from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Setting, Technique  # noqa: F401
 from .grad_accumulation import accumulate_micro_batches  # noqa: F401
 from .lr_schedule import (  # noqa: F401

@@ -1,7 +1,8 @@
 """Turn a TrainConfig into the objects the training loop uses: `build(cfg, model, parts)`, the techniques applied in
 one fixed order (as torchtitan's parallelize.py applies its own):
   1. activation checkpointing wraps each block (it must see the eager blocks),
-  2. data parallelism wraps the model (DDP, or FSDP2 sharding each block and then the root),
+  2. data parallelism wraps the model (DDP, or FSDP2 sharding each block and then the root; DDP by hand
+     hooks its parameters and gives the step its last sync),
   3. the model and its loss become one module (LossModule), optionally with the loss in chunks,
   4. torch.compile wraps that module (it then traces through the checkpointed blocks and the loss),
   5. the optimizer (fused or not), its schedule, autocast and the GradScaler, and the clipping.
@@ -87,7 +88,8 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
     """Apply the config's techniques to `model` (already on cfg.device) in the one correct order (module docstring)."""
     parts = parts if parts is not None else ModelParts.of(model)
     activation_checkpointing.apply(cfg, parts)  # 1
-    loss_module = LossModule(data_parallel.wrap_data_parallel(cfg, model, parts), cfg.loss_chunks, parts)  # 2, 3
+    loss_model, sync_gradients = data_parallel.apply_data_parallel(cfg, model, parts)  # 2
+    loss_module = LossModule(loss_model, cfg.loss_chunks, parts)  # 3
     optimizer = make_optimizer(cfg, model)  # 5: the original parameters, whatever wraps the model
     return Setup(
         model=model,
@@ -99,5 +101,5 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
         scaler=make_grad_scaler(cfg),
         parts=parts,
         clip=make_clipper(cfg),
-        sync_gradients=data_parallel.gradient_sync(cfg, model),
+        sync_gradients=sync_gradients,
     )

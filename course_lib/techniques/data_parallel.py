@@ -1,11 +1,15 @@
 """Data parallelism: every process trains the whole model on its own slice of the batch, inside a process group that
 torchrun starts. "ddp": DistributedDataParallel all-reduces the gradients in buckets during backward; "fsdp": FSDP2
 shards every parameter, gradient and optimizer state (ZeRO-3), fully_shard on each block and then the root. With
-accumulation, only the last micro-batch communicates (`SyncOnLastMicroBatch`). Notebook 07 (and course_lib.distributed)
+accumulation, only the last micro-batch communicates (`SyncOnLastMicroBatch`). "bucketed": DDP written by hand
+(`BucketedDDP`), hooks on the parameters and a last sync after backward. Notebook 07 (and course_lib.distributed)
 measure them.
 """
 
 from __future__ import annotations
+
+import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +58,12 @@ class HandDDP:
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
         self.calls = 0  # all-reduces launched
+        self.launched: list[float] = []  # when each left this rank (time.perf_counter), until the caller clears it
+
+    def _launching(self) -> None:
+        """Counts an all-reduce about to leave this rank, and when (notebook 07 draws it)."""
+        self.calls += 1
+        self.launched.append(time.perf_counter())
 
     def finish(self) -> None:
         raise NotImplementedError
@@ -92,8 +102,8 @@ class BucketedDDP(HandDDP):
         self.waiting[i] -= 1
         if self.waiting[i] == 0:  # the bucket is full: one flat all-reduce for all its gradients
             flat = torch.cat([q.grad.reshape(-1) for q in self.buckets[i]])
+            self._launching()
             self.in_flight.append((i, flat, dist.all_reduce(flat, async_op=True)))
-            self.calls += 1
 
     def finish(self) -> None:
         for i, flat, work in self.in_flight:
@@ -118,11 +128,15 @@ def check(cfg: TrainConfig) -> None:
         )
 
 
-def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -> nn.Module:
-    """The module the loss calls: `model` itself ("none"), or wrapped for DDP / FSDP2 inside an initialised
-    process group (torchrun; see course_lib.distributed). The optimizer keeps `model`'s parameters."""
+def apply_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -> tuple[nn.Module, Callable[[], None]]:
+    """Data parallelism applied to `model`, inside an initialised process group (torchrun; see
+    course_lib.distributed). Returns the module the loss calls and what the step calls after its last backward:
+    "none": `model` itself, nothing to call; "ddp" / "fsdp": wrapped for DDP / FSDP2, which communicate inside
+    backward, so again nothing; "bucketed": `model` itself with the hand-written DDP's hooks on its parameters, and
+    its `finish` (wait for the buckets in flight, divide by the world size). The optimizer keeps `model`'s
+    parameters."""
     if cfg.data_parallel == "none":
-        return model
+        return model, _no_sync
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
@@ -130,7 +144,7 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
         )
     check(cfg)
     if cfg.data_parallel == "bucketed":
-        return model  # no wrapper: hooks on the parameters do the work (gradient_sync)
+        return model, BucketedDDP(model, BUCKET_BYTES).finish
     dev = torch.device(cfg.device)
     if cfg.data_parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -139,17 +153,11 @@ def wrap_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) ->
     else:
         shard_with_fsdp2(model, parts, dev.type)
         wrapped = model
-    return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps)
+    return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps), _no_sync
 
 
 def _no_sync() -> None:
-    """Nothing to wait for: torch's DDP and FSDP2 finish their communication inside backward."""
-
-
-def gradient_sync(cfg: TrainConfig, model: nn.Module):
-    """What the step calls after the last backward: for data_parallel="bucketed", the hand-written DDP's finish (wait
-    for the buckets in flight, divide by the world size), its hooks registered on `model` here; else nothing."""
-    return BucketedDDP(model, BUCKET_BYTES).finish if cfg.data_parallel == "bucketed" else _no_sync
+    """Nothing to wait for after backward."""
 
 
 def shard_with_fsdp2(

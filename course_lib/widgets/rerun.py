@@ -23,9 +23,8 @@ class Rerun:
         self.button = W.Button(description="Run", button_style="primary", icon="play")
         self.status = W.HTML(html.escape(title))
         self.figure = FigureView()  # the panel's figure widget, shown from a figure the run made
-        self.image = self.figure.image
         self.button.on_click(self.run)
-        self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.image])
+        self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.figure.image])
 
     def run(self, _=None) -> object:
         """One run with the controls' values: its result kept in `results`, its figure shown."""
