@@ -20,3 +20,36 @@ def test_foreach_and_fused_adamw_make_far_fewer_operator_calls_than_the_for_loop
     calls = micro_benchmarks.adamw_operator_calls(params)
     assert calls["for-loop"] >= 4 * len(params)  # moments, decay and update: several calls per tensor
     assert len(params) > calls["foreach"] >= calls["fused"] >= 1, calls
+
+
+def test_at_the_cpu_preset_none_and_selective_peak_at_different_moments_and_the_model_holds_at_each():
+    """Notebook 09's checkpointing check at the learner's budget (the cpu preset's optimised loop, compile off): without
+    checkpointing the step peaks in the forward's loss slices, with selective in the last block's backward, so the
+    activations at the two peaks differ by more than what selective drops from the forward; the memory model matches
+    the ledger at each mode's own peak, which is what the notebook then checks."""
+    import dataclasses
+
+    from course_lib import memory_estimate, train
+
+    base = C.preset("cpu", "cpu")
+    top = dataclasses.replace(
+        base,
+        model=dataclasses.replace(base.model, attention="sdpa"),
+        set_to_none=True,
+        loss_chunks=8,
+        steps=3,
+        timing_warmup=1,
+    )
+    act, when = {}, {}
+    for mode in ("none", "selective"):
+        cfg = dataclasses.replace(top, activation_checkpointing=mode)
+        measured, predicted = train.run(cfg, mode).memory, memory_estimate.estimate(cfg)
+        assert abs(predicted.peak_bytes - measured["peak_bytes"]) <= 0.005 * measured["peak_bytes"], mode
+        act[mode], when[mode] = measured["by_category"]["activations"], predicted.when
+    kept = {
+        m: memory_estimate.activation_bytes(dataclasses.replace(top, activation_checkpointing=m))["kept per layer"]
+        for m in act
+    }
+    dropped = top.model.n_layer * (kept["none"] - kept["selective"])
+    assert when["none"] != when["selective"], when
+    assert act["none"] - act["selective"] > 1.01 * dropped, (act, dropped)
