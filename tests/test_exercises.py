@@ -257,7 +257,8 @@ def test_the_gpipe_times_leave_the_bubble_of_the_formula(p, m):
     f, b = X.EXERCISES["gpipe_start_times"].reference(p, m)
     span = float(b.max()) + 2.0  # the last backward's end (a backward costs two forwards)
     assert abs(1 - 3 * m / span - bubble_fraction(p, m)) < 1e-12  # each stage busy for m forwards and m backwards
-    assert X.EXERCISES["gpipe_bubble"].reference(p, m) == pytest.approx((p - 1) / (m + p - 1), abs=1e-12)  # GPipe's
+    gpipe_bubble = (p - 1) / (m + p - 1)
+    assert X.EXERCISES["gpipe_bubble"].reference(p, m) == pytest.approx(gpipe_bubble, abs=1e-12)
 
 
 def test_the_scaler_step_replays_torchs_grad_scaler():

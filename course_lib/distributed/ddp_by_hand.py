@@ -71,13 +71,14 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
         if variant == "torch":
             setup.loss_module.model.wrapped.register_comm_hook(None, _counting(hand))
             return
-        ddp = {"naive": NaiveDDP, "overlapped": OverlappedDDP}.get(variant)
-        hand["ddp"] = ddp = ddp(setup.model) if ddp else BucketedDDP(setup.model, bucket_bytes)
-        loss_fn = setup.loss_fn
+        by_hand = {"naive": NaiveDDP, "overlapped": OverlappedDDP}.get(variant)
+        hand["ddp"] = ddp = by_hand(setup.model) if by_hand else BucketedDDP(setup.model, bucket_bytes)
+        ddp.launched = []  # when each all-reduce leaves, for the timeline
+        forward_backward = setup.forward_backward
 
-        def loss_fn_timed(*args):  # the step's forward begins (one micro-batch a step here)
+        def marked(*args):  # the loop's own forward and backward, the step's start marked
             forward_began[0] = time.perf_counter()
-            return loss_fn(*args)
+            return forward_backward(*args)
 
         def finish_timed():  # the loop's slot after the last backward (Setup.sync_gradients): the wait, timed
             t0 = time.perf_counter()
@@ -90,7 +91,7 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
             )
             ddp.launched.clear()
 
-        setup.loss_fn, setup.sync_gradients = loss_fn_timed, finish_timed
+        setup.forward_backward, setup.sync_gradients = marked, finish_timed
 
     run_cfg = replace(cfg, data_parallel="ddp" if variant == "torch" else "none")
     result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)

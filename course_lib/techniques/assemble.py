@@ -64,9 +64,10 @@ def optimizer_step(
 
 @dataclass
 class Setup:
-    """Everything the loop needs, built from one TrainConfig. The last two fields are the step's two pieces that a
+    """Everything the loop needs, built from one TrainConfig. The last three fields are the step's pieces that a
     parallelism may own: pipeline parallelism runs forward and backward through its schedule, and its gradient
-    norm must be summed over the stages (course_lib.distributed.pipeline sets both)."""
+    norm must be summed over the stages (course_lib.distributed.pipeline sets both); a hand-written data parallelism
+    waits for its all-reduces after backward (data_parallel="bucketed"; ddp_by_hand times it there)."""
 
     model: nn.Module  # the module the optimizer updates (eager, maybe with checkpointed blocks)
     loss_module: LossModule  # eager: (x, y) -> summed loss

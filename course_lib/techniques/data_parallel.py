@@ -58,12 +58,13 @@ class HandDDP:
         for p in model.parameters():
             dist.broadcast(p.data, src=0)
         self.calls = 0  # all-reduces launched
-        self.launched: list[float] = []  # when each left this rank (time.perf_counter), until the caller clears it
+        self.launched: list[float] | None = None  # a list to record when each leaves (notebook 07's timeline)
 
     def _launching(self) -> None:
-        """Counts an all-reduce about to leave this rank, and when (notebook 07 draws it)."""
+        """Counts an all-reduce about to leave this rank (and records when, where `launched` is a list)."""
         self.calls += 1
-        self.launched.append(time.perf_counter())
+        if self.launched is not None:
+            self.launched.append(time.perf_counter())
 
     def finish(self) -> None:
         raise NotImplementedError
@@ -219,7 +220,7 @@ def export(cfg: TrainConfig) -> Code:
         return _fsdp(cfg, init, imports)
     if cfg.data_parallel == "bucketed":  # the loop's own hand-written DDP, rendered
         return Code(
-            imports=tuple(imports),
+            imports=tuple(imports + ["import time"]),
             init=init,
             constants=(f"BUCKET_BYTES = {BUCKET_BYTES}  # gradients all-reduced in buckets of about this many bytes",),
             defs=(source(HandDDP), source(bucket_plan), source(BucketedDDP)),
