@@ -242,3 +242,15 @@ def test_the_loss_is_computed_in_fp32_whatever_the_logits_format(dtype):
     assert ours.dtype == torch.float32 and abs(ours.item() - exact) <= 1e-5 * exact
     native = torch.nn.functional.cross_entropy(x.to(dtype), targets.flatten(), reduction="sum")
     assert native.dtype == dtype and not abs(native.item() - exact) <= 1e-5 * exact
+
+
+def test_the_loss_keeps_fp64_logits_in_fp64():
+    """The cast goes up only: an fp64 reference step (notebook 03's errors against fp64) computes its loss in fp64."""
+    from course_lib.techniques import loss_sum
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 64, 97, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, 97, (4, 64), generator=gen)
+    ours = loss_sum(logits, targets)
+    exact = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    assert ours.dtype == torch.float64 and ours.item() == exact.item()

@@ -20,12 +20,13 @@ from .model_parts import ModelParts
 
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX), in fp32 whatever the
-    logits' format: on a GPU, F.cross_entropy keeps the log-softmax of 16-bit logits in 16 bits (a CPU's mixed
-    precision upcasts it)."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX), in fp32 at least: on a
+    GPU, F.cross_entropy keeps the log-softmax of 16-bit logits in 16 bits (a CPU's mixed precision upcasts it), so
+    16-bit logits are cast up; fp32 and fp64 logits (an fp64 reference step) stay as they are."""
+    logits = logits.reshape(-1, logits.size(-1))
+    if logits.element_size() < 4:  # bf16, fp16
+        logits = logits.float()
+    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class HeadLossInSlices(torch.autograd.Function):
