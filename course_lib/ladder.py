@@ -277,10 +277,7 @@ def run_ladder(
             progress(_progress_text(i, n, rung.name, started))
         if best is not None:
             climb_one(rung.name, rung, leave_out.get(rung.name))
-        elif rung.name in leave_out:
-            why = leave_out[rung.name]
-            results.append(_not_run(rung.name, why, prov, {"kept": False, "why": f"not run: {why}"}))
-        else:  # naive fp32: the baseline
+        else:  # naive fp32, the baseline (check_ladder_arguments refuses to leave it out)
             result, trainer, _ = _measure(T.naive(base), rung.name, None, progress, give_up=False)
             result.reason = result.reason or rung.what_changed
             result.ladder = {

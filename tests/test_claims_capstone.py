@@ -29,7 +29,7 @@ def test_at_the_cpu_preset_none_and_selective_peak_at_different_moments_and_the_
     the ledger at each mode's own peak, and so in the difference of the two, which is what the notebook checks."""
     import dataclasses
 
-    from course_lib import ladder, memory_estimate, reference, train
+    from course_lib import ladder, memory_estimate, reference, training_compute
 
     # the loop an AVX2 laptop ends with: the optimised loop of the shipped AVX2 climb, as notebook 09 runs it
     climbs = [r for _, r, meta in reference.measured_cpus("cpu") if "ATEN_CPU_CAPABILITY=avx2" in meta["cpu"]]
@@ -39,12 +39,11 @@ def test_at_the_cpu_preset_none_and_selective_peak_at_different_moments_and_the_
     )
     assert top.loss_chunks > 1 and top.model.attention == "sdpa", top  # the chunked loss is what moves none's peak
     act, est, when = {}, {}, {}
-    for mode in ("none", "selective"):
-        cfg = dataclasses.replace(top, activation_checkpointing=mode)
-        measured, predicted = train.run(cfg, mode).memory, memory_estimate.estimate(cfg)
-        assert abs(predicted.peak_bytes - measured["peak_bytes"]) <= 0.005 * measured["peak_bytes"], mode
-        act[mode], est[mode] = measured["by_category"]["activations"], predicted.by_category["activations"]
-        when[mode] = predicted.when
+    for c in training_compute.checkpointing_costs(top, modes=("none", "selective"), repeats=1):  # notebook 09's
+        measured, predicted = c.result.memory, c.estimate
+        assert abs(predicted.peak_bytes - measured["peak_bytes"]) <= 0.005 * measured["peak_bytes"], c.mode
+        act[c.mode], est[c.mode] = measured["by_category"]["activations"], predicted.by_category["activations"]
+        when[c.mode] = predicted.when
     kept = {
         m: memory_estimate.activation_bytes(dataclasses.replace(top, activation_checkpointing=m))["kept per layer"]
         for m in act

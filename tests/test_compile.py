@@ -83,14 +83,11 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
 
 
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
-def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeypatch):
+def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeypatch, tiny):
     """A mode that replays CUDA graphs reuses the memory of their last outputs: the loop marks each forward (each
     micro-batch's) as a new step, so that no backward reads an overwritten output; the default mode needs no mark.
     (torch.compile itself is replaced by a function that logs each forward: what is checked is the loop's calls, not
     the compiler.)"""
-    import dataclasses
-
-    from course_lib.config import tiny_preset
     from course_lib.techniques import torch_compile
     from course_lib.train import run
 
@@ -105,15 +102,7 @@ def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeyp
 
     monkeypatch.setattr(torch_compile.torch, "compile", counting_forwards)
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
-    cfg = dataclasses.replace(
-        tiny_preset("cpu"),
-        compile=True,
-        compile_mode=mode,
-        steps=3,
-        grad_accum_steps=2,
-        batch_size=2,
-        measure_memory=False,
-    )
+    cfg = tiny(compile=True, compile_mode=mode, steps=3, grad_accum_steps=2, batch_size=2, measure_memory=False)
     assert run(cfg).ok
     marked = mode in torch_compile.CUDA_GRAPH_MODES
     assert events == (["mark", "forward"] if marked else ["forward"]) * (3 * 2)  # 3 steps of 2 micro-batches

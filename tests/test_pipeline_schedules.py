@@ -342,6 +342,7 @@ def test_slowdown_together_tells_ranks_with_cores_of_their_own_from_ranks_sharin
     assert P.slowdown_together(shared, "gpipe/m=2") == pytest.approx(2.0)
     assert P.measured_bubble(own, "gpipe/m=2") == pytest.approx(P.bubble_fraction(2, 2))
     assert P.measured_bubble(shared, "gpipe/m=2") < P.bubble_fraction(2, 2) - 0.05
+    assert P.shared_cores(own, "gpipe/m=2") is None and "shared cores" in P.shared_cores(shared, "gpipe/m=2")
 
 
 def test_slowdown_together_is_none_without_both_ways_and_skips_empty_events():

@@ -148,6 +148,19 @@ def slowdown_together(ranks: list[dict], key: str, step: int = -1) -> float | No
     return worst
 
 
+SHARED_CORES = 1.5  # slowdown_together past this: the ranks shared cores, and the measured bubble shrank with it
+
+
+def shared_cores(ranks: list[dict], key: str) -> str | None:
+    """Why run `key`'s measured bubble cannot be held to the formula's here, or None: its ranks' work took more than
+    SHARED_CORES times as long while both worked as while one worked alone (slowdown_together), so they shared
+    cores, and the fill and drain, where a rank works alone and faster, shrank."""
+    slow = slowdown_together(ranks, key)
+    if slow is None or slow <= SHARED_CORES:
+        return None
+    return f"the ranks' work took {slow:.2f}x as long while both worked as while one worked alone: they shared cores"
+
+
 def measured_bubble(ranks: list[dict], key: str, step: int = -1) -> float:
     """timeline_bubble of run `key` (e.g. "gpipe/m=4"), from every rank's timeline of one of its timed steps."""
     return timeline_bubble(_timelines(ranks, key, step))
