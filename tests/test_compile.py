@@ -104,5 +104,5 @@ def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeyp
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
     cfg = tiny(compile=True, compile_mode=mode, steps=3, grad_accum_steps=2, batch_size=2, measure_memory=False)
     assert run(cfg).ok
-    marked = mode in torch_compile.CUDA_GRAPH_MODES
+    marked = mode != "default"  # written out: read from CUDA_GRAPH_MODES, the test could not fail
     assert events == (["mark", "forward"] if marked else ["forward"]) * (3 * 2)  # 3 steps of 2 micro-batches
