@@ -23,10 +23,10 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX), in fp32 at least: on a
     GPU, F.cross_entropy keeps the log-softmax of 16-bit logits in 16 bits (a CPU's mixed precision upcasts it), so
     16-bit logits are cast up; fp32 and fp64 logits (an fp64 reference step) stay as they are."""
-    logits = logits.reshape(-1, logits.size(-1))
-    if logits.element_size() < 4:  # bf16, fp16
-        logits = logits.float()
-    return F.cross_entropy(logits, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
+    # (tokens, vocab); `flat` keeps 16-bit logits alive until the loss is made, as the memory model counts them
+    flat = logits.reshape(-1, logits.size(-1))
+    upcast = flat.float() if flat.element_size() < 4 else flat
+    return F.cross_entropy(upcast, targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class HeadLossInSlices(torch.autograd.Function):
