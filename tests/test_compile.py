@@ -82,27 +82,47 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
         )
 
 
+@pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead", "max-autotune"])
-def test_the_cuda_graph_modes_mark_a_new_step_before_every_forward(mode, monkeypatch, tiny):
-    """A mode that replays CUDA graphs reuses the memory of their last outputs: the loop marks each forward (each
-    micro-batch's) as a new step, so that no backward reads an overwritten output; the default mode needs no mark.
-    (torch.compile itself is replaced by a function that logs each forward: what is checked is the loop's calls, not
-    the compiler.)"""
+def test_the_cuda_graph_modes_mark_each_optimizer_step_and_keep_grads_out_of_the_graphs(
+    mode, set_to_none, monkeypatch, tiny
+):
+    """A mode that replays CUDA graphs overwrites the outputs of the step before once a new step is marked: the loop
+    marks each optimizer step once, before its first micro-batch (a mark between micro-batches would overwrite the
+    gradients the first left in .grad), and where gradients live across steps (set_to_none=False) they exist before
+    the first forward, so that backward adds into them rather than installing a graph's output as .grad. The default
+    mode needs neither. (torch.compile itself is replaced by a function that logs each forward: what is checked is the
+    loop's calls, not the compiler.)"""
     from course_lib.techniques import torch_compile
-    from course_lib.train import run
+    from course_lib.train import Trainer
 
     events = []
+    params = []
 
     def counting_forwards(fn, mode=None):
         def forward(*args):
-            events.append("forward")
+            events.append(("forward", all(p.grad is not None for p in params)))
             return fn(*args)
 
         return forward
 
     monkeypatch.setattr(torch_compile.torch, "compile", counting_forwards)
-    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
-    cfg = tiny(compile=True, compile_mode=mode, steps=3, grad_accum_steps=2, batch_size=2, measure_memory=False)
-    assert run(cfg).ok
-    marked = mode != "default"  # written out: read from CUDA_GRAPH_MODES, the test could not fail
-    assert events == (["mark", "forward"] if marked else ["forward"]) * (3 * 2)  # 3 steps of 2 micro-batches
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append(("mark", None)))
+    cfg = tiny(
+        compile=True,
+        compile_mode=mode,
+        steps=3,
+        grad_accum_steps=2,
+        batch_size=2,
+        measure_memory=False,
+        set_to_none=set_to_none,
+    )
+    trainer = Trainer(cfg)
+    params.extend(trainer.setup.model.parameters())
+    assert trainer.fit().ok
+    graphed = mode != "default"  # written out: read from CUDA_GRAPH_MODES, the test could not fail
+    first = ("forward", graphed and not set_to_none)  # the step's first micro-batch: .grad made beforehand, or not
+    second = ("forward", True)  # the first micro-batch's backward made them
+    mark = [("mark", None)] if graphed else []
+    later = ("forward", not set_to_none)  # a later step's first micro-batch: .grad zeroed in place, or freed
+    assert events == mark + [first, second] + (mark + [later, second]) * 2  # 3 steps of 2 micro-batches

@@ -7,30 +7,51 @@ from __future__ import annotations
 
 import torch
 
-from ..codegen import Code
+from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import Technique
 
-# The modes that replay CUDA graphs on a GPU. A replay reuses the memory of the last one's outputs, so the loop says
-# when a new forward begins (torch.compiler.cudagraph_mark_step_begin); without it, a backward that still reads a
-# forward's output can find it overwritten (seen on an H200 with torch 2.11).
+# The modes that replay CUDA graphs on a GPU (OneMarkPerOptimizerStep says what they need from the loop).
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+class OneMarkPerOptimizerStep:
+    """A compiled loss function in a mode that replays CUDA graphs. A replay writes into the memory of the graphs'
+    last outputs, and torch.compiler.cudagraph_mark_step_begin() says when a training step begins: from then on the
+    outputs of the step before may be overwritten. Two rules follow.
+    - One mark per optimizer step, before its first micro-batch: a mark between micro-batches would let the next
+      backward overwrite the gradients the last one left in .grad.
+    - Gradients that live from one step to the next (zero_grad(set_to_none=False)) are made before the first step, so
+      that backward adds into them in place. Otherwise backward installs a graph's output as .grad, and the next step
+      overwrites it: "accessing tensor output of CUDAGraphs that has been overwritten" (an H200, torch 2.11).
+    """
+
+    def __init__(self, compiled, params, micro_batches: int, grads_kept: bool):
+        self.compiled, self.params = compiled, [p for p in params if p.requires_grad]
+        self.micro_batches, self.grads_kept = micro_batches, grads_kept
+        self.calls = 0
+
+    def __call__(self, *args):
+        if self.calls % self.micro_batches == 0:  # the first micro-batch of an optimizer step
+            torch.compiler.cudagraph_mark_step_begin()
+            if self.grads_kept:
+                for p in self.params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+        self.calls += 1
+        return self.compiled(*args)
+
+
 def apply(cfg: TrainConfig, loss_module):
-    """What the loop calls: `loss_module` itself, or compiled (in a CUDA-graph mode, behind a function that marks each
-    forward a new step)."""
+    """What the loop calls: `loss_module` itself, or compiled (in a CUDA-graph mode, behind OneMarkPerOptimizerStep)."""
     if not cfg.compile:
         return loss_module
     compiled = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     if cfg.compile_mode not in CUDA_GRAPH_MODES:
         return compiled
-
-    def each_forward_a_new_step(*args, **kwargs):
-        torch.compiler.cudagraph_mark_step_begin()
-        return compiled(*args, **kwargs)
-
-    return each_forward_a_new_step
+    return OneMarkPerOptimizerStep(
+        compiled, loss_module.parameters(), cfg.grad_accum_steps, grads_kept=not cfg.set_to_none
+    )
 
 
 def export(cfg: TrainConfig) -> Code:
@@ -43,12 +64,13 @@ def export(cfg: TrainConfig) -> Code:
     )
     if cfg.compile_mode not in CUDA_GRAPH_MODES:
         return Code(setup=setup + f"compiled_loss = torch.compile(compute_loss{mode})", loss_fn="compiled_loss")
+    micro_batches = "GRAD_ACCUM_STEPS" if cfg.grad_accum_steps > 1 else "1"
+    kept = not cfg.set_to_none
     return Code(
-        setup=setup + f"graphed_loss = torch.compile(compute_loss{mode})\n\n"
-        "def compiled_loss(*args):\n"
-        "    # CUDA graphs replay into the memory of their last outputs: say that a new forward begins\n"
-        "    torch.compiler.cudagraph_mark_step_begin()\n"
-        "    return graphed_loss(*args)",
+        defs=(source(OneMarkPerOptimizerStep),),
+        setup=setup + "compiled_loss = OneMarkPerOptimizerStep(\n"
+        f"    torch.compile(compute_loss{mode}), model.parameters(), {micro_batches}, grads_kept={kept}\n"
+        ")",
         loss_fn="compiled_loss",
     )
 
