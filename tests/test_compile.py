@@ -126,3 +126,29 @@ def test_the_cuda_graph_modes_mark_each_optimizer_step_and_keep_grads_out_of_the
     mark = [("mark", None)] if graphed else []
     later = ("forward", not set_to_none)  # a later step's first micro-batch: .grad zeroed in place, or freed
     assert events == mark + [first, second] + (mark + [later, second]) * 2  # 3 steps of 2 micro-batches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (none here)")
+@pytest.mark.parametrize("set_to_none, grad_accum_steps", [(False, 1), (False, 2), (True, 2)])
+def test_reduce_overhead_trains_as_the_default_mode_does_on_cuda(set_to_none, grad_accum_steps, tiny):
+    """On a GPU, CUDA graphs replay into the memory of their last outputs. Whether the loop keeps .grad from step to
+    step (the naive zero_grad, which failed on an H200 before OneMarkPerOptimizerStep) or frees it, and with
+    micro-batches, the reduce-overhead loop runs and gives the default mode's losses."""
+    from course_lib.train import train
+
+    runs = {}
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        cfg = tiny(
+            device="cuda",
+            compile=True,
+            compile_mode=mode,
+            steps=5,
+            set_to_none=set_to_none,
+            grad_accum_steps=grad_accum_steps,
+            batch_size=4,
+            measure_memory=False,
+        )
+        runs[mode] = train(cfg, mode)
+    assert runs["reduce-overhead"].ok, runs["reduce-overhead"].reason
+    assert runs["reduce-overhead"].losses == pytest.approx(runs["default"].losses, rel=1e-4)
