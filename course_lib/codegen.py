@@ -104,6 +104,7 @@ class Code:
     setup: str = ""  # main(), after the model is built: wrappers, optimizer, ... (declaration order = build order)
     loss_model: str = ""  # what the loss calls (default "model"; "ddp_model" under DDP)
     loss_fn: str = ""  # the loss function the loop calls (default "compute_loss"; "compiled_loss" with compile)
+    step_start: str = ""  # a line before a step's first micro-batch (the CUDA-graph step mark)
     micro_sync: str = ""  # the context each micro-batch's forward and backward run in (DDP's no_sync)
     micro_start: str = ""  # a line before each micro-batch's forward (FSDP2's gradient-sync switch)
     autocast: str = ""  # the `with` line around forward and loss

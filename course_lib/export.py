@@ -305,6 +305,8 @@ def _loop(cfg: TrainConfig, code: Code) -> str:
             "n_targets = int((y != IGNORE_INDEX).sum())  # real (non-padding) target tokens: the loss is their mean",
         ]
     lines += sync + ["t0 = time.perf_counter()"]
+    if code.step_start:
+        lines.append(code.step_start)
     if accum:
         body = forward + "\n" + backward
         if code.micro_sync:

@@ -70,6 +70,7 @@ def run_step(
     if n_targets is None:
         n_targets = sum(data_mod.count_targets(y) for _, y in micro)
     with meter.watching(setup):
+        setup.begin_step()  # where compile replays CUDA graphs: a new step begins (techniques.torch_compile)
         step_loss = setup.forward_backward(setup, micro, n_targets, meter)  # techniques.accumulate_micro_batches
         with meter.phase("backward"):
             setup.sync_gradients()  # DDP by hand (data_parallel="bucketed"): its last all-reduces; else nothing

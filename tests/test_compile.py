@@ -132,13 +132,16 @@ def test_the_cuda_graph_modes_mark_each_optimizer_step_and_keep_grads_out_of_the
 @pytest.mark.parametrize("set_to_none, grad_accum_steps", [(False, 1), (False, 2), (True, 2)])
 def test_reduce_overhead_trains_as_the_default_mode_does_on_cuda(set_to_none, grad_accum_steps, tiny):
     """On a GPU, CUDA graphs replay into the memory of their last outputs. Whether the loop keeps .grad from step to
-    step (the naive zero_grad, which failed on an H200 before OneMarkPerOptimizerStep) or frees it, and with
+    step (the naive zero_grad, which failed on an H200 before begin_cuda_graph_step) or frees it, and with
     micro-batches, the reduce-overhead loop runs and gives the default mode's losses."""
+    from torch._dynamo.utils import counters
+
     from course_lib.train import train
 
     runs = {}
     for mode in ("default", "reduce-overhead"):
         torch._dynamo.reset()
+        counters.clear()
         cfg = tiny(
             device="cuda",
             compile=True,
@@ -151,4 +154,6 @@ def test_reduce_overhead_trains_as_the_default_mode_does_on_cuda(set_to_none, gr
         )
         runs[mode] = train(cfg, mode)
     assert runs["reduce-overhead"].ok, runs["reduce-overhead"].reason
+    # the graphs were replayed: inductor counts each graph it leaves out of CUDA graphs (then both runs were the same)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert runs["reduce-overhead"].losses == pytest.approx(runs["default"].losses, rel=1e-4)

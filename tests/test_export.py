@@ -373,6 +373,7 @@ def test_exported_scripts_pass_pyflakes(tmp_path, pyflakes):
     cfgs = [cfg for cfg, _, _ in CASES.values()] + [
         top,
         dataclasses.replace(top, activation_checkpointing="selective", compile_mode="max-autotune"),
+        dataclasses.replace(top, compile_mode="reduce-overhead", grad_accum_steps=2, set_to_none=False),
         dataclasses.replace(
             BASE, data_parallel="ddp", grad_accum_steps=2, eval_every=1, precision="fp16", clip_norm=1.0
         ),

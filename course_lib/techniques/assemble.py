@@ -83,6 +83,8 @@ class Setup:
     grad_norm: Callable[[list[torch.Tensor]], torch.Tensor] = torch.nn.utils.get_total_norm  # of all gradients together
     # after the last backward of a step: a hand-written data parallelism waits for its all-reduces (else a no-op)
     sync_gradients: Callable[[], None] = data_parallel._no_sync
+    # before a step's first micro-batch: where compile replays CUDA graphs, a new step is marked (else a no-op)
+    begin_step: Callable[[], None] = torch_compile.no_step_start
 
 
 def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:
@@ -91,11 +93,13 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
     activation_checkpointing.apply(cfg, parts)  # 1
     loss_model, sync_gradients = data_parallel.apply_data_parallel(cfg, model, parts)  # 2
     loss_module = LossModule(loss_model, cfg.loss_chunks, parts)  # 3
+    loss_fn, begin_step = torch_compile.apply(cfg, loss_module)  # 4
     optimizer = make_optimizer(cfg, model)  # 5: the original parameters, whatever wraps the model
     return Setup(
         model=model,
         loss_module=loss_module,
-        loss_fn=torch_compile.apply(cfg, loss_module),  # 4
+        loss_fn=loss_fn,
+        begin_step=begin_step,
         optimizer=optimizer,
         scheduler=make_scheduler(cfg, optimizer),
         autocast=autocast_context(cfg.precision, cfg.device),
