@@ -27,6 +27,7 @@ from ..config import TrainConfig
 from . import activation_checkpointing, data_parallel, torch_compile
 from .chunked_loss import LossModule
 from .clipping import _no_clip, make_clipper
+from .declaration import nothing_to_do
 from .grad_accumulation import accumulate_micro_batches
 from .lr_schedule import make_scheduler
 from .mixed_precision import autocast_context, make_grad_scaler
@@ -82,9 +83,9 @@ class Setup:
     forward_backward: Callable[..., torch.Tensor] = accumulate_micro_batches
     grad_norm: Callable[[list[torch.Tensor]], torch.Tensor] = torch.nn.utils.get_total_norm  # of all gradients together
     # after the last backward of a step: a hand-written data parallelism waits for its all-reduces (else a no-op)
-    sync_gradients: Callable[[], None] = data_parallel._no_sync
+    sync_gradients: Callable[[], None] = nothing_to_do
     # before a step's first micro-batch: where compile replays CUDA graphs, a new step is marked (else a no-op)
-    begin_step: Callable[[], None] = torch_compile.no_step_start
+    begin_step: Callable[[], None] = nothing_to_do
 
 
 def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:

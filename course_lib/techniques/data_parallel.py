@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..codegen import Code, device_type, source
 from ..config import ConfigError, TrainConfig
-from .declaration import Setting
+from .declaration import Setting, nothing_to_do
 from .model_parts import ModelParts
 
 
@@ -137,7 +137,7 @@ def apply_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -
     its `finish` (wait for the buckets in flight, divide by the world size). The optimizer keeps `model`'s
     parameters."""
     if cfg.data_parallel == "none":
-        return model, _no_sync
+        return model, nothing_to_do
     if not dist.is_available() or not dist.is_initialized():
         raise ConfigError(
             f"data_parallel={cfg.data_parallel!r} needs a process group: start it with torchrun "
@@ -154,11 +154,7 @@ def apply_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -
     else:
         shard_with_fsdp2(model, parts, dev.type)
         wrapped = model
-    return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps), _no_sync
-
-
-def _no_sync() -> None:
-    """Nothing to wait for after backward."""
+    return SyncOnLastMicroBatch(wrapped, cfg.grad_accum_steps), nothing_to_do
 
 
 def shard_with_fsdp2(

@@ -13,6 +13,11 @@ from typing import Callable
 from ..codegen import Code
 from ..config import TrainConfig, get_setting, with_setting
 
+
+def nothing_to_do() -> None:
+    """A slot of the step (Setup.begin_step, Setup.sync_gradients) that the config's techniques leave empty."""
+
+
 # What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
 # memory technique only where it made the peak smaller (course_lib.ladder.judge).
 SPEED, MEMORY = "speed", "memory"

@@ -12,7 +12,7 @@ import torch
 
 from ..codegen import Code, source
 from ..config import TrainConfig
-from .declaration import Technique
+from .declaration import Technique, nothing_to_do
 
 # The modes that replay CUDA graphs on a GPU: the loop then calls begin_cuda_graph_step before each optimizer step.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -36,17 +36,13 @@ def begin_cuda_graph_step(params, grads_kept: bool) -> None:
                 p.grad = torch.zeros_like(p)
 
 
-def no_step_start() -> None:
-    """Where no CUDA graphs are replayed, a step needs nothing before its first micro-batch."""
-
-
 def apply(cfg: TrainConfig, loss_module) -> tuple[Callable, Callable[[], None]]:
     """(what the loop calls: `loss_module` itself or compiled, what it calls before each optimizer step)."""
     if not cfg.compile:
-        return loss_module, no_step_start
+        return loss_module, nothing_to_do
     compiled = torch.compile(loss_module, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     if cfg.compile_mode not in CUDA_GRAPH_MODES:
-        return compiled, no_step_start
+        return compiled, nothing_to_do
     params = list(loss_module.parameters())
     return compiled, functools.partial(begin_cuda_graph_step, params, grads_kept=not cfg.set_to_none)
 
