@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import config as C, techniques as T
-from .capabilities import Capabilities, capabilities, efficiency
+from .capabilities import Capabilities, capabilities, efficiency, measured_tflops
 from .results import RunResult, efficiency_text, fmt, provenance, text_table
 from .train import StopRun, Trainer, catching_oom, free_memory
 
@@ -256,6 +256,7 @@ def run_ladder(
             if rung.name not in rungs:
                 leave_out.setdefault(rung.name, "not measured here: not among the rungs asked for")
     caps = capabilities(base.device)
+    refresh_peaks(caps)
     prov = provenance(caps.name)
     results: list[RunResult] = []
     naive_loop = best = None
@@ -313,6 +314,18 @@ def run_ladder(
         if on_result:
             on_result(results)
     return results
+
+
+def refresh_peaks(caps: Capabilities) -> None:
+    """Every rung's efficiency is over this machine's measured matmul peak, which is cached. A peak first measured while
+    the machine was busy would make them all too high (on the 2-core Xeon held to AVX2, one cached at 196 GFLOP/s
+    measured 232-234 when asked again, 2026-11-26), so a climb measures it again first (1.5 s on that CPU), in fp32
+    and in the device's fast 16-bit format; the cache keeps the higher. Nothing where a data sheet gives the peak."""
+    if caps.datasheet is not None:
+        return
+    for precision in ("fp32", caps.fast_16bit()[0]):
+        if precision:
+            measured_tflops(caps.device, precision, refresh=True)
 
 
 def _climb(

@@ -118,6 +118,7 @@ def climb(monkeypatch, tiny):
         monkeypatch.setattr(L, "Trainer", StandInTrainer)
         monkeypatch.setattr(L, "capabilities", lambda device=None: caps)
         monkeypatch.setattr(L, "efficiency", lambda *a, **k: (None, ""))
+        monkeypatch.setattr(L, "refresh_peaks", lambda caps: None)  # a stand-in device has no peak to measure
         return L.run_ladder(tiny(steps=8, timing_warmup=2), **kw)
 
     return go

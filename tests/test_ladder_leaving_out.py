@@ -114,3 +114,24 @@ def test_each_rung_s_figures_follow_from_its_own_measurements(one_block):
         if r.memory and below.memory:
             grew = r.memory["by_category"]["parameters"] - below.memory["by_category"]["parameters"]
             assert grew == (pad_bytes if rung_name(r) == "+ vocab to x64" else 0), (r.label, grew)
+
+
+def test_a_climb_measures_the_peak_again_and_a_stale_low_one_no_longer_flatters_its_efficiency(
+    one_block, tmp_path, monkeypatch
+):
+    """A cached peak measured while the machine was busy is too low, and every efficiency over it too high: the climb
+    measures the peak again first, the cache keeps the higher, and the rows' efficiency is over that."""
+    import json
+
+    from course_lib import capabilities as K
+
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    stale = 1e-6  # TFLOP/s: one megaFLOP/s, far below any CPU's matmuls
+    K.measured_tflops("cpu", "fp32")  # makes the cache's entry for this machine, then spoiled:
+    peaks = tmp_path / "matmul_peaks.json"
+    (key,) = json.loads(peaks.read_text())
+    peaks.write_text(json.dumps({key: stale}))
+    (naive, *_) = run_ladder(one_block, rungs=["naive fp32"])
+    peak = json.loads(peaks.read_text())[key]
+    assert peak > 1000 * stale
+    assert naive.mfu == pytest.approx(naive.tokens_per_s * naive.flops_per_token / (peak * 1e12))

@@ -195,6 +195,34 @@ class CompileCounter:
         return len(self.graphs)
 
 
+# What Inductor is told about tanh on a CPU: its exact vectorised tanh (SLEEF), or 2 / (1 + exp(-2x)) - 1 (the setting
+# the course's compile passes on a CPU: course_lib.techniques.torch_compile.CPU_INDUCTOR_OPTIONS).
+TANH_FORMS = {"exact tanh (SLEEF)": False, "tanh through exp": True}
+
+
+def compiled_gelu_times(rows: int = 4096, width: int = 512, repeats: int = 10) -> dict[str, tuple[float, float]]:
+    """{tanh form: (median seconds of GPT-2's tanh GELU, forward and backward, on a (rows, width) fp32 tensor on the
+    CPU, compiled by Inductor with that form of tanh; its largest error in the forward, against float64)}. Each form
+    is compiled afresh (torch._dynamo.reset() first: code compiled earlier in the process is forgotten)."""
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(rows, width, generator=gen)).requires_grad_()  # most of GELU's interesting range, [-15, 15]
+    grad = torch.randn(rows, width, generator=gen)
+    exact = F.gelu(x.detach().double(), approximate="tanh")
+    out = {}
+    for form, through_exp in TANH_FORMS.items():
+        torch._dynamo.reset()
+        gelu = torch.compile(lambda v: F.gelu(v, approximate="tanh"), options={"cpp.use_decompose_tanh": through_exp})
+        error = (gelu(x).detach().double() - exact).abs().max().item()
+
+        def step():
+            gelu(x).backward(grad)
+            x.grad = None
+
+        out[form] = (time_fn(step, repeats=repeats, warmup=2), error)
+    torch._dynamo.reset()
+    return out
+
+
 def break_even_steps(compile_s: float, eager_step_s: float, compiled_step_s: float) -> float | None:
     """Steps after which compiling has paid for itself: compile_s / (eager - compiled); None if it never does."""
     saved = eager_step_s - compiled_step_s
