@@ -60,8 +60,8 @@ class HeadLossInSlices(torch.autograd.Function):
             p.sub_(m).exp_()
             s = p.sum(dim=-1, keepdim=True)
             total = total + ((m.squeeze(1) + s.log().squeeze(1) - picked) * valid).sum()  # log-sum-exp - target logit
-            # softmax - onehot; 0 on padding
-            p.div_(s).scatter_add_(1, t0, -valid[:, None].to(p.dtype)).mul_(valid[:, None])
+            # softmax - onehot, 0 on padding: a padding row is divided by infinity, so one pass divides and masks
+            p.div_(s.masked_fill(~valid[:, None], float("inf"))).scatter_add_(1, t0, -valid[:, None].to(p.dtype))
             g = p.to(logits.dtype)  # d loss / d logits (c, V), in the matmul's dtype
             gh.copy_(g @ weight)  # (c, d)
             grad_weight += (g.t() @ h).float()  # (V, d)
