@@ -9,11 +9,13 @@ section "Where the time goes" reads a profile by hand; this is the same reading 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from .config import ConfigError, TrainConfig
@@ -58,7 +60,7 @@ def profile_run(
     from .train import Trainer  # train imports much; this module is imported by the CLI's parser
 
     trainer = Trainer(cfg)
-    with profile(activities=activities, schedule=when) as prof:
+    with profile(activities=activities, schedule=when) as prof, _named_cpu_kernels(cfg):
 
         def after(step: int, _r) -> None:
             prof.step()
@@ -71,14 +73,57 @@ def profile_run(
     return Profile(result, prof, list(range(warmup, warmup + active)), "cuda" if on_cuda else "cpu")
 
 
+@contextlib.contextmanager
+def _named_cpu_kernels(cfg: TrainConfig):
+    """On a CPU with compile: Inductor's generated C++ kernels each record their own profiler event (cpp's
+    enable_kernel_profile), named after what they fuse (graph_0_cpp_fused_gelu_...); without it their time is the
+    self time of the compiled graph's call, one opaque row. Compiled code from earlier in the process would lack the
+    events: it is forgotten first (torch._dynamo.reset())."""
+    if not (cfg.compile and torch.device(cfg.device).type == "cpu"):
+        yield
+        return
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        yield
+
+
+# What `by_kind` sorts a CPU profile's operators into: (kind, does this event belong to it?), first match wins.
+# `name` is the event's, `within` the names of the events it ran inside.
+KINDS: tuple[tuple[str, Callable[[str, list[str]], bool]], ...] = (
+    ("optimizer (AdamW's update, zero_grad)", lambda name, within: any(w.startswith("Optimizer.") for w in within)),
+    ("matmuls", lambda name, within: name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("attention (SDPA's fused kernel)", lambda name, within: "scaled_dot_product" in name),
+    ("torch.compile's generated kernels", lambda name, within: name.startswith("graph_") and "_cpp_fused_" in name),
+    ("compiled graphs' Python wrappers", lambda name, within: "Call CompiledFxGraph" in name),
+    ("copies and fills", lambda name, within: name in ("aten::copy_", "aten::fill_", "aten::zero_")),
+    ("everything else (element-wise, norms, softmax, loss, clipping...)", lambda name, within: True),
+)
+
+
+def by_kind(p: Profile) -> dict[str, float]:
+    """{kind: seconds per recorded step} for a CPU profile: the operators' own time (busy_s's, all threads) sorted
+    into KINDS, the largest first."""
+    out: dict[str, float] = {}
+    for e in p.prof.events():
+        if e.device_type != DeviceType.CPU or e.is_user_annotation:
+            continue
+        within, parent = [], e.cpu_parent
+        while parent is not None:
+            within.append(parent.name)
+            parent = parent.cpu_parent
+        kind = next(k for k, belongs in KINDS if belongs(e.name, within))
+        out[kind] = out.get(kind, 0.0) + e.self_cpu_time_total / 1e6 / len(p.active)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def busy_s(p: Profile) -> float:
     """Seconds of work the device did in the recorded steps. On CUDA: the GPU's kernels and copies, each counted
     once, as torch's own "Self CUDA time total" counts them (summing the table's rows would count a kernel again in
     the operator that launched it, and again in the device-side span of a named range such as
     `Optimizer.step#AdamW.step`). On a CPU: the operators' own time, on all threads (named ranges and ProfilerStep#N
     are left out: their own time is the gaps between operators)."""
-    from torch.autograd import DeviceType
-
     kind = DeviceType.CUDA if p.device == "cuda" else DeviceType.CPU
     return (
         sum(getattr(e, p.self_time) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation)
@@ -96,6 +141,12 @@ def summary(p: Profile, rows: int = 20) -> str:
             f"the GPU's kernels and copies: {work_s * 1e3:.1f} ms = {work_s / wall_s:.0%} of it (the rest: the GPU "
             f"idle, waiting for the CPU to launch work or for a synchronisation)"
         )
-    else:
-        busy = f"the operators' own CPU time, all threads: {work_s * 1e3:.1f} ms"
-    return f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}"
+        return f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}"
+    busy = f"the operators' own CPU time, all threads: {work_s * 1e3:.1f} ms"
+    kinds = "\n".join(
+        f"  {kind:<66} {s * 1e3:8.1f} ms  {s * len(p.active) / work_s:4.0%}" for kind, s in by_kind(p).items()
+    )
+    return (
+        f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}\n"
+        f"Where a step's time goes (the operators' own time per step, by kind):\n{kinds}"
+    )
