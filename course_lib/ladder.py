@@ -319,11 +319,13 @@ def run_ladder(
 def refresh_peaks(caps: Capabilities) -> None:
     """Every rung's efficiency is over this machine's measured matmul peak, which is cached. A peak first measured while
     the machine was busy would make them all too high (on the 2-core Xeon held to AVX2, one cached at 196 GFLOP/s
-    measured 232-234 when asked again, 2026-11-26), so a climb measures it again first (1.5 s on that CPU), in fp32
-    and in the device's fast 16-bit format; the cache keeps the higher. Nothing where a data sheet gives the peak."""
+    measured 232-234 when asked again, 2026-11-26), so a climb measures it again first (1.5 s on that CPU), in fp32,
+    TF32 where it is a mode of its own (a GPU's) and the device's fast 16-bit format; the cache keeps the higher.
+    Nothing where a data sheet gives the peak."""
     if caps.datasheet is not None:
         return
-    for precision in ("fp32", caps.fast_16bit()[0]):
+    tf32 = "tf32" if caps.type == "cuda" and caps.supports("tf32").ok else None
+    for precision in ("fp32", tf32, caps.fast_16bit()[0]):
         if precision:
             measured_tflops(caps.device, precision, refresh=True)
 

@@ -16,15 +16,16 @@ from .measure import CATEGORIES, GiB
 
 
 def git_commit() -> str | None:
+    """The course's commit, with "-dirty" when its tracked files differ from it (a number measured with code that no
+    commit holds says so); None outside a git checkout."""
+
+    def git(*args: str) -> str:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=5, cwd=here).stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or None
+        commit = git("rev-parse", "--short", "HEAD")
+        return (commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
 

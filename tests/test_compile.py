@@ -103,14 +103,16 @@ def test_compile_on_a_cpu_writes_tanh_through_exp_and_keeps_gelu_within_its_stat
     assert torch_compile.compile_arguments(C.TrainConfig(device="cuda", compile=True)) == {"mode": None}
 
     x = torch.linspace(-10, 10, 200_001)
-    torch._dynamo.reset()
-    gelu = torch.compile(lambda v: torch.nn.functional.gelu(v, approximate="tanh"), **arguments)
-    y, sources = run_and_get_code(gelu, x)
-    torch._dynamo.reset()
-    kernel = "\n".join(sources)
-    assert ".exp()" in kernel and ".tanh()" not in kernel, kernel[-3000:]
     exact = torch.nn.functional.gelu(x.double(), approximate="tanh")
-    assert (y.double() - exact).abs().max().item() < 1e-6
+    for through_exp in (True, False):
+        torch._dynamo.reset()
+        options = {**arguments["options"], torch_compile.TANH_THROUGH_EXP: through_exp}
+        gelu = torch.compile(lambda v: torch.nn.functional.gelu(v, approximate="tanh"), options=options)
+        y, sources = run_and_get_code(gelu, x)
+        kernel = "\n".join(sources)
+        assert (".tanh()" not in kernel) == through_exp and (".exp()" in kernel) == through_exp, kernel[-3000:]
+        assert (y.double() - exact).abs().max().item() < 1e-6
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])

@@ -3,8 +3,10 @@ around the course's one loop."""
 
 import json
 import re
+import sys
 
 import pytest
+import torch
 
 from course_lib import profiling
 from course_lib.__main__ import main as cli
@@ -31,22 +33,28 @@ def test_only_the_steps_after_the_warm_up_are_recorded(tiny, tmp_path):
 
 
 def test_a_cpu_profile_says_where_a_steps_time_goes_by_kind(tiny):
-    """Each operator's own time lands in one kind: the kinds add up to the operators' own time. A step of the tiny
-    model with SDPA shows its matmuls, its attention kernel and its optimizer."""
+    """A step of the tiny model with SDPA, by kind: its matmuls, its attention kernel and its optimizer each take
+    time, and no generated kernel (nothing is compiled)."""
     p = profiling.profile_run(tiny(timing_warmup=1).with_model(attention="sdpa"), active=2)
     kinds = profiling.by_kind(p)
-    assert sum(kinds.values()) * len(p.active) == pytest.approx(profiling.busy_s(p))
     for kind in ("matmuls", "attention (SDPA's fused kernel)", "optimizer (AdamW's update, zero_grad)"):
         assert kinds[kind] > 0, kinds
     assert "torch.compile's generated kernels" not in kinds  # nothing is compiled
     assert "Where a step's time goes" in profiling.summary(p)
 
 
+@pytest.mark.skipif(
+    sys.platform not in ("linux", "win32"),
+    reason=f"Inductor names its CPU kernels in a profile only on Linux and Windows (this is {sys.platform})",
+)
+@pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile (dynamo) is not supported on this Python"
+)
 def test_under_compile_a_cpu_profile_names_the_generated_kernels(tiny):
     """Compiled, Inductor's C++ kernels each show as their own row, named after what they fuse, and count among the
     kinds; without the profile's setting they would be hidden in the compiled graph's call."""
     p = profiling.profile_run(tiny(timing_warmup=1, compile=True).with_model(n_layer=1), active=1)
-    generated = [e.key for e in p.prof.key_averages() if e.key.startswith("graph_") and "_cpp_fused_" in e.key]
+    generated = [e.key for e in p.prof.key_averages() if "cpp_fused_" in e.key]
     assert generated, [e.key for e in p.prof.key_averages()]
     assert profiling.by_kind(p)["torch.compile's generated kernels"] > 0
 

@@ -90,7 +90,13 @@ def test_fused_adamw_runs_one_fused_kernel_and_updates_like_the_for_loop(tiny_mo
     "change", [dict(activation_checkpointing="full"), dict(activation_checkpointing="selective"), dict(loss_chunks=4)]
 )
 def test_memory_savers_change_nothing_in_the_math(change, tiny_model):
+    """Checkpointing and the loss in slices compute the plain loop's loss and gradients, with padding among the
+    targets: a padded tail, and a whole slice of the chunked loss's 4 (tokens 0-15) that is padding only."""
+    from course_lib.data import IGNORE_INDEX
+
     x, y = torch.randint(0, 64, (2, 32)), torch.randint(0, 64, (2, 32))
+    y[0, :16] = IGNORE_INDEX
+    y[1, 28:] = IGNORE_INDEX
     m0 = tiny_model()
     base = T.build(C.TrainConfig(model=m0.config, context=32), m0)
     l0, g0 = loss_and_grads(m0, base.loss_module, x, y)

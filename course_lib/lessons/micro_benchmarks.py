@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..measure import MemoryLedger, time_fn
+from ..techniques.torch_compile import TANH_THROUGH_EXP
 
 # ---- one call: time and memory -------------------------------------------------------------------
 
@@ -211,7 +212,7 @@ def compiled_gelu_times(rows: int = 4096, width: int = 512, repeats: int = 10) -
     out = {}
     for form, through_exp in TANH_FORMS.items():
         torch._dynamo.reset()
-        gelu = torch.compile(lambda v: F.gelu(v, approximate="tanh"), options={"cpp.use_decompose_tanh": through_exp})
+        gelu = torch.compile(lambda v: F.gelu(v, approximate="tanh"), options={TANH_THROUGH_EXP: through_exp})
         error = (gelu(x).detach().double() - exact).abs().max().item()
 
         def step():

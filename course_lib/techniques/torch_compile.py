@@ -23,7 +23,8 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # by up to 5.2e-7 against 4.3e-7 over [-10, 10]. Its kernels take 2.1 instead of 8.1 ms a step forward and 3.9 instead
 # of 7.3 backward (the cpu preset, 2 cores held to AVX2, 2026-11-26). Inductor made the exact tanh its default in 2025,
 # for a model whose tanh near 0 fed atan2 (pytorch#148241), and kept this as a setting. Triton (a GPU's) ignores it.
-CPU_INDUCTOR_OPTIONS = {"cpp.use_decompose_tanh": True}
+TANH_THROUGH_EXP = "cpp.use_decompose_tanh"
+CPU_INDUCTOR_OPTIONS = {TANH_THROUGH_EXP: True}
 
 
 def compile_arguments(cfg: TrainConfig) -> dict:
@@ -65,26 +66,28 @@ def apply(cfg: TrainConfig, loss_module) -> tuple[Callable, Callable[[], None]]:
     return compiled, functools.partial(begin_cuda_graph_step, params, grads_kept=not cfg.set_to_none)
 
 
+def _python(value) -> str:
+    """A string or a dict of settings as the exported script writes it (double quotes, Python's True)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_python(k)}: {_python(v)}" for k, v in value.items()) + "}"
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
 def export(cfg: TrainConfig) -> Code:
     if not cfg.compile:
         return Code()
-    if torch.device(cfg.device).type != "cpu":
-        arguments = "" if cfg.compile_mode == "default" else f', mode="{cfg.compile_mode}"'
-        why_options = ""
-    else:
-        mode_options = "" if cfg.compile_mode == "default" else f'**list_mode_options("{cfg.compile_mode}"), '
-        settings = ", ".join(f'"{k}": {v!r}' for k, v in CPU_INDUCTOR_OPTIONS.items())
-        arguments = f", options={{{mode_options}{settings}}}"
-        why_options = (
-            "# On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, off by up to 1.8e-7 (absolute) and several times\n"
-            "# faster than its exact vectorised tanh (GPT-2's tanh GELU is the model's only tanh).\n"
-        )
-        if mode_options:
-            why_options += "from torch._inductor import list_mode_options  # a mode's settings, as options\n"
+    arguments = compile_arguments(cfg)
+    why_options = (
+        "# On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, off by up to 1.8e-7 (absolute) and several times\n"
+        "# faster than its exact vectorised tanh (GPT-2's tanh GELU is the model's only tanh).\n"
+        if "options" in arguments
+        else ""
+    )
+    written = "".join(f", {name}={_python(value)}" for name, value in arguments.items() if value is not None)
     setup = (
         "# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
         "# the first step compiles (it is left out of the timing).\n"
-        f"{why_options}compiled_loss = torch.compile(compute_loss{arguments})"
+        f"{why_options}compiled_loss = torch.compile(compute_loss{written})"
     )
     if cfg.compile_mode not in CUDA_GRAPH_MODES:
         return Code(setup=setup, loss_fn="compiled_loss")
