@@ -66,13 +66,6 @@ def apply(cfg: TrainConfig, loss_module) -> tuple[Callable, Callable[[], None]]:
     return compiled, functools.partial(begin_cuda_graph_step, params, grads_kept=not cfg.set_to_none)
 
 
-def _python(value) -> str:
-    """A string or a dict of settings as the exported script writes it (double quotes, Python's True)."""
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_python(k)}: {_python(v)}" for k, v in value.items()) + "}"
-    return f'"{value}"' if isinstance(value, str) else repr(value)
-
-
 def export(cfg: TrainConfig) -> Code:
     if not cfg.compile:
         return Code()
@@ -83,7 +76,7 @@ def export(cfg: TrainConfig) -> Code:
         if "options" in arguments
         else ""
     )
-    written = "".join(f", {name}={_python(value)}" for name, value in arguments.items() if value is not None)
+    written = "".join(f", {name}={value!r}" for name, value in arguments.items() if value is not None)
     setup = (
         "# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
         "# the first step compiles (it is left out of the timing).\n"
