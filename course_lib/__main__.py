@@ -282,7 +282,7 @@ def cmd_profile(args) -> int:
     """torch.profiler over a few steps of the config `chosen_config` names, after its warm-up steps."""
     import torch
 
-    from .profiling import profile_run, summary
+    from .profiling import kernel_floor, profile_run, summary
     from .results import efficiency_text
 
     try:
@@ -317,6 +317,8 @@ def cmd_profile(args) -> int:
         f"{efficiency_text(r)}"
     )
     print(summary(p, rows=args.rows))
+    if not args.no_floor:
+        print(kernel_floor(p).text())
     if trace is not None:
         if not trace.is_file():
             print(f"error: the profiler did not write {trace}", file=sys.stderr)
@@ -515,6 +517,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, default=20, help="operators to list (default: 20)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
     p.add_argument("--force", action="store_true", help="replace the --trace file if it exists")
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="leave out the kernel floor (each matmul and attention call of a step timed again alone: a few seconds)",
+    )
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("info", help="what this machine supports")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

@@ -5,7 +5,9 @@ its per-step callback, so the warm-up steps (compiling, the allocator's first re
 `active` steps after them are recorded. `summary(...)` turns the record into the operators that took the most time of
 their own, on the device that did the work: the GPU's kernels on CUDA, the CPU's operators otherwise. The notebook 01
 section "Where the time goes" reads a profile by hand; this is the same reading for any config, from the command line
-(`python -m course_lib profile`)."""
+(`python -m course_lib profile`). `kernel_floor(...)` times the recorded step's matmuls and fused-attention calls
+again, one by one and alone: how fast a step can be while it calls them, the limit a training loop (not a kernel
+library) can reach."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 
 from .config import ConfigError, TrainConfig
 from .results import RunResult
+from .timing import time_fn
 
 
 @dataclasses.dataclass
@@ -60,7 +63,8 @@ def profile_run(
     from .train import Trainer  # train imports much; this module is imported by the CLI's parser
 
     trainer = Trainer(cfg)
-    with profile(activities=activities, schedule=when) as prof, _named_cpu_kernels(cfg):
+    # record_shapes: kernel_floor times each matmul and attention call again at its shape (and is_causal)
+    with profile(activities=activities, schedule=when, record_shapes=True) as prof, _named_cpu_kernels(cfg):
 
         def after(step: int, _r) -> None:
             prof.step()
@@ -155,3 +159,238 @@ def summary(p: Profile, rows: int = 20) -> str:
         f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}\n"
         f"Where a step's time goes (the operators' own time per step, by kind):\n{kinds}"
     )
+
+
+# ---- the kernel floor ----------------------------------------------------------------------------------------------
+
+# The step's big kernels: matrix multiplies (the operands' positions among the op's inputs) and fused attention (the
+# forward op and is_causal's position among its inputs, from its ATen signature; its backward is the same name +
+# "_backward", with the query second). A loop can only call these; their speed at a shape is the kernel library's.
+MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
+ATTENTION_IS_CAUSAL = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": 4,
+    "aten::_scaled_dot_product_flash_attention": 4,
+    "aten::_scaled_dot_product_efficient_attention": 6,
+    "aten::_scaled_dot_product_cudnn_attention": 6,
+}
+_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
+
+
+@dataclasses.dataclass
+class KernelCall:
+    """One kind of call of a recorded step: a matmul of two operand shapes, or a fused attention's forward (with its
+    backward, when the step ran one), in one dtype."""
+
+    what: str  # "matmul" or "attention"
+    shapes: tuple  # matmul: the two operands' shapes; attention: (query, key, value)
+    strides: tuple  # the same operands' strides (a transposed operand can take another, slower kernel); () unknown
+    dtype: torch.dtype
+    causal: bool = False  # attention only
+    calls: float = 0.0  # per recorded step (attention: forward calls)
+    seconds: float = 0.0  # one call, alone (attention: its forward)
+    backward_calls: float = 0.0  # attention only: per step
+    backward_seconds: float = 0.0  # attention only: one backward, alone
+
+    @property
+    def flops(self) -> float:
+        """A matmul's 2mkn (times its batch), per call; 0 for attention."""
+        if self.what != "matmul":
+            return 0.0
+        a, b = self.shapes
+        batch = a[0] if len(a) == 3 else 1
+        return 2.0 * batch * a[-2] * a[-1] * b[-1]
+
+    @property
+    def step_s(self) -> float:
+        return self.calls * self.seconds + self.backward_calls * self.backward_seconds
+
+    def _transposed(self, i: int) -> bool:
+        """Whether operand i is stored transposed (its last two dimensions column-major), as autograd's views are."""
+        return bool(self.strides) and self.strides[i][-1] != 1 and self.strides[i][-2] == 1
+
+    def text(self) -> str:
+        dt = str(self.dtype).removeprefix("torch.")
+        if self.what == "matmul":
+            a, b = (
+                "x".join(map(str, shape)) + ("ᵀ" if self._transposed(i) else "") for i, shape in enumerate(self.shapes)
+            )
+            return (
+                f"{self.calls:4g} x matmul {a} @ {b} {dt}: {self.seconds * 1e3:.2f} ms each, "
+                f"{self.flops / self.seconds / 1e9:,.0f} GFLOP/s"
+            )
+        q = "x".join(map(str, self.shapes[0]))
+        return (
+            f"{self.calls:4g} x attention, query {q} {dt}{', causal' if self.causal else ''}: "
+            f"{self.seconds * 1e3:.2f} ms forward"
+            + (
+                f", {self.backward_calls:g} x {self.backward_seconds * 1e3:.2f} ms backward"
+                if self.backward_calls
+                else ""
+            )
+        )
+
+
+@dataclasses.dataclass
+class KernelFloor:
+    calls: list[KernelCall]
+    step_s: float  # a recorded step's wall time (with the profiler on)
+    mfu: float | None  # the run's efficiency, over its steps' median time below
+    mfu_step_s: float
+
+    @property
+    def matmul_s(self) -> float:
+        return sum(c.step_s for c in self.calls if c.what == "matmul")
+
+    @property
+    def attention_s(self) -> float:
+        return sum(c.step_s for c in self.calls if c.what == "attention")
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.attention_s
+
+    @property
+    def matmul_flops(self) -> float:
+        """A step's matmul FLOPs: 2mkn per call, summed."""
+        return sum(c.calls * c.flops for c in self.calls)
+
+    @property
+    def mfu_at_floor(self) -> float | None:
+        """The efficiency of a step that took only its kernels' time (the same FLOPs, in less time)."""
+        return self.mfu * self.mfu_step_s / self.total_s if self.mfu and self.total_s else None
+
+    def text(self) -> str:
+        if not self.calls:
+            return "The recorded steps called no matmul or fused-attention kernel: no kernel floor."
+        lines = [
+            "The kernel floor: each matmul and fused-attention call of a recorded step timed again by itself, at its "
+            "shape, layout (ᵀ: an operand stored transposed) and dtype, the median of repeats, counted as often as a "
+            "step makes it:"
+        ]
+        if self.matmul_s:
+            n = sum(c.calls for c in self.calls if c.what == "matmul")
+            lines.append(
+                f"  matmuls: {n:g} calls per step, {self.matmul_s * 1e3:.1f} ms ({self.matmul_flops / 1e9:.2f} GFLOP "
+                f"at {self.matmul_flops / self.matmul_s / 1e9:,.0f} GFLOP/s)"
+            )
+        attention = [c for c in self.calls if c.what == "attention"]
+        if attention:
+            fwd, bwd = sum(c.calls for c in attention), sum(c.backward_calls for c in attention)
+            lines.append(
+                f"  fused attention: {fwd:g} forward and {bwd:g} backward calls per step, "
+                f"{self.attention_s * 1e3:.1f} ms"
+            )
+        rest = self.step_s - self.total_s
+        lines.append(
+            f"  together {self.total_s * 1e3:.1f} ms: the fastest a step can be while it calls these kernels. A "
+            f"recorded step took {self.step_s * 1e3:.1f} ms (the profiler on), so the kernels are "
+            f"{self.total_s / self.step_s:.0%} of it"
+            + (
+                f"; the other {rest * 1e3:.1f} ms (element-wise work, the loss, the optimizer, overhead) is what the "
+                "loop can still remove."
+                if rest > 0
+                else ": timed alone they took the whole step, and the rest is inside the noise."
+            )
+        )
+        if self.mfu_at_floor:
+            lines.append(
+                f"  A step that took only the kernels' time would reach {self.mfu_at_floor:.0%} of the peak the "
+                f"efficiency is measured against ({self.mfu:.0%} now): the rest of the gap is the kernels' own, at "
+                "these shapes."
+            )
+        lines += ["  by call:"] + [f"    {c.text()}" for c in sorted(self.calls, key=lambda c: -c.step_s)]
+        return "\n".join(lines)
+
+
+def _recorded_ops(p: Profile):
+    """(name, input shapes, input dtypes, input strides, concrete inputs) of each operator the CPU ran in the recorded
+    steps, read from the profiler's own events: the public FunctionEvent has no dtypes before torch 2.13, these do.
+    Strides where this torch records them (2.13 does, 2.11 does not: [] then)."""
+    for ev in p.prof.profiler.kineto_results.events():
+        if ev.device_type() != DeviceType.CPU or not ev.shapes():
+            continue
+        strides = ev.structured_input_strides() if hasattr(ev, "structured_input_strides") else []
+        yield ev.name(), ev.shapes(), ev.dtypes(), strides, ev.concrete_inputs()
+
+
+def _kernel_calls(p: Profile) -> list[KernelCall]:
+    """The recorded steps' matmul and fused-attention calls, grouped by shapes, strides, dtype (and is_causal),
+    counted per step; not yet timed."""
+    found: dict[tuple, KernelCall] = {}
+    backwards: dict[tuple, int] = {}
+    for name, shapes_in, dtypes, strides, concrete in _recorded_ops(p):
+
+        def operands(*idx: int) -> tuple[tuple, tuple, torch.dtype | None]:
+            shapes = tuple(tuple(shapes_in[i]) for i in idx)
+            got = tuple(tuple(strides[i]) if i < len(strides) and strides[i] else () for i in idx)
+            layout = got if all(len(st) == len(sh) for st, sh in zip(got, shapes)) else ()
+            return shapes, layout, _DTYPES.get(dtypes[idx[0]])
+
+        if name in MATMUL_OPERANDS:
+            shapes, layout, dtype = operands(*MATMUL_OPERANDS[name])
+            if dtype is None or len(shapes[0]) not in (2, 3):
+                continue
+            key = ("matmul", shapes, layout, dtype, False)
+        elif name in ATTENTION_IS_CAUSAL:
+            shapes, layout, dtype = operands(0, 1, 2)
+            if dtype is None:
+                continue
+            key = ("attention", shapes, layout, dtype, concrete[ATTENTION_IS_CAUSAL[name]] is True)
+        elif name.endswith("_backward") and name.removesuffix("_backward") in ATTENTION_IS_CAUSAL:
+            query = (tuple(shapes_in[1]), _DTYPES.get(dtypes[1]))  # (grad_out, query, key, value, ...)
+            backwards[query] = backwards.get(query, 0) + 1
+            continue
+        else:
+            continue
+        call = found.setdefault(key, KernelCall(*key))
+        call.calls += 1 / len(p.active)
+    for (query, dtype), n in backwards.items():  # each backward to its forward: the same query shape and dtype
+        for c in found.values():
+            if c.what == "attention" and c.shapes[0] == query and c.dtype == dtype:
+                c.backward_calls = n / len(p.active)
+                break
+    return list(found.values())
+
+
+def _time_alone(c: KernelCall, device: str, min_time_s: float) -> None:
+    """Time one call of c by itself on random inputs of its shapes, strides and dtype; attention: its forward, and
+    forward with backward (backward is the difference)."""
+    import torch.nn.functional as F
+
+    def timed(fn) -> float:
+        return time_fn(fn, device, repeats=3, warmup=1, min_time_s=min_time_s, max_repeats=50)
+
+    def operand(i: int, requires_grad: bool = False) -> torch.Tensor:
+        shape, stride = c.shapes[i], c.strides[i] if c.strides else None
+        x = torch.empty_strided(
+            shape, stride or torch.empty(shape, device="meta").stride(), device=device, dtype=c.dtype
+        )
+        return x.normal_().requires_grad_(requires_grad)
+
+    if c.what == "matmul":
+        a, b = operand(0), operand(1)
+        multiply = torch.bmm if a.dim() == 3 else torch.mm
+        with torch.no_grad():
+            c.seconds = timed(lambda: multiply(a, b))
+        return
+    q, k, v = (operand(i, requires_grad=True) for i in range(3))
+    grad_out = torch.randn(q.shape, device=device, dtype=c.dtype)
+
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=c.causal)
+
+    c.seconds = timed(forward)
+    if c.backward_calls:
+        both = timed(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out))
+        c.backward_seconds = max(0.0, both - c.seconds)
+
+
+def kernel_floor(p: Profile, min_time_s: float = 0.1) -> KernelFloor:
+    """How fast a recorded step could be while it calls its matmuls and fused attention: each kind of call (shapes,
+    dtype, is_causal) timed again by itself and counted as often as a step makes it. What a step spends beyond that is
+    what the loop can still remove; the kernels' own speed at these shapes is the library's. (Random inputs: a matmul's
+    speed does not depend on its values; nor does attention's.)"""
+    calls = _kernel_calls(p)
+    for c in calls:
+        _time_alone(c, p.device, min_time_s)
+    return KernelFloor(calls, p.active_wall_s / len(p.active), p.result.mfu, p.result.median_step_s)

@@ -59,6 +59,57 @@ def test_under_compile_a_cpu_profile_names_the_generated_kernels(tiny):
     assert profiling.by_kind(p)["torch.compile's generated kernels"] > 0
 
 
+def test_the_kernel_floor_times_every_matmul_and_attention_call_of_a_step(tiny):
+    """The floor finds a step's matmuls (the same FLOPs torch's FLOP counter counts in one step) and its fused
+    attention (a causal forward and a backward per block), times each kind alone, and says what share of the step
+    they are."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from course_lib.train import Trainer
+
+    cfg = tiny(timing_warmup=1).with_model(attention="sdpa")
+    p = profiling.profile_run(cfg, active=2)
+    floor = profiling.kernel_floor(p, min_time_s=0.0)
+    counter = FlopCounterMode(display=False)
+    trainer = Trainer(cfg)
+    with counter:
+        trainer.step()
+    matmul_ops = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm}
+    counted = sum(n for op, n in counter.get_flop_counts()["Global"].items() if op in matmul_ops)
+    assert floor.matmul_flops == pytest.approx(counted, rel=1e-9)
+    attention = [c for c in floor.calls if c.what == "attention"]
+    assert len(attention) == 1 and attention[0].causal  # one shape, is_causal read from the recorded call
+    assert attention[0].calls == attention[0].backward_calls == cfg.model.n_layer
+    assert all(c.seconds > 0 for c in floor.calls) and attention[0].backward_seconds > 0
+    assert floor.total_s == pytest.approx(floor.matmul_s + floor.attention_s) and floor.step_s > 0
+    text = floor.text()
+    assert "The kernel floor" in text and f"{floor.total_s * 1e3:.1f} ms" in text
+    assert f"{floor.total_s / floor.step_s:.0%} of it" in text
+
+
+def test_the_kernel_floor_times_an_operand_in_its_recorded_layout():
+    """A transposed operand can take another kernel than a contiguous one (a bf16 matmul on a CPU without bf16
+    instructions is several times slower one way): the floor builds each operand with the strides the step used."""
+    from torch.profiler import ProfilerActivity, profile
+
+    a, b = torch.randn(64, 32), torch.randn(64, 16)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        torch.mm(a.t(), b)
+    (call,) = profiling._kernel_calls(profiling.Profile(result=None, prof=prof, active=[0], device="cpu"))
+    assert call.shapes == ((32, 64), (64, 16))
+    if not call.strides:
+        pytest.skip(f"torch {torch.__version__}'s profiler records no strides (the floor's operands are contiguous)")
+    assert call.strides == ((1, 32), (16, 1))
+    made = []
+    real_mm = torch.mm
+    try:
+        torch.mm = lambda x, y: made.append(x.stride()) or real_mm(x, y)
+        profiling._time_alone(call, "cpu", min_time_s=0.0)
+    finally:
+        torch.mm = real_mm
+    assert made and set(made) == {(1, 32)} and call.seconds > 0
+
+
 def footer_seconds(table: str, label: str) -> float:
     """A total from the foot of torch's profiler table, e.g. 'Self CUDA time total: 1.234ms', in seconds."""
     value = re.search(rf"{label}: ([0-9.]+)(us|ms|s)\b", table)
@@ -89,3 +140,5 @@ def test_on_a_gpu_the_summary_counts_kernel_time(tiny):
     busy = profiling.busy_s(p)
     assert busy == pytest.approx(footer_seconds(text, "Self CUDA time total"), rel=0.01, abs=2e-6)
     assert 0 < busy <= p.active_wall_s
+    floor = profiling.kernel_floor(p, min_time_s=0.0)  # the floor on a GPU: the same calls, timed on the GPU
+    assert floor.matmul_flops > 0 and floor.total_s > 0 and "The kernel floor" in floor.text()
