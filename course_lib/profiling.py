@@ -47,9 +47,12 @@ def profile_run(
     active: int = 3,
     trace: str | Path | None = None,
     progress: Callable[[int, int], None] | None = None,
+    name_kernels: bool = True,
 ) -> Profile:
     """Train cfg for its warm-up steps and then `active` recorded steps. With `trace`, also write the record as a
-    Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev). `progress(step, steps)` hears each step."""
+    Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev). `progress(step, steps)` hears each step.
+    `name_kernels=False` leaves compile's generated CPU kernels unnamed (one row per compiled graph), and so reuses
+    code compiled earlier: the kernel floor does not need their names, and naming them costs a fresh compile."""
     if active < 1:
         raise ConfigError(f"active={active}: profile at least 1 step")
     # At least two warm-up steps: the first compiles and fills the caches, and the profiler warms up on the last
@@ -64,7 +67,10 @@ def profile_run(
 
     trainer = Trainer(cfg)
     # record_shapes: kernel_floor times each matmul and attention call again at its shape (and is_causal)
-    with profile(activities=activities, schedule=when, record_shapes=True) as prof, _named_cpu_kernels(cfg):
+    with (
+        profile(activities=activities, schedule=when, record_shapes=True) as prof,
+        _named_cpu_kernels(cfg) if name_kernels else contextlib.nullcontext(),
+    ):
 
         def after(step: int, _r) -> None:
             prof.step()
