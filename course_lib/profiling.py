@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -169,16 +170,26 @@ def summary(p: Profile, rows: int = 20) -> str:
 
 # ---- the kernel floor ----------------------------------------------------------------------------------------------
 
-# The step's big kernels: matrix multiplies (the operands' positions among the op's inputs) and fused attention (the
-# forward op and is_causal's position among its inputs, from its ATen signature; its backward is the same name +
-# "_backward", with the query second). A loop can only call these; their speed at a shape is the kernel library's.
+# The step's big kernels: matrix multiplies (the operands' positions among the op's inputs) and fused attention (its
+# forward ops; a backward is the same name + "_backward", with the query second). A loop can only call these; their
+# speed at a shape is the kernel library's.
 MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
-ATTENTION_IS_CAUSAL = {
-    "aten::_scaled_dot_product_flash_attention_for_cpu": 4,
-    "aten::_scaled_dot_product_flash_attention": 4,
-    "aten::_scaled_dot_product_efficient_attention": 6,
-    "aten::_scaled_dot_product_cudnn_attention": 6,
-}
+ATTENTION_OPS = (
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+)
+
+
+@functools.cache
+def _is_causal_position(op: str) -> int:
+    """Where is_causal sits among an attention op's inputs, read from its ATen schema (the profiler records the
+    inputs in that order)."""
+    schema = getattr(torch.ops.aten, op.removeprefix("aten::")).default._schema
+    return [a.name for a in schema.arguments].index("is_causal")
+
+
 _DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
 
 
@@ -337,12 +348,12 @@ def _kernel_calls(p: Profile) -> list[KernelCall]:
             if dtype is None or len(shapes[0]) not in (2, 3):
                 continue
             key = ("matmul", shapes, layout, dtype, False)
-        elif name in ATTENTION_IS_CAUSAL:
+        elif name in ATTENTION_OPS:
             shapes, layout, dtype = operands(0, 1, 2)
             if dtype is None:
                 continue
-            key = ("attention", shapes, layout, dtype, concrete[ATTENTION_IS_CAUSAL[name]] is True)
-        elif name.endswith("_backward") and name.removesuffix("_backward") in ATTENTION_IS_CAUSAL:
+            key = ("attention", shapes, layout, dtype, concrete[_is_causal_position(name)] is True)
+        elif name.endswith("_backward") and name.removesuffix("_backward") in ATTENTION_OPS:
             query = (tuple(shapes_in[1]), _DTYPES.get(dtypes[1]))  # (grad_out, query, key, value, ...)
             backwards[query] = backwards.get(query, 0) + 1
             continue

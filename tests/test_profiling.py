@@ -87,6 +87,14 @@ def test_the_kernel_floor_times_every_matmul_and_attention_call_of_a_step(tiny):
     assert f"{floor.total_s / floor.step_s:.0%} of it" in text
 
 
+def test_every_fused_attention_op_the_floor_reads_is_one_of_this_torchs_with_an_is_causal_input():
+    """The floor reads is_causal from the recorded inputs at the position the op's schema gives: an op renamed or
+    re-signed in another torch fails here, not in a learner's profile."""
+    for op in profiling.ATTENTION_OPS:
+        assert 3 <= profiling._is_causal_position(op) <= 8, op
+        assert hasattr(torch.ops.aten, op.removeprefix("aten::") + "_backward"), op
+
+
 def test_the_kernel_floor_times_an_operand_in_its_recorded_layout():
     """A transposed operand can take another kernel than a contiguous one (a bf16 matmul on a CPU without bf16
     instructions is several times slower one way): the floor builds each operand with the strides the step used."""
