@@ -59,8 +59,9 @@ def profile_run(
     # At least two warm-up steps: the first compiles and fills the caches, and the profiler warms up on the last
     # one (it starts recording there and throws that step away: starting is slow, and would be in the first step).
     warmup = max(2, cfg.timing_warmup)
-    # No memory ledger: on a CPU it would watch one of the steps, and its bookkeeping would be in the profile.
-    cfg = dataclasses.replace(cfg, steps=warmup + active, measure_memory=False)
+    # No memory ledger: on a CPU it would watch one of the steps, and its bookkeeping would be in the profile. No
+    # validation: its forwards would be recorded with the last step's work, though no step time includes them.
+    cfg = dataclasses.replace(cfg, steps=warmup + active, measure_memory=False, eval_every=0)
     on_cuda = torch.device(cfg.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     when = schedule(skip_first=warmup - 1, wait=0, warmup=1, active=active, repeat=1)
@@ -108,7 +109,7 @@ def _named_cpu_kernels(cfg: TrainConfig):
 # `name` is the event's, `within` the names of the events it ran inside.
 KINDS: tuple[tuple[str, Callable[[str, list[str]], bool]], ...] = (
     ("optimizer (AdamW's update, zero_grad)", lambda name, within: any(w.startswith("Optimizer.") for w in within)),
-    ("matmuls", lambda name, within: name in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("matmuls", lambda name, within: name in MATMUL_OPERANDS),
     ("attention (SDPA's fused kernel)", lambda name, within: "scaled_dot_product" in name),
     ("torch.compile's generated kernels", lambda name, within: "cpp_fused_" in name),
     ("compiled graphs' Python wrappers", lambda name, within: "Call CompiledFxGraph" in name),
@@ -170,37 +171,52 @@ def summary(p: Profile, rows: int = 20) -> str:
 
 # ---- the kernel floor ----------------------------------------------------------------------------------------------
 
-# The step's big kernels: matrix multiplies (the operands' positions among the op's inputs) and fused attention (its
-# forward ops; a backward is the same name + "_backward", with the query second). A loop can only call these; their
-# speed at a shape is the kernel library's.
+# The step's big kernels: matrix multiplies (the operands' positions among the op's inputs) and SDPA's fused attention
+# (SDPA_OPS, its forward ops; each backward is the same name + "_backward"). A loop can only call these; their speed
+# at a shape is the kernel library's.
 MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
-ATTENTION_OPS = (
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "aten::_scaled_dot_product_flash_attention",
-    "aten::_scaled_dot_product_efficient_attention",
-    "aten::_scaled_dot_product_cudnn_attention",
-)
+# SDPA's fused forward ops (as the dispatcher names them, without "aten::") and the backend each one is
+SDPA_OPS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
+    "_scaled_dot_product_flash_attention": "flash",
+    "_scaled_dot_product_efficient_attention": "memory-efficient",
+    "_scaled_dot_product_cudnn_attention": "cuDNN",
+    "_scaled_dot_product_fused_attention_overrideable": "fused (device plug-in)",
+}
+_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
 
 
 @functools.cache
-def _is_causal_position(op: str) -> int:
-    """Where is_causal sits among an attention op's inputs, read from its ATen schema (the profiler records the
-    inputs in that order)."""
+def _input_position(op: str, name: str) -> int:
+    """Where the input `name` sits among an aten op's inputs, read from its schema (the profiler records the inputs
+    in that order)."""
     schema = getattr(torch.ops.aten, op.removeprefix("aten::")).default._schema
-    return [a.name for a in schema.arguments].index("is_causal")
+    return [a.name for a in schema.arguments].index(name)
 
 
-_DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half": torch.float16, "double": torch.float64}
+def _sdpa_backend(op: str):
+    """The torch.nn.attention.SDPBackend that runs SDPA op `op`, to time the same kernel alone."""
+    from torch.nn.attention import SDPBackend
+
+    for word, backend in (
+        ("flash", "FLASH_ATTENTION"),
+        ("efficient", "EFFICIENT_ATTENTION"),
+        ("cudnn", "CUDNN_ATTENTION"),
+    ):
+        if word in op:
+            return getattr(SDPBackend, backend)
+    return SDPBackend.OVERRIDEABLE
 
 
 @dataclasses.dataclass
 class KernelCall:
-    """One kind of call of a recorded step: a matmul of two operand shapes, or a fused attention's forward (with its
-    backward, when the step ran one), in one dtype."""
+    """One kind of call of a recorded step: a matmul of two operands, or an SDPA forward (with its backward, when the
+    step ran one), in one dtype and layout."""
 
-    what: str  # "matmul" or "attention"
+    kind: str  # "matmul" or "attention"
+    op: str  # the aten op timed: mm or bmm (an addmm's product), or the SDPA op recorded
     shapes: tuple  # matmul: the two operands' shapes; attention: (query, key, value)
-    strides: tuple  # the same operands' strides (a transposed operand can take another, slower kernel); () unknown
+    strides: tuple  # the same operands' strides (a transposed operand can take another kernel); () where unrecorded
     dtype: torch.dtype
     causal: bool = False  # attention only
     calls: float = 0.0  # per recorded step (attention: forward calls)
@@ -210,12 +226,12 @@ class KernelCall:
 
     @property
     def flops(self) -> float:
-        """A matmul's 2mkn (times its batch), per call; 0 for attention."""
-        if self.what != "matmul":
+        """A matmul's FLOPs per call (torch's FLOP counter's formula, 2mkn times the batch); 0 for attention."""
+        from torch.utils.flop_counter import bmm_flop, mm_flop
+
+        if self.kind != "matmul":
             return 0.0
-        a, b = self.shapes
-        batch = a[0] if len(a) == 3 else 1
-        return 2.0 * batch * a[-2] * a[-1] * b[-1]
+        return float((bmm_flop if len(self.shapes[0]) == 3 else mm_flop)(*self.shapes))
 
     @property
     def step_s(self) -> float:
@@ -227,7 +243,7 @@ class KernelCall:
 
     def text(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
-        if self.what == "matmul":
+        if self.kind == "matmul":
             a, b = (
                 "x".join(map(str, shape)) + ("ᵀ" if self._transposed(i) else "") for i, shape in enumerate(self.shapes)
             )
@@ -237,8 +253,8 @@ class KernelCall:
             )
         q = "x".join(map(str, self.shapes[0]))
         return (
-            f"{self.calls:4g} x attention, query {q} {dt}{', causal' if self.causal else ''}: "
-            f"{self.seconds * 1e3:.2f} ms forward"
+            f"{self.calls:4g} x attention, {SDPA_OPS[self.op.removeprefix('aten::')]}, query {q} {dt}"
+            f"{', causal' if self.causal else ''}: {self.seconds * 1e3:.2f} ms forward"
             + (
                 f", {self.backward_calls:g} x {self.backward_seconds * 1e3:.2f} ms backward"
                 if self.backward_calls
@@ -249,18 +265,22 @@ class KernelCall:
 
 @dataclasses.dataclass
 class KernelFloor:
+    """A profiled step's matmul and attention calls, each kind timed again alone (KernelCall), against the profiled
+    step: how much of the step they are, and what is left to the loop."""
+
     calls: list[KernelCall]
-    step_s: float  # a recorded step's wall time (with the profiler on)
-    mfu: float | None  # the run's efficiency, over its steps' median time below
-    mfu_step_s: float
+    profiled_step_s: float  # a recorded step's wall time, the profiler on (it adds a little to every operator)
+    profiled_mfu: float | None  # the profiled run's efficiency, over its steps' median time below
+    profiled_median_s: float
+    layout_known: bool  # whether this torch's profiler recorded the operands' strides
 
     @property
     def matmul_s(self) -> float:
-        return sum(c.step_s for c in self.calls if c.what == "matmul")
+        return sum(c.step_s for c in self.calls if c.kind == "matmul")
 
     @property
     def attention_s(self) -> float:
-        return sum(c.step_s for c in self.calls if c.what == "attention")
+        return sum(c.step_s for c in self.calls if c.kind == "attention")
 
     @property
     def total_s(self) -> float:
@@ -268,52 +288,55 @@ class KernelFloor:
 
     @property
     def matmul_flops(self) -> float:
-        """A step's matmul FLOPs: 2mkn per call, summed."""
+        """A step's matmul FLOPs, summed over its calls."""
         return sum(c.calls * c.flops for c in self.calls)
 
     @property
     def mfu_at_floor(self) -> float | None:
-        """The efficiency of a step that took only its kernels' time (the same FLOPs, in less time)."""
-        return self.mfu * self.mfu_step_s / self.total_s if self.mfu and self.total_s else None
+        """The efficiency of a step that took only its kernels' time: the same model FLOPs in total_s."""
+        if not (self.profiled_mfu and self.total_s):
+            return None
+        return self.profiled_mfu * self.profiled_median_s / self.total_s
 
     def text(self) -> str:
-        if not self.calls:
-            return "The recorded steps called no matmul or fused-attention kernel: no kernel floor."
+        if not self.matmul_s:
+            return (
+                "The recorded steps called no matmul the profiler could see: no kernel floor. (Under CUDA graphs, "
+                "compile_mode reduce-overhead or max-autotune, a step replays its kernels without the operators the "
+                "floor reads.)"
+            )
+        layout = "layout (ᵀ: an operand stored transposed) " if self.layout_known else "(this torch records no layout) "
         lines = [
             "The kernel floor: each matmul and fused-attention call of a recorded step timed again by itself, at its "
-            "shape, layout (ᵀ: an operand stored transposed) and dtype, the median of repeats, counted as often as a "
-            "step makes it:"
+            f"shape, {layout}and dtype, the median of repeats, counted as often as a step makes it:",
+            f"  matmuls: {sum(c.calls for c in self.calls if c.kind == 'matmul'):g} calls per step, "
+            f"{self.matmul_s * 1e3:.1f} ms ({self.matmul_flops / 1e9:.2f} GFLOP at "
+            f"{self.matmul_flops / self.matmul_s / 1e9:,.0f} GFLOP/s)",
         ]
-        if self.matmul_s:
-            n = sum(c.calls for c in self.calls if c.what == "matmul")
-            lines.append(
-                f"  matmuls: {n:g} calls per step, {self.matmul_s * 1e3:.1f} ms ({self.matmul_flops / 1e9:.2f} GFLOP "
-                f"at {self.matmul_flops / self.matmul_s / 1e9:,.0f} GFLOP/s)"
-            )
-        attention = [c for c in self.calls if c.what == "attention"]
+        attention = [c for c in self.calls if c.kind == "attention"]
         if attention:
             fwd, bwd = sum(c.calls for c in attention), sum(c.backward_calls for c in attention)
             lines.append(
                 f"  fused attention: {fwd:g} forward and {bwd:g} backward calls per step, "
                 f"{self.attention_s * 1e3:.1f} ms"
             )
-        rest = self.step_s - self.total_s
+        step, rest = self.profiled_step_s, self.profiled_step_s - self.total_s
         lines.append(
-            f"  together {self.total_s * 1e3:.1f} ms: the fastest a step can be while it calls these kernels. A "
-            f"recorded step took {self.step_s * 1e3:.1f} ms (the profiler on), so the kernels are "
-            f"{self.total_s / self.step_s:.0%} of it"
+            f"  together {self.total_s * 1e3:.1f} ms: about what a step of these kernels alone would take. A recorded "
+            f"step took {step * 1e3:.1f} ms (the profiler on, which adds a little to every operator), so "
             + (
-                f"; the other {rest * 1e3:.1f} ms (element-wise work, the loss, the optimizer, overhead) is what the "
-                "loop can still remove."
+                f"the kernels are {self.total_s / step:.0%} of it, and up to {rest * 1e3:.1f} ms (element-wise work, "
+                "the loss, the optimizer, overhead) is the loop's to remove."
                 if rest > 0
-                else ": timed alone they took the whole step, and the rest is inside the noise."
+                else "timed alone they took longer than the whole step (here the kernels ran faster inside the step, "
+                "on warm caches or with another kernel chosen): no floor to read."
             )
         )
-        if self.mfu_at_floor:
+        if self.mfu_at_floor and rest > 0:
             lines.append(
                 f"  A step that took only the kernels' time would reach {self.mfu_at_floor:.0%} of the peak the "
-                f"efficiency is measured against ({self.mfu:.0%} now): the rest of the gap is the kernels' own, at "
-                "these shapes."
+                f"efficiency is measured against ({self.profiled_mfu:.0%} in the profiled run): the rest of the gap to "
+                "the peak is the kernels' own, at these shapes."
             )
         lines += ["  by call:"] + [f"    {c.text()}" for c in sorted(self.calls, key=lambda c: -c.step_s)]
         return "\n".join(lines)
@@ -330,84 +353,106 @@ def _recorded_ops(p: Profile):
         yield ev.name(), ev.shapes(), ev.dtypes(), strides, ev.concrete_inputs()
 
 
+def _operands(shapes: list, dtypes: list, strides: list, positions) -> tuple[tuple, tuple, torch.dtype | None]:
+    """(shapes, strides or () where any is unrecorded, the first one's dtype) of the inputs at `positions`."""
+    picked = tuple(tuple(shapes[i]) for i in positions)
+    layout = tuple(tuple(strides[i]) if i < len(strides) and strides[i] else () for i in positions)
+    if not all(len(st) == len(sh) for st, sh in zip(layout, picked)):
+        layout = ()
+    return picked, layout, _DTYPES.get(dtypes[positions[0]])
+
+
 def _kernel_calls(p: Profile) -> list[KernelCall]:
-    """The recorded steps' matmul and fused-attention calls, grouped by shapes, strides, dtype (and is_causal),
-    counted per step; not yet timed."""
+    """The recorded steps' matmul and SDPA calls, grouped by op, shapes, strides, dtype (and is_causal), counted per
+    step; not yet timed."""
     found: dict[tuple, KernelCall] = {}
-    backwards: dict[tuple, int] = {}
-    for name, shapes_in, dtypes, strides, concrete in _recorded_ops(p):
-
-        def operands(*idx: int) -> tuple[tuple, tuple, torch.dtype | None]:
-            shapes = tuple(tuple(shapes_in[i]) for i in idx)
-            got = tuple(tuple(strides[i]) if i < len(strides) and strides[i] else () for i in idx)
-            layout = got if all(len(st) == len(sh) for st, sh in zip(got, shapes)) else ()
-            return shapes, layout, _DTYPES.get(dtypes[idx[0]])
-
+    backwards: dict[tuple, int] = {}  # (forward op, query shape, dtype): calls
+    for name, shapes, dtypes, strides, concrete in _recorded_ops(p):
+        op = name.removeprefix("aten::")
         if name in MATMUL_OPERANDS:
-            shapes, layout, dtype = operands(*MATMUL_OPERANDS[name])
-            if dtype is None or len(shapes[0]) not in (2, 3):
+            picked, layout, dtype = _operands(shapes, dtypes, strides, MATMUL_OPERANDS[name])
+            if dtype is None or len(picked[0]) not in (2, 3):
                 continue
-            key = ("matmul", shapes, layout, dtype, False)
-        elif name in ATTENTION_OPS:
-            shapes, layout, dtype = operands(0, 1, 2)
+            # an addmm is timed as its product (the floor is the multiply): grouped with the mm of its operands
+            key = ("matmul", "aten::bmm" if len(picked[0]) == 3 else "aten::mm", picked, layout, dtype, False)
+        elif op in SDPA_OPS:
+            picked, layout, dtype = _operands(shapes, dtypes, strides, (0, 1, 2))
             if dtype is None:
                 continue
-            key = ("attention", shapes, layout, dtype, concrete[_is_causal_position(name)] is True)
-        elif name.endswith("_backward") and name.removesuffix("_backward") in ATTENTION_OPS:
-            query = (tuple(shapes_in[1]), _DTYPES.get(dtypes[1]))  # (grad_out, query, key, value, ...)
+            key = ("attention", name, picked, layout, dtype, concrete[_input_position(name, "is_causal")] is True)
+        elif op.endswith("_backward") and op.removesuffix("_backward") in SDPA_OPS:
+            q = _input_position(name, "query")
+            query = (name.removesuffix("_backward"), tuple(shapes[q]), _DTYPES.get(dtypes[q]))
             backwards[query] = backwards.get(query, 0) + 1
             continue
         else:
             continue
-        call = found.setdefault(key, KernelCall(*key))
-        call.calls += 1 / len(p.active)
-    for (query, dtype), n in backwards.items():  # each backward to its forward: the same query shape and dtype
-        for c in found.values():
-            if c.what == "attention" and c.shapes[0] == query and c.dtype == dtype:
-                c.backward_calls = n / len(p.active)
-                break
+        found.setdefault(key, KernelCall(*key)).calls += 1 / len(p.active)
+    for (forward, query, dtype), n in backwards.items():  # each backward to its forward: same op, query and dtype
+        match = [c for c in found.values() if (c.op, c.shapes[0], c.dtype) == (forward, query, dtype)]
+        for c in match:  # forwards that differ only in key, value or is_causal share the backwards by their calls
+            c.backward_calls = n / len(p.active) * c.calls / sum(m.calls for m in match)
     return list(found.values())
 
 
-def _time_alone(c: KernelCall, device: str, min_time_s: float) -> None:
-    """Time one call of c by itself on random inputs of its shapes, strides and dtype; attention: its forward, and
-    forward with backward (backward is the difference)."""
+def _random(shape: tuple, strides: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Random numbers laid out with `strides` (contiguous where unknown); a stride of 0 (an expanded operand) shares
+    one value along that dimension, as the recorded tensor did."""
+    if not strides:
+        return torch.randn(shape, device=device, dtype=dtype)
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))  # elements the strided view reaches
+    return torch.randn(extent, device=device, dtype=dtype).as_strided(shape, strides)
+
+
+def _time_alone(c: KernelCall, device: str, precision: str, min_time_s: float) -> tuple[float, float]:
+    """(seconds of one call, of one backward or 0) for c by itself, on random inputs of its shapes, strides and dtype,
+    under the run's matmul precision (TF32 where the run used it), through the same SDPA backend. On a GPU each timing
+    covers 10 calls in a row (a synchronisation per call would add its own microseconds to small kernels)."""
     import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    from .tf32 import matmul_precision
+
+    in_a_row = 10 if torch.device(device).type == "cuda" else 1
 
     def timed(fn) -> float:
-        return time_fn(fn, device, repeats=3, warmup=1, min_time_s=min_time_s, max_repeats=50)
+        def calls():
+            for _ in range(in_a_row):
+                fn()
 
-    def operand(i: int, requires_grad: bool = False) -> torch.Tensor:
-        shape, stride = c.shapes[i], c.strides[i] if c.strides else None
-        x = torch.empty_strided(
-            shape, stride or torch.empty(shape, device="meta").stride(), device=device, dtype=c.dtype
-        )
-        return x.normal_().requires_grad_(requires_grad)
+        return time_fn(calls, device, repeats=3, warmup=1, min_time_s=min_time_s, max_repeats=50) / in_a_row
 
-    if c.what == "matmul":
-        a, b = operand(0), operand(1)
-        multiply = torch.bmm if a.dim() == 3 else torch.mm
-        with torch.no_grad():
-            c.seconds = timed(lambda: multiply(a, b))
-        return
-    q, k, v = (operand(i, requires_grad=True) for i in range(3))
-    grad_out = torch.randn(q.shape, device=device, dtype=c.dtype)
-
-    def forward():
-        return F.scaled_dot_product_attention(q, k, v, is_causal=c.causal)
-
-    c.seconds = timed(forward)
-    if c.backward_calls:
-        both = timed(lambda: torch.autograd.grad(forward(), (q, k, v), grad_out))
-        c.backward_seconds = max(0.0, both - c.seconds)
+    operands = [_random(sh, c.strides[i] if c.strides else (), c.dtype, device) for i, sh in enumerate(c.shapes)]
+    with matmul_precision(precision):
+        if c.kind == "matmul":
+            a, b = operands
+            multiply = torch.bmm if a.dim() == 3 else torch.mm
+            with torch.no_grad():
+                return timed(lambda: multiply(a, b)), 0.0
+        q, k, v = (x.requires_grad_() for x in operands)
+        grad_out = torch.randn(q.shape, device=device, dtype=c.dtype)
+        with sdpa_kernel(_sdpa_backend(c.op)):
+            forward = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c.causal))
+            if not c.backward_calls:
+                return forward, 0.0
+            both = timed(
+                lambda: torch.autograd.grad(
+                    F.scaled_dot_product_attention(q, k, v, is_causal=c.causal), (q, k, v), grad_out
+                )
+            )
+        return forward, max(0.0, both - forward)
 
 
 def kernel_floor(p: Profile, min_time_s: float = 0.1) -> KernelFloor:
-    """How fast a recorded step could be while it calls its matmuls and fused attention: each kind of call (shapes,
-    dtype, is_causal) timed again by itself and counted as often as a step makes it. What a step spends beyond that is
-    what the loop can still remove; the kernels' own speed at these shapes is the library's. (Random inputs: a matmul's
-    speed does not depend on its values; nor does attention's.)"""
+    """How fast a recorded step could be while it calls its matmuls and fused attention: each kind of call (op,
+    shapes, layout, dtype, is_causal) timed again by itself, under the run's precision and SDPA backend, and counted
+    as often as a step makes it. What a step spends beyond that is what the loop can still remove; the kernels' own
+    speed at these shapes is the library's. (Random inputs: neither a matmul's speed nor attention's depends on the
+    values.)"""
     calls = _kernel_calls(p)
+    precision = p.result.config["precision"]
     for c in calls:
-        _time_alone(c, p.device, min_time_s)
-    return KernelFloor(calls, p.active_wall_s / len(p.active), p.result.mfu, p.result.median_step_s)
+        c.seconds, c.backward_seconds = _time_alone(c, p.device, precision, min_time_s)
+    r = p.result
+    layout_known = any(c.strides for c in calls)
+    return KernelFloor(calls, p.active_wall_s / len(p.active), r.mfu, r.median_step_s, layout_known)

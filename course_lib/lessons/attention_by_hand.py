@@ -28,6 +28,7 @@ import torch
 # notebook 04 reads the hand-written flash attention here, beside the other attentions of its lesson
 from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
+from ..profiling import SDPA_OPS
 from .micro_benchmarks import peak_bytes, time_fn
 
 __all__ = [
@@ -127,14 +128,8 @@ def random_qkv(
 
 # ---- which SDPA backend runs ---------------------------------------------------------------------
 
-# aten op that scaled_dot_product_attention dispatches to -> backend name
-SDPA_OPS = {
-    "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
-    "_scaled_dot_product_flash_attention": "flash",
-    "_scaled_dot_product_efficient_attention": "memory-efficient",
-    "_scaled_dot_product_cudnn_attention": "cuDNN",
-    "_scaled_dot_product_fused_attention_overrideable": "fused (device plug-in)",
-}
+# SDPA_OPS: aten op that scaled_dot_product_attention dispatches to -> backend name (course_lib.profiling's table,
+# which the kernel floor reads too)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> tuple[str, str]:
