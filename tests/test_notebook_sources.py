@@ -31,6 +31,18 @@ def test_committed_without_outputs(notebook):
             assert cell["outputs"] == [] and cell["execution_count"] is None, f"{notebook.name} cell {i} holds outputs"
 
 
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=lambda n: n.name[:2])
+def test_valid_nbformat_with_an_id_on_every_cell(notebook):
+    """nbformat 4.5 gives every cell an id (a cell added by hand without one is only a warning in today's nbformat,
+    and an error in a later one); the ids are unique."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    nbformat.validate(nb)
+    ids = [cell.get("id") for cell in json.loads(notebook.read_text())["cells"]]
+    assert all(ids) and len(set(ids)) == len(ids), [i for i, x in enumerate(ids) if not x]
+
+
 def test_every_notebooks_code_passes_pyflakes(tmp_path, pyflakes, monkeypatch):
     monkeypatch.setenv("PYFLAKES_BUILTINS", "display")  # a name IPython gives every kernel
     files = []
