@@ -272,7 +272,11 @@ class KernelFloor:
     profiled_step_s: float  # a recorded step's wall time, the profiler on (it adds a little to every operator)
     profiled_mfu: float | None  # the profiled run's efficiency, over its steps' median time below
     profiled_median_s: float
-    layout_known: bool  # whether this torch's profiler recorded the operands' strides
+
+    @property
+    def layout_known(self) -> bool:
+        """Whether this torch's profiler recorded the operands' strides (2.13's does, 2.11's does not)."""
+        return any(c.strides for c in self.calls)
 
     @property
     def matmul_s(self) -> float:
@@ -454,5 +458,4 @@ def kernel_floor(p: Profile, min_time_s: float = 0.1) -> KernelFloor:
     for c in calls:
         c.seconds, c.backward_seconds = _time_alone(c, p.device, precision, min_time_s)
     r = p.result
-    layout_known = any(c.strides for c in calls)
-    return KernelFloor(calls, p.active_wall_s / len(p.active), r.mfu, r.median_step_s, layout_known)
+    return KernelFloor(calls, p.active_wall_s / len(p.active), r.mfu, r.median_step_s)

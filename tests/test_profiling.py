@@ -97,9 +97,9 @@ def test_the_kernel_floor_times_every_matmul_and_attention_call_of_a_step(tiny, 
 def test_the_kernel_floor_says_when_it_has_nothing_to_read():
     """No matmul seen (CUDA graphs replay kernels without operators), or kernels that took longer alone than the whole
     step: the text says there is no floor, and claims no efficiency."""
-    assert "no kernel floor" in profiling.KernelFloor([], 0.2, 0.5, 0.2, True).text()
+    assert "no kernel floor" in profiling.KernelFloor([], 0.2, 0.5, 0.2).text()
     slow = profiling.KernelCall("matmul", "aten::mm", ((64, 64), (64, 64)), (), torch.float32, calls=4, seconds=0.1)
-    text = profiling.KernelFloor([slow], 0.2, 0.5, 0.2, False).text()
+    text = profiling.KernelFloor([slow], 0.2, 0.5, 0.2).text()
     assert "no floor to read" in text and "would reach" not in text and "records no layout" in text
 
 
