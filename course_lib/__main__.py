@@ -284,6 +284,7 @@ def cmd_profile(args) -> int:
 
     from .profiling import kernel_floor, profile_run, summary
     from .results import efficiency_text
+    from .train import free_memory
 
     try:
         # before the run: checked, not found out after
@@ -304,6 +305,14 @@ def cmd_profile(args) -> int:
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except torch.OutOfMemoryError:
+        free_memory()
+        print(
+            f"error: out of memory in the profiled steps of batch {cfg.batch_size} x context {cfg.context}: "
+            "try a smaller --set batch_size=... or --set context=...",
+            file=sys.stderr,
+        )
+        return 1
     r = p.result
     print(
         f"{r.provenance['device']}, torch {torch.__version__}; batch {cfg.batch_size} x context {cfg.context}, "
@@ -318,7 +327,15 @@ def cmd_profile(args) -> int:
     )
     print(summary(p, rows=args.rows))
     if not args.no_floor:
-        print(kernel_floor(p).text())
+        try:
+            print(kernel_floor(p).text())
+        except torch.OutOfMemoryError:
+            free_memory()
+            print(
+                "kernel floor: out of memory while timing a call alone; the profile above stands "
+                "(--no-floor leaves the floor out)",
+                file=sys.stderr,
+            )
     if trace is not None:
         if not trace.is_file():
             print(f"error: the profiler did not write {trace}", file=sys.stderr)

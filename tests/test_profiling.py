@@ -178,3 +178,19 @@ def test_on_a_gpu_the_summary_counts_kernel_time(tiny):
     assert 0 < busy <= p.active_wall_s
     floor = profiling.kernel_floor(p, min_time_s=0.0)  # the floor on a GPU: the same calls, timed on the GPU
     assert floor.matmul_flops > 0 and floor.total_s > 0 and "The kernel floor" in floor.text()
+
+
+def test_out_of_memory_in_the_profile_or_its_floor_is_a_message_not_a_traceback(capsys, monkeypatch):
+    """Out of memory in the profiled steps: a message saying what to change, exit 1. Out of memory while the floor
+    times a call alone: the profile still printed, a line saying so."""
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(profiling, "kernel_floor", oom)
+    assert cli(["profile", "--preset", "tiny", "--steps", "1", "--rows", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "Where a step's time goes" in captured.out and "kernel floor: out of memory" in captured.err
+    monkeypatch.setattr(profiling, "profile_run", oom)
+    assert cli(["profile", "--preset", "tiny", "--steps", "1"]) == 1
+    assert "out of memory in the profiled steps" in capsys.readouterr().err
