@@ -22,7 +22,7 @@ def speed(cfg: C.TrainConfig, device: str) -> float:
     if cfg.precision == "bf16":
         if device == "avx2 laptop":
             s *= 15.0
-        elif device == "small gpu":  # bf16 loses while attention is naive, and wins once SDPA is on (H200, reference)
+        elif device == "small gpu":  # made up: bf16 loses while attention is naive and wins once SDPA is on
             s *= 1.15 if cfg.model.attention == "naive" else 0.6
         else:
             s *= 0.4
