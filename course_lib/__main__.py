@@ -26,7 +26,7 @@ def cmd_ladder(args) -> int:
     import torch
 
     from .capabilities import capabilities
-    from .ladder import ladder_table, run_ladder, verdict
+    from .ladder import MIN_PAIRS, check_options, ladder_table, run_ladder, steps_to_judge, verdict
     from .results import check_writable, provenance, save_results
 
     try:
@@ -39,8 +39,10 @@ def cmd_ladder(args) -> int:
             base = dataclasses.replace(base, steps=args.steps)
         # before anything runs: a device this machine lacks is a message, not a traceback
         caps = capabilities(base.device)
-        rungs = _rung_names(args.rungs, "--rungs") if args.rungs else None
-        left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out else []
+        rungs = _rung_names(args.rungs, "--rungs") if args.rungs is not None else None
+        left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out is not None else []
+        if both := [name for name in left_out if name in (rungs or [])]:
+            raise C.ConfigError(f"{both[0]!r} is in --rungs and in --leave-out: name it in one of them")
         options = {}
         for item in args.set or []:
             name, _, value = item.partition("=")
@@ -50,17 +52,22 @@ def cmd_ladder(args) -> int:
                 )
             options[name] = C.parse_setting(name, value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
-        T.check_ladder_arguments(options, leave_out)  # (run_ladder checks the options' values before its first rung)
-        out = check_writable(args.json) if args.json else None
+        T.check_ladder_arguments(options, leave_out)
+        check_options(base, options)  # a value its technique refuses, said before the banner (run_ladder asks again)
+        out = check_writable(args.json) if args.json is not None else None
         if out is not None and out.exists() and not args.force:
             raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")
     except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    raised = ""
+    if base.steps < (needed := steps_to_judge(base)):
+        raised = f", raised from {base.steps}: a rung needs {MIN_PAIRS} timed steps to be judged"
+        base = dataclasses.replace(base, steps=needed)
     print(
         f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
         f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
-        f"batch {base.batch_size}, {base.steps} steps per rung ({base.timing_warmup} warm-up); "
+        f"batch {base.batch_size}, {base.steps} steps per rung ({base.timing_warmup} warm-up{raised}); "
         + ("the fixed ladder: every rung kept" if args.fixed else "a rung is kept only where it helps here"),
         file=sys.stderr,
     )
@@ -108,20 +115,32 @@ def cmd_ladder(args) -> int:
     print(ladder_table(results))
     print()
     print(verdict(results))
+    baseline_failed = not results[0].ok
     if out is not None:
         print(
-            f"wrote {out} (`python -m course_lib export --ladder {out}` writes its optimised loop as a script)",
+            f"wrote {out} "
+            + (
+                "(the baseline's failure is recorded there: no loop to export)"
+                if baseline_failed
+                else f"(`python -m course_lib export --ladder {out}` writes its optimised loop as a script)"
+            ),
             file=sys.stderr,
         )
-    return 0
+    return 1 if baseline_failed else 0
 
 
-def _rung_names(indices: str, flag: str) -> list[str]:
-    """'0,2,3' -> those rungs' names."""
+def _rung_names(indices: str, flag: str, one: bool = False) -> list[str]:
+    """'0,2,3' -> those rungs' names ('3' only, where `one`)."""
     try:
-        return [T.LADDER[int(i)].name for i in indices.split(",")]
-    except (ValueError, IndexError):
-        raise ValueError(f"{flag} takes indices 0..{len(T.LADDER) - 1} separated by commas, got {indices!r}") from None
+        picked = [int(i) for i in indices.split(",")]
+        if any(not 0 <= i < len(T.LADDER) for i in picked) or (one and len(picked) != 1):
+            raise ValueError
+    except ValueError:
+        what = "an index" if one else "indices"
+        raise ValueError(
+            f"{flag} takes {what} 0..{len(T.LADDER) - 1}{'' if one else ' separated by commas'}, got {indices!r}"
+        ) from None
+    return [T.LADDER[i].name for i in picked]
 
 
 def chosen_config(args) -> C.TrainConfig:
@@ -134,6 +153,10 @@ def chosen_config(args) -> C.TrainConfig:
     if getattr(args, "ladder", None):
         if args.rung is not None:
             raise ValueError("--ladder and --rung both name a config: give one of them")
+        if args.preset is not None:
+            raise ValueError(
+                "--ladder and --preset both name a model: give one of them (the ladder's file names its own)"
+            )
         from .ladder import optimised_config
         from .results import load_results
 
@@ -148,7 +171,7 @@ def chosen_config(args) -> C.TrainConfig:
         if args.device:
             base = dataclasses.replace(base, device=args.device)
     else:
-        base = C.preset(args.preset, args.device)
+        base = C.preset(args.preset or "cpu", args.device)
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
     options = {}
@@ -164,7 +187,7 @@ def chosen_config(args) -> C.TrainConfig:
         else:
             base = export.with_setting(base, name, C.parse_setting(name, value))
     by_index = args.rung is not None and args.rung.isdigit()
-    rung = _rung_names(args.rung, "--rung")[0] if by_index else args.rung  # an index, or a name rung_config checks
+    rung = _rung_names(args.rung, "--rung", one=True)[0] if by_index else args.rung  # or a name rung_config checks
     return ladder.rung_config(base, rung, options) if rung is not None else base
 
 
@@ -223,6 +246,10 @@ def exercises_guide(path: str) -> int:
 
     target = Path(path) if path else guide.GUIDE
     try:
+        if not target.is_file():
+            raise FileNotFoundError(
+                f"{target} is not a file: give the teacher's guide (default: docs/teachers_guide.md)"
+            )
         changed = guide.write(target)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -240,8 +267,9 @@ def cmd_exercises(args) -> int:
     if args.guide is not None:
         return exercises_guide(args.guide)
     if not args.verify:
+        width = max(len(name) for name in exercises.EXERCISES)
         for ex in exercises.EXERCISES.values():
-            print(f"  {ex.notebook}  {ex.name:<16} {ex.title} ({len(ex.mistakes)} typical mistakes recorded)")
+            print(f"  {ex.notebook}  {ex.name:<{width}} {ex.title} ({len(ex.mistakes)} typical mistakes recorded)")
         return 0
     rows = exercises.verify()
     for r in rows:
@@ -270,7 +298,7 @@ def cmd_export(args) -> int:
     try:
         out = _new_file(args.out, args.force, "--out")
         write_atomic(out, lambda f: f.write_text(text), strict=True)
-    except (C.ConfigError, OSError) as e:
+    except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     how = export.run_command(cfg, str(out))
@@ -284,12 +312,15 @@ def cmd_profile(args) -> int:
 
     from .profiling import kernel_floor, profile_run, summary
     from .results import efficiency_text
-    from .train import free_memory
+    from .train import free_memory, out_of_memory
 
+    p = None  # stays None where the profiled steps ran out of memory
     try:
         # before the run: checked, not found out after
-        trace = _new_file(args.trace, args.force, "--trace") if args.trace else None
+        trace = _new_file(args.trace, args.force, "--trace") if args.trace is not None else None
         cfg = chosen_config(args)
+        if args.rows < 1:
+            raise ValueError(f"--rows takes the number of operators to list, >= 1, got {args.rows}")
         if trace is not None:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
@@ -305,7 +336,10 @@ def cmd_profile(args) -> int:
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except torch.OutOfMemoryError:
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is answered here; anything else is re-raised
+        if out_of_memory(e) is None:
+            raise
+    if p is None:  # out of the except block: its traceback, which holds the failed steps' tensors, is gone
         free_memory()
         print(
             f"error: out of memory in the profiled steps of batch {cfg.batch_size} x context {cfg.context}: "
@@ -327,15 +361,21 @@ def cmd_profile(args) -> int:
     )
     print(summary(p, rows=args.rows))
     if not args.no_floor:
+        floor = None
         try:
-            print(kernel_floor(p).text())
-        except torch.OutOfMemoryError:
+            floor = kernel_floor(p).text()
+        except Exception as e:  # noqa: BLE001 - as above
+            if out_of_memory(e) is None:
+                raise
+        if floor is None:
             free_memory()
             print(
                 "kernel floor: out of memory while timing a call alone; the profile above stands "
                 "(--no-floor leaves the floor out)",
                 file=sys.stderr,
             )
+        else:
+            print(floor)
     if trace is not None:
         if not trace.is_file():
             print(f"error: the profiler did not write {trace}", file=sys.stderr)
@@ -362,7 +402,7 @@ def cmd_doctor(args) -> int:
     from .doctor import run_doctor
 
     try:
-        if args.json:
+        if args.json is not None:
             # a folder, an unwritable path or an earlier file: said now, not after
             _new_file(args.json, args.force, "--json")
         report = run_doctor(
@@ -371,7 +411,7 @@ def cmd_doctor(args) -> int:
             json_path=args.json,
             progress=lambda name: print(f"  checking {name} ...", file=sys.stderr),
         )
-    except (C.ConfigError, OSError) as e:
+    except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.table())
@@ -382,12 +422,15 @@ def cmd_doctor(args) -> int:
 
 def cmd_bpe(args) -> int:
     import os
-    from pathlib import Path
 
     from . import bpe, data
 
-    if args.out:
-        out = Path(args.out)
+    if args.out is not None:
+        try:  # a folder, an unwritable path or an earlier file: said now, not after minutes of training
+            out = _new_file(args.out, args.force, "--out")
+        except (C.ConfigError, ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     else:
         # The shipped ranks belong to the repository's data/: an editable install (or a source tree) reads them
         # from there. A strict editable install links the file, so resolve() writes through to the repository.
@@ -405,7 +448,7 @@ def cmd_bpe(args) -> int:
     if out.exists():  # said before the minutes of training, so that a Ctrl-C keeps the old file
         print(
             f"retraining the ranks; {out} will be replaced when done "
-            "(git restores the shipped one; --out writes elsewhere)",
+            + ("(--force)" if args.out is not None else "(git restores the shipped one; --out writes elsewhere)"),
             file=sys.stderr,
         )
     ranks = bpe.train_bpe(data.corpus_text(), data.N_RANKS)
@@ -413,7 +456,8 @@ def cmd_bpe(args) -> int:
         bpe.save_ranks(ranks, out)
     except OSError as e:
         print(
-            f"error: could not write the ranks to {out} ({e}): pass `--out PATH` to write them elsewhere",
+            f"error: could not write the ranks to {out} ({e})"
+            + ("" if args.out is not None else ": pass `--out PATH` to write them elsewhere"),
             file=sys.stderr,
         )
         return 2
@@ -423,7 +467,7 @@ def cmd_bpe(args) -> int:
 
 def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     """The arguments `chosen_config` reads."""
-    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
+    p.add_argument("--preset", default=None, choices=list(C.PRESETS), help="the model and batch (default: cpu)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help=steps)
     p.add_argument(
@@ -501,6 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_ladder)
     p = sub.add_parser("exercises", help="list the notebooks' exercises; --verify checks every checker")
+    p = p.add_mutually_exclusive_group()  # one of them, or the list
     p.add_argument("--verify", action="store_true", help="each checker against its reference and its recorded mistakes")
     p.add_argument(
         "--status",
@@ -518,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="rewrite the exercises' part of the teacher's guide (default: docs/teachers_guide.md)",
     )
-    p.set_defaults(func=cmd_exercises)
+    p.set_defaults(func=cmd_exercises)  # (a group's defaults are its parser's)
     p = sub.add_parser("config", help="print a config section by section (a preset, changed by --set, or a --rung)")
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.set_defaults(func=cmd_config)
@@ -530,8 +575,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser(
         "profile", help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up"
     )
-    add_config_arguments(p, steps="steps to record, after the config's warm-up steps (default: 3)")
-    p.add_argument("--rows", type=int, default=20, help="operators to list (default: 20)")
+    add_config_arguments(
+        p,
+        steps="steps to record (default: 3), after the config's warm-up steps (at least 2: the first compiles, the "
+        "profiler warms up on the last); no validation pass runs",
+    )
+    p.add_argument("--rows", type=int, default=20, help="operators to list, at least 1 (default: 20)")
     p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
     p.add_argument("--force", action="store_true", help="replace the --trace file if it exists")
     p.add_argument(
@@ -555,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
         "data/shakespeare_bpe.tiktoken unless --out says where)",
     )
     p.add_argument("--out", default=None, help="write the ranks here instead of replacing the shipped file in data/")
+    p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     p.set_defaults(func=cmd_bpe)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import regex
 
+from .cache import write_atomic
+
 # Pre-tokenisation: split text into words (with their leading space), numbers, punctuation runs and
 # whitespace, so that merges never cross a word boundary. Same idea as GPT-2's pattern.
 SPLIT_PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -70,7 +72,8 @@ def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
 def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
     """Write ranks in tiktoken's own file format: base64(token) rank, one per line."""
     lines = [f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
-    Path(path).write_text("\n".join(lines) + "\n")
+    # in one step: a full disk or a Ctrl-C leaves the old ranks whole, and the tokenizer working
+    write_atomic(Path(path), lambda f: f.write_text("\n".join(lines) + "\n"), strict=True)
 
 
 def load_ranks(path: Path) -> dict[bytes, int]:

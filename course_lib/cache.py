@@ -20,6 +20,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_lib"
 
 
+def _mode_for(path: Path) -> int:
+    """The permissions `path` has, or a new file's under this process's umask (rw-r--r-- under the usual 022)."""
+    with contextlib.suppress(OSError):
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)  # only readable by setting it: set back at once
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomic(path: Path, write: Callable[[Path], None], strict: bool = False) -> None:
     """write(partial) fills a file of its own beside `path` (named by tempfile: no two processes share one, even on a
     home folder several machines mount), which then replaces `path` in one step: a process reading at the same time
@@ -32,6 +41,7 @@ def write_atomic(path: Path, write: Callable[[Path], None], strict: bool = False
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
         os.close(fd)
         partial = Path(name)
+        partial.chmod(_mode_for(path))  # mkstemp's 0600 would make a shared script or result private
         write(partial)
         os.replace(partial, path)
     except Exception:  # noqa: BLE001 - OSError, or torch.save's RuntimeError: a cache is never worth a failed run

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .cache import cache_dir, write_atomic
-from .config import PRECISION_DTYPES, PRECISIONS, ConfigError, TrainConfig
+from .config import PRECISION_DTYPES, PRECISIONS, ConfigError, TrainConfig, check_device
 from .tf32 import matmul_precision
 from .timing import time_fn
 
@@ -144,6 +144,7 @@ class Support:
     ok: bool  # the course can run it on this device
     note: str = ""  # what it means here, or why it cannot run
     native: bool | None = None  # done in hardware (False: converted or emulated in software; None: not applicable)
+    no_effect: bool = False  # accepted, and the computation is the same as without it (TF32 on a CPU)
 
     def __str__(self) -> str:
         word = ("yes" if self.native is not False else "yes, without hardware support") if self.ok else "no"
@@ -238,7 +239,9 @@ def _precisions(dev: torch.device, cpu: CpuFeatures | None) -> dict[str, Support
     if dev.type == "cuda":
         out.update(gpu_precisions(*torch.cuda.get_device_capability(dev), torch.cuda.get_device_name(dev)))
     elif dev.type == "cpu":
-        out["tf32"] = Support(True, "accepted but does nothing on a CPU (TF32 is a CUDA tensor-core mode)", False)
+        out["tf32"] = Support(
+            True, "accepted but does nothing on a CPU (TF32 is a CUDA tensor-core mode)", False, no_effect=True
+        )
         if not torch.amp.autocast_mode.is_autocast_available("cpu"):
             out["bf16"] = out["fp16"] = Support(False, "this torch build has no CPU autocast")
         else:
@@ -569,12 +572,7 @@ class Capabilities:
 def _normalise(device: str | torch.device | None) -> str:
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        return str(torch.device(device))
-    except (RuntimeError, TypeError):
-        raise ConfigError(
-            f"device={device!r} is not a torch device: use 'cpu', or 'cuda' on a machine with an NVIDIA GPU"
-        ) from None
+    return check_device(device)
 
 
 def capabilities(device: str | torch.device | None = None) -> Capabilities:

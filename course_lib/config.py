@@ -245,6 +245,26 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # where the course's loop, timing and memory statistics have a path
+
+
+def check_device(device) -> str:
+    """`device` as torch names it ('cuda:0'), or a ConfigError saying what to use: a name torch does not know, and
+    a device torch knows but the course has no path for (xpu, hpu: their timers and memory statistics differ)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(
+            f"device={device!r} is not a torch device: use 'cpu', or 'cuda' on a machine with an NVIDIA GPU"
+        ) from None
+    if dev.type not in DEVICE_TYPES:
+        raise ConfigError(
+            f"device={device!r}: the course runs on {', '.join(DEVICE_TYPES)} only, not on {dev.type!r}; use 'cpu', "
+            "or 'cuda' on a machine with an NVIDIA GPU"
+        )
+    return str(dev)
+
+
 # TrainConfig's fields by section, in the class's order: what a reader takes in at once. A field's name is unique
 # across sections, so dataclasses.replace, the panels and `--set field=value` name it directly.
 SECTIONS: dict[str, tuple[str, ...]] = {
@@ -382,10 +402,7 @@ class TrainConfig:
             "loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, "
             f"got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}",
         )
-        try:
-            torch.device(self.device)
-        except RuntimeError as e:
-            raise ConfigError(f"device={self.device!r} is not a torch device: use 'cpu' or 'cuda'") from e
+        check_device(self.device)
         # Whether *this machine* can run the config is not asked here (a config saved on a GPU must load on a
         # laptop): course_lib.capabilities.require(cfg) asks it when a run, a ladder or a panel starts.
         if self.fused_adamw:

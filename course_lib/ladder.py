@@ -150,6 +150,11 @@ def device_note(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> str:
     return ""
 
 
+def _no_effect(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> bool:
+    """Whether the device runs a rung's technique as the same computation as without it (TF32 on a CPU)."""
+    return rung.technique is not None and rung.technique.name == "precision" and caps.supports(cfg.precision).no_effect
+
+
 # ---- the climb ---------------------------------------------------------------------------------------------------
 
 
@@ -213,6 +218,13 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
     return cfg
 
 
+def check_options(base: C.TrainConfig, options: dict[str, object] | None) -> None:
+    """A value a technique's field rejects (`--set loss_chunks=0`) is a ConfigError now, not a skipped rung minutes
+    later."""
+    for name, value in (options or {}).items():
+        T.TECHNIQUE[name].set(T.naive(base), value)
+
+
 def run_ladder(
     base: C.TrainConfig,
     steps: int | None = None,
@@ -235,9 +247,7 @@ def run_ladder(
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
     T.check_ladder_arguments(options, leave_out)
-    # a value its field rejects is an error now, not a skipped rung minutes later
-    for name, value in (options or {}).items():
-        T.TECHNIQUE[name].set(T.naive(base), value)
+    check_options(base, options)
     names = [r.name for r in T.LADDER]
     if unknown := [n for n in rungs or [] if n not in names]:
         raise C.ConfigError(
@@ -291,6 +301,8 @@ def run_ladder(
             if not result.ok:  # nothing to climb from
                 why = "naive fp32, the baseline, did not run"
                 results += [_not_run(later.name, why, prov, {"kept": False}) for later in T.LADDER[i + 1 :]]
+                if on_result:  # the file says this climb failed, not what an earlier one found
+                    on_result(results)
                 break
             naive_loop = best = _Loop(trainer, result, 1.0)
         if on_result:
@@ -495,6 +507,13 @@ def _judged(
             note += f"timed against naive through the product of factors ({type(e).__name__} when paired with naive)"
             free_memory()
     kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
+    if not fixed and _no_effect(trainer.cfg, rung, caps) and speed.factor:
+        # the same computation timed against itself: whatever the pairs say is this machine's noise, not the technique
+        kept, speed = False, dataclasses.replace(speed, verdict=NO_CHANGE)
+        why = (
+            f"not kept: {note}; the same step measured {speed.factor:.2f}x ({speed.low:.2f}-{speed.high:.2f}) "
+            "against itself: the noise of this machine"
+        )
     if result.stopped_early:
         why += f" ({result.stopped_early})"
     naive_peak = naive_loop.result.memory and naive_loop.result.memory["peak_bytes"]
@@ -541,9 +560,12 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
             naive_r.tokens_per_s,
         )
         row.excluded_steps, row.mfu, row.mfu_basis = list(naive_r.excluded_steps), naive_r.mfu, naive_r.mfu_basis
+        measured = any(r.status != "skipped" for r in results[1:])
         row.ladder = {
             "kept": True,
-            "why": "nothing was kept: naive fp32 is this device's best loop here",
+            "why": "nothing was kept: naive fp32 is the best of the loops measured here"
+            if measured
+            else "no rung was measured (--rungs): the optimised loop is naive fp32 by default",
             "speedup": 1.0,
             "memory_vs_naive": 1.0,
             "factor": 1.0,
@@ -607,6 +629,11 @@ def optimised(results: list[RunResult]) -> RunResult | None:
 def optimised_config(results: list[RunResult]) -> C.TrainConfig:
     """The config of the loop a climb ended with: what `export --ladder` writes and notebook 09's panel starts from."""
     row = optimised(results)
+    if results and results[0].status not in ("ok", "skipped") and row is None:
+        raise C.ConfigError(
+            f"these results hold no optimised loop: naive fp32, the baseline, did not run ({results[0].status}: "
+            f"{results[0].reason}), so the climb had nothing to climb from"
+        )
     if row is None or not row.config:
         raise C.ConfigError("these results hold no optimised loop (no '= optimised here' row): run the whole ladder")
     return C.TrainConfig.from_dict(row.config)
@@ -661,6 +688,12 @@ def verdict(results: list[RunResult]) -> str:
     row = optimised(results)
     rungs = [r for r in rungs_of(results)[1:]]
     if row is None:
+        base = results[0] if results else None
+        if base is not None and base.status not in ("ok", "skipped"):
+            return (
+                f"naive fp32, the baseline, did not run ({base.status}: {base.reason}): there is nothing to climb "
+                "from. A smaller model or batch (a smaller preset) may fit."
+            )
         return "The climb did not finish: no verdict."
     lad = row.ladder
     kept = [r.label.removeprefix("+ ") for r in rungs if r.ladder.get("kept")]

@@ -6,6 +6,7 @@ import datetime as _dt
 import json
 import os
 import subprocess
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -100,15 +101,23 @@ class RunResult:
 
 
 def check_writable(path: str | Path) -> Path:
-    """`path` when a results file can be written there, else an OSError that says why; asked before a long run."""
+    """`path` when a file can be written there (write_atomic creates its missing folders), else a ValueError or an
+    OSError that says why; asked before a long run."""
+    if str(path) == "":
+        raise ValueError("an empty path (an unset variable?): give a file name")
     path = Path(path)
     if path.is_dir():
-        raise IsADirectoryError(f"{path} is a folder: give a file name, e.g. {path / 'results.json'}")
+        raise IsADirectoryError(f"{path} is a folder: give a file name in it")
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
-    if not folder.is_dir() or not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if path.exists() and not os.access(path, os.W_OK):
+        raise PermissionError(f"cannot write {path}: the file is read-only; choose another path")
+    try:  # a file made and dropped there: os.access says yes to root everywhere, /proc and read-only mounts included
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
         raise PermissionError(
-            f"cannot write {path}: {folder if not path.exists() else path} is not writable; choose another path"
-        )
+            f"cannot write {path}: no file can be made in {folder} ({e.strerror}); choose another path"
+        ) from None
     return path
 
 
@@ -123,6 +132,8 @@ def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
 
 def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
     payload = json.loads(Path(path).read_text())
+    if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
+        raise ValueError("it holds no list of results, as a file `ladder --json` or a panel wrote does")
     results = [RunResult.from_dict(r) for r in payload.pop("results")]
     return results, payload
 

@@ -304,6 +304,21 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
+def out_of_memory(e: BaseException) -> BaseException | None:
+    """The out-of-memory error in `e`'s chain (compile may wrap it), or None. CUDA raises torch.OutOfMemoryError; a
+    CPU's allocator a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory" on Linux and macOS, "...: not
+    enough memory" on Windows)."""
+    return next(
+        (
+            x
+            for x in _chain(e)
+            if isinstance(x, torch.OutOfMemoryError)
+            or (isinstance(x, RuntimeError) and "DefaultCPUAllocator" in str(x) and "memory" in str(x))
+        ),
+        None,
+    )
+
+
 def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
     """train(), but an out-of-memory error becomes a result with status "oom": the memory is freed and the
     caller (a notebook, the ladder) carries on."""
@@ -315,7 +330,7 @@ def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str)
     try:
         return attempt()
     except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; anything else is re-raised
-        oom = next((x for x in _chain(e) if isinstance(x, torch.OutOfMemoryError)), None)  # compile may wrap it
+        oom = out_of_memory(e)
         if oom is None:
             raise
         reason = "out of memory: " + str(oom).splitlines()[0][:200]

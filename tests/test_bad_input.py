@@ -47,8 +47,27 @@ CLI = [
     (["export", "--preset", "tiny", "--set", "steps=1"], "raise steps"),
     (["export", "--preset", "tiny", "--set", "model.vocab_size=10"], "smaller than the tokenizer's 4097 tokens"),
     (["export", "--preset", "tiny", "--rung", "+ warp drive"], "is not a rung of the ladder"),
-    (["export", "--preset", "tiny", "--ladder", "/nonexistent/ladder.json"], "not a ladder's results file"),
+    (["export", "--ladder", "/nonexistent/ladder.json"], "not a ladder's results file"),
     (["profile", "--preset", "tiny", "--set", "steps=0"], "steps must be a positive int"),
+    # a negative index is not counted from the end, an empty list is not every rung, a rung is not asked for twice
+    (["ladder", "--preset", "tiny", "--rungs", "-1"], "--rungs takes indices 0..9"),
+    (["ladder", "--preset", "tiny", "--rungs", ""], "--rungs takes indices 0..9"),
+    (["ladder", "--preset", "tiny", "--leave-out", "-2"], "--leave-out takes indices 0..9"),
+    (["ladder", "--preset", "tiny", "--rungs", "0,2", "--leave-out", "2"], "is in --rungs and in --leave-out"),
+    (["ladder", "--preset", "tiny", "--set", "loss_chunks=0"], "loss_chunks must be a positive int"),
+    (["export", "--preset", "tiny", "--rung", "12"], "--rung takes an index 0..9, got"),
+    (["export", "--preset", "tiny", "--rung", "-1"], "is not a rung of the ladder"),
+    (["profile", "--preset", "tiny", "--rows", "0"], "--rows takes the number of operators"),
+    # a device torch knows but the course has no path for
+    (["info", "--device", "xpu"], "the course runs on cpu, cuda, mps only"),
+    (["ladder", "--preset", "tiny", "--device", "hpu"], "the course runs on cpu, cuda, mps only"),
+    (["export", "--preset", "tiny", "--device", "xpu"], "the course runs on cpu, cuda, mps only"),
+    # an empty path (an unset shell variable) is not "no file"
+    (["ladder", "--preset", "tiny", "--json", ""], "an empty path"),
+    (["doctor", "--quick", "--json", ""], "an empty path"),
+    (["profile", "--preset", "tiny", "--trace", ""], "an empty path"),
+    (["export", "--preset", "tiny", "--out", ""], "an empty path"),
+    (["bpe", "--out", ""], "an empty path"),
 ]
 if NO_CUDA:
     CLI += [
@@ -62,7 +81,7 @@ def test_the_command_line_refuses_with_one_line(args, says, capsys):
     assert cli(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err, err
-    assert "Traceback" not in err and "rung 1 of" not in err and "step 1 of" not in err
+    assert "Traceback" not in err and "Ladder on" not in err and "rung 1 of" not in err and "step 1 of" not in err
 
 
 def test_a_folder_or_an_unwritable_path_is_refused_before_the_run(tmp_path, capsys):
@@ -79,9 +98,13 @@ def test_a_folder_or_an_unwritable_path_is_refused_before_the_run(tmp_path, caps
         assert "is a folder: give a file name" in err and "step 1 of" not in err and "checking" not in err, (args, err)
     afile = tmp_path / "afile"  # a path under a regular file cannot be written, by root either
     afile.write_text("x")
-    assert cli(["ladder", "--preset", "tiny", "--json", str(afile / "l.json")]) == 2
-    err = capsys.readouterr().err
-    assert "is not writable" in err and "rung 1 of" not in err
+    # and /proc takes no new file, though os.access says root may write it
+    for path in (afile / "l.json", "/proc/course-results.json"):
+        for args in (["ladder", "--preset", "tiny", "--json"], ["export", "--preset", "tiny", "--out"]):
+            assert cli([*args, str(path)]) == 2
+            err = capsys.readouterr().err
+            assert "cannot write" in err and "no file can be made" in err and "rung 1 of" not in err, err
+            assert ".partial" not in err  # the message names the learner's path, not a temporary file's
 
 
 def test_an_existing_file_is_kept_unless_forced(tmp_path, capsys):
@@ -278,3 +301,82 @@ def test_a_damaged_cache_entry_is_dropped_and_measured_again(tmp_path, monkeypat
         kept = K._read_cache()
         assert says in capsys.readouterr().err
         assert kept == ({"good": 0.5} if "good" in damaged else {})
+
+
+# ---- results files: what a failed climb writes, and what a wrong file says ------------------------------------------
+
+
+def test_a_climb_whose_baseline_fails_replaces_the_file_with_its_failure_and_exits_1(tmp_path, capsys, monkeypatch):
+    """Naive fp32 out of memory: nothing to climb from. The --json file (replaced with --force) holds this climb's
+    failure, not an earlier climb's loop that `export` would then write without a word; the exit status says so."""
+    from course_lib import ladder as ladder_mod
+    from course_lib.results import RunResult, load_results, provenance, save_results
+
+    def out_of_memory(cfg, label, *args, **kwargs):
+        result = RunResult(label, "oom", cfg.to_dict(), provenance("test"), reason="out of memory: made up")
+        return result, None, []
+
+    monkeypatch.setattr(ladder_mod, "_measure", out_of_memory)
+    out = tmp_path / "l.json"
+    earlier = RunResult("= optimised here", "ok", C.tiny_preset("cpu").to_dict(), provenance("test"))
+    save_results([earlier], out, preset="tiny")
+    assert cli(["ladder", "--preset", "tiny", "--json", str(out), "--force"]) == 1
+    captured = capsys.readouterr()
+    assert "the baseline, did not run (oom: out of memory: made up)" in captured.out
+    assert "the baseline's failure is recorded there" in captured.err and "Traceback" not in captured.err
+    results, _ = load_results(out)
+    assert results[0].status == "oom" and all(r.status == "skipped" for r in results[1:])
+    assert cli(["export", "--ladder", str(out)]) == 2
+    assert "naive fp32, the baseline, did not run (oom" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["null", "1", '"x"', "{}", "[]", '{"results": null}', '{"results": [1]}'])
+def test_a_json_file_that_is_no_ladder_is_named_as_such(tmp_path, capsys, text):
+    bad = tmp_path / "l.json"
+    bad.write_text(text)
+    for command in ("export", "profile", "config"):
+        assert cli([command, "--ladder", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "not a ladder's results file" in err and "Traceback" not in err, err
+
+
+def test_ladder_and_preset_together_are_refused(tmp_path, capsys):
+    from course_lib.results import save_results
+
+    out = tmp_path / "l.json"
+    save_results([], out)
+    assert cli(["export", "--ladder", str(out), "--preset", "gpt2-small"]) == 2
+    assert "--ladder and --preset both name a model" in capsys.readouterr().err
+
+
+def test_bpe_checks_its_out_path_before_training(tmp_path, capsys, monkeypatch):
+    from course_lib import bpe
+
+    monkeypatch.setattr(bpe, "train_bpe", lambda *a, **k: pytest.fail("trained before the path was checked"))
+    kept = tmp_path / "ranks.tiktoken"
+    kept.write_text("mine")
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for out, says in ((kept, "exists: pass --force"), (folder, "is a folder"), ("/proc/r.tiktoken", "cannot write")):
+        assert cli(["bpe", "--out", str(out)]) == 2
+        assert says in capsys.readouterr().err
+    assert kept.read_text() == "mine"
+
+
+def test_a_written_file_gets_the_usual_permissions(tmp_path):
+    """write_atomic's temporary file is private (0600); the file it becomes is not: a new one gets the umask's
+    permissions, a replaced one keeps its own."""
+    import os
+
+    from course_lib.cache import write_atomic
+
+    umask = os.umask(0o022)
+    try:
+        new = tmp_path / "train.py"
+        write_atomic(new, lambda f: f.write_text("x"), strict=True)
+        assert new.stat().st_mode & 0o777 == 0o644
+        new.chmod(0o640)
+        write_atomic(new, lambda f: f.write_text("y"), strict=True)
+        assert new.stat().st_mode & 0o777 == 0o640 and new.read_text() == "y"
+    finally:
+        os.umask(umask)

@@ -117,3 +117,19 @@ def test_the_cli_prints_the_table(learner, capsys):
     out = capsys.readouterr().out
     assert "01_naive_loop.ipynb" in out and re.search(r"^1 of \d+ exercises solved$", out, re.M)
     assert cli.main(["exercises", "--status", str(folder / "nowhere")]) == 2
+
+
+@pytest.mark.parametrize("text", ["[]", '{"cells": [1]}', "{not json"], ids=["a list", "a cell not a dict", "not json"])
+def test_a_file_that_is_not_a_notebook_is_one_error_row_per_exercise(tmp_path, text):
+    """A notebook saved as something else (an editor's accident): its exercises are error rows, the others still
+    checked, and the count still says how many exercises there are."""
+    folder = tmp_path / "nb"
+    folder.mkdir()
+    (folder / "01_naive_loop.ipynb").write_text(text)
+    notebook(folder / "05_x.ipynb", IMPORTS)
+    rows = S.progress(folder, timeout=15)
+    of_01 = [r for r in rows if r.notebook == "01_naive_loop.ipynb"]
+    assert [r.exercise for r in of_01] == [ex.name for ex in X.EXERCISES.values() if ex.notebook == "01"]
+    assert all(r.status == S.ERROR and "cannot read the notebook" in r.message for r in of_01)
+    total = sum(ex.notebook in ("01", "05") for ex in X.EXERCISES.values())
+    assert S.table(rows).endswith(f"0 of {total} exercises solved")

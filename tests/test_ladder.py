@@ -19,6 +19,8 @@ MiB = 2**20
 def speed(cfg: C.TrainConfig, device: str) -> float:
     """Seconds per step of a made-up device, from what the config switches on."""
     s = 0.200
+    if cfg.precision == "tf32" and device == "drifting laptop":  # made up: the machine slowed while TF32 was timed
+        s *= 1.08
     if cfg.precision == "bf16":
         if device == "avx2 laptop":
             s *= 15.0
@@ -140,10 +142,16 @@ def test_a_bf16_rung_15x_slower_is_not_kept_stopped_early_and_says_why(climb):
     assert all(r.config.get("precision") == "fp32" for r in results[3:] if r.ok)
 
 
-def test_tf32_inside_the_noise_is_no_measurable_change(climb):
-    tf32 = by_label(climb("avx2 laptop", native_16bit=False))["+ tf32"]
+@pytest.mark.parametrize("device", ["avx2 laptop", "drifting laptop"])
+def test_tf32_on_a_cpu_is_no_measurable_change_whatever_its_pairs_said(climb, device):
+    """TF32 does nothing on a CPU: its rung times the same step against itself, so a factor inside the noise or
+    outside it (the machine slowed while it ran) is the machine's noise, and the row says so, not "slower"."""
+    tf32 = by_label(climb(device, native_16bit=False))["+ tf32"]
     assert tf32.ladder["speed"] == L.NO_CHANGE and not tf32.ladder["kept"]
-    assert 0.97 < tf32.ladder["factor"] < 1.03 and "no measurable change" in tf32.ladder["why"]
+    assert "does nothing on a CPU" in tf32.ladder["why"] and "the noise of this machine" in tf32.ladder["why"]
+    assert "slower" not in tf32.ladder["why"] and "faster" not in tf32.ladder["why"]
+    if device == "drifting laptop":
+        assert tf32.ladder["factor"] < 0.95  # its pairs did say slower
 
 
 def test_a_compile_that_pays_only_after_its_warm_up_is_kept(climb):

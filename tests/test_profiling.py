@@ -180,12 +180,20 @@ def test_on_a_gpu_the_summary_counts_kernel_time(tiny):
     assert floor.matmul_flops > 0 and floor.total_s > 0 and "The kernel floor" in floor.text()
 
 
-def test_out_of_memory_in_the_profile_or_its_floor_is_a_message_not_a_traceback(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 20976640000 bytes."),
+    ],
+    ids=["gpu-allocator", "cpu-allocator"],
+)
+def test_out_of_memory_in_the_profile_or_its_floor_is_a_message_not_a_traceback(capsys, monkeypatch, error):
     """Out of memory in the profiled steps: a message saying what to change, exit 1. Out of memory while the floor
     times a call alone: the profile still printed, a line saying so."""
 
     def oom(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise error
 
     monkeypatch.setattr(profiling, "kernel_floor", oom)
     assert cli(["profile", "--preset", "tiny", "--steps", "1", "--rows", "3"]) == 0

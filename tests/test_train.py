@@ -92,13 +92,34 @@ def test_a_memory_ledger_run_counts_the_static_parts_exactly(splits, tiny):
     assert by["optimizer state"] == 2 * 4 * n + 4 * len(list(GPT(cfg.model).parameters()))
 
 
-def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits, tiny):
+# What each allocator raises: CUDA's, and a CPU's on Linux (torch 2.13, asked for 20 GB under `ulimit -v`) and Windows
+OUT_OF_MEMORY = [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+        "20976640000 bytes. Error code 12 (Cannot allocate memory)"
+    ),
+    RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 20976640000 bytes."),
+]
+
+
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["gpu-allocator", "cpu-linux", "cpu-windows"])
+def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits, tiny, error):
     def boom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        raise error
 
     monkeypatch.setattr(train_mod, "train", boom)
     r = train_mod.run(tiny(), "too big")
     assert r.status == "oom" and "out of memory" in r.reason and not r.ok
+
+
+def test_another_runtime_error_is_not_taken_for_out_of_memory(monkeypatch, tiny):
+    def boom(*a, **k):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")
+
+    monkeypatch.setattr(train_mod, "train", boom)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        train_mod.run(tiny(), "a bug")
 
 
 def test_too_few_steps_is_explained(splits, tiny):

@@ -263,6 +263,8 @@ def progress(folder: str | Path, timeout: float = TIMEOUT_S) -> list[Row]:
     """One row per exercise of the notebooks in `folder` (NN_*.ipynb), in the order of EXERCISES."""
     folder = Path(folder)
     notebooks = sorted(p for p in folder.glob("*.ipynb") if p.name[:2].isdigit())
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder: give the folder that holds the course's notebooks")
     if not notebooks:
         raise FileNotFoundError(f"no course notebooks (01_....ipynb) in {folder}")
     rows: list[Row] = []
@@ -270,8 +272,12 @@ def progress(folder: str | Path, timeout: float = TIMEOUT_S) -> list[Row]:
     for path in notebooks:
         try:
             mine, decided = jobs_of(path)
-        except (OSError, ValueError, KeyError) as e:
-            rows.append(Row(path.name, "-", ERROR, f"cannot read the notebook: {type(e).__name__}: {e}"))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or JSON but no notebook
+            why = f"cannot read the notebook: {type(e).__name__}: {e}"
+            # one row per exercise it holds, so that the count says how many there are
+            rows += [
+                Row(path.name, ex.name, ERROR, why) for ex in EXERCISES.values() if ex.notebook == path.name[:2]
+            ] or [Row(path.name, "-", ERROR, why)]
             continue
         rows += decided
         jobs += mine
@@ -286,7 +292,7 @@ def table(rows: list[Row]) -> str:
     lines = [f"{'notebook':<{nb_width}}  {'exercise':<{width}}  {'status':<7}  message"]
     lines += [f"{r.notebook:<{nb_width}}  {r.exercise:<{width}}  {r.status:<7}  {r.message}" for r in rows]
     solved = sum(r.status == SOLVED for r in rows)
-    lines.append(f"{solved} of {len(rows)} exercises solved")
+    lines.append(f"{solved} of {sum(r.exercise != '-' for r in rows)} exercises solved")
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ import torch
 from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
 from ..profiling import SDPA_OPS
+from ..train import out_of_memory
 from .micro_benchmarks import peak_bytes, time_fn
 
 __all__ = [
@@ -203,10 +204,10 @@ def context_sweep(
     from ..measure import device_name
 
     name = device_name(device)
-    points, out_of_memory = [], set()
+    points, ran_out = [], set()
     for s in contexts:
         for impl in impls:
-            if impl in out_of_memory:  # a longer context will not fit either
+            if impl in ran_out:  # a longer context will not fit either
                 points.append(
                     AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom")
                 )
@@ -228,15 +229,17 @@ def context_sweep(
                     ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
                     peak, method = peak_bytes(call, device=device)
                 points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
-            except torch.OutOfMemoryError:
-                out_of_memory.add(impl)
+            except Exception as e:  # noqa: BLE001 - out of memory is a point of the sweep; anything else is raised
+                if out_of_memory(e) is None:
+                    raise
+                ran_out.add(impl)
                 points.append(
                     AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom")
                 )
             if progress:
                 progress(impl, s)
             del q, k, v, call
-            if impl in out_of_memory:  # free what the failed call left before the next size
+            if impl in ran_out:  # free what the failed call left before the next size
                 gc.collect()
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
