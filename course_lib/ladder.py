@@ -264,7 +264,7 @@ def run_ladder(
     if rungs is not None:
         for rung in T.LADDER[1:]:
             if rung.name not in rungs:
-                leave_out.setdefault(rung.name, "not measured here: not among the rungs asked for")
+                leave_out.setdefault(rung.name, "left out: not among the rungs asked for")
     caps = capabilities(base.device)
     refresh_peaks(caps)
     prov = provenance(caps.name)
@@ -565,7 +565,7 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
             "kept": True,
             "why": "nothing was kept: naive fp32 is the best of the loops measured here"
             if measured
-            else "no rung was measured (--rungs): the optimised loop is naive fp32 by default",
+            else "no rung was measured: the optimised loop is naive fp32 by default",
             "speedup": 1.0,
             "memory_vs_naive": 1.0,
             "factor": 1.0,
