@@ -2,13 +2,13 @@
 
     python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed]
         [--json PATH]
-    python -m course_lib export [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...]
-        [--rung NAME | --ladder PATH] [--out train.py]
-    python -m course_lib profile [--preset P] [--device D] [--steps N] [--set FIELD=VALUE ...] [--rung NAME]
-        [--trace PATH]
+    python -m course_lib export [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
+        [--set FIELD=VALUE ...] [--out train.py [--force]]
+    python -m course_lib profile [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
+        [--set FIELD=VALUE ...] [--trace PATH [--force]] [--no-floor]
     python -m course_lib info [--device D]
     python -m course_lib doctor [--device D] [--json PATH]
-    python -m course_lib bpe            (retrain the shipped tokenizer ranks from the corpus)
+    python -m course_lib bpe [--out PATH [--force]]   (retrain the tokenizer ranks from the corpus)
 
 `python -m course_lib COMMAND --help` describes each command's options.
 """
@@ -26,7 +26,7 @@ def cmd_ladder(args) -> int:
     import torch
 
     from .capabilities import capabilities
-    from .ladder import MIN_PAIRS, check_options, ladder_table, run_ladder, steps_to_judge, verdict
+    from .ladder import baseline_failure, check_options, enough_steps, ladder_table, run_ladder, verdict
     from .results import check_writable, provenance, save_results
 
     try:
@@ -60,10 +60,8 @@ def cmd_ladder(args) -> int:
     except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    raised = ""
-    if base.steps < (needed := steps_to_judge(base)):
-        raised = f", raised from {base.steps}: a rung needs {MIN_PAIRS} timed steps to be judged"
-        base = dataclasses.replace(base, steps=needed)
+    base, raised = enough_steps(base)  # said in the banner (run_ladder then finds nothing to raise)
+    raised = f", {raised}" if raised else ""
     print(
         f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
         f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
@@ -115,7 +113,7 @@ def cmd_ladder(args) -> int:
     print(ladder_table(results))
     print()
     print(verdict(results))
-    baseline_failed = not results[0].ok
+    baseline_failed = baseline_failure(results) is not None
     if out is not None:
         print(
             f"wrote {out} "
@@ -150,7 +148,9 @@ def chosen_config(args) -> C.TrainConfig:
     change."""
     from . import export, ladder
 
-    if getattr(args, "ladder", None):
+    if getattr(args, "ladder", None) is not None:
+        if not args.ladder:
+            raise ValueError("--ladder: an empty path (an unset variable?): give the file `ladder --json PATH` wrote")
         if args.rung is not None:
             raise ValueError("--ladder and --rung both name a config: give one of them")
         if args.preset is not None:
@@ -272,10 +272,11 @@ def cmd_exercises(args) -> int:
             print(f"  {ex.notebook}  {ex.name:<{width}} {ex.title} ({len(ex.mistakes)} typical mistakes recorded)")
         return 0
     rows = exercises.verify()
+    width = max(len(name) for name in exercises.EXERCISES)
     for r in rows:
         mark = "ok  " if r["ok"] else "FAIL"
         what = "passes" if r["answer"] == "reference" else "caught, with its hint"
-        print(f"{mark} {r['notebook']} {r['exercise']:<16} {r['answer']:<38} {what if r['ok'] else r['said']}")
+        print(f"{mark} {r['notebook']} {r['exercise']:<{width}} {r['answer']:<38} {what if r['ok'] else r['said']}")
     bad = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(bad)} of {len(rows)} as they must be")
     return 1 if bad else 0
@@ -421,9 +422,8 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bpe(args) -> int:
-    import os
-
     from . import bpe, data
+    from .results import check_writable
 
     if args.out is not None:
         try:  # a folder, an unwritable path or an earlier file: said now, not after minutes of training
@@ -436,7 +436,12 @@ def cmd_bpe(args) -> int:
         # from there. A strict editable install links the file, so resolve() writes through to the repository.
         out = data.RANKS_FILE.resolve()
         checkout = out.parent.name == "data" and (out.parent.parent / "pyproject.toml").is_file()
-        if not checkout or not os.access(out.parent, os.W_OK):
+        try:
+            check_writable(out)
+            writable = True
+        except OSError:
+            writable = False
+        if not checkout or not writable:
             print(
                 f"error: the tokenizer ranks are package data in {out.parent}, which is not a writable data/ folder of "
                 "the course's repository (`pip install .` or a wheel puts it inside site-packages). Retrain them in "

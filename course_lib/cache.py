@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Callable
 
@@ -20,29 +20,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_lib"
 
 
-def _mode_for(path: Path) -> int:
-    """The permissions `path` has, or a new file's under this process's umask (rw-r--r-- under the usual 022)."""
-    with contextlib.suppress(OSError):
-        return path.stat().st_mode & 0o777
-    umask = os.umask(0)  # only readable by setting it: set back at once
-    os.umask(umask)
-    return 0o666 & ~umask
+def _new_partial(path: Path) -> Path:
+    """An empty file of this process's own beside `path` (a random name, created exclusively: no two processes share
+    one, even on a home folder several machines mount), with the permissions a new file gets here: mode 0666 under
+    the umask and any default ACL, applied by the system (mkstemp's 0600 would make a shared script private)."""
+    while True:
+        partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
+        try:
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return partial
+        except FileExistsError:
+            continue
 
 
 def write_atomic(path: Path, write: Callable[[Path], None], strict: bool = False) -> None:
-    """write(partial) fills a file of its own beside `path` (named by tempfile: no two processes share one, even on a
-    home folder several machines mount), which then replaces `path` in one step: a process reading at the same time
-    (another torchrun rank) sees the old state or the whole file, never half of it, and a write that fails (a full
-    disk) leaves the old file as it was. A cache that cannot be written (a read-only or full disk, no home folder) is
-    skipped: the value is computed again next time. `strict` (a result, not a cache) raises the error instead."""
+    """write(partial) fills a file of its own beside `path` (_new_partial), which then replaces `path` in one step:
+    a process reading at the same time (another torchrun rank) sees the old state or the whole file, never half of it,
+    and a write that fails (a full disk) leaves the old file as it was. A cache that cannot be written (a read-only
+    or full disk, no home folder) is skipped: the value is computed again next time. `strict` (a result, not a cache)
+    raises the error instead."""
     partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".partial")
-        os.close(fd)
-        partial = Path(name)
-        partial.chmod(_mode_for(path))  # mkstemp's 0600 would make a shared script or result private
+        partial = _new_partial(path)
         write(partial)
+        with contextlib.suppress(OSError):  # a file replaced keeps its permissions (where the system lets us say so)
+            partial.chmod(path.stat().st_mode & 0o777)
         os.replace(partial, path)
     except Exception:  # noqa: BLE001 - OSError, or torch.save's RuntimeError: a cache is never worth a failed run
         if partial is not None:

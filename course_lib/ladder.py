@@ -140,19 +140,22 @@ def judge(
     return False, f"not kept: {what}" + (f"; {device_note}" if device_note else "")
 
 
+def _precision_support(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities):
+    """What the device says of the precision a precision rung sets (capabilities.Support), or None for other rungs."""
+    return caps.supports(cfg.precision) if rung.technique is not None and rung.technique.name == "precision" else None
+
+
 def device_note(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> str:
     """What the device says of a rung's technique when it has no hardware for it (bf16 converted in software, TF32 on a
     CPU), or ""."""
-    if rung.technique is not None and rung.technique.name == "precision":
-        support = caps.supports(cfg.precision)
-        if support.native is False:
-            return f"{cfg.precision} here: {support.note}"
-    return ""
+    support = _precision_support(cfg, rung, caps)
+    return f"{cfg.precision} here: {support.note}" if support is not None and support.native is False else ""
 
 
 def _no_effect(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> bool:
     """Whether the device runs a rung's technique as the same computation as without it (TF32 on a CPU)."""
-    return rung.technique is not None and rung.technique.name == "precision" and caps.supports(cfg.precision).no_effect
+    support = _precision_support(cfg, rung, caps)
+    return support is not None and support.no_effect
 
 
 # ---- the climb ---------------------------------------------------------------------------------------------------
@@ -253,13 +256,9 @@ def run_ladder(
         raise C.ConfigError(
             f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}"
         )
-    if base.steps < (needed := steps_to_judge(base)):  # a verdict needs MIN_PAIRS timed steps: more steps, and said so
-        if progress:
-            progress(
-                f"steps per rung raised from {base.steps} to {needed}: "
-                f"a rung needs {MIN_PAIRS} timed steps to be judged"
-            )
-        base = dataclasses.replace(base, steps=needed)
+    base, raised = enough_steps(base)
+    if raised and progress:
+        progress(f"steps per rung {raised}")
     leave_out = dict(leave_out or {})
     if rungs is not None:
         for rung in T.LADDER[1:]:
@@ -299,7 +298,7 @@ def run_ladder(
             }
             results.append(result)
             if not result.ok:  # nothing to climb from
-                why = "naive fp32, the baseline, did not run"
+                why = "no baseline to climb from: naive fp32 did not finish"
                 results += [_not_run(later.name, why, prov, {"kept": False}) for later in T.LADDER[i + 1 :]]
                 if on_result:  # the file says this climb failed, not what an earlier one found
                     on_result(results)
@@ -395,6 +394,16 @@ def second_look(results: list[RunResult]) -> list[T.Rung]:
 def _not_run(label: str, why: str, prov: dict, ladder: dict) -> RunResult:
     """The row of a rung the climb did not run, saying why."""
     return RunResult(label=label, status="skipped", config={}, provenance=prov, reason=why, ladder=ladder)
+
+
+def enough_steps(cfg: C.TrainConfig) -> tuple[C.TrainConfig, str]:
+    """`cfg` with at least steps_to_judge steps (a verdict needs MIN_PAIRS timed steps), and what was raised ("" when
+    nothing was)."""
+    if cfg.steps >= (needed := steps_to_judge(cfg)):
+        return cfg, ""
+    return dataclasses.replace(cfg, steps=needed), (
+        f"raised from {cfg.steps} to {needed}: a rung needs {MIN_PAIRS} timed steps to be judged"
+    )
 
 
 def steps_to_judge(cfg: C.TrainConfig) -> int:
@@ -507,12 +516,13 @@ def _judged(
             note += f"timed against naive through the product of factors ({type(e).__name__} when paired with naive)"
             free_memory()
     kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
-    if not fixed and _no_effect(trainer.cfg, rung, caps) and speed.factor:
-        # the same computation timed against itself: whatever the pairs say is this machine's noise, not the technique
-        kept, speed = False, dataclasses.replace(speed, verdict=NO_CHANGE)
+    if _no_effect(trainer.cfg, rung, caps) and speed.factor:
+        # the same computation timed against itself: whatever the pairs say is this machine's noise, not the technique,
+        # and the loop's speed-up over naive stays what it was
+        kept, speed, speedup = fixed, dataclasses.replace(speed, verdict=NO_CHANGE), best.speedup
         why = (
-            f"not kept: {note}; the same step measured {speed.factor:.2f}x ({speed.low:.2f}-{speed.high:.2f}) "
-            "against itself: the noise of this machine"
+            f"{'kept (fixed ladder)' if fixed else 'not kept'}: {note}; the same step measured {speed.factor:.2f}x "
+            f"({speed.low:.2f}-{speed.high:.2f}) against itself: the noise of this machine"
         )
     if result.stopped_early:
         why += f" ({result.stopped_early})"
@@ -626,14 +636,21 @@ def optimised(results: list[RunResult]) -> RunResult | None:
     return next((r for r in reversed(results) if r.label == OPTIMISED), None)
 
 
+def baseline_failure(results: list[RunResult]) -> str | None:
+    """Why a climb had nothing to climb from, when its first row, naive fp32, failed (out of memory, diverged, an
+    error); else None."""
+    if not results or results[0].label != T.LADDER[0].name or results[0].status in ("ok", "skipped"):
+        return None
+    r = results[0]
+    hint = " A smaller model or batch (a smaller preset) may fit." if r.status == "oom" else ""
+    return f"naive fp32, the baseline, did not finish ({r.status}: {r.reason}): there is nothing to climb from.{hint}"
+
+
 def optimised_config(results: list[RunResult]) -> C.TrainConfig:
     """The config of the loop a climb ended with: what `export --ladder` writes and notebook 09's panel starts from."""
     row = optimised(results)
-    if results and results[0].status not in ("ok", "skipped") and row is None:
-        raise C.ConfigError(
-            f"these results hold no optimised loop: naive fp32, the baseline, did not run ({results[0].status}: "
-            f"{results[0].reason}), so the climb had nothing to climb from"
-        )
+    if row is None and (failed := baseline_failure(results)):
+        raise C.ConfigError(f"these results hold no optimised loop: {failed}")
     if row is None or not row.config:
         raise C.ConfigError("these results hold no optimised loop (no '= optimised here' row): run the whole ladder")
     return C.TrainConfig.from_dict(row.config)
@@ -688,13 +705,7 @@ def verdict(results: list[RunResult]) -> str:
     row = optimised(results)
     rungs = [r for r in rungs_of(results)[1:]]
     if row is None:
-        base = results[0] if results else None
-        if base is not None and base.status not in ("ok", "skipped"):
-            return (
-                f"naive fp32, the baseline, did not run ({base.status}: {base.reason}): there is nothing to climb "
-                "from. A smaller model or batch (a smaller preset) may fit."
-            )
-        return "The climb did not finish: no verdict."
+        return baseline_failure(results) or "The climb did not finish: no verdict."
     lad = row.ladder
     kept = [r.label.removeprefix("+ ") for r in rungs if r.ladder.get("kept")]
     dropped = [r for r in rungs if r.status != "skipped" and not r.ladder.get("kept")]

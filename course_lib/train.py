@@ -307,12 +307,12 @@ def _chain(e: BaseException):
 def out_of_memory(e: BaseException) -> BaseException | None:
     """The out-of-memory error in `e`'s chain (compile may wrap it), or None. CUDA raises torch.OutOfMemoryError; a
     CPU's allocator a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory" on Linux and macOS, "...: not
-    enough memory" on Windows)."""
+    enough memory" on Windows), and Python its MemoryError."""
     return next(
         (
             x
             for x in _chain(e)
-            if isinstance(x, torch.OutOfMemoryError)
+            if isinstance(x, (torch.OutOfMemoryError, MemoryError))
             or (isinstance(x, RuntimeError) and "DefaultCPUAllocator" in str(x) and "memory" in str(x))
         ),
         None,

@@ -68,6 +68,8 @@ CLI = [
     (["profile", "--preset", "tiny", "--trace", ""], "an empty path"),
     (["export", "--preset", "tiny", "--out", ""], "an empty path"),
     (["bpe", "--out", ""], "an empty path"),
+    (["export", "--ladder", ""], "an empty path"),
+    (["exercises", "--guide", "/nonexistent/guide.md"], "is not a file"),
 ]
 if NO_CUDA:
     CLI += [
@@ -322,12 +324,12 @@ def test_a_climb_whose_baseline_fails_replaces_the_file_with_its_failure_and_exi
     save_results([earlier], out, preset="tiny")
     assert cli(["ladder", "--preset", "tiny", "--json", str(out), "--force"]) == 1
     captured = capsys.readouterr()
-    assert "the baseline, did not run (oom: out of memory: made up)" in captured.out
+    assert "the baseline, did not finish (oom: out of memory: made up)" in captured.out and "smaller" in captured.out
     assert "the baseline's failure is recorded there" in captured.err and "Traceback" not in captured.err
     results, _ = load_results(out)
     assert results[0].status == "oom" and all(r.status == "skipped" for r in results[1:])
     assert cli(["export", "--ladder", str(out)]) == 2
-    assert "naive fp32, the baseline, did not run (oom" in capsys.readouterr().err
+    assert "naive fp32, the baseline, did not finish (oom" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["null", "1", '"x"', "{}", "[]", '{"results": null}', '{"results": [1]}'])
@@ -363,20 +365,37 @@ def test_bpe_checks_its_out_path_before_training(tmp_path, capsys, monkeypatch):
     assert kept.read_text() == "mine"
 
 
-def test_a_written_file_gets_the_usual_permissions(tmp_path):
-    """write_atomic's temporary file is private (0600); the file it becomes is not: a new one gets the umask's
-    permissions, a replaced one keeps its own."""
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_a_written_file_gets_the_usual_permissions(tmp_path, umask, mode):
+    """A file write_atomic makes gets the permissions any new file gets here (the umask's), not a temporary file's
+    0600; a file it replaces keeps its own, a read-only one included, which is written first and made read-only
+    after (the write itself must not meet the target's read-only mode: root would not notice, anyone else would)."""
     import os
+    import stat
 
     from course_lib.cache import write_atomic
 
-    umask = os.umask(0o022)
+    def write(text):
+        def fill(partial):
+            assert partial.stat().st_mode & stat.S_IWUSR, oct(partial.stat().st_mode)  # writable while written
+            partial.write_text(text)
+
+        return fill
+
+    old = os.umask(umask)
     try:
         new = tmp_path / "train.py"
-        write_atomic(new, lambda f: f.write_text("x"), strict=True)
-        assert new.stat().st_mode & 0o777 == 0o644
-        new.chmod(0o640)
-        write_atomic(new, lambda f: f.write_text("y"), strict=True)
-        assert new.stat().st_mode & 0o777 == 0o640 and new.read_text() == "y"
+        write_atomic(new, write("x"), strict=True)
+        assert new.stat().st_mode & 0o777 == mode
+        new.chmod(0o444)
+        write_atomic(new, write("y"), strict=True)
+        assert new.stat().st_mode & 0o777 == 0o444 and new.read_text() == "y"
+        assert [p.name for p in tmp_path.iterdir()] == ["train.py"]  # no temporary file left behind
     finally:
-        os.umask(umask)
+        os.umask(old)
+
+
+def test_exercises_takes_one_of_verify_status_and_guide(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli(["exercises", "--status", "--verify"])
+    assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

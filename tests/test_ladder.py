@@ -152,6 +152,14 @@ def test_tf32_on_a_cpu_is_no_measurable_change_whatever_its_pairs_said(climb, de
     assert "slower" not in tf32.ladder["why"] and "faster" not in tf32.ladder["why"]
     if device == "drifting laptop":
         assert tf32.ladder["factor"] < 0.95  # its pairs did say slower
+    assert tf32.ladder["speedup"] == 1.0  # the loop's speed-up over naive stays naive's
+
+
+def test_tf32_on_a_cpu_in_the_fixed_ladder_is_kept_and_still_called_noise(climb):
+    tf32 = by_label(climb("drifting laptop", native_16bit=False, fixed=True))["+ tf32"]
+    assert tf32.ladder["kept"] and tf32.ladder["why"].startswith("kept (fixed ladder): ")
+    assert "the noise of this machine" in tf32.ladder["why"] and "slower" not in tf32.ladder["why"]
+    assert tf32.ladder["speed"] == L.NO_CHANGE and tf32.ladder["speedup"] == 1.0
 
 
 def test_a_compile_that_pays_only_after_its_warm_up_is_kept(climb):

@@ -50,12 +50,17 @@ class Row:
 
 def code_cells(path: Path) -> list[tuple[list[str], str]]:
     """(tags, source) of each code cell; a line of IPython magic (% or !) is left out: it is not Python."""
-    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
+        raise ValueError("not a notebook (no list of cells in it)")
     out = []
     for cell in cells:
         if cell.get("cell_type") != "code":
             continue
         src = cell.get("source", "")
+        if not isinstance(src, (str, list)):
+            raise ValueError("not a notebook (a cell whose source is neither text nor lines)")
         src = "".join(src) if isinstance(src, list) else src
         src = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
         out.append((list(cell.get("metadata", {}).get("tags", [])), src))
@@ -272,7 +277,7 @@ def progress(folder: str | Path, timeout: float = TIMEOUT_S) -> list[Row]:
     for path in notebooks:
         try:
             mine, decided = jobs_of(path)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, or JSON but no notebook
+        except (OSError, ValueError, KeyError) as e:  # not JSON, or JSON but no notebook (code_cells)
             why = f"cannot read the notebook: {type(e).__name__}: {e}"
             # one row per exercise it holds, so that the count says how many there are
             rows += [
