@@ -269,7 +269,8 @@ def run_ladder(
     prov = provenance(caps.name)
     results: list[RunResult] = []
     naive_loop = best = None
-    started, n = time.perf_counter(), len(T.LADDER) + 1
+    # "rung i of n" counts what is measured: the rungs not left out, the second looks and the last row
+    started, n, done = time.perf_counter(), sum(r.name not in leave_out for r in T.LADDER) + 1, 0
 
     def climb_one(label: str, rung: T.Rung, why_not: str | None = None) -> None:
         """One rung, or a second look, on top of the best loop so far: its row, measured and judged, or why not."""
@@ -283,8 +284,9 @@ def run_ladder(
             results.append(result)
 
     for i, rung in enumerate(T.LADDER):
-        if progress:
-            progress(_progress_text(i, n, rung.name, started))
+        if progress and rung.name not in leave_out:
+            progress(_progress_text(done, n, rung.name, started))
+            done += 1
         if best is not None:
             climb_one(rung.name, rung, leave_out.get(rung.name))
         else:  # naive fp32, the baseline (check_ladder_arguments refuses to leave it out)
@@ -314,13 +316,14 @@ def run_ladder(
         n += len(again)
         for rung in again:
             if progress:
-                progress(_progress_text(len(results), n, again_label(rung.name), started))
+                progress(_progress_text(done, n, again_label(rung.name), started))
+                done += 1
             climb_one(again_label(rung.name), rung)
             if on_result:
                 on_result(results)
     if best is not None:
         if progress:
-            progress(_progress_text(n - 1, n, OPTIMISED, started))
+            progress(_progress_text(done, n, OPTIMISED, started))
         results.append(_confirm(naive_loop, best, results, caps))
         if on_result:
             on_result(results)
@@ -621,10 +624,12 @@ def _step_printer(name: str, total: int):
 
 def everything_on(base: C.TrainConfig) -> C.TrainConfig:
     """The fixed ladder's top config as this device would run it, without climbing: every rung it can run, the 16-bit
-    rung only where it has 16-bit hardware (fp32 stays where it has none). A guess at the optimised loop, for a first
-    look (notebook 01); run_ladder measures which rungs really help here."""
+    rung only where it has 16-bit hardware (fp32 stays where it has none), TF32 only where it does something (not on a
+    CPU). A guess at the optimised loop, for a first look (notebook 01); run_ladder measures which rungs help here."""
     caps = capabilities(base.device)
     leave_out = {} if caps.fast_16bit()[0] else {"+ 16-bit autocast": caps.fast_16bit()[1]}
+    if caps.supports("tf32").no_effect:
+        leave_out["+ tf32"] = caps.supports("tf32").note
     return [cfg for _, cfg in ladder_configs(base, leave_out=leave_out) if isinstance(cfg, C.TrainConfig)][-1]
 
 

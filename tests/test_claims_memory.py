@@ -6,7 +6,7 @@ Checked elsewhere, and so not again here: tokens/s recomputed from the raw step 
 ledger's 4N / 4N / 8N (tests/test_train.py); padding adds nothing to the loss (tests/test_data.py); GPT-3's 3,640
 PF-days, a PF-day's 8.64e19 FLOPs, 4,430,769 s on an A100 at its fp32 peak and the budget table
 (tests/test_training_compute.py); the quoted 1.4 GB, 16 bytes per parameter with AdamW and the 69 GB
-(tests/test_memory.py)."""
+(tests/test_memory_estimate_formulas.py)."""
 
 import dataclasses
 import inspect

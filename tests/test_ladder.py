@@ -345,3 +345,20 @@ def test_no_second_look_for_missing_hardware_nor_on_the_fixed_ladder(climb):
     assert L.again_label("+ tf32") not in laptop  # TF32 does nothing on a CPU
     fixed = climb("small gpu", native_16bit=True, fixed=True)
     assert not any(r.label.endswith(L.AGAIN) for r in fixed)
+
+
+def test_the_progress_counts_only_the_rungs_measured(climb):
+    """A climb with rungs left out (notebook 04 climbs up to fused AdamW) announces only what it measures: "rung i of
+    n" ends at n of n, and no left-out rung is announced with a time left."""
+    said = []
+    left_out = {"+ set_to_none": "left out", "+ chunked loss": "left out", "+ checkpointing": "left out"}
+    results = climb("avx2 laptop", native_16bit=False, leave_out=left_out, progress=said.append)
+    counted = [
+        (int(i), int(n), name)
+        for i, n, name in (re.match(r"rung (\d+) of (\d+): ([^(]+)", t).groups() for t in said if t.startswith("rung "))
+    ]
+    assert [name.strip() for *_, name in counted if name.strip() in left_out] == []
+    assert counted[0][:2] == (1, len(T.LADDER) - len(left_out) + 1)  # (a second look adds one when it is decided)
+    assert counted[-1][1] == len(T.LADDER) - len(left_out) + 1 + sum(r.label.endswith(L.AGAIN) for r in results)
+    assert counted[-1][0] == counted[-1][1] and counted[-1][2].strip() == L.OPTIMISED
+    assert [i for i, *_ in counted] == list(range(1, len(counted) + 1))
