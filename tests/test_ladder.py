@@ -362,3 +362,15 @@ def test_the_progress_counts_only_the_rungs_measured(climb):
     assert counted[-1][1] == len(T.LADDER) - len(left_out) + 1 + sum(r.label.endswith(L.AGAIN) for r in results)
     assert counted[-1][0] == counted[-1][1] and counted[-1][2].strip() == L.OPTIMISED
     assert [i for i, *_ in counted] == list(range(1, len(counted) + 1))
+
+
+@pytest.mark.parametrize("native_16bit, precision", [(False, "fp32"), (True, "bf16")])
+def test_everything_on_leaves_out_what_does_nothing_or_runs_in_software(monkeypatch, tiny, native_16bit, precision):
+    """Notebook 01's first look: on a CPU, TF32 (a no-op there) is not switched on, nor a 16-bit format without
+    hardware; with bf16 hardware, bf16."""
+    real = capabilities("cpu")
+    bf16 = Support(True, "bf16 hardware", True) if native_16bit else Support(True, "converted in software", False)
+    caps = dataclasses.replace(real, precisions={**real.precisions, "bf16": bf16, "fp16": bf16})
+    monkeypatch.setattr(L, "capabilities", lambda device=None: caps)
+    top = L.everything_on(tiny())
+    assert top.precision == precision and top.model.attention == "sdpa"
