@@ -313,9 +313,8 @@ def cmd_profile(args) -> int:
 
     from .profiling import kernel_floor, profile_run, summary
     from .results import efficiency_text
-    from .train import free_memory, out_of_memory
+    from .train import unless_out_of_memory
 
-    p = None  # stays None where the profiled steps ran out of memory
     try:
         # before the run: checked, not found out after
         trace = _new_file(args.trace, args.force, "--trace") if args.trace is not None else None
@@ -326,22 +325,20 @@ def cmd_profile(args) -> int:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
         active = args.steps if args.steps is not None else 3
-        p = profile_run(
-            cfg,
-            active=active,
-            trace=trace,
-            progress=lambda step, steps: print(
-                f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""), file=sys.stderr
-            ),
+        p, oom = unless_out_of_memory(
+            lambda: profile_run(
+                cfg,
+                active=active,
+                trace=trace,
+                progress=lambda step, steps: print(
+                    f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""), file=sys.stderr
+                ),
+            )
         )
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - only out-of-memory is answered here; anything else is re-raised
-        if out_of_memory(e) is None:
-            raise
-    if p is None:  # out of the except block: its traceback, which holds the failed steps' tensors, is gone
-        free_memory()
+    if oom:
         print(
             f"error: out of memory in the profiled steps of batch {cfg.batch_size} x context {cfg.context}: "
             "try a smaller --set batch_size=... or --set context=...",
@@ -362,14 +359,8 @@ def cmd_profile(args) -> int:
     )
     print(summary(p, rows=args.rows))
     if not args.no_floor:
-        floor = None
-        try:
-            floor = kernel_floor(p).text()
-        except Exception as e:  # noqa: BLE001 - as above
-            if out_of_memory(e) is None:
-                raise
-        if floor is None:
-            free_memory()
+        floor, oom = unless_out_of_memory(lambda: kernel_floor(p).text())
+        if oom:
             print(
                 "kernel floor: out of memory while timing a call alone; the profile above stands "
                 "(--no-floor leaves the floor out)",

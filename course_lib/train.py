@@ -325,10 +325,10 @@ def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
     return catching_oom(lambda: train(cfg, label, **kwargs), cfg, label)
 
 
-def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str) -> RunResult:
-    """attempt(), or, when it runs out of memory, a result with status "oom" and the memory freed."""
+def unless_out_of_memory(attempt: Callable[[], object]) -> tuple[object, str | None]:
+    """(attempt(), None), or, when it runs out of memory (out_of_memory), (None, why) with the memory freed."""
     try:
-        return attempt()
+        return attempt(), None
     except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; anything else is re-raised
         oom = out_of_memory(e)
         if oom is None:
@@ -339,6 +339,14 @@ def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str)
         del oom
     # Leaving the except block drops `e`, its traceback and the frames, so their memory can be freed now.
     free_memory()
+    return None, reason
+
+
+def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str) -> RunResult:
+    """attempt(), or, when it runs out of memory, a result with status "oom" and the memory freed."""
+    result, reason = unless_out_of_memory(attempt)
+    if reason is None:
+        return result
     return RunResult(
         label=label,
         status="oom",

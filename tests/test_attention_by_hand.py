@@ -96,3 +96,25 @@ def test_cuda_sdpa_backend_and_memory():
     )
     by = {p.impl: p.peak_bytes for p in pts}
     assert by["sdpa"] < by["naive"]
+
+
+def test_the_sweep_goes_on_past_an_implementation_that_runs_out_of_memory(monkeypatch):
+    """Naive attention out of memory (a CPU allocator's error here) at a context: that point and every longer one are
+    'oom' for it, and the other implementation is measured at every context."""
+    naive = A.IMPLS["naive"]
+
+    def naive_that_runs_out(q, k, v):
+        if q.shape[2] >= 128:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes.")
+        return naive(q, k, v)
+
+    monkeypatch.setitem(A.IMPLS, "naive", naive_that_runs_out)
+    pts = A.context_sweep([64, 128, 256], impls=("naive", "sdpa"), batch=1, heads=2, head_dim=16, repeats=1)
+    assert {(p.impl, p.context): p.status for p in pts} == {
+        ("naive", 64): "ok",
+        ("naive", 128): "oom",
+        ("naive", 256): "oom",
+        ("sdpa", 64): "ok",
+        ("sdpa", 128): "ok",
+        ("sdpa", 256): "ok",
+    }

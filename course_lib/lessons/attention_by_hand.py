@@ -18,7 +18,6 @@ share of its FLOPs its backward spends recomputing (`recompute_share`).
 
 from __future__ import annotations
 
-import gc
 import math
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -29,7 +28,7 @@ import torch
 from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
 from ..profiling import SDPA_OPS
-from ..train import out_of_memory
+from ..train import free_memory, unless_out_of_memory
 from .micro_benchmarks import peak_bytes, time_fn
 
 __all__ = [
@@ -207,10 +206,11 @@ def context_sweep(
     points, ran_out = [], set()
     for s in contexts:
         for impl in impls:
+            oom_point = AttentionPoint(
+                impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom"
+            )
             if impl in ran_out:  # a longer context will not fit either
-                points.append(
-                    AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom")
-                )
+                points.append(oom_point)
                 continue
             fn = IMPLS[impl]
             q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=backward)
@@ -223,26 +223,23 @@ def context_sweep(
                         t.grad = None
                 return out
 
-            ctx = torch.enable_grad() if backward else torch.no_grad()
-            try:
-                with ctx:
+            def measured(call=call):
+                with torch.enable_grad() if backward else torch.no_grad():
                     ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
-                    peak, method = peak_bytes(call, device=device)
-                points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
-            except Exception as e:  # noqa: BLE001 - out of memory is a point of the sweep; anything else is raised
-                if out_of_memory(e) is None:
-                    raise
+                    return (ms, *peak_bytes(call, device=device))
+
+            got, oom = unless_out_of_memory(measured)  # out of memory is a point of the sweep
+            if oom:
                 ran_out.add(impl)
-                points.append(
-                    AttentionPoint(impl, s, float("nan"), 0, "", backward, batch, heads, head_dim, name, status="oom")
-                )
+                points.append(oom_point)
+            else:
+                ms, peak, method = got
+                points.append(AttentionPoint(impl, s, ms, peak, method, backward, batch, heads, head_dim, name))
             if progress:
                 progress(impl, s)
             del q, k, v, call
-            if impl in ran_out:  # free what the failed call left before the next size
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+            if impl in ran_out:  # free what the failed call left (its inputs, held here) before the next size
+                free_memory()
     return points
 
 
