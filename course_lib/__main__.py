@@ -46,11 +46,12 @@ def cmd_ladder(args) -> int:
         options = {}
         for item in args.set or []:
             name, _, value = item.partition("=")
-            if name not in T.TECHNIQUE or not value:
+            technique = T.technique_named(name)
+            if technique is None or not value:
                 raise C.ConfigError(
                     f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(T.TECHNIQUE)}, got {item!r}"
                 )
-            options[name] = C.parse_setting(name, value)
+            options[technique.name] = C.parse_setting(technique.name, value)
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         T.check_ladder_arguments(options, leave_out)
         check_options(base, options)  # a value its technique refuses, said before the banner (run_ladder asks again)
@@ -182,8 +183,9 @@ def chosen_config(args) -> C.TrainConfig:
                 f"--set takes FIELD=VALUE (a technique of {', '.join(T.TECHNIQUE)}, a TrainConfig field or "
                 f"model.<field>), got {item!r}"
             )
-        if args.rung is not None and name in T.TECHNIQUE:
-            options[name] = C.parse_setting(name, value)
+        technique = T.technique_named(name)
+        if args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
+            options[technique.name] = C.parse_setting(technique.name, value)
         else:
             base = export.with_setting(base, name, C.parse_setting(name, value))
     by_index = args.rung is not None and args.rung.isdigit()

@@ -28,6 +28,7 @@ from . import capabilities as caps_mod, data as data_mod, measure, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
+from .techniques.torch_compile import CUDA_GRAPH_MODES
 
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
@@ -123,6 +124,7 @@ class Trainer:
         # is not this run's.
         measure.warm_up_cuda_libraries(self.dev)
         self.cuda_baseline = torch.cuda.memory_allocated(self.dev) if self.dev.type == "cuda" else 0
+        self.cuda_reserved_baseline = torch.cuda.memory_reserved(self.dev) if self.dev.type == "cuda" else 0
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)
         self.setup = techniques.build(cfg, model, parts)
         self.flops_per_token = flops_per_token or (
@@ -273,7 +275,13 @@ class Trainer:
             static: dict = measure.static_bytes(setup.model, setup.optimizer, gradients_at_parameter_size=True)
             static["gradients"] = None if cfg.set_to_none else static["gradients"]
             result.memory = measure.cuda_memory_report(
-                dev, static, peak=self._cuda_peak, baseline=self.cuda_baseline, reserved=self._cuda_reserved
+                dev,
+                static,
+                peak=self._cuda_peak,
+                baseline=self.cuda_baseline,
+                reserved=self._cuda_reserved,
+                cuda_graphs=cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES,
+                reserved_baseline=self.cuda_reserved_baseline,
             ).to_dict()
         self.result = None
         return result

@@ -637,3 +637,16 @@ def test_a_rung_of_a_gpu_config_written_on_a_machine_without_that_gpu(tiny):
     assert ladder.rung_config(base, "+ tf32").precision == "tf32"
     with pytest.raises(C.ConfigError, match="cannot run on this device"):
         ladder.rung_config(base, "+ fused AdamW")
+
+
+@pytest.mark.parametrize("name", ["vocab_multiple", "model.vocab_multiple"])
+def test_a_set_techniques_field_is_what_its_rung_sets_not_overwritten_by_it(name, capsys):
+    """`profile --rung 7 --set model.vocab_multiple=1` (on an H200) profiled the padded vocabulary: the field's name
+    changed the preset, and the vocabulary rung, below rung 7, set 64 over it. By its name or its field, a technique's
+    --set is what its rung sets."""
+    assert cli(["config", "--preset", "tiny", "--rung", "7", "--set", f"{name}=1"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "model.vocab_multiple" in x)
+    assert line.split()[1] == "1", line
+    assert cli(["config", "--preset", "tiny", "--rung", "7"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "model.vocab_multiple" in x)
+    assert line.split()[1] == "64", line

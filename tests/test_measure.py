@@ -81,6 +81,19 @@ def test_cuda_report_subtracts_what_was_there_before_and_does_not_guess(monkeypa
     assert rep.by_category["other"] == 3500 - 1000 - 2000
 
 
+def test_under_cuda_graphs_the_peak_is_what_was_reserved_pool_included(monkeypatch):
+    """A CUDA-graph replay allocates nothing: its activations sit in the graphs' pool, which only the reserved peak
+    sees (an H200 showed 1.33 GiB allocated against 28.4 GiB for the same loop without graphs)."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
+    rep = measure.cuda_memory_report(
+        "cuda", {"parameters": 1000}, peak=1200, baseline=100, reserved=9000, cuda_graphs=True, reserved_baseline=600
+    )
+    assert rep.peak_bytes == 9000 - 600 and rep.reserved_bytes == 9000
+    assert "CUDA graphs" in rep.method and "upper bound" in rep.method
+    plain = measure.cuda_memory_report("cuda", {"parameters": 1000}, peak=1200, baseline=100, reserved=9000)
+    assert plain.peak_bytes == 1100 and "CUDA graphs" not in plain.method
+
+
 def test_a_tensor_made_in_backward_can_be_named_a_gradient_at_the_peak():
     ledger = measure.MemoryLedger()
     with ledger, ledger.phase("backward"):

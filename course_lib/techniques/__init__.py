@@ -72,6 +72,14 @@ TECHNIQUES: tuple[Technique, ...] = (
 )
 TECHNIQUE = {t.name: t for t in TECHNIQUES}
 
+
+def technique_named(name: str) -> Technique | None:
+    """The technique that `--set NAME=...` means: by its name (`vocab_multiple`) or its config field
+    (`model.vocab_multiple`); None for any other setting."""
+    t = TECHNIQUE.get(name.removeprefix("model."))
+    return t if t is not None and name in (t.name, t.field) else None
+
+
 BUILD_ORDER: tuple[Technique | Setting, ...] = (
     activation_checkpointing.TECHNIQUE,
     data_parallel.SETTING,
