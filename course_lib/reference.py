@@ -11,6 +11,7 @@ from .results import RunResult, load_results
 
 REFERENCE_DIR = DATA_DIR / "reference"
 MEASURED_DIR = DATA_DIR / "measured"  # ladders the course's authors measured on CPUs, each file saying which CPU
+CHECKS_DIR = REFERENCE_DIR / "checks"  # what else ran on a GPU: logs, the doctor's report, sweeps (`.ci/gpu`)
 
 
 def reference_files(folder: Path | None = None) -> list[Path]:
@@ -33,6 +34,13 @@ def measured_cpus(preset: str | None = None) -> list[tuple[Path, list[RunResult]
     """The CPU ladders shipped in data/measured/ (`ladder --json`; `cpu` in the metadata names the CPU's instruction
     sets): what a CPU other than the learner's showed, labelled with its device, torch version and date."""
     return load_reference(preset, MEASURED_DIR)
+
+
+def batch_sweeps(folder: Path | None = None) -> list[tuple[Path, list[RunResult], dict]]:
+    """GPU runs of one loop at several batch sizes and compile modes (`bash .ci/gpu mfu` writes them as
+    checks/<preset>-mfu-<gpu>.json): (file, results, metadata), each result with its device, torch and date."""
+    folder = CHECKS_DIR if folder is None else folder
+    return [(f, *load_results(f)) for f in sorted(folder.glob("*-mfu-*.json"))] if folder.exists() else []
 
 
 def describe_missing() -> str:

@@ -45,3 +45,26 @@ def test_missing_results_name_a_command_that_writes_where_they_are_read(monkeypa
     assert cli.main(argv) == 0 and seen["command"] == "ladder"
     assert seen["preset"] in C.PRESETS and seen["json"].endswith(".json")
     assert Path(seen["json"]).parent.parts[-2:] == reference.REFERENCE_DIR.parts[-2:]
+
+
+def test_batch_sweeps_are_read_from_the_checks_folder_with_their_provenance(tmp_path, tiny):
+    """Notebook 06 shows a GPU's throughput by micro-batch from the sweep `.ci/gpu mfu` writes (PRESET-mfu-GPU.json
+    in data/reference/checks/); other files there (logs, the doctor's report) are not read as results."""
+    assert reference.batch_sweeps(tmp_path / "none") == []
+    runs = [
+        RunResult(f"batch {b}", "ok", tiny(batch_size=b).to_dict(), {"device": "NVIDIA H200", "torch": "2.11"})
+        for b in (16, 64)
+    ]
+    save_results(runs, tmp_path / "gpt2-small-mfu-nvidia-h200.json", device="NVIDIA H200", preset="gpt2-small")
+    (tmp_path / "doctor-nvidia-h200.json").write_text("{}")
+    [(path, results, meta)] = reference.batch_sweeps(tmp_path)
+    assert path.name == "gpt2-small-mfu-nvidia-h200.json" and meta["device"] == "NVIDIA H200"
+    assert [r.config["batch_size"] for r in results] == [16, 64]
+
+
+def test_the_shipped_batch_sweep_names_its_gpu_torch_and_date():
+    for path, results, meta in reference.batch_sweeps():
+        assert meta["device"] and results, path
+        for r in results:
+            assert r.provenance["device"] == meta["device"] and r.provenance["torch"] and r.provenance["date"], path
+            assert r.ok and r.median_step_s and r.mfu, (path, r.label)
