@@ -43,15 +43,7 @@ def cmd_ladder(args) -> int:
         left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out is not None else []
         if both := [name for name in left_out if name in (rungs or [])]:
             raise C.ConfigError(f"{both[0]!r} is in --rungs and in --leave-out: name it in one of them")
-        options = {}
-        for item in args.set or []:
-            name, _, value = item.partition("=")
-            technique = T.technique_named(name)
-            if technique is None or not value:
-                raise C.ConfigError(
-                    f"--set takes TECHNIQUE=VALUE with a technique of {', '.join(T.TECHNIQUE)}, got {item!r}"
-                )
-            options[technique.name] = C.parse_setting(technique.name, value)
+        options = {technique.name: value for _, technique, value in parsed_settings(args.set, techniques_only=True)}
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         T.check_ladder_arguments(options, leave_out)
         check_options(base, options)  # a value its technique refuses, said before the banner (run_ladder asks again)
@@ -142,6 +134,31 @@ def _rung_names(indices: str, flag: str, one: bool = False) -> list[str]:
     return [T.LADDER[i].name for i in picked]
 
 
+def parsed_settings(
+    items: list[str] | None, techniques_only: bool = False
+) -> list[tuple[str, T.Technique | None, object]]:
+    """Each `--set NAME=VALUE`: (the item, the technique it names by its name or config field, else None, the value
+    parsed by the setting's declared type). A ValueError saying the form for an item that is not NAME=VALUE, or, with
+    `techniques_only` (the ladder's rungs), that names no technique."""
+    techniques = ", ".join(T.TECHNIQUE)
+    out = []
+    for item in items or []:
+        name, _, text = item.partition("=")
+        technique = T.technique_named(name)
+        if techniques_only and (technique is None or not text):
+            raise ValueError(
+                f"--set takes TECHNIQUE=VALUE with a technique of {techniques} (or its config field, e.g. "
+                f"model.vocab_multiple), got {item!r}"
+            )
+        if not name or not text:
+            raise ValueError(
+                f"--set takes FIELD=VALUE (a technique of {techniques}, its config field, a TrainConfig field or "
+                f"model.<field>), got {item!r}"
+            )
+        out.append((item, technique, C.parse_setting(technique.name if technique else name, text)))
+    return out
+
+
 def chosen_config(args) -> C.TrainConfig:
     """The config that `export` and `profile` name: the preset, changed by --set, or the ladder's cumulative config
     at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in `ladder --set`, and other
@@ -176,18 +193,11 @@ def chosen_config(args) -> C.TrainConfig:
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
     options = {}
-    for item in args.set or []:
-        name, _, value = item.partition("=")
-        if not name or not value:
-            raise ValueError(
-                f"--set takes FIELD=VALUE (a technique of {', '.join(T.TECHNIQUE)}, a TrainConfig field or "
-                f"model.<field>), got {item!r}"
-            )
-        technique = T.technique_named(name)
+    for item, technique, value in parsed_settings(args.set):
         if args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
-            options[technique.name] = C.parse_setting(technique.name, value)
+            options[technique.name] = value
         else:
-            base = export.with_setting(base, name, C.parse_setting(name, value))
+            base = export.with_setting(base, item.partition("=")[0], value)
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung", one=True)[0] if by_index else args.rung  # or a name rung_config checks
     return ladder.rung_config(base, rung, options) if rung is not None else base
@@ -212,11 +222,10 @@ def cmd_config(args) -> int:
     except (C.ConfigError, TypeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    home = {t.field: t for t in T.TECHNIQUES}
     for section, values in cfg.by_section().items():
         print(f"{section}:")
         for name, value in values.items():
-            t = home.get(name)
+            t = T.technique_named(name)
             on = f"  <- on ({t.help}): {t.export.__module__}" if t is not None and value != t.off else ""
             print(f"  {name:<28} {value!r}{on}")
     return 0
@@ -527,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         "--set",
         action="append",
         metavar="TECHNIQUE=VALUE",
-        help="what a technique's rung sets instead of its default, e.g. activation_checkpointing=selective",
+        help="what a technique's rung sets instead of its default, by the technique's name or config field, e.g. "
+        "activation_checkpointing=selective or model.vocab_multiple=128",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument(

@@ -639,9 +639,10 @@ def ladder_diffs(results: list):
 
 
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
-    """cfg with one setting set: a technique's name (techniques.TECHNIQUE), a TrainConfig field or "model.<field>"."""
-    if name in T.TECHNIQUE:
-        return T.TECHNIQUE[name].set(cfg, value)
+    """cfg with one setting set: a technique's name or field (techniques.technique_named), a TrainConfig field or
+    "model.<field>"."""
+    if (technique := T.technique_named(name)) is not None:
+        return technique.set(cfg, value)
     try:
         return C.with_setting(cfg, name, value)
     except ConfigError as e:

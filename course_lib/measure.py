@@ -408,6 +408,9 @@ class LedgerMeasurement(NotMeasured):
         return self.ledger.report()
 
 
+GRAPHS_METHOD = "CUDA graphs"  # how a reserved peak's method begins (results.peak_text labels it)
+
+
 def cuda_memory_report(
     device,
     static: dict[str, int | None],
@@ -427,17 +430,20 @@ def cuda_memory_report(
     `cuda_graphs`: the steps replayed CUDA graphs, whose activations live in the graphs' private memory pool, allocated
     once when the graphs were recorded. A replay allocates nothing, so the allocated peak of a timed step misses them
     (an H200, GPT-2 small at batch 64: 1.33 GiB against 28.4 GiB without graphs). The peak is then what the allocator
-    reserved over the timed steps, the pool included, less what it reserved before the run: an upper bound, and said."""
+    reserved over the timed steps, the pool included, less what it reserved before the run: at least the live tensors'
+    peak, with the cache's slack on top, and said so (`method` starts with GRAPHS_METHOD)."""
     reserved = torch.cuda.max_memory_reserved(device) if reserved is None else reserved
     if cuda_graphs:
         peak, baseline = reserved, reserved_baseline
-    peak = (torch.cuda.max_memory_allocated(device) if peak is None else peak) - baseline
+    # never below zero: an allocator that had to return cached blocks mid-run can hold less than before it
+    peak = max(0, (torch.cuda.max_memory_allocated(device) if peak is None else peak) - baseline)
     by: dict[str, int | None] = dict.fromkeys(CATEGORIES, None)
     by.update(static)
     by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
     method = (
-        "CUDA graphs: torch.cuda.max_memory_reserved over the run's timed steps (the graphs' private memory pool "
-        "included, which a replay's allocated peak does not see), less what was reserved before the run: an upper bound"
+        f"{GRAPHS_METHOD}: torch.cuda.max_memory_reserved over the run's timed steps (the graphs' private memory pool "
+        "included, which a replay's allocated peak does not see), less what was reserved before the run, the "
+        "cache's slack included"
         if cuda_graphs
         else "CUDA: torch.cuda.max_memory_allocated over the run's timed steps (the peak reset before each), "
         "less what was allocated before the run"

@@ -600,7 +600,9 @@ def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
     est = estimate(cfg)
     peak = result.memory["peak_bytes"]
     note = (
-        f"peak: formula {fmt_bytes(est.peak_bytes)}, measured {fmt_bytes(peak)} "
+        f"peak: formula {fmt_bytes(est.peak_bytes)}, measured {fmt_bytes(peak)}"
+        + (" (reserved, CUDA graphs' pool included)" if result.peak_is_reserved else "")
+        + " "
         f"({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%}), "
         f"{est.when}" + (" (the formula counts eager PyTorch, not compiled code)" if cfg.compile else "")
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .cache import write_atomic
-from .measure import CATEGORIES, GiB
+from .measure import CATEGORIES, GRAPHS_METHOD, GiB
 
 
 def git_commit() -> str | None:
@@ -83,6 +83,19 @@ class RunResult:
     @property
     def peak_gib(self) -> float | None:
         return self.memory["peak_bytes"] / GiB if self.memory else None
+
+    @property
+    def peak_is_reserved(self) -> bool:
+        """The peak is the allocator's reserved one (CUDA graphs: measure.cuda_memory_report), not the live tensors'."""
+        return bool(self.memory) and self.memory.get("method", "").startswith(GRAPHS_METHOD)
+
+    def peak_text(self, spec: str = ".4f", unit: str = "") -> str:
+        """The peak in GiB (`unit` after the number), labelled where it is the reserved one; "" where memory was not
+        measured."""
+        if self.peak_gib is None:
+            return ""
+        label = " (reserved, CUDA graphs' pool included)" if self.peak_is_reserved else ""
+        return format(self.peak_gib, spec) + unit + label
 
     def memory_gib(self) -> dict[str, float | None]:
         """GiB by category; None for a category this device could not measure (CUDA: activations, logits)."""
@@ -156,7 +169,7 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
                     "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
                     "tokens/s": fmt(r.tokens_per_s, ",.0f"),
                     "speed-up": "other model",
-                    "peak GiB": fmt(r.peak_gib, ".4f"),
+                    "peak GiB": r.peak_text() or "n/a",
                     "memory vs base": "other model",
                     "MFU": efficiency_text(r),
                     "compile s": fmt(r.compile_s, ".1f", missing=""),
@@ -182,7 +195,9 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
             continue
         speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
         # a run stopped early: none
-        mem = r.peak_gib / base.peak_gib if base and base.peak_gib and r.peak_gib is not None else None
+        # a reserved peak (CUDA graphs) against a live one is no ratio of memories
+        comparable = base and base.peak_gib and r.peak_gib is not None and r.peak_is_reserved == base.peak_is_reserved
+        mem = r.peak_gib / base.peak_gib if comparable else None
         rows.append(
             {
                 "run": r.label,
@@ -190,7 +205,7 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
                 "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
                 "tokens/s": fmt(r.tokens_per_s, ",.0f"),
                 "speed-up": fmt(speed, ".2f") + "x" if speed else "",
-                "peak GiB": fmt(r.peak_gib, ".4f"),
+                "peak GiB": r.peak_text() or "n/a",
                 "memory vs base": fmt(mem, ".2f") + "x" if mem else "",
                 "MFU": efficiency_text(r),
                 "compile s": fmt(r.compile_s, ".1f", missing=""),

@@ -28,7 +28,7 @@ from . import capabilities as caps_mod, data as data_mod, measure, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
-from .techniques.torch_compile import CUDA_GRAPH_MODES
+from .techniques.torch_compile import uses_cuda_graphs
 
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
@@ -106,9 +106,9 @@ class Trainer:
         # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
         # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
         # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
-        free_memory()
         if cfg.compile:
-            torch._dynamo.reset()
+            torch._dynamo.reset()  # first: it frees an earlier run's CUDA graphs, whose pool free_memory then returns
+        free_memory()
         torch.manual_seed(cfg.seed)
         self.cfg, self.dev = cfg, torch.device(cfg.device)
         if splits is None and (batches is None or cfg.eval_every):
@@ -218,9 +218,14 @@ class Trainer:
                 *micro[0]
             )
         # CUDA: the allocator's peak over this run's own timed steps, each read on its own, so that another loop's steps
-        # taken in between (the ladder's pairs) never count in it.
-        cuda_peak = recording and dev.type == "cuda" and step >= min(cfg.timing_warmup, cfg.steps - 1)
+        # taken in between (the ladder's pairs) never count in it. Under CUDA graphs it is the reserved peak (see
+        # measure.cuda_memory_report), which does hold what the allocator kept cached from before: what compiling left
+        # is returned before the first timed step; another loop's cached blocks (a ladder's pairs) would count in it.
+        first_timed = min(cfg.timing_warmup, cfg.steps - 1)
+        cuda_peak = recording and dev.type == "cuda" and step >= first_timed
         if cuda_peak:
+            if step == first_timed and uses_cuda_graphs(cfg):
+                torch.cuda.empty_cache()  # the graphs' pool is in use, and stays
             torch.cuda.reset_peak_memory_stats(dev)
         meter = self._ledger if recording and step == self._ledger_step else measure.NOT_MEASURED
         timer = self._timer if recording else measure.StepTimer(dev)
@@ -280,7 +285,7 @@ class Trainer:
                 peak=self._cuda_peak,
                 baseline=self.cuda_baseline,
                 reserved=self._cuda_reserved,
-                cuda_graphs=cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES,
+                cuda_graphs=uses_cuda_graphs(cfg),
                 reserved_baseline=self.cuda_reserved_baseline,
             ).to_dict()
         self.result = None

@@ -129,3 +129,15 @@ def test_a_ladder_option_from_the_command_line(tmp_path):
     by = {r["label"]: r for r in json.loads(out.read_text())["results"]}
     assert by["+ compile"]["status"] == "skipped"
     assert by["+ checkpointing"]["config"]["activation_checkpointing"] == "selective"
+
+
+def test_the_ladder_takes_a_technique_by_its_config_field_too(capsys):
+    """`ladder --set model.vocab_multiple=...` is the vocabulary rung's value, as `vocab_multiple=...` is: both are
+    checked before the banner (0 is refused by the technique), and a field of no technique is refused by name."""
+    from course_lib.__main__ import main as cli
+
+    for name in ("vocab_multiple", "model.vocab_multiple"):
+        assert cli(["ladder", "--preset", "tiny", "--set", f"{name}=0"]) == 2
+        assert "vocab_multiple" in capsys.readouterr().err
+    assert cli(["ladder", "--preset", "tiny", "--set", "model.n_layer=2"]) == 2
+    assert "--set takes TECHNIQUE=VALUE" in capsys.readouterr().err

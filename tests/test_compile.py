@@ -197,12 +197,15 @@ def test_reduce_overhead_peak_counts_the_graphs_memory_pool(tiny):
     """A replay allocates nothing, so the allocated peak of a reduce-overhead step missed the activations in the
     graphs' pool (an H200, GPT-2 small: 1.33 GiB against 28.4 GiB without graphs). Its peak is the reserved one, pool
     included: not far below the default mode's, and said to be that."""
+    from torch._dynamo.utils import counters
+
     from course_lib.train import train
 
     runs = {}
     for mode in ("default", "reduce-overhead"):
-        torch._dynamo.reset()
+        counters.clear()
         runs[mode] = train(tiny(device="cuda", compile=True, compile_mode=mode, steps=5, batch_size=32), mode)
-    graphs, plain = runs["reduce-overhead"].memory, runs["default"].memory
-    assert "CUDA graphs" in graphs["method"] and "CUDA graphs" not in plain["method"]
-    assert graphs["peak_bytes"] >= 0.8 * plain["peak_bytes"], (graphs["peak_bytes"], plain["peak_bytes"])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])  # the graphs did replay
+    graphs, plain = runs["reduce-overhead"], runs["default"]
+    assert graphs.peak_is_reserved and not plain.peak_is_reserved
+    assert 0.8 * plain.peak_gib <= graphs.peak_gib <= 3 * plain.peak_gib, (graphs.peak_gib, plain.peak_gib)

@@ -84,14 +84,35 @@ def test_cuda_report_subtracts_what_was_there_before_and_does_not_guess(monkeypa
 def test_under_cuda_graphs_the_peak_is_what_was_reserved_pool_included(monkeypatch):
     """A CUDA-graph replay allocates nothing: its activations sit in the graphs' pool, which only the reserved peak
     sees (an H200 showed 1.33 GiB allocated against 28.4 GiB for the same loop without graphs)."""
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5000)
     rep = measure.cuda_memory_report(
         "cuda", {"parameters": 1000}, peak=1200, baseline=100, reserved=9000, cuda_graphs=True, reserved_baseline=600
     )
-    assert rep.peak_bytes == 9000 - 600 and rep.reserved_bytes == 9000
-    assert "CUDA graphs" in rep.method and "upper bound" in rep.method
+    assert rep.peak_bytes == 9000 - 600 and rep.reserved_bytes == 9000 and rep.by_category["other"] == 8400 - 1000
+    assert rep.method.startswith(measure.GRAPHS_METHOD) and "reserved" in rep.method
     plain = measure.cuda_memory_report("cuda", {"parameters": 1000}, peak=1200, baseline=100, reserved=9000)
-    assert plain.peak_bytes == 1100 and "CUDA graphs" not in plain.method
+    assert plain.peak_bytes == 1100 and not plain.method.startswith(measure.GRAPHS_METHOD)
+    # an allocator that returned cached blocks mid-run holds less than before it: no negative peak
+    shrunk = measure.cuda_memory_report("cuda", {}, reserved=500, cuda_graphs=True, reserved_baseline=600)
+    assert shrunk.peak_bytes == 0
+
+
+def test_a_reserved_peak_is_labelled_and_not_compared_with_a_live_one(tiny):
+    """Tables and the panel say which peak a run's is; a reserved peak (CUDA graphs) against a live one is no ratio."""
+    from course_lib.results import RunResult, table_rows
+
+    def result(label, peak, graphs):
+        memory = measure.cuda_memory_report("cuda", {}, peak=peak, reserved=peak, cuda_graphs=graphs).to_dict()
+        return RunResult(label, "ok", tiny().to_dict(), {}, median_step_s=0.1, tokens_per_s=10.0, memory=memory)
+
+    live, graphs, graphs2 = (
+        result("default", 2 * 2**30, False),
+        result("graphs", 3 * 2**30, True),
+        result("g2", 6 * 2**30, True),
+    )
+    rows = {row["run"]: row for row in table_rows([live, graphs], baseline=live)}
+    assert rows["default"]["peak GiB"] == "2.0000" and rows["graphs"]["peak GiB"].startswith("3.0000 (reserved")
+    assert rows["graphs"]["memory vs base"] == ""
+    assert table_rows([graphs2], baseline=graphs)[0]["memory vs base"] == "2.00x"
 
 
 def test_a_tensor_made_in_backward_can_be_named_a_gradient_at_the_peak():

@@ -27,6 +27,11 @@ TANH_THROUGH_EXP = "cpp.use_decompose_tanh"
 CPU_INDUCTOR_OPTIONS = {TANH_THROUGH_EXP: True}
 
 
+def uses_cuda_graphs(cfg: TrainConfig) -> bool:
+    """Compiled in a mode that replays CUDA graphs, on a CUDA device (on a CPU these modes have no graphs)."""
+    return cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES and torch.device(cfg.device).type == "cuda"
+
+
 def compile_arguments(cfg: TrainConfig) -> dict:
     """What torch.compile is given: the mode, or on a CPU the mode's Inductor settings and CPU_INDUCTOR_OPTIONS
     (torch.compile takes a mode or options, not both)."""
@@ -60,7 +65,7 @@ def apply(cfg: TrainConfig, loss_module) -> tuple[Callable, Callable[[], None]]:
     if not cfg.compile:
         return loss_module, nothing_to_do
     compiled = torch.compile(loss_module, **compile_arguments(cfg))
-    if cfg.compile_mode not in CUDA_GRAPH_MODES:
+    if cfg.compile_mode not in CUDA_GRAPH_MODES:  # marked on any device: harmless where no graph replays
         return compiled, nothing_to_do
     params = list(loss_module.parameters())
     return compiled, functools.partial(begin_cuda_graph_step, params, grads_kept=not cfg.set_to_none)

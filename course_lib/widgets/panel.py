@@ -201,7 +201,7 @@ class Panel:
             self.status.value = f"<span style='color:#c44e52'>Not run: {e}</span>"
             return self.queue.not_run(label or f"#{self.queue.next_number()} invalid", self.base.device, str(e))
         result = self.queue.run(cfg, label or self.label(cfg), **self.extra_values())
-        peak = f", peak {result.peak_gib:.4f} GiB" if result.peak_gib is not None else ", memory not measured"
+        peak = f", peak {result.peak_text(unit=' GiB')}" if result.peak_gib is not None else ", memory not measured"
         speed = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None else "done"
         self.status.value = (
             f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.reason})" if result.reason else "")
