@@ -14,6 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -75,7 +78,8 @@ def profile_run(
     ):
 
         def after(step: int, _r) -> None:
-            prof.step()
+            with _without_profiler_chatter():
+                prof.step()
             if progress:
                 progress(step + 1, cfg.steps)
 
@@ -83,6 +87,32 @@ def profile_run(
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     return Profile(result, prof, list(range(warmup, warmup + active)), "cuda" if on_cuda else "cpu")
+
+
+PROFILER_CHATTER = ("USDT:", "STAGE:")  # how the lines Kineto writes when recording starts and stops begin
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter():
+    """Kineto (torch 2.13) writes lines such as 'USDT:... profiler_start' to the process's stderr, beneath Python,
+    when the profiler starts and stops recording (inside `prof.step()`): a learner's terminal needs neither. Around
+    that call only, the process's stderr goes to a file; what else was written there (a warning) is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not line.startswith(PROFILER_CHATTER))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
 
 
 @contextlib.contextmanager

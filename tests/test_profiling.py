@@ -243,3 +243,16 @@ def test_out_of_memory_in_the_profile_or_its_floor_is_a_message_not_a_traceback(
     monkeypatch.setattr(profiling, "profile_run", oom)
     assert cli(["profile", "--preset", "tiny", "--steps", "1"]) == 1
     assert "out of memory in the profiled steps" in capsys.readouterr().err
+
+
+def test_the_profilers_own_start_and_stop_lines_are_not_shown_and_anything_else_is(capfd, tiny):
+    """Kineto writes 'USDT:... profiler_start' lines beneath Python when recording starts and stops (torch 2.13): the
+    profile leaves them out of the learner's terminal. Anything else written there meanwhile is passed on."""
+    import os
+
+    profiling.profile_run(tiny(steps=3), active=1)
+    assert not any(line.startswith(profiling.PROFILER_CHATTER) for line in capfd.readouterr().err.splitlines())
+    with profiling._without_profiler_chatter():
+        os.write(2, b"USDT:2026-11-26 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning to keep\n")
+    assert capfd.readouterr().err == "a warning to keep\n"
