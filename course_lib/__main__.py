@@ -137,11 +137,12 @@ def _rung_names(indices: str, flag: str, one: bool = False) -> list[str]:
 def parsed_settings(
     items: list[str] | None, techniques_only: bool = False
 ) -> list[tuple[str, T.Technique | None, object]]:
-    """Each `--set NAME=VALUE`: (the item, the technique it names by its name or config field, else None, the value
-    parsed by the setting's declared type). A ValueError saying the form for an item that is not NAME=VALUE, or, with
-    `techniques_only` (the ladder's rungs), that names no technique."""
+    """Each `--set NAME=VALUE`: (the name as given, the technique it names by its name or config field, else None,
+    the value parsed by the setting's declared type). A ValueError saying what to change for an item that is not
+    NAME=VALUE, a setting given twice (by either spelling), or, with `techniques_only` (the ladder's rungs), a name of
+    no technique."""
     techniques = ", ".join(T.TECHNIQUE)
-    out = []
+    out, seen = [], set()
     for item in items or []:
         name, _, text = item.partition("=")
         technique = T.technique_named(name)
@@ -155,7 +156,11 @@ def parsed_settings(
                 f"--set takes FIELD=VALUE (a technique of {techniques}, its config field, a TrainConfig field or "
                 f"model.<field>), got {item!r}"
             )
-        out.append((item, technique, C.parse_setting(technique.name if technique else name, text)))
+        key = technique.name if technique else name
+        if key in seen:
+            raise ValueError(f"--set {name}: {key} is set twice; give it once")
+        seen.add(key)
+        out.append((name, technique, C.parse_setting(name, text)))
     return out
 
 
@@ -193,11 +198,12 @@ def chosen_config(args) -> C.TrainConfig:
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
     options = {}
-    for item, technique, value in parsed_settings(args.set):
+    for name, technique, value in parsed_settings(args.set):
         if args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
             options[technique.name] = value
         else:
-            base = export.with_setting(base, item.partition("=")[0], value)
+            base = export.with_setting(base, name, value)
+    ladder.check_options(base, options)  # a value its technique refuses: an error, not a value dropped
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung", one=True)[0] if by_index else args.rung  # or a name rung_config checks
     return ladder.rung_config(base, rung, options) if rung is not None else base

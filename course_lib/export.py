@@ -583,7 +583,7 @@ def _measured(r, naive) -> str:
     lad = r.ladder or {}
     times = lambda v: f"{v:.2f}x" if v else "n/a"  # noqa: E731
     peak = (
-        f"peak {r.peak_gib:.4f} GiB ({times(lad.get('memory_vs_naive'))} naive's)"
+        f"peak {r.peak_text(unit=' GiB')} ({times(lad.get('memory_vs_naive'))} naive's)"
         if r.peak_gib is not None
         else "memory not measured"
     )
@@ -641,9 +641,8 @@ def ladder_diffs(results: list):
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
     """cfg with one setting set: a technique's name or field (techniques.technique_named), a TrainConfig field or
     "model.<field>"."""
-    if (technique := T.technique_named(name)) is not None:
-        return technique.set(cfg, value)
+    technique = T.technique_named(name)
     try:
-        return C.with_setting(cfg, name, value)
+        return technique.set(cfg, value) if technique is not None else C.with_setting(cfg, name, value)
     except ConfigError as e:
         raise ConfigError(f"--set {name}=...: {e}") from None

@@ -502,9 +502,8 @@ def _judged(
         result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
         return None
     speed = speed_change(pairs)
-    memory = memory_change(
-        best.result.memory and best.result.memory["peak_bytes"], result.memory and result.memory["peak_bytes"]
-    )
+    ratio = result.peak_ratio(best.result)  # None where either is unmeasured, or they are peaks of two kinds
+    memory = memory_change(*(best.result.memory["peak_bytes"], result.memory["peak_bytes"]) if ratio else (None, None))
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
     vs_naive: list[tuple[float, float]] = []
@@ -530,7 +529,6 @@ def _judged(
         )
     if result.stopped_early:
         why += f" ({result.stopped_early})"
-    naive_peak = naive_loop.result.memory and naive_loop.result.memory["peak_bytes"]
     result.ladder = {
         "kept": kept,
         "why": why,
@@ -544,7 +542,7 @@ def _judged(
         "memory_factor": memory[0],
         "speedup": speedup,
         "pairs_vs_naive": [list(p) for p in vs_naive],  # (naive_s, rung_s) where speedup was timed against naive
-        "memory_vs_naive": result.memory["peak_bytes"] / naive_peak if result.memory and naive_peak else None,
+        "memory_vs_naive": result.peak_ratio(naive_loop.result),
         "device_note": note,
     }
     return _Loop(trainer, result, speedup) if kept else None
@@ -595,7 +593,6 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
     row.median_step_s = statistics.median(row.step_times)
     row.tokens_per_s = top.tokens_per_step / row.median_step_s
     row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
-    naive_peak = naive_r.memory and naive_r.memory["peak_bytes"]
     row.ladder = {
         "kept": True,
         "why": f"{speed.text()} naive fp32, timed in pairs with it",
@@ -606,7 +603,7 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         "pairs": [list(p) for p in pairs],
         "speedup": speed.factor,
         "kept_rungs": kept,
-        "memory_vs_naive": top.memory["peak_bytes"] / naive_peak if top.memory and naive_peak else None,
+        "memory_vs_naive": top.peak_ratio(naive_r),
     }
     return row
 
@@ -691,7 +688,7 @@ def ladder_rows(results: list[RunResult]) -> list[dict[str, str]]:
                 else "",
                 "speed-up": fmt(lad.get("speedup"), ".2f", "") + ("x" if lad.get("speedup") else ""),
                 "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
-                "peak GiB": fmt(r.peak_gib, ".4f", "") if r.ok else "",
+                "peak GiB": r.peak_text() if r.ok else "",
                 "memory vs naive": fmt(lad.get("memory_vs_naive"), ".2f", "")
                 + ("x" if lad.get("memory_vs_naive") else ""),
                 "efficiency": efficiency_text(r) if r.ok else "",

@@ -435,8 +435,11 @@ def cuda_memory_report(
     reserved = torch.cuda.max_memory_reserved(device) if reserved is None else reserved
     if cuda_graphs:
         peak, baseline = reserved, reserved_baseline
-    # never below zero: an allocator that had to return cached blocks mid-run can hold less than before it
-    peak = max(0, (torch.cuda.max_memory_allocated(device) if peak is None else peak) - baseline)
+    peak = torch.cuda.max_memory_allocated(device) if peak is None else peak
+    # An allocator that returned cached blocks mid-run (or a process that freed older tensors) can hold less than
+    # before the run: then nothing is subtracted, and the method says so, rather than a peak of 0 or less.
+    unsubtracted = peak < baseline
+    peak -= 0 if unsubtracted else baseline
     by: dict[str, int | None] = dict.fromkeys(CATEGORIES, None)
     by.update(static)
     by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
@@ -452,7 +455,9 @@ def cuda_memory_report(
         peak_bytes=peak,
         by_category=by,
         reserved_bytes=reserved,
-        method=method + "; activations and logits are not measured separately (inside 'other')",
+        method=method
+        + ("; here nothing was subtracted: the run held less than before it, at its peak" if unsubtracted else "")
+        + "; activations and logits are not measured separately (inside 'other')",
     )
 
 

@@ -599,12 +599,15 @@ def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
         return result
     est = estimate(cfg)
     peak = result.memory["peak_bytes"]
-    note = (
-        f"peak: formula {fmt_bytes(est.peak_bytes)}, measured {fmt_bytes(peak)}"
-        + (" (reserved, CUDA graphs' pool included)" if result.peak_is_reserved else "")
-        + " "
-        f"({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%}), "
-        f"{est.when}" + (" (the formula counts eager PyTorch, not compiled code)" if cfg.compile else "")
+    from .results import RESERVED_PEAK
+
+    against = (  # the formula counts live tensors: against a reserved peak, no percentage
+        f"measured {fmt_bytes(peak)} ({RESERVED_PEAK}: not the live tensors the formula counts)"
+        if result.peak_is_reserved
+        else f"measured {fmt_bytes(peak)} ({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%})"
+    )
+    note = f"peak: formula {fmt_bytes(est.peak_bytes)}, {against}, {est.when}" + (
+        " (the formula counts eager PyTorch, not compiled code)" if cfg.compile else ""
     )
     result.reason = "; ".join(filter(None, (result.reason, note)))
     return result.with_details(

@@ -106,6 +106,8 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
                 fontsize=8,
                 color="#c44e52",
             )
+        elif r.peak_is_reserved:  # beside live peaks: say which bar is the allocator's reserved memory
+            ax.annotate("reserved", (i, bottoms[i]), ha="center", va="bottom", fontsize=7, color="#555555")
     ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("peak memory (GiB)")
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in results if r.ok and r.memory})
@@ -496,9 +498,9 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
     plot_memory(results, ax=ax_mem)
     base = next((r for r in results if r.ok and r.peak_gib), None)
     for i, r in zip(xs, results):  # short labels: eleven bars side by side
-        if r.ok and base and r.peak_gib:
+        if r.ok and base and r.peak_ratio(base):
             ax_mem.annotate(
-                f"{r.peak_gib / base.peak_gib:.2f}x",
+                f"{r.peak_ratio(base):.2f}x",
                 (i, r.peak_gib),
                 textcoords="offset points",
                 xytext=(0, 3),

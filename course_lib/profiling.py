@@ -6,8 +6,8 @@ its per-step callback, so the warm-up steps (compiling, the allocator's first re
 their own, on the device that did the work: the GPU's kernels on CUDA, the CPU's operators otherwise. The notebook 01
 section "Where the time goes" reads a profile by hand; this is the same reading for any config, from the command line
 (`python -m course_lib profile`). `kernel_floor(...)` times the recorded step's matmuls and fused-attention calls
-again, one by one and alone: how fast a step can be while it calls them, the limit a training loop (not a kernel
-library) can reach."""
+again, one by one and alone (on a GPU also reads their kernels' own time in the recorded steps, and takes the lower):
+how fast a step can be while it calls them, the limit a training loop (not a kernel library) can reach."""
 
 from __future__ import annotations
 
@@ -324,12 +324,14 @@ class KernelFloor:
         return self.matmul_s + self.attention_s
 
     @property
+    def in_step_is_lower(self) -> bool:
+        return bool(self.in_step_s) and self.in_step_s < self.timed_alone_s
+
+    @property
     def total_s(self) -> float:
-        """The floor: the calls timed alone, or as they ran in the step where that was faster (a GPU whose torch
-        records no layout times them again in another one: an H200 with torch 2.11 read 23.4 ms alone, 20.9 in the
-        step)."""
-        alone = self.timed_alone_s
-        return min(alone, self.in_step_s) if self.in_step_s else alone
+        """The floor: the calls timed alone, or, on a GPU, their kernels as they ran in the step where that was less
+        (an H200 with torch 2.11, whose profiler records no layout, read 23.4 ms alone and 20.8 in the step)."""
+        return self.in_step_s if self.in_step_is_lower else self.timed_alone_s
 
     @property
     def matmul_flops(self) -> float:
@@ -368,8 +370,18 @@ class KernelFloor:
         if self.in_step_s:
             lines.append(
                 f"  together {self.timed_alone_s * 1e3:.1f} ms timed alone; in the recorded steps the same kernels "
-                f"took {self.in_step_s * 1e3:.1f} ms a step (the GPU's own time of each kernel): the floor is the "
-                "lower one."
+                f"took {self.in_step_s * 1e3:.1f} ms a step (the GPU's own time of each kernel): "
+                + (
+                    "the floor is the lower one (timed alone they ran slower: another layout, or cold caches)."
+                    if self.in_step_is_lower
+                    else "more than alone"
+                    + (
+                        " by over a tenth: something beside them in the step slowed them (memory traffic, another "
+                        "stream), which the loop may be able to remove."
+                        if self.in_step_s > 1.1 * self.timed_alone_s
+                        else "."
+                    )
+                )
             )
         step, rest = self.profiled_step_s, self.profiled_step_s - self.total_s
         lines.append(
@@ -379,8 +391,8 @@ class KernelFloor:
                 f"the kernels are {self.total_s / step:.0%} of it, and up to {rest * 1e3:.1f} ms (element-wise work, "
                 "the loss, the optimizer, overhead) is the loop's to remove."
                 if rest > 0
-                else "timed alone they took longer than the whole step (here the kernels ran faster inside the step, "
-                "on warm caches or with another kernel chosen): no floor to read."
+                else "these kernels' time is longer than the whole step (they ran faster inside it, on warm caches "
+                "or with another kernel chosen): no floor to read."
             )
         )
         if self.mfu_at_floor and rest > 0:
@@ -509,14 +521,20 @@ def kernel_floor(p: Profile, min_time_s: float = 0.1) -> KernelFloor:
 
 
 def in_step_kernel_s(p: Profile) -> float | None:
-    """On a GPU, seconds per recorded step of the kernels the matmul and attention operators launched themselves (each
-    operator's own device time: a kernel counts once, in the innermost operator that launched it); None on a CPU."""
+    """On a GPU, seconds per recorded step of the same calls' kernels as they ran in the step: each matmul operator's
+    own device time, and each fused-attention operator's (SDPA_OPS, forward and backward) device time with the
+    operators beneath it, where its kernels are launched. A kernel counts once. None on a CPU (an operator's time
+    there is its overhead too), or where the profile holds no such device time."""
     if p.device != "cuda":
         return None
-    ours = [
-        e.self_device_time_total
+
+    def attention(name: str) -> bool:
+        op = name.removeprefix("aten::")
+        return name.startswith("aten::") and (op in SDPA_OPS or op.removesuffix("_backward") in SDPA_OPS)
+
+    seconds = sum(
+        e.self_device_time_total if e.name in MATMUL_OPERANDS else e.device_time_total
         for e in p.prof.events()
-        if e.device_type == DeviceType.CPU
-        and (e.name in MATMUL_OPERANDS or (e.name.startswith("aten::") and "attention" in e.name))
-    ]
-    return sum(ours) / 1e6 / len(p.active) if ours else None
+        if e.device_type == DeviceType.CPU and (e.name in MATMUL_OPERANDS or attention(e.name))
+    )
+    return seconds / 1e6 / len(p.active) if seconds else None

@@ -37,8 +37,8 @@ def measured_cpus(preset: str | None = None) -> list[tuple[Path, list[RunResult]
 
 
 def batch_sweeps(folder: Path | None = None) -> list[tuple[Path, list[RunResult], dict]]:
-    """GPU runs of one loop at several batch sizes and compile modes (`bash .ci/gpu mfu` writes them as
-    checks/<preset>-mfu-<gpu>.json): (file, results, metadata), each result with its device, torch and date."""
+    """GPU runs of one loop at several batch sizes and compile modes (`bash .ci/gpu mfu` writes each sweep as
+    checks/<preset>-mfu-<gpu>-<time>.json): (file, results, metadata), each result with its device, torch and date."""
     folder = CHECKS_DIR if folder is None else folder
     return [(f, *load_results(f)) for f in sorted(folder.glob("*-mfu-*.json"))] if folder.exists() else []
 

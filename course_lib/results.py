@@ -15,6 +15,8 @@ import torch
 from .cache import write_atomic
 from .measure import CATEGORIES, GRAPHS_METHOD, GiB
 
+RESERVED_PEAK = "reserved, CUDA graphs' pool included"  # how a reserved peak is labelled wherever it is shown
+
 
 def git_commit() -> str | None:
     """The course's commit, with "-dirty" when its tracked files differ from it (a number measured with code that no
@@ -94,8 +96,15 @@ class RunResult:
         measured."""
         if self.peak_gib is None:
             return ""
-        label = " (reserved, CUDA graphs' pool included)" if self.peak_is_reserved else ""
+        label = f" ({RESERVED_PEAK})" if self.peak_is_reserved else ""
         return format(self.peak_gib, spec) + unit + label
+
+    def peak_ratio(self, base: RunResult) -> float | None:
+        """This peak over `base`'s, where both were measured and are of one kind (both the live tensors', or both
+        reserved under CUDA graphs: a reserved peak over a live one is no ratio of memories); else None."""
+        if not (self.peak_gib is not None and base.peak_gib) or self.peak_is_reserved != base.peak_is_reserved:
+            return None
+        return self.peak_gib / base.peak_gib
 
     def memory_gib(self) -> dict[str, float | None]:
         """GiB by category; None for a category this device could not measure (CUDA: activations, logits)."""
@@ -195,9 +204,7 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
             continue
         speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
         # a run stopped early: none
-        # a reserved peak (CUDA graphs) against a live one is no ratio of memories
-        comparable = base and base.peak_gib and r.peak_gib is not None and r.peak_is_reserved == base.peak_is_reserved
-        mem = r.peak_gib / base.peak_gib if comparable else None
+        mem = r.peak_ratio(base) if base else None
         rows.append(
             {
                 "run": r.label,

@@ -106,8 +106,10 @@ class Trainer:
         # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
         # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
         # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
-        if cfg.compile:
-            torch._dynamo.reset()  # first: it frees an earlier run's CUDA graphs, whose pool free_memory then returns
+        if cfg.compile or torch.cuda.is_available():
+            # first: it also frees an earlier compiled run's CUDA graphs, whose memory pool free_memory then returns
+            # (on a GPU an uncompiled run must not count them either)
+            torch._dynamo.reset()
         free_memory()
         torch.manual_seed(cfg.seed)
         self.cfg, self.dev = cfg, torch.device(cfg.device)

@@ -28,6 +28,12 @@ CLI = [
         "is not one of 'none', 'selective', 'full'",
     ),
     (["ladder", "--preset", "tiny", "--set", "checkpointing=full"], "--set takes TECHNIQUE=VALUE"),
+    (
+        ["ladder", "--preset", "tiny", "--set", "vocab_multiple=8", "--set", "model.vocab_multiple=64"],
+        "vocab_multiple is set twice",
+    ),
+    (["config", "--preset", "tiny", "--rung", "9", "--set", "loss_chunks=0"], "loss_chunks must be a positive int"),
+    (["export", "--preset", "tiny", "--set", "model.vocab_multiple=0"], "--set model.vocab_multiple=...:"),
     (["ladder", "--preset", "tiny", "--rungs", "99"], "--rungs takes indices 0..9"),
     (["ladder", "--preset", "tiny", "--leave-out", "compile"], "--leave-out takes indices"),
     (["ladder", "--preset", "tiny", "--device", "tpu"], "is not a torch device"),

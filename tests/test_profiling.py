@@ -105,7 +105,7 @@ def test_the_kernel_floor_says_when_it_has_nothing_to_read():
 
 def test_on_a_gpu_the_floor_is_the_kernels_as_they_ran_in_the_step_where_that_is_lower():
     """A GPU whose torch records no layout times a step's matmuls again in another one: an H200 with torch 2.11 read
-    23.4 ms alone against 20.9 ms of the same kernels in the step. The floor, and the efficiency at it, take the lower
+    23.4 ms alone against 20.8 ms of the same kernels in the step. The floor, and the efficiency at it, take the lower
     reading, and the text gives both."""
     mm = profiling.KernelCall("matmul", "aten::mm", ((64, 64), (64, 64)), (), torch.float32, calls=4, seconds=0.01)
     alone = profiling.KernelFloor([mm], 0.1, 0.5, 0.1)
@@ -114,31 +114,49 @@ def test_on_a_gpu_the_floor_is_the_kernels_as_they_ran_in_the_step_where_that_is
     assert faster.total_s == pytest.approx(0.03) and faster.mfu_at_floor == pytest.approx(0.5 * 0.1 / 0.03)
     assert "40.0 ms timed alone" in faster.text() and "took 30.0 ms a step" in faster.text()
     slower = profiling.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.05)
-    assert slower.total_s == pytest.approx(0.04)
+    assert slower.total_s == pytest.approx(0.04) and "more than alone by over a tenth" in slower.text()
+    assert "by over a tenth" not in profiling.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.042).text()
 
 
-def test_the_in_step_reading_counts_the_matmul_and_attention_operators_own_kernels_on_a_gpu_only():
-    """Each operator's own device time (a kernel counts once, in the operator that launched it): matmuls and any
-    attention operator, not the element-wise ones, nor the kernels' own device-side events. On a CPU an operator's
-    own time includes its overhead: no in-step reading there."""
+def test_the_in_step_reading_counts_each_matmul_and_fused_attention_kernel_once_on_a_gpu_only():
+    """Real profiler events, as torch builds them: a matmul counts its own kernels; a fused-attention operator of
+    SDPA_OPS (forward or backward, any backend) counts the kernels beneath it, launched by an inner operator, once; the
+    math backend's own element-wise kernel is not a call the floor times (its bmm is), nor is an element-wise
+    operator's. On a CPU an operator's time is its overhead too: no in-step reading there."""
     from types import SimpleNamespace
 
-    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
 
-    def event(name, us, device=DeviceType.CPU):
-        return SimpleNamespace(name=name, self_device_time_total=us, device_type=device)
+    ids = iter(range(100))
 
+    def event(name, us=0, children=()):
+        e = FunctionEvent(next(ids), name, 0, 0, 100, use_device="cuda")
+        if us:
+            e.append_kernel("kernel of " + name, 0, us)
+        for child in children:
+            e.append_cpu_child(child)
+            child.set_cpu_parent(e)
+        return e
+
+    inner_fwd, inner_bwd = event("aten::_cudnn_attention_forward", 400), event("aten::_cudnn_attention_backward", 900)
+    flash_bwd = event("aten::_flash_attention_backward", 700)
+    bmm = event("aten::bmm", 300)
     events = [
         event("aten::mm", 3000),
         event("aten::addmm", 1000),
-        event("aten::scaled_dot_product_attention", 0),  # the wrapper launches nothing itself
-        event("aten::_cudnn_attention_backward", 2000),
+        inner_fwd,
+        event("aten::_scaled_dot_product_cudnn_attention", 0, [inner_fwd]),
+        inner_bwd,
+        event("aten::_scaled_dot_product_cudnn_attention_backward", 0, [inner_bwd]),
+        flash_bwd,
+        event("aten::_scaled_dot_product_flash_attention_backward", 0, [flash_bwd]),
+        bmm,
+        event("aten::_scaled_dot_product_attention_math", 50, [bmm]),
         event("aten::add", 500),
-        event("nvjet_sm90_gemm", 3000, DeviceType.CUDA),  # the kernel itself: already in aten::mm's own time
     ]
     prof = SimpleNamespace(events=lambda: events)
     gpu = profiling.Profile(result=None, prof=prof, active=[0, 1], device="cuda")
-    assert profiling.in_step_kernel_s(gpu) == pytest.approx(6000 / 1e6 / 2)
+    assert profiling.in_step_kernel_s(gpu) == pytest.approx((3000 + 1000 + 400 + 900 + 700 + 300) / 1e6 / 2)
     assert profiling.in_step_kernel_s(profiling.Profile(result=None, prof=prof, active=[0], device="cpu")) is None
 
 

@@ -63,8 +63,12 @@ def test_batch_sweeps_are_read_from_the_checks_folder_with_their_provenance(tmp_
 
 
 def test_the_shipped_batch_sweep_names_its_gpu_torch_and_date():
-    for path, results, meta in reference.batch_sweeps():
+    """Notebook 06 and the README quote the H200 sweep: it is shipped, and every run in every sweep says where and
+    when it ran; a run that finished has its times and MFU (a sweep may also hold a run that ran out of memory)."""
+    sweeps = reference.batch_sweeps()
+    assert any(path.name == "gpt2-small-mfu-nvidia-h200.json" for path, _, _ in sweeps), [p.name for p, _, _ in sweeps]
+    for path, results, meta in sweeps:
         assert meta["device"] and results, path
         for r in results:
             assert r.provenance["device"] == meta["device"] and r.provenance["torch"] and r.provenance["date"], path
-            assert r.ok and r.median_step_s and r.mfu, (path, r.label)
+            assert not r.ok or (r.median_step_s and r.mfu), (path, r.label)
