@@ -88,11 +88,11 @@ def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
     return SpeedChange(factor, low, high, len(ratios), verdict)
 
 
-def memory_change(best_peak: int | None, rung_peak: int | None) -> tuple[float | None, str]:
-    """(rung's peak over the best loop's, LEANER / FATTER / NO_CHANGE / NOT_MEASURED)."""
-    if not best_peak or not rung_peak:
+def memory_change(factor: float | None) -> tuple[float | None, str]:
+    """(the rung's peak over the best loop's, RunResult.peak_ratio; LEANER / FATTER / NO_CHANGE / NOT_MEASURED, the
+    last where either peak is unmeasured or they are of two kinds)."""
+    if not factor:
         return None, NOT_MEASURED
-    factor = rung_peak / best_peak
     return (
         factor,
         LEANER if factor <= 1 - MIN_MEMORY_CHANGE else FATTER if factor >= 1 + MIN_MEMORY_CHANGE else NO_CHANGE,
@@ -502,8 +502,7 @@ def _judged(
         result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
         return None
     speed = speed_change(pairs)
-    ratio = result.peak_ratio(best.result)  # None where either is unmeasured, or they are peaks of two kinds
-    memory = memory_change(*(best.result.memory["peak_bytes"], result.memory["peak_bytes"]) if ratio else (None, None))
+    memory = memory_change(result.peak_ratio(best.result))
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
     vs_naive: list[tuple[float, float]] = []

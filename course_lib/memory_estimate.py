@@ -32,6 +32,7 @@ import torch
 from . import measure, techniques
 from .config import PRECISION_DTYPES, ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB, MemoryReport
+from .results import RESERVED_PEAK
 from .techniques.activation_checkpointing import kept_per_layer, selective_activation_terms
 from .techniques.chunked_loss import memory_terms as chunked_loss_terms
 from .techniques.fused_attention import what_attention_keeps as _attention
@@ -599,8 +600,6 @@ def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
         return result
     est = estimate(cfg)
     peak = result.memory["peak_bytes"]
-    from .results import RESERVED_PEAK
-
     against = (  # the formula counts live tensors: against a reserved peak, no percentage
         f"measured {fmt_bytes(peak)} ({RESERVED_PEAK}: not the live tensors the formula counts)"
         if result.peak_is_reserved

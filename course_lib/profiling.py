@@ -224,6 +224,13 @@ def _input_position(op: str, name: str) -> int:
     return [a.name for a in schema.arguments].index(name)
 
 
+def _sdpa_op(name: str) -> tuple[str, bool] | None:
+    """(the SDPA_OPS forward op, whether `name` is its backward) for a fused-attention operator's name, else None."""
+    op = name.removeprefix("aten::")
+    forward = op.removesuffix("_backward")
+    return (forward, forward != op) if forward in SDPA_OPS else None
+
+
 def _sdpa_backend(op: str):
     """The torch.nn.attention.SDPBackend that runs SDPA op `op`, to time the same kernel alone."""
     from torch.nn.attention import SDPBackend
@@ -333,6 +340,22 @@ class KernelFloor:
         (an H200 with torch 2.11, whose profiler records no layout, read 23.4 ms alone and 20.8 in the step)."""
         return self.in_step_s if self.in_step_is_lower else self.timed_alone_s
 
+    def _in_step_text(self) -> str:
+        """The two readings of a GPU's kernels, alone and in the step, and which one the floor takes."""
+        if self.in_step_is_lower:
+            which = "the floor is the lower one (timed alone they ran slower: another layout, or cold caches)."
+        elif self.in_step_s > 1.1 * self.timed_alone_s:
+            which = (
+                "more than alone by over a tenth: something beside them in the step slowed them (memory traffic, "
+                "another stream), which the loop may be able to remove."
+            )
+        else:
+            which = "more than alone."
+        return (
+            f"  together {self.timed_alone_s * 1e3:.1f} ms timed alone; in the recorded steps the same kernels took "
+            f"{self.in_step_s * 1e3:.1f} ms a step (the GPU's own time of each kernel): {which}"
+        )
+
     @property
     def matmul_flops(self) -> float:
         """A step's matmul FLOPs, summed over its calls."""
@@ -368,21 +391,7 @@ class KernelFloor:
                 f"{self.attention_s * 1e3:.1f} ms"
             )
         if self.in_step_s:
-            lines.append(
-                f"  together {self.timed_alone_s * 1e3:.1f} ms timed alone; in the recorded steps the same kernels "
-                f"took {self.in_step_s * 1e3:.1f} ms a step (the GPU's own time of each kernel): "
-                + (
-                    "the floor is the lower one (timed alone they ran slower: another layout, or cold caches)."
-                    if self.in_step_is_lower
-                    else "more than alone"
-                    + (
-                        " by over a tenth: something beside them in the step slowed them (memory traffic, another "
-                        "stream), which the loop may be able to remove."
-                        if self.in_step_s > 1.1 * self.timed_alone_s
-                        else "."
-                    )
-                )
-            )
+            lines.append(self._in_step_text())
         step, rest = self.profiled_step_s, self.profiled_step_s - self.total_s
         lines.append(
             f"  together {self.total_s * 1e3:.1f} ms: about what a step of these kernels alone would take. A recorded "
@@ -431,19 +440,19 @@ def _kernel_calls(p: Profile) -> list[KernelCall]:
     found: dict[tuple, KernelCall] = {}
     backwards: dict[tuple, int] = {}  # (forward op, query shape, dtype): calls
     for name, shapes, dtypes, strides, concrete in _recorded_ops(p):
-        op = name.removeprefix("aten::")
+        sdpa = _sdpa_op(name)
         if name in MATMUL_OPERANDS:
             picked, layout, dtype = _operands(shapes, dtypes, strides, MATMUL_OPERANDS[name])
             if dtype is None or len(picked[0]) not in (2, 3):
                 continue
             # an addmm is timed as its product (the floor is the multiply): grouped with the mm of its operands
             key = ("matmul", "aten::bmm" if len(picked[0]) == 3 else "aten::mm", picked, layout, dtype, False)
-        elif op in SDPA_OPS:
+        elif sdpa is not None and not sdpa[1]:
             picked, layout, dtype = _operands(shapes, dtypes, strides, (0, 1, 2))
             if dtype is None:
                 continue
             key = ("attention", name, picked, layout, dtype, concrete[_input_position(name, "is_causal")] is True)
-        elif op.endswith("_backward") and op.removesuffix("_backward") in SDPA_OPS:
+        elif sdpa is not None:  # a backward
             q = _input_position(name, "query")
             query = (name.removesuffix("_backward"), tuple(shapes[q]), _DTYPES.get(dtypes[q]))
             backwards[query] = backwards.get(query, 0) + 1
@@ -527,14 +536,9 @@ def in_step_kernel_s(p: Profile) -> float | None:
     there is its overhead too), or where the profile holds no such device time."""
     if p.device != "cuda":
         return None
-
-    def attention(name: str) -> bool:
-        op = name.removeprefix("aten::")
-        return name.startswith("aten::") and (op in SDPA_OPS or op.removesuffix("_backward") in SDPA_OPS)
-
     seconds = sum(
         e.self_device_time_total if e.name in MATMUL_OPERANDS else e.device_time_total
         for e in p.prof.events()
-        if e.device_type == DeviceType.CPU and (e.name in MATMUL_OPERANDS or attention(e.name))
+        if e.device_type == DeviceType.CPU and (e.name in MATMUL_OPERANDS or _sdpa_op(e.name) is not None)
     )
     return seconds / 1e6 / len(p.active) if seconds else None
