@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data import DATA_DIR
+from .data import DATA_DIR, MEASURED_DIR  # MEASURED_DIR: ladders the course's authors measured on CPUs
 from .results import RunResult, load_results
 
 REFERENCE_DIR = DATA_DIR / "reference"
-MEASURED_DIR = DATA_DIR / "measured"  # ladders the course's authors measured on CPUs, each file saying which CPU
 CHECKS_DIR = REFERENCE_DIR / "checks"  # what else ran on a GPU: logs, the doctor's report, sweeps (`.ci/gpu`)
 
 
