@@ -72,3 +72,28 @@ def test_the_shipped_batch_sweep_names_its_gpu_torch_and_date():
         for r in results:
             assert r.provenance["device"] == meta["device"] and r.provenance["torch"] and r.provenance["date"], path
             assert not r.ok or (r.median_step_s and r.mfu), (path, r.label)
+
+
+def test_the_other_kind_of_cpu_is_a_climb_measured_on_it_not_one_held_to_its_kernels(tmp_path, monkeypatch, tiny):
+    """Notebook 09 shows a learner the other kind of CPU (with bf16 instructions, or AVX2 only): a climb measured on
+    such a CPU as it is. A climb whose kernels were held to AVX2 on a CPU with AMX shows AVX2's kernels, not an AVX2
+    CPU, and is neither kind."""
+    monkeypatch.setattr(reference, "MEASURED_DIR", tmp_path)
+    r = RunResult("naive fp32", "ok", tiny().to_dict(), {"device": "CPU"})
+    for name, cpu in (
+        ("zen3", "AVX2"),
+        ("amx", "AVX2, AVX512, AVX512-BF16, AMX-BF16"),
+        ("held", "AVX2, AVX512, AVX512-BF16, AMX-BF16; ONEDNN_MAX_CPU_ISA=AVX2; ATEN_CPU_CAPABILITY=avx2"),
+    ):
+        save_results([r], tmp_path / f"{name}.json", preset="cpu", cpu=cpu)
+    assert [p.name for p, *_ in reference.measured_cpu_climbs(bf16_instructions=False)] == ["zen3.json"]
+    assert [p.name for p, *_ in reference.measured_cpu_climbs(bf16_instructions=True)] == ["amx.json"]
+    assert reference.measured_cpu_climbs(bf16_instructions=True, preset="reference") == []
+
+
+def test_the_course_ships_a_climb_of_each_kind_of_cpu():
+    for bf16 in (False, True):
+        climbs = reference.measured_cpu_climbs(bf16_instructions=bf16)
+        assert climbs, bf16
+        for _, results, meta in climbs:
+            assert meta["device"] and meta["torch"] and meta["date"] and results[-1].label == "= optimised here"
