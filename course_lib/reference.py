@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .capabilities import KERNEL_CAPS
 from .data import DATA_DIR, MEASURED_DIR  # MEASURED_DIR: ladders the course's authors measured on CPUs
 from .results import RunResult, load_results
 
@@ -35,17 +36,14 @@ def measured_cpus(preset: str | None = None) -> list[tuple[Path, list[RunResult]
     return load_reference(preset, MEASURED_DIR)
 
 
-KERNEL_SETTINGS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")  # what held a CPU's kernels
-
-
 def measured_cpu_climbs(bf16_instructions: bool, preset: str = "cpu") -> list[tuple[Path, list[RunResult], dict]]:
     """The shipped climbs (measured_cpus) of CPUs with bf16 instructions, or of CPUs without them (AVX2 only), each
-    as the CPU is: a climb with its kernels held to another instruction set (KERNEL_SETTINGS, named in its `cpu`
-    metadata) shows that CPU's kernels, not that CPU, and is left out."""
+    as the CPU is: a climb with its kernels held to another instruction set (capabilities.KERNEL_CAPS, named in its
+    `cpu` metadata) shows that CPU's kernels, not that CPU, and is left out."""
     out = []
     for path, results, meta in measured_cpus(preset):
         cpu = meta.get("cpu") or ""
-        if cpu and not any(k in cpu for k in KERNEL_SETTINGS) and ("BF16" in cpu) == bf16_instructions:
+        if cpu and not any(k in cpu for k in KERNEL_CAPS) and ("BF16" in cpu) == bf16_instructions:
             out.append((path, results, meta))
     return out
 

@@ -84,6 +84,9 @@ def test_the_other_kind_of_cpu_is_a_climb_measured_on_it_not_one_held_to_its_ker
         ("zen3", "AVX2"),
         ("amx", "AVX2, AVX512, AVX512-BF16, AMX-BF16"),
         ("held", "AVX2, AVX512, AVX512-BF16, AMX-BF16; ONEDNN_MAX_CPU_ISA=AVX2; ATEN_CPU_CAPABILITY=avx2"),
+        ("held-avx512", "AVX2, AVX512; MKL_ENABLE_INSTRUCTIONS=AVX2"),  # no BF16 in its text, still held
+        ("held-aten", "AVX2, AVX512, AVX512-BF16; ATEN_CPU_CAPABILITY=avx2"),
+        ("unnamed", ""),  # a CPU whose instruction sets were not recorded is neither kind
     ):
         save_results([r], tmp_path / f"{name}.json", preset="cpu", cpu=cpu)
     assert [p.name for p, *_ in reference.measured_cpu_climbs(bf16_instructions=False)] == ["zen3.json"]
@@ -91,9 +94,19 @@ def test_the_other_kind_of_cpu_is_a_climb_measured_on_it_not_one_held_to_its_ker
     assert reference.measured_cpu_climbs(bf16_instructions=True, preset="reference") == []
 
 
-def test_the_course_ships_a_climb_of_each_kind_of_cpu():
-    for bf16 in (False, True):
-        climbs = reference.measured_cpu_climbs(bf16_instructions=bf16)
+def test_the_course_ships_a_climb_of_each_kind_of_cpu_with_what_notebook_09_prints():
+    """Notebook 09 prints, for each climb of the other kind, its 16-bit rung's verdict and its optimised loop: a file
+    without them would be skipped without a word."""
+    without = reference.measured_cpu_climbs(bf16_instructions=False)
+    assert sorted(p.name for p, *_ in without) == [
+        "2026-11-26_cpu-2core-epyc-zen3-avx2_ladder-cpu.json",
+        "2026-11-26_cpu-2core-epyc-zen3-avx2_ladder-cpu_second-climb.json",
+    ]
+    for bf16, climbs in ((False, without), (True, reference.measured_cpu_climbs(bf16_instructions=True))):
         assert climbs, bf16
-        for _, results, meta in climbs:
-            assert meta["device"] and meta["torch"] and meta["date"] and results[-1].label == "= optimised here"
+        for path, results, meta in climbs:
+            assert meta["device"] and meta["torch"] and meta["date"], path
+            sixteen = next(r for r in results if r.label == "+ 16-bit autocast")
+            assert sixteen.ok and sixteen.ladder["why"], path
+            assert sixteen.ladder["kept"] is bf16, path  # software bf16 never kept; with the instructions it was
+            assert results[-1].label == "= optimised here" and results[-1].ladder["factor"] > 1, path
