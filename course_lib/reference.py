@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .capabilities import KERNEL_CAPS
 from .data import DATA_DIR, MEASURED_DIR  # MEASURED_DIR: ladders the course's authors measured on CPUs
+from .ladder import OPTIMISED
 from .results import RunResult, load_results
 
 REFERENCE_DIR = DATA_DIR / "reference"
@@ -46,6 +47,27 @@ def measured_cpu_climbs(bf16_instructions: bool, preset: str = "cpu") -> list[tu
         if cpu and not any(k in cpu for k in KERNEL_CAPS) and ("BF16" in cpu) == bf16_instructions:
             out.append((path, results, meta))
     return out
+
+
+def other_cpu_lines(fast_16bit: str | None, preset: str = "cpu") -> list[str]:
+    """What the other kind of CPU showed, for a learner whose CPU's fast 16-bit format is `fast_16bit`
+    (`Capabilities.fast_16bit()[0]`): one line per shipped climb of a CPU with bf16 instructions where this one has
+    none (an fp16-only CPU included), of one without them where this one has them; its device, instruction sets, torch
+    and date, its 16-bit rung's verdict and its optimised loop, labelled as not measured here."""
+    with_bf16 = fast_16bit != "bf16"
+    lines = []
+    for path, shipped, meta in measured_cpu_climbs(bf16_instructions=with_bf16, preset=preset):
+        sixteen = next((r for r in shipped if r.label == "+ 16-bit autocast" and r.ok), None)
+        top = next((r for r in shipped if r.label == OPTIMISED), None)
+        if sixteen is not None and top is not None:
+            verdict = sixteen.ladder.get("why", "").replace(" here:", " there:")  # its device note spoke of that CPU
+            lines.append(
+                f"A CPU {'with' if with_bf16 else 'without'} bf16 instructions, for comparison (shipped with the "
+                f"course, not measured here): {meta['device']} [{meta['cpu']}], torch {meta['torch']}, "
+                f"{meta['date'][:10]}, preset {meta['preset']}: its 16-bit rung {verdict}; its "
+                f"optimised loop {top.ladder['factor']:.2f}x naive ({path.name})."
+            )
+    return lines
 
 
 def batch_sweeps(folder: Path | None = None) -> list[tuple[Path, list[RunResult], dict]]:

@@ -2,6 +2,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from course_lib import config as C, reference
 from course_lib.results import RunResult, save_results
 
@@ -110,3 +112,13 @@ def test_the_course_ships_a_climb_of_each_kind_of_cpu_with_what_notebook_09_prin
             assert sixteen.ok and sixteen.ladder["why"], path
             assert sixteen.ladder["kept"] is bf16, path  # software bf16 never kept; with the instructions it was
             assert results[-1].label == "= optimised here" and results[-1].ladder["factor"] > 1, path
+
+
+@pytest.mark.parametrize("fast, kind", [(None, "with"), ("fp16", "with"), ("bf16", "without")])
+def test_notebooks_03_and_09_show_the_other_kind_of_cpu_labelled_as_not_measured_here(fast, kind):
+    lines = reference.other_cpu_lines(fast)
+    assert lines and all(line.startswith(f"A CPU {kind} bf16 instructions, for comparison") for line in lines)
+    assert all("not measured here" in line and "2026-11-26" in line and "optimised loop" in line for line in lines)
+    assert not any(" here:" in line for line in lines)  # a shipped verdict's "bf16 here" spoke of that CPU
+    if kind == "without":
+        assert len(lines) == 2 and all("[AVX2]" in line and "not kept" in line for line in lines)
