@@ -147,7 +147,7 @@ def _precision_support(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities):
 
 def device_note(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> str:
     """What the device says of a rung's technique when it has no hardware for it (bf16 converted in software, TF32 on a
-    CPU), or ""."""
+    CPU), or "". ("<precision> here:" is what reference.other_cpu_lines rewords as "there" for another CPU's climb.)"""
     support = _precision_support(cfg, rung, caps)
     return f"{cfg.precision} here: {support.note}" if support is not None and support.native is False else ""
 

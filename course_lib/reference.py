@@ -64,8 +64,8 @@ def other_cpu_lines(fast_16bit: str | None, preset: str = "cpu") -> list[str]:
             lines.append(
                 f"A CPU {'with' if with_bf16 else 'without'} bf16 instructions, for comparison (shipped with the "
                 f"course, not measured here): {meta['device']} [{meta['cpu']}], torch {meta['torch']}, "
-                f"{meta['date'][:10]}, preset {meta['preset']}: its 16-bit rung {verdict}; its "
-                f"optimised loop {top.ladder['factor']:.2f}x naive ({path.name})."
+                f"{meta['date'][:10]}, preset {meta['preset']}: its 16-bit rung ({sixteen.config.get('precision')}) "
+                f"{verdict}; its optimised loop {top.ladder['factor']:.2f}x naive ({path.name})."
             )
     return lines
 

@@ -121,4 +121,7 @@ def test_notebooks_03_and_09_show_the_other_kind_of_cpu_labelled_as_not_measured
     assert all("not measured here" in line and "2026-11-26" in line and "optimised loop" in line for line in lines)
     assert not any(" here:" in line for line in lines)  # a shipped verdict's "bf16 here" spoke of that CPU
     if kind == "without":
-        assert len(lines) == 2 and all("[AVX2]" in line and "not kept" in line for line in lines)
+        assert len(lines) == 2 and all("[AVX2]" in line and "(bf16) not kept" in line for line in lines)
+        assert all("bf16 there: no bf16 instructions" in line for line in lines)
+    else:  # the shipped AMX climb: its 16-bit rung, in bf16, kept
+        assert len(lines) == 1 and "xeon-amx" in lines[0] and "AMX-BF16" in lines[0] and "(bf16) kept" in lines[0]
