@@ -624,7 +624,7 @@ def everything_on(base: C.TrainConfig) -> C.TrainConfig:
     rung only where it has 16-bit hardware (fp32 stays where it has none), TF32 only where it does something (not on a
     CPU). A guess at the optimised loop, for a first look (notebook 01); run_ladder measures which rungs help here."""
     caps = capabilities(base.device)
-    leave_out = {} if caps.fast_16bit()[0] else {"+ 16-bit autocast": caps.fast_16bit()[1]}
+    leave_out = {} if caps.fast_16bit()[0] else {T.AUTOCAST_RUNG: caps.fast_16bit()[1]}
     if caps.supports("tf32").no_effect:
         leave_out["+ tf32"] = caps.supports("tf32").note
     return [cfg for _, cfg in ladder_configs(base, leave_out=leave_out) if isinstance(cfg, C.TrainConfig)][-1]

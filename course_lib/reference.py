@@ -10,6 +10,7 @@ from .capabilities import KERNEL_CAPS
 from .data import DATA_DIR, MEASURED_DIR  # MEASURED_DIR: ladders the course's authors measured on CPUs
 from .ladder import OPTIMISED
 from .results import RunResult, load_results
+from .techniques import AUTOCAST_RUNG
 
 REFERENCE_DIR = DATA_DIR / "reference"
 CHECKS_DIR = REFERENCE_DIR / "checks"  # what else ran on a GPU: logs, the doctor's report, sweeps (`.ci/gpu`)
@@ -57,7 +58,7 @@ def other_cpu_lines(fast_16bit: str | None, preset: str = "cpu") -> list[str]:
     with_bf16 = fast_16bit != "bf16"
     lines = []
     for path, shipped, meta in measured_cpu_climbs(bf16_instructions=with_bf16, preset=preset):
-        sixteen = next((r for r in shipped if r.label == "+ 16-bit autocast" and r.ok), None)
+        sixteen = next((r for r in shipped if r.label == AUTOCAST_RUNG and r.ok), None)
         top = next((r for r in shipped if r.label == OPTIMISED), None)
         if sixteen is not None and top is not None:
             verdict = sixteen.ladder.get("why", "").replace(" here:", " there:")  # its device note spoke of that CPU

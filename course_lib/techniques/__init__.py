@@ -56,7 +56,7 @@ from .lr_schedule import (  # noqa: F401
     warmup_cosine_lr,
     wsd_lr,
 )
-from .mixed_precision import AUTOCAST_DTYPES, autocast_context, make_grad_scaler, matmul_precision  # noqa: F401
+from .mixed_precision import AUTOCAST_DTYPES, AUTOCAST_RUNG, autocast_context, make_grad_scaler, matmul_precision  # noqa: F401
 from .model_parts import ModelParts  # noqa: F401
 from .optimizer import make_optimizer, optimizer_for, param_groups  # noqa: F401
 

@@ -18,6 +18,7 @@ from ..tf32 import matmul_precision  # noqa: F401 - TF32's switch, the loop's st
 from .declaration import FAST_16BIT, Technique  # capabilities, which time matmuls with it)
 
 AUTOCAST_DTYPES = {p: PRECISION_DTYPES[p] for p in ("bf16", "fp16")}  # the precisions autocast runs in
+AUTOCAST_RUNG = "+ 16-bit autocast"  # the ladder's rung of the 16-bit format (declared below)
 
 
 def autocast_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -98,7 +99,7 @@ TECHNIQUE = Technique(
     rungs=(
         ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
         (
-            "+ 16-bit autocast",
+            AUTOCAST_RUNG,
             FAST_16BIT,
             "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 is fast), fp32 weights",
         ),
