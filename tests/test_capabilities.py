@@ -165,6 +165,9 @@ def test_efficiency_is_against_the_measured_peak_off_the_datasheet(monkeypatch):
     assert table_rows([r])[0]["MFU"] == "50.0% of measured matmul peak"
     gpu = RunResult("y", "ok", {}, {}, median_step_s=1.0, tokens_per_s=1000.0, mfu=0.31, mfu_basis="data-sheet peak")
     assert table_rows([gpu])[0]["MFU"] == "31.0%"
+    # a data sheet's peak is per precision: the label names the one divided by (a TF32 rung's share is of TF32's peak)
+    tf32 = RunResult("z", "ok", {"precision": "tf32"}, {}, median_step_s=1.0, mfu=0.055, mfu_basis="data-sheet peak")
+    assert table_rows([tf32])[0]["MFU"] == "5.5% of tf32 peak"
 
 
 def test_a_cpu_run_reports_efficiency_of_the_measured_peak(monkeypatch, tmp_path, tiny):
