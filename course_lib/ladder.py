@@ -7,7 +7,9 @@ both alike. The rung's factor is the median of the paired ratios, and its spread
 
 What is kept (`judge`):
 - a speed technique (TF32, 16-bit autocast, compile, vocabulary padding, fused AdamW) where it made the step faster by
-  more than the noise;
+  more than the noise. Where the machine measured its own noise (on a CPU, the TF32 rung is the same step timed
+  against itself), a factor no further from 1 than that noise is timed again in a second window of pairs, and stands
+  only if both windows agree (`second_window`);
 - a memory technique (set_to_none, checkpointing, the chunked loss) where it made the peak smaller; what it cost in
   time is reported;
 - SDPA, which aims at both, where it helped one without hurting the other.
@@ -86,6 +88,31 @@ def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
     else:
         verdict = NO_CHANGE
     return SpeedChange(factor, low, high, len(ratios), verdict)
+
+
+def same_step_noise(results: list[RunResult]) -> float | None:
+    """How far apart this machine timed one step against itself, as a factor >= 1 (1.19 for a median ratio of 1.19x
+    or of 1/1.19x), from the rungs that run the same computation as the loop before them (TF32 on a CPU); None where no
+    such rung ran, or where it measured less than MIN_SPEED_CHANGE (the threshold already covers it)."""
+    factors = [r.ladder["same_step_factor"] for r in results if (r.ladder or {}).get("same_step_factor")]
+    noise = max((max(f, 1 / f) for f in factors), default=None)
+    return noise if noise and noise > 1 + MIN_SPEED_CHANGE else None
+
+
+def within_noise(speed: SpeedChange, noise: float | None) -> bool:
+    """Whether a verdict of faster or slower rests on a factor no further from 1 than the same step measured against
+    itself on this machine (`same_step_noise`): one window of pairs cannot tell it from noise."""
+    if noise is None or speed.verdict not in (FASTER, SLOWER):
+        return False
+    return max(speed.factor, 1 / speed.factor) <= noise
+
+
+def second_window(first: SpeedChange, pairs: list[tuple[float, float]], more: list[tuple[float, float]]) -> SpeedChange:
+    """The verdict from two windows of pairs, `pairs` then `more`: it stands where the second window alone and both
+    together say the same (faster, or slower), else no measurable change; the factor and spread are of both windows."""
+    pooled, second = speed_change(pairs + more), speed_change(more)
+    agree = first.verdict == second.verdict == pooled.verdict
+    return dataclasses.replace(pooled, verdict=first.verdict if agree else NO_CHANGE)
 
 
 def memory_change(factor: float | None) -> tuple[float | None, str]:
@@ -281,7 +308,8 @@ def run_ladder(
             why = why_not or str(cfg)
             results.append(_not_run(label, why, prov, {"kept": False, "why": f"not run: {why}"}))
         else:
-            result, best = _climb(cfg, label, rung, best, naive_loop, caps, fixed, progress)
+            noise = same_step_noise(results)
+            result, best = _climb(cfg, label, rung, best, naive_loop, caps, fixed, progress, noise)
             results.append(result)
 
     for i, rung in enumerate(T.LADDER):
@@ -354,12 +382,13 @@ def _climb(
     caps: Capabilities,
     fixed: bool,
     progress,
+    noise: float | None = None,
 ) -> tuple[RunResult, _Loop]:
     """One rung on top of `best`: measured in pairs with it and judged. (Its result, the best loop after it.) The loop
     that loses goes: a rung not kept drops its model and optimizer here, before the next rung builds its own."""
     result, trainer, pairs = _measure(cfg, label, best, progress, give_up=not fixed and rung.aims == (T.SPEED,))
     result.reason = result.reason or rung.what_changed
-    loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed)
+    loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed, noise, progress)
     if loop is None:
         return result, best
     if best is not naive_loop:
@@ -496,12 +525,36 @@ def _judged(
     naive_loop: _Loop,
     caps: Capabilities,
     fixed: bool,
+    noise: float | None = None,
+    progress=None,
 ) -> _Loop | None:
-    """Fill in `result.ladder` (the verdict against `best`); the rung's loop when it is kept, else None."""
+    """Fill in `result.ladder` (the verdict against `best`); the rung's loop when it is kept, else None. `noise`: how
+    far apart this machine timed a step and itself (same_step_noise): a speed verdict no further from 1 is timed again
+    in a second window of pairs, and stands only if both windows agree."""
     if not result.ok:
         result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
         return None
     speed = speed_change(pairs)
+    more: list[tuple[float, float]] = []
+    window = ""
+    if T.SPEED in rung.aims and not fixed and not _no_effect(trainer.cfg, rung, caps) and within_noise(speed, noise):
+        first = speed
+        if progress:
+            progress(
+                f"  {first.factor:.2f}x is within this machine's noise (a step measured {noise:.2f}x apart from "
+                f"itself): {len(pairs)} more paired steps"
+            )
+        try:
+            more = [(best.trainer.step(), trainer.step()) for _ in range(len(pairs))]
+            speed = second_window(first, pairs, more)
+            window = (
+                f"{first.factor:.2f}x, then {speed_change(more).factor:.2f}x in a second window of paired steps: "
+                + ("they agree" if speed.verdict == first.verdict else "they disagree")
+                + f"; this machine measured a step {noise:.2f}x apart from itself"
+            )
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory with both loops held: the first window's verdict stands
+            more, window = [], f"no second window ({type(e).__name__}); within this machine's noise ({noise:.2f}x)"
+            free_memory()
     memory = memory_change(result.peak_ratio(best.result))
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
@@ -518,7 +571,10 @@ def _judged(
             note += f"timed against naive through the product of factors ({type(e).__name__} when paired with naive)"
             free_memory()
     kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
-    if _no_effect(trainer.cfg, rung, caps) and speed.factor:
+    if window:
+        why += f" ({window})"
+    same_step = _no_effect(trainer.cfg, rung, caps) and speed.factor
+    if same_step:
         # the same computation timed against itself: whatever the pairs say is this machine's noise, not the technique,
         # and the loop's speed-up over naive stays what it was
         kept, speed, speedup = fixed, dataclasses.replace(speed, verdict=NO_CHANGE), best.speedup
@@ -543,6 +599,9 @@ def _judged(
         "pairs_vs_naive": [list(p) for p in vs_naive],  # (naive_s, rung_s) where speedup was timed against naive
         "memory_vs_naive": result.peak_ratio(naive_loop.result),
         "device_note": note,
+        "pairs_again": [list(p) for p in more],  # a second window of (best_s, rung_s), where the first was within noise
+        # the factor between a step and itself (a rung with no effect here), from which later rungs read the noise
+        "same_step_factor": speed.factor if same_step else None,
     }
     return _Loop(trainer, result, speedup) if kept else None
 

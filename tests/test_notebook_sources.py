@@ -52,7 +52,6 @@ def test_every_notebooks_code_passes_pyflakes(tmp_path, pyflakes, monkeypatch):
     assert pyflakes(*files) == ""
 
 
-
 def shipped_results_shown_by_table_rows(source: str) -> list[str]:
     """The names of shipped results (the second item of `for path, results, meta in <load_reference's list>`) that
     the loop's body passes to table_rows, directly or through an expression (`accumulating or results`)."""
@@ -62,14 +61,16 @@ def shipped_results_shown_by_table_rows(source: str) -> list[str]:
     shipped_lists = {  # names bound to load_reference(...)
         t.id
         for node in ast.walk(tree)
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
         and getattr(node.value.func, "attr", getattr(node.value.func, "id", "")) == "load_reference"
         for t in node.targets
         if isinstance(t, ast.Name)
     }
     found = []
     for loop in (n for n in ast.walk(tree) if isinstance(n, ast.For)):
-        if not (isinstance(loop.iter, ast.Name) and loop.iter.id in shipped_lists and isinstance(loop.target, ast.Tuple)):
+        over_shipped = isinstance(loop.iter, ast.Name) and loop.iter.id in shipped_lists
+        if not (over_shipped and isinstance(loop.target, ast.Tuple)):
             continue
         results = loop.target.elts[1].id
         derived = {results} | {  # names computed from the shipped results inside the loop (a filtered list)
