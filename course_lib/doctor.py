@@ -24,7 +24,7 @@ import torch
 from . import config as C
 from .cache import write_atomic
 from .capabilities import Capabilities, capabilities
-from .results import RunResult, provenance
+from .results import RunResult, gflops_text, provenance
 
 PASS, FAIL, NA, SKIPPED = "pass", "fail", "n/a", "skipped"
 
@@ -229,7 +229,7 @@ def check_matmul_peak(caps: Capabilities) -> str:
         if caps.supports(p).ok:
             measured = measured_tflops(caps.device, p, refresh=True)
             sheet = f" (data sheet {caps.datasheet[p]:g})" if caps.datasheet and p in caps.datasheet else ""
-            parts.append(f"{p} {measured * 1e3:,.0f} GFLOP/s{sheet}")
+            parts.append(f"{p} {gflops_text(measured * 1e12)}{sheet}")
             assert measured > 0
     return "measured matmul peak: " + ", ".join(parts)
 

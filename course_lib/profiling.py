@@ -25,7 +25,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from .config import ConfigError, TrainConfig
-from .results import RunResult
+from .results import RunResult, gflops_text
 from .timing import time_fn
 
 
@@ -284,9 +284,8 @@ class KernelCall:
             a, b = (
                 "x".join(map(str, shape)) + ("ᵀ" if self._transposed(i) else "") for i, shape in enumerate(self.shapes)
             )
-            return (
-                f"{self.calls:4g} x matmul {a} @ {b} {dt}: {self.seconds * 1e3:.2f} ms each, "
-                f"{self.flops / self.seconds / 1e9:,.0f} GFLOP/s"
+            return f"{self.calls:4g} x matmul {a} @ {b} {dt}: {self.seconds * 1e3:.2f} ms each, " + gflops_text(
+                self.flops / self.seconds
             )
         q = "x".join(map(str, self.shapes[0]))
         return (
@@ -381,7 +380,7 @@ class KernelFloor:
             f"shape, {layout}and dtype, the median of repeats, counted as often as a step makes it:",
             f"  matmuls: {sum(c.calls for c in self.calls if c.kind == 'matmul'):g} calls per step, "
             f"{self.matmul_s * 1e3:.1f} ms ({self.matmul_flops / 1e9:.2f} GFLOP at "
-            f"{self.matmul_flops / self.matmul_s / 1e9:,.0f} GFLOP/s)",
+            f"{gflops_text(self.matmul_flops / self.matmul_s)})",
         ]
         attention = [c for c in self.calls if c.kind == "attention"]
         if attention:

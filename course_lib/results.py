@@ -160,6 +160,12 @@ def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
     return results, payload
 
 
+def gflops_text(flop_per_s: float) -> str:
+    """A rate in GFLOP/s: whole numbers from 100 up, three significant digits below (a tiny matmul's 0.412, not 0)."""
+    g = flop_per_s / 1e9
+    return f"{g:,.0f} GFLOP/s" if g >= 100 else f"{g:.3g} GFLOP/s"
+
+
 def fmt(x: float | None, spec: str = ".3g", missing: str = "n/a") -> str:
     return missing if x is None else format(x, spec)
 

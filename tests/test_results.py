@@ -65,3 +65,10 @@ def test_a_failed_write_leaves_the_earlier_file_whole(tmp_path, monkeypatch):
         save_results([fake("a", 100.0, 2**30), fake("b", 1.0, 1)], path)
     monkeypatch.undo()
     assert path.read_text() == before and list(tmp_path.iterdir()) == [path]  # no partial file left beside it
+
+
+def test_a_rate_keeps_its_digits_below_100_gflops():
+    from course_lib.results import gflops_text
+
+    assert gflops_text(4.12e8) == "0.412 GFLOP/s"  # a tiny matmul's rate, not "0 GFLOP/s"
+    assert gflops_text(87.4e9) == "87.4 GFLOP/s" and gflops_text(1_534.6e9) == "1,535 GFLOP/s"
