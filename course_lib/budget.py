@@ -22,6 +22,13 @@ def is_smoke() -> bool:
     return budget() == "smoke"
 
 
+def describe() -> str:
+    """The budget in force, and how to get the other one (a notebook's first lines say it)."""
+    if is_smoke():
+        return "smoke: the quick, test-sized run (unset COURSE_BUDGET for the full size)"
+    return "full (COURSE_BUDGET=smoke gives a quick, test-sized run)"
+
+
 def pick(full, smoke):
     """`full` for a learner, `smoke` under the test budget."""
     return smoke if is_smoke() else full

@@ -16,3 +16,12 @@ def test_an_unknown_budget_says_what_to_use(monkeypatch):
     monkeypatch.setenv("COURSE_BUDGET", "tiny")
     with pytest.raises(ValueError, match="use 'smoke'"):
         budget.pick(1, 2)
+
+
+def test_the_budget_line_says_how_to_get_the_other_budget(monkeypatch):
+    from course_lib import budget
+
+    monkeypatch.setenv("COURSE_BUDGET", "smoke")
+    assert budget.describe().startswith("smoke") and "unset COURSE_BUDGET" in budget.describe()
+    monkeypatch.delenv("COURSE_BUDGET")
+    assert budget.describe().startswith("full") and "COURSE_BUDGET=smoke" in budget.describe()
