@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 from . import config as C, techniques as T
 
@@ -70,11 +74,37 @@ def cmd_ladder(args) -> int:
         **({"cpu": caps.cpu.summary()} if caps.cpu else {}),
     )
     saved: list = []
+    # An earlier file (--force) is replaced only by a finished climb: until then the rungs go to a file beside it, so an
+    # interrupted climb never leaves a complete earlier one half-overwritten.
+    replacing = out is not None and out.exists()
+    climbing = out.with_name(f"{out.stem}.in-progress{out.suffix}") if replacing else out
+    unwritten: list[OSError] = []
 
     def save(results) -> None:
+        """After every rung. A write that fails (the folder removed, a full disk) is said once and the climb goes on:
+        what it measures is written at the end, elsewhere if need be."""
         saved[:] = results
-        if out is not None:
-            save_results(results, out, **meta)
+        if out is None:
+            return
+        try:
+            save_results(results, climbing, **meta)
+            unwritten.clear()
+        except OSError as e:
+            if not unwritten:
+                print(f"warning: could not write {climbing} ({e}); climbing on", file=sys.stderr)
+            unwritten[:] = [e]
+
+    def written() -> Path | None:
+        """Where the climb's results are, once it has ended: `out`, or a file in the temporary folder where `out`
+        cannot be written."""
+        if out is None or not saved:
+            return None
+        if unwritten:
+            fallback = Path(tempfile.gettempdir()) / f"ladder-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            save_results(saved, fallback, **meta)
+            print(f"could not write {climbing} ({unwritten[0]}): the results are in {fallback}", file=sys.stderr)
+            return fallback
+        return climbing
 
     try:
         results = run_ladder(
@@ -90,30 +120,33 @@ def cmd_ladder(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = f", saved in {out}" if out is not None and saved else ""
+        where = written()
         print(
-            f"\ninterrupted: {len(saved)} rung(s) measured{where}. Run the same command again (with --force) to "
-            "climb again; --rungs measures some rungs only.",
+            f"\ninterrupted: {len(saved)} rung(s) measured"
+            + (f", saved in {where}" if where else "")
+            + (f"; {out} is as it was" if replacing else "")
+            + ". Run the same command again to climb again (--force replaces a file only once the climb finishes); "
+            "--rungs measures some rungs only.",
             file=sys.stderr,
         )
         if saved:
             print(ladder_table(saved))
         return 130
-    except OSError as e:
-        print(f"error: could not write {out} ({e}); the results so far are printed below", file=sys.stderr)
-        print(ladder_table(saved))
-        return 1
+    where = written()
+    if where is not None and where == climbing and replacing:
+        os.replace(climbing, out)  # the finished climb replaces the earlier file in one step
+        where = out
     print(ladder_table(results))
     print()
     print(verdict(results))
     baseline_failed = baseline_failure(results) is not None
-    if out is not None:
+    if where is not None:
         print(
-            f"wrote {out} "
+            f"wrote {where} "
             + (
                 "(the baseline's failure is recorded there: no loop to export)"
                 if baseline_failed
-                else f"(`python -m course_lib export --ladder {out}` writes its optimised loop as a script)"
+                else f"(`python -m course_lib export --ladder {where}` writes its optimised loop as a script)"
             ),
             file=sys.stderr,
         )
@@ -621,7 +654,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
     p.set_defaults(func=cmd_bpe)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # (the ladder catches its own, to save the rungs measured): one line, not a traceback
+        print(f"\ninterrupted: {args.command} stopped before it finished; nothing was written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -127,9 +127,15 @@ def check_writable(path: str | Path) -> Path:
     OSError that says why; asked before a long run."""
     if str(path) == "":
         raise ValueError("an empty path (an unset variable?): give a file name")
+    if str(path) == "-":
+        raise ValueError("'-' is not a file name here: this command writes a file; give its name")
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder: give a file name in it")
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        # the file is written beside it and moved over it: a device (/dev/stdout, /dev/null) or a link would be replaced
+        # by a plain file, even with --force
+        raise ValueError(f"{path} is not a plain file (a link, a device or a pipe): give the name of a file to write")
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
     if path.exists() and not os.access(path, os.W_OK):
         raise PermissionError(f"cannot write {path}: the file is read-only; choose another path")

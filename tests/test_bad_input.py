@@ -6,6 +6,9 @@ accidents; each one's message is checked to say what to change."""
 import dataclasses
 import json
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,6 +127,24 @@ def test_an_existing_file_is_kept_unless_forced(tmp_path, capsys):
     assert cli(["profile", "--preset", "tiny", "--trace", str(out)]) == 2 and out.read_text() == "mine"
 
 
+def test_a_device_a_link_or_a_dash_is_refused_even_when_forced(tmp_path, capsys):
+    """A file is written beside its path and moved over it: --force would replace /dev/null (as root) or a link with a
+    plain file. '-' is standard output to export, and no file name to the others."""
+    target = tmp_path / "target.txt"
+    target.write_text("mine")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (link, fifo, "/dev/null"):
+        for args in (["ladder", "--preset", "tiny", "--json"], ["export", "--preset", "tiny", "--out"]):
+            assert cli([*args, str(path), "--force"]) == 2, (args, path)
+            assert "is not a plain file" in capsys.readouterr().err
+    assert link.is_symlink() and target.read_text() == "mine" and Path("/dev/null").is_char_device()
+    assert cli(["ladder", "--preset", "tiny", "--json", "-"]) == 2
+    assert "'-' is not a file name here" in capsys.readouterr().err and not Path("-").exists()
+
+
 def test_ctrl_c_during_a_ladder_keeps_the_rungs_measured(tmp_path, capsys, monkeypatch):
     """The climb saves after every rung; an interrupt ends cleanly with exit 130, says what was saved and how to go
     on."""
@@ -152,6 +173,90 @@ def test_ctrl_c_during_a_ladder_keeps_the_rungs_measured(tmp_path, capsys, monke
     assert "interrupted: 1 rung(s) measured, saved in" in err and "Traceback" not in err
     results, meta = load_results(out)
     assert [r.label for r in results] == ["naive fp32"] and meta["preset"] == "tiny"
+
+
+def _one_rung_then(base, on_result, after):
+    from course_lib.results import RunResult, provenance
+
+    done = [
+        RunResult(
+            "naive fp32",
+            "ok",
+            base.to_dict(),
+            provenance("test"),
+            tokens_per_s=1.0,
+            median_step_s=1.0,
+            ladder={"kept": True, "why": "the baseline"},
+        )
+    ]
+    on_result(done)
+    return after(done)
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_exit_130(capsys, monkeypatch):
+    import course_lib.__main__ as entry
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "cmd_doctor", interrupted)
+    assert cli(["doctor", "--quick"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: doctor stopped before it finished" in err and "Traceback" not in err
+
+
+def test_an_interrupted_forced_climb_leaves_the_earlier_file_whole(tmp_path, capsys, monkeypatch):
+    """--force replaces an earlier climb only with a finished one: interrupted, the rungs measured are beside it."""
+    from course_lib import ladder as ladder_mod
+    from course_lib.results import load_results
+
+    def interrupted(base, on_result=None, **_):
+        return _one_rung_then(base, on_result, lambda done: (_ for _ in ()).throw(KeyboardInterrupt))
+
+    monkeypatch.setattr(ladder_mod, "run_ladder", interrupted)
+    out = tmp_path / "full.json"
+    out.write_text("an earlier, complete climb")
+    assert cli(["ladder", "--preset", "tiny", "--json", str(out), "--force"]) == 130
+    err = capsys.readouterr().err
+    beside = tmp_path / "full.in-progress.json"
+    assert f"saved in {beside}; {out} is as it was" in err and out.read_text() == "an earlier, complete climb"
+    assert [r.label for r in load_results(beside)[0]] == ["naive fp32"]
+
+    # finished, the climb replaces the earlier file, and nothing is left beside it
+    finished = lambda base, on_result=None, **_: _one_rung_then(base, on_result, list)  # noqa: E731
+    monkeypatch.setattr(ladder_mod, "run_ladder", finished)
+    assert cli(["ladder", "--preset", "tiny", "--json", str(out), "--force"]) in (0, 1)
+    assert [r.label for r in load_results(out)[0]] == ["naive fp32"] and not beside.exists()
+    assert f"wrote {out}" in capsys.readouterr().err
+
+
+def test_a_write_that_fails_mid_climb_does_not_stop_it_and_the_results_land_elsewhere(tmp_path, capsys, monkeypatch):
+    """The folder of --json replaced by a file while the climb runs: said once, the climb goes on, and at the end its
+    results are written to the temporary folder, named."""
+    from course_lib import ladder as ladder_mod
+    from course_lib.results import load_results
+
+    folder = tmp_path / "mid"
+    out = folder / "l.json"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def folder_gone(base, on_result=None, **_):
+        def after(done):
+            out.unlink()
+            folder.rmdir()
+            folder.write_text("now a file")
+            on_result(done)  # the next rung's save fails
+            return done
+
+        return _one_rung_then(base, on_result, after)
+
+    monkeypatch.setattr(ladder_mod, "run_ladder", folder_gone)
+    cli(["ladder", "--preset", "tiny", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert "warning: could not write" in err and "climbing on" in err and "Traceback" not in err
+    fallback = next(tmp_path.glob("ladder-*.json"))
+    assert f"the results are in {fallback}" in err and f"wrote {fallback}" in err
+    assert [r.label for r in load_results(fallback)[0]] == ["naive fp32"]
 
 
 # ---- the Python API: a ConfigError that says what to change -------------------------------------------------------
