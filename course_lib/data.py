@@ -165,7 +165,7 @@ def random_windows(
     if len(stream) <= context + 1:
         raise ValueError(f"The stream has {len(stream)} tokens, too few for context {context}")
     starts = torch.randint(0, len(stream) - context - 1, (batch_size,), generator=generator)
-    window = torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
+    window = stream[starts[:, None] + torch.arange(context + 1)]  # (batch, context + 1), one gather
     return window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 

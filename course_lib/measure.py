@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -26,6 +28,22 @@ from .timing import StepTimer, median_excluding, synchronize, time_fn  # noqa: F
 
 GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
+
+
+def available_cpu_memory() -> int | None:
+    """Bytes this machine can still give a process before the kernel's out-of-memory killer ends it (Linux's
+    MemAvailable, or less under a container's limit, cgroup v2's memory.max); None where it cannot be read (not Linux).
+    A CPU allocation past it is not an error Python could catch: the process is killed, the notebook's kernel dies."""
+    try:
+        meminfo = Path("/proc/meminfo").read_text()
+        available = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
+    except (OSError, AttributeError, ValueError):
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    return available
 
 
 def mib_text(n_bytes: int | None, digits: int = 2) -> str:

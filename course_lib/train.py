@@ -103,6 +103,7 @@ class Trainer:
     ):
         self.caps = caps_mod.capabilities(cfg.device)
         self.caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
+        check_cpu_memory(cfg)
         # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
         # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
         # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
@@ -319,16 +320,37 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
+def check_cpu_memory(cfg: TrainConfig) -> None:
+    """On a CPU, a MemoryError (an out-of-memory the callers report as "oom") before anything is allocated, where the
+    memory formula (memory_estimate, notebook 02) puts a step's peak above what this machine has free: past that, Linux
+    kills the process rather than fail an allocation, and the result and the notebook's kernel would be lost with it."""
+    if torch.device(cfg.device).type != "cpu" or (free := measure.available_cpu_memory()) is None:
+        return
+    from . import memory_estimate
+
+    try:
+        need = memory_estimate.estimate(cfg).peak_bytes
+    except Exception:  # noqa: BLE001 - a config the formula does not model: the allocator is left to say
+        return
+    if need > free:
+        raise MemoryError(
+            f"a step needs about {need / measure.GiB:,.1f} GiB (notebook 02's formula), {free / measure.GiB:,.1f} GiB "
+            "are free here: not started (the system would kill the process); lower batch_size or context, or add "
+            "grad_accum_steps"
+        )
+
+
 def out_of_memory(e: BaseException) -> BaseException | None:
     """The out-of-memory error in `e`'s chain (compile may wrap it), or None. CUDA raises torch.OutOfMemoryError; a
     CPU's allocator a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory" on Linux and macOS, "...: not
-    enough memory" on Windows), and Python its MemoryError."""
+    enough memory" on Windows, "std::bad_alloc" from C++ code), and Python its MemoryError (check_cpu_memory's too)."""
     return next(
         (
             x
             for x in _chain(e)
             if isinstance(x, (torch.OutOfMemoryError, MemoryError))
             or (isinstance(x, RuntimeError) and "DefaultCPUAllocator" in str(x) and "memory" in str(x))
+            or (isinstance(x, RuntimeError) and "std::bad_alloc" in str(x))  # C++'s, under a ulimit
         ),
         None,
     )

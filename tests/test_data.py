@@ -62,6 +62,9 @@ def test_batches_are_shifted_by_one():
     assert x.shape == y.shape == (4, 16)
     assert torch.equal(x[:, 1:], y[:, :-1])
     assert torch.equal(y, x + 1)
+    # one gather, the same windows as slicing each start (and no Python list of batch_size views)
+    starts = torch.randint(0, 1000 - 16 - 1, (4,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, torch.stack([stream[s : s + 16] for s in starts.tolist()]))
 
 
 def test_splits_are_disjoint_and_cover_the_stream():

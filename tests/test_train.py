@@ -1,4 +1,5 @@
 import statistics
+import sys
 
 import pytest
 import torch
@@ -100,10 +101,11 @@ OUT_OF_MEMORY = [
         "20976640000 bytes. Error code 12 (Cannot allocate memory)"
     ),
     RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 20976640000 bytes."),
+    RuntimeError("std::bad_alloc"),  # C++ code's (a batch of 10^7 windows under `ulimit -v 6000000`, torch 2.13)
 ]
 
 
-@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["gpu-allocator", "cpu-linux", "cpu-windows"])
+@pytest.mark.parametrize("error", OUT_OF_MEMORY, ids=["gpu-allocator", "cpu-linux", "cpu-windows", "cpp-bad-alloc"])
 def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, splits, tiny, error):
     def boom(*a, **k):
         raise error
@@ -111,6 +113,32 @@ def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, spli
     monkeypatch.setattr(train_mod, "train", boom)
     r = train_mod.run(tiny(), "too big")
     assert r.status == "oom" and "out of memory" in r.reason and not r.ok
+
+
+def test_a_cpu_step_past_the_free_memory_is_an_oom_row_before_anything_is_allocated(monkeypatch, tiny):
+    """Past the free memory Linux kills the process (the kernel's OOM killer) instead of failing an allocation: the
+    result and the notebook's kernel would be lost. The memory formula's peak is checked first."""
+    from course_lib import measure, memory_estimate
+
+    monkeypatch.setattr(measure, "available_cpu_memory", lambda: 2 * measure.GiB)
+    big = tiny(batch_size=10**6)
+    assert memory_estimate.estimate(big).peak_bytes > 2 * measure.GiB
+    r = train_mod.run(big, "too big")
+    assert r.status == "oom" and "GiB are free here: not started" in r.reason and "lower batch_size" in r.reason
+    assert r.step_times == []  # refused before its first step
+    assert train_mod.run(tiny(), "fits").ok  # and the next run goes on
+    monkeypatch.setattr(measure, "available_cpu_memory", lambda: None)  # not Linux: the allocator is left to say
+    train_mod.check_cpu_memory(big)
+
+
+def test_the_free_memory_is_read_from_linux_and_its_container_limit():
+    from course_lib import measure
+
+    free = measure.available_cpu_memory()
+    if sys.platform == "linux":
+        assert free is not None and 0 < free < 2**50
+    else:
+        assert free is None
 
 
 def test_another_runtime_error_is_not_taken_for_out_of_memory(monkeypatch, tiny):
