@@ -230,12 +230,13 @@ def chosen_config(args) -> C.TrainConfig:
         base = C.preset(args.preset or "cpu", args.device)
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
-    options = {}
+    options, settings = {}, {}
     for name, technique, value in parsed_settings(args.set):
         if args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
             options[technique.name] = value
         else:
-            base = export.with_setting(base, name, value)
+            settings[name] = value
+    base = export.with_settings(base, settings)  # in any order: context=128 may come before model.block_size=128
     ladder.check_options(base, options)  # a value its technique refuses: an error, not a value dropped
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung", one=True)[0] if by_index else args.rung  # or a name rung_config checks
@@ -655,10 +656,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bpe)
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return status
     except KeyboardInterrupt:  # (the ladder catches its own, to save the rungs measured): one line, not a traceback
         print(f"\ninterrupted: {args.command} stopped before it finished; nothing was written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the output piped to a reader that stopped early (`| head`): nothing to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
+        return 141
 
 
 if __name__ == "__main__":

@@ -374,7 +374,7 @@ class TrainConfig:
         _check(
             self.context <= self.model.block_size,
             f"context={self.context} is longer than the model's block_size={self.model.block_size}: "
-            "shorten the context or raise ModelConfig.block_size",
+            "shorten the context or raise the model's block_size (model.block_size; `--set model.block_size=N`)",
         )
         _check(
             self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1,

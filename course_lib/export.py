@@ -549,9 +549,21 @@ def _settings_text(settings: dict) -> str:
 
 
 def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
-    """cfg with each of `settings` {name: value} set (with_setting's names)."""
-    for name, value in settings.items():
-        cfg = with_setting(cfg, name, value)
+    """cfg with each of `settings` {name: value} set (with_setting's names), in whatever order they are given: every
+    config on the way is checked whole, so a setting that only holds with a later one (context=128 before
+    model.block_size=128, grad_accum_steps=3 before batch_size=6) waits for it. A setting that never holds raises the
+    error it gave."""
+    waiting = dict(settings)
+    while waiting:
+        errors = {}
+        for name, value in waiting.items():
+            try:
+                cfg = with_setting(cfg, name, value)
+            except ConfigError as e:
+                errors[name] = e
+        if len(errors) == len(waiting):  # no setting went in on this pass: none will on the next
+            raise next(iter(errors.values()))
+        waiting = {name: waiting[name] for name in errors}
     return cfg
 
 

@@ -127,6 +127,23 @@ def test_an_existing_file_is_kept_unless_forced(tmp_path, capsys):
     assert cli(["profile", "--preset", "tiny", "--trace", str(out)]) == 2 and out.read_text() == "mine"
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["context=128", "model.block_size=128"],
+        ["grad_accum_steps=3", "batch_size=6"],
+        ["model.n_head=3", "model.n_embd=48"],
+    ],
+)
+def test_settings_that_hold_together_are_taken_in_any_order(settings, capsys):
+    for order in (settings, settings[::-1]):
+        assert cli(["config", "--preset", "tiny", *(x for s in order for x in ("--set", s))]) == 0, order
+        out = capsys.readouterr().out
+        assert all(s.split("=")[1] in out for s in settings), out
+    assert cli(["config", "--preset", "tiny", "--set", "context=128"]) == 2  # alone it still does not hold
+    assert "--set model.block_size=N" in capsys.readouterr().err
+
+
 def test_a_device_a_link_or_a_dash_is_refused_even_when_forced(tmp_path, capsys):
     """A file is written beside its path and moved over it: --force would replace /dev/null (as root) or a link with a
     plain file. '-' is standard output to export, and no file name to the others."""
@@ -203,6 +220,22 @@ def test_ctrl_c_in_any_command_is_one_line_and_exit_130(capsys, monkeypatch):
     assert cli(["doctor", "--quick"]) == 130
     err = capsys.readouterr().err
     assert "interrupted: doctor stopped before it finished" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("unbuffered", ["1", ""])
+def test_output_piped_to_a_reader_that_stops_early_is_no_traceback(unbuffered):
+    """`| head`: the reader goes before the output is all written. `true` reads nothing and is gone long before the
+    command's first line (torch takes a second to import), so every write meets a closed pipe."""
+    import subprocess
+    import sys
+
+    piped = subprocess.run(
+        ["bash", "-c", f"{sys.executable} -m course_lib config --preset tiny | true; echo $" + "{PIPESTATUS[0]}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": unbuffered},
+    )
+    assert piped.stdout.strip() == "141" and piped.stderr == "", piped.stderr
 
 
 def test_an_interrupted_forced_climb_leaves_the_earlier_file_whole(tmp_path, capsys, monkeypatch):
