@@ -30,13 +30,16 @@ def cmd_ladder(args) -> int:
     import torch
 
     from .capabilities import capabilities
-    from .ladder import baseline_failure, check_options, enough_steps, ladder_table, run_ladder, verdict
+    from .ladder import baseline_failure, check_climb_options, enough_steps, ladder_table, run_ladder, verdict
     from .results import check_writable, provenance, save_results
 
     try:
         if args.threads is not None:
-            if args.threads < 1:
-                raise C.ConfigError(f"--threads takes a number of CPU threads >= 1, got {args.threads}")
+            if not 1 <= args.threads <= (os.cpu_count() or 1):
+                raise C.ConfigError(
+                    f"--threads takes a number of CPU threads from 1 to this machine's {os.cpu_count()}, got "
+                    f"{args.threads}"
+                )
             torch.set_num_threads(args.threads)
         base = C.preset(args.preset, args.device)
         if args.steps is not None:
@@ -50,7 +53,7 @@ def cmd_ladder(args) -> int:
         options = {technique.name: value for _, technique, value in parsed_settings(args.set, techniques_only=True)}
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         T.check_ladder_arguments(options, leave_out)
-        check_options(base, options)  # a value its technique refuses, said before the banner (run_ladder asks again)
+        check_climb_options(base, options)  # a value its technique refuses, said before the banner (run_ladder again)
         out = check_writable(args.json) if args.json is not None else None
         if out is not None and out.exists() and not args.force:
             raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")
@@ -164,6 +167,8 @@ def _rung_names(indices: str, flag: str, one: bool = False) -> list[str]:
         raise ValueError(
             f"{flag} takes {what} 0..{len(T.LADDER) - 1}{'' if one else ' separated by commas'}, got {indices!r}"
         ) from None
+    if len(set(picked)) < len(picked):
+        raise ValueError(f"{flag} {indices}: a rung is named twice; name each once")
     return [T.LADDER[i].name for i in picked]
 
 

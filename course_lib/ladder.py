@@ -255,6 +255,19 @@ def check_options(base: C.TrainConfig, options: dict[str, object] | None) -> Non
         T.TECHNIQUE[name].set(T.naive(base), value)
 
 
+def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) -> None:
+    """check_options, and for a climb, a ConfigError for an option that makes its rung change nothing (compile=False
+    would measure naive against itself; a config at --rung may turn a technique off that way, a climb may not)."""
+    check_options(base, options)
+    naive = T.naive(base)
+    for name, value in (options or {}).items():
+        if T.TECHNIQUE[name].set(naive, value) == naive:
+            raise C.ConfigError(
+                f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "
+                "with --leave-out instead"
+            )
+
+
 def run_ladder(
     base: C.TrainConfig,
     steps: int | None = None,
@@ -277,7 +290,7 @@ def run_ladder(
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
     T.check_ladder_arguments(options, leave_out)
-    check_options(base, options)
+    check_climb_options(base, options)
     names = [r.name for r in T.LADDER]
     if unknown := [n for n in rungs or [] if n not in names]:
         raise C.ConfigError(

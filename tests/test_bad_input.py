@@ -24,8 +24,13 @@ NO_CUDA = not torch.cuda.is_available()
 
 CLI = [
     (["ladder", "--preset", "tiny", "--leave-out", "0"], "baseline every rung is measured against"),
-    (["ladder", "--preset", "tiny", "--threads", "0"], "--threads takes a number of CPU threads >= 1"),
-    (["ladder", "--preset", "tiny", "--threads", "-4"], "--threads takes a number of CPU threads >= 1"),
+    (["ladder", "--preset", "tiny", "--threads", "0"], "--threads takes a number of CPU threads from 1 to"),
+    (["ladder", "--preset", "tiny", "--threads", "-4"], "--threads takes a number of CPU threads from 1 to"),
+    (["ladder", "--preset", "tiny", "--threads", "100000"], "--threads takes a number of CPU threads from 1 to"),
+    (["ladder", "--preset", "tiny", "--rungs", "0,0"], "a rung is named twice"),
+    (["ladder", "--preset", "tiny", "--leave-out", "4", "--set", "compile=true"], "and that rung is left out"),
+    (["ladder", "--preset", "tiny", "--set", "compile=false"], "the rung would change nothing"),
+    (["ladder", "--preset", "tiny", "--set", "precision=fp32"], "the rung would change nothing"),
     (
         ["ladder", "--preset", "tiny", "--set", "activation_checkpointing=sometimes"],
         "is not one of 'none', 'selective', 'full'",

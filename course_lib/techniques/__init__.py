@@ -127,6 +127,12 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
         raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
     if LADDER[0].name in (leave_out or {}):
         raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
+    for name in options or {}:
+        rungs = [r.name for r in LADDER if r.technique is not None and r.technique.name == name]
+        if rungs and all(r in (leave_out or {}) for r in rungs):
+            raise ConfigError(
+                f"--set {name}=... changes what the {rungs[-1]!r} rung sets, and that rung is left out: drop one of them"
+            )
 
 
 def rung_option(rung: Rung, options: dict | None):
