@@ -131,7 +131,7 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
         rungs = [r.name for r in LADDER if r.technique is not None and r.technique.name == name]
         if rungs and all(r in (leave_out or {}) for r in rungs):
             raise ConfigError(
-                f"--set {name}=... changes what the {rungs[-1]!r} rung sets, and that rung is left out: drop one of them"
+                f"--set {name}=... changes what the {rungs[-1]!r} rung sets, and that rung is left out: drop one"
             )
 
 
