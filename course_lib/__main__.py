@@ -520,14 +520,14 @@ def cmd_bpe(args) -> int:
 def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     """The arguments `chosen_config` reads."""
     p.add_argument("--preset", default=None, choices=list(C.PRESETS), help="the model and batch (default: cpu)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help=steps)
     p.add_argument(
         "--set",
         action="append",
         metavar="FIELD=VALUE",
         help="change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
-        "TrainConfig field (grad_accum_steps=4, data_parallel=ddp) or model.<field>; repeatable",
+        "TrainConfig field (grad_accum_steps=4, clip_norm=1.0) or model.<field>; repeatable",
     )
     p.add_argument(
         "--rung",
@@ -567,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog=_rungs_and_presets(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS))
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS), help="the model and batch (default: cpu)")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
     p.add_argument("--rungs", default=None, help="only these rungs, by index (0 = naive fp32), e.g. 0,2,3")
     p.add_argument(
@@ -643,10 +643,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.set_defaults(func=cmd_profile)
     p = sub.add_parser("info", help="what this machine supports")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("doctor", help="exercise every device-specific path on this device: pass / fail / n/a")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
     p.add_argument("--json", default=None, help="also write the table as JSON here")
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")

@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import numbers
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -105,10 +106,17 @@ def _check_types(obj) -> None:
         value = getattr(obj, name)
         if not _conforms(value, hint):
             close = did_you_mean(value, typing.get_args(hint)) if typing.get_origin(hint) is Literal else ""
+            # a number of another library's type (numpy.int64 from an array) is not the Python number the field holds
+            kind = type(value)
+            foreign = (
+                f" (this one is a {kind.__module__}.{kind.__name__}: convert it with int() or float())"
+                if isinstance(value, numbers.Number) and kind.__module__ != "builtins"
+                else ""
+            )
             raise ConfigError(
                 f"{name}={value!r} is not {_describe(hint)}{close}"
                 if typing.get_origin(hint) is Literal
-                else f"{name}={value!r}: {name} takes {_describe(hint)}"
+                else f"{name}={value!r}: {name} takes {_describe(hint)}{foreign}"
             )
 
 
@@ -443,6 +451,10 @@ class TrainConfig:
         return cls(**d)
 
     def with_model(self, **changes) -> "TrainConfig":
+        """This config with the model's fields in `changes` changed; a name that is no field is a ConfigError."""
+        fields = [f.name for f in dataclasses.fields(ModelConfig)]
+        if unknown := [k for k in changes if k not in fields]:
+            raise ConfigError(f"{unknown[0]!r} is not a field of ModelConfig{did_you_mean(unknown[0], fields)}")
         return replace(self, model=replace(self.model, **changes))
 
     def by_section(self) -> dict[str, dict[str, object]]:

@@ -236,7 +236,8 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
     rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
     names = [r.name for r in T.LADDER]
     if rung not in names:
-        raise C.ConfigError(f"{rung!r} is not a rung of the ladder; the rungs are {', '.join(map(repr, names))}")
+        near = C.did_you_mean(rung, names) or C.did_you_mean(f"+ {str(rung).lstrip('+ ')}", names)  # 'compile'
+        raise C.ConfigError(f"{rung!r} is not a rung of the ladder{near}; the rungs are {', '.join(map(repr, names))}")
     try:
         capabilities(base.device)
         here = True

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -528,8 +529,17 @@ def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tup
     """The calculator: a config and a device's memory in GiB in; the predicted peak by category and a verdict out.
     Not included: the CUDA context (a few hundred MiB), the caching allocator's fragmentation, library workspaces;
     the margin is kept for them."""
+    check_device_gib(device_gib, margin)
     est = estimate(cfg)
     return est, est.verdict(device_gib, margin)
+
+
+def check_device_gib(device_gib, margin: float = 0.1) -> None:
+    """A ConfigError unless `device_gib` is a positive number of GiB and `margin` a fraction in [0, 1)."""
+    if isinstance(device_gib, bool) or not isinstance(device_gib, (int, float)) or not 0 < device_gib < math.inf:
+        raise ConfigError(f"device_gib={device_gib!r}: give the device's memory as a positive number of GiB, e.g. 80")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
 
 
 def calculator_config(
@@ -548,6 +558,7 @@ def calculator_config(
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
     """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not. The search goes
     up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit)."""
+    check_device_gib(device_gib, margin)
 
     def fits(bs: int) -> bool:
         return (
