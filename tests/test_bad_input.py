@@ -375,6 +375,8 @@ def test_panel_inputs(tiny):
     assert lr_panel.set(lr=3e-4).config().lr == pytest.approx(3e-4, rel=0.3)
     with pytest.raises(C.ConfigError, match="outside this control's range"):
         lr_panel.set(lr=1.0)
+    with pytest.raises(C.ConfigError, match="compile='yes': this control takes a bool, e.g. compile=False"):
+        widgets.Panel(base, controls=("compile",)).set(compile="yes")  # not traitlets' own error
 
 
 def test_start_from_another_network_follows_it(tiny):

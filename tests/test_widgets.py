@@ -107,6 +107,25 @@ def test_save_to_keeps_every_run_in_a_file(tmp_path, tiny):
     assert as_json(saved) == as_json(p.results)
 
 
+def test_a_save_that_fails_keeps_the_runs_and_says_so(tmp_path, tiny):
+    """The save_to folder gone (replaced by a file) while the notebook runs: the run is kept and the panel says where
+    its runs are; once the file can be written again they are all saved."""
+    from course_lib.results import load_results
+
+    folder = tmp_path / "runs"
+    p = widgets.Panel(tiny(), controls=("steps",), save_to=folder / "panel.json")
+    p.run()
+    (folder / "panel.json").unlink()
+    folder.rmdir()
+    folder.write_text("now a file")
+    second = p.run()
+    assert second.ok and len(p.results) == 2
+    assert "Not saved to" in p.status.value and "kept in this panel's .results" in p.status.value
+    p.save_to = tmp_path / "elsewhere.json"
+    p.run()
+    assert len(load_results(p.save_to)[0]) == 3 and "Not saved" not in p.status.value
+
+
 def test_save_to_never_replaces_an_earlier_file_and_says_where_it_writes(tmp_path, tiny):
     """A second session's panel with the same save_to writes beside the first one's file, and the panel says so."""
     from course_lib.results import load_results

@@ -15,6 +15,7 @@ import typing
 from typing import Callable, Sequence
 
 import ipywidgets as W
+import traitlets
 
 from .. import config as C, techniques as T
 from ..capabilities import capabilities
@@ -287,7 +288,11 @@ class Controls:
                     f"{k}={v!r} is not offered here: choose one of {', '.join(map(repr, shown))}"
                     f"{C.did_you_mean(v, shown)}"
                 )
-            w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
+            try:
+                w.value = ", ".join(map(str, v)) if isinstance(v, tuple) else v
+            except traitlets.TraitError:  # a value of the wrong kind (compile="yes" for a checkbox)
+                kind = type(w.value).__name__
+                raise C.ConfigError(f"{k}={v!r}: this control takes a {kind}, e.g. {k}={w.value!r}") from None
 
     def start_from(self, cfg: C.TrainConfig) -> None:
         """Every config control set to `cfg`'s value, and `cfg` the base that runs are named against (another network

@@ -94,6 +94,7 @@ class Panel:
         self.inputs = Controls(base or C.cpu_preset(), controls, extras=extras)
         self.controls, self.extras, self.reasons = self.inputs.widgets, self.inputs.extras, self.inputs.reasons
         self.save_to, self.save_note = _file_of_its_own(save_to) if save_to else (None, "")
+        self.unsaved = ""  # why the last save failed, shown with every run until one succeeds
         self.queue = RunQueue(runner, on_start=self._started, on_step=self._stepped, on_result=self._kept)
         self.runner = self.queue.runner
         self.figure = FigureView(plots)
@@ -207,7 +208,7 @@ class Panel:
             f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.reason})" if result.reason else "")
             if result.ok
             else f"<b>{result.label}</b>: {result.status.upper()} {result.reason}"
-        )
+        ) + (f"<br><span style='color:#c44e52'>{self.unsaved}</span>" if self.unsaved else "")
         return result
 
     def _started(self, cfg: C.TrainConfig, label: str) -> None:
@@ -222,7 +223,14 @@ class Panel:
         if self.progress.description == "running":  # a run ended (an invalid config never started one)
             self.progress.description = "done" if result.ok else result.status
         if self.save_to:
-            save_results(self.results, self.save_to)
+            try:
+                save_results(self.results, self.save_to)
+                self.unsaved = ""
+            except OSError as e:  # the folder removed, a full disk: the runs are still here, and the learner is told
+                self.unsaved = (
+                    f"Not saved to {self.save_to} ({e.strerror or e}): the {len(self.results)} runs are kept in "
+                    "this panel's .results; set .save_to to another file to save them there"
+                )
         self.redraw()
 
     def _safe_run(self) -> None:
