@@ -8,8 +8,8 @@ both alike. The rung's factor is the median of the paired ratios, and its spread
 What is kept (`judge`):
 - a speed technique (TF32, 16-bit autocast, compile, vocabulary padding, fused AdamW) where it made the step faster by
   more than the noise. Where the machine measured its own noise (on a CPU, the TF32 rung is the same step timed
-  against itself), a factor no further from 1 than that noise is timed again in a second window of pairs, and stands
-  only if both windows agree (`second_window`);
+  against itself, `same_step_noise`), a factor within twice that noise is timed again in a second window of pairs,
+  and stands only if both windows agree (`second_window`);
 - a memory technique (set_to_none, checkpointing, the chunked loss) where it made the peak smaller; what it cost in
   time is reported;
 - SDPA, which aims at both, where it helped one without hurting the other.
@@ -26,6 +26,7 @@ every rung the device can run is kept, whatever it measured, for comparison.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -91,20 +92,28 @@ def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
 
 
 def same_step_noise(results: list[RunResult]) -> float | None:
-    """How far apart this machine timed one step against itself, as a factor >= 1 (1.19 for a median ratio of 1.19x
-    or of 1/1.19x), from the rungs that run the same computation as the loop before them (TF32 on a CPU); None where no
-    such rung ran, or where it measured less than MIN_SPEED_CHANGE (the threshold already covers it)."""
-    factors = [r.ladder["same_step_factor"] for r in results if (r.ladder or {}).get("same_step_factor")]
-    noise = max((max(f, 1 / f) for f in factors), default=None)
-    return noise if noise and noise > 1 + MIN_SPEED_CHANGE else None
+    """How far apart this machine timed one step against itself, as a factor >= 1, from the rungs that run the same
+    computation as the loop before them (TF32 on a CPU): the larger of their median's distance from 1 and half their
+    interquartile range (1.19 for 1.19x (1.09-1.22); 1.05 for 0.95x (0.94-1.04)), and at least 1 + MIN_SPEED_CHANGE.
+    None where no such rung ran: nothing here measured the noise."""
+    spreads = [
+        max(abs(math.log(lad["same_step_factor"])), math.log(lad["factor_iqr"][1] / lad["factor_iqr"][0]) / 2)
+        for lad in (r.ladder or {} for r in results)
+        if lad.get("same_step_factor")
+    ]
+    return max(math.exp(max(spreads)), 1 + MIN_SPEED_CHANGE) if spreads else None
+
+
+NOISE_MULTIPLE = 2  # one window of the same step against itself says only roughly how wide the noise is: twice it
 
 
 def within_noise(speed: SpeedChange, noise: float | None) -> bool:
-    """Whether a verdict of faster or slower rests on a factor no further from 1 than the same step measured against
-    itself on this machine (`same_step_noise`): one window of pairs cannot tell it from noise."""
+    """Whether a verdict of faster or slower rests on a factor within NOISE_MULTIPLE times (on a log scale) what the
+    same step measured against itself on this machine (`same_step_noise`): one window of pairs cannot tell it from
+    noise."""
     if noise is None or speed.verdict not in (FASTER, SLOWER):
         return False
-    return max(speed.factor, 1 / speed.factor) <= noise
+    return abs(math.log(speed.factor)) <= NOISE_MULTIPLE * math.log(noise)
 
 
 def second_window(first: SpeedChange, pairs: list[tuple[float, float]], more: list[tuple[float, float]]) -> SpeedChange:
@@ -558,17 +567,17 @@ def _judged(
                 f"  {first.factor:.2f}x is within this machine's noise (a step measured {noise:.2f}x apart from "
                 f"itself): {len(pairs)} more paired steps"
             )
-        try:
-            more = [(best.trainer.step(), trainer.step()) for _ in range(len(pairs))]
+        more, failed = _paired(best.trainer, trainer, len(pairs))
+        if failed:  # one window cannot tell it from noise, and the second could not be taken
+            speed = dataclasses.replace(first, verdict=NO_CHANGE)
+            window = f"{first.factor:.2f}x, not confirmed: {failed} in a second window of paired steps"
+        else:
             speed = second_window(first, pairs, more)
             window = (
                 f"{first.factor:.2f}x, then {speed_change(more).factor:.2f}x in a second window of paired steps: "
                 + ("they agree" if speed.verdict == first.verdict else "they disagree")
-                + f"; this machine measured a step {noise:.2f}x apart from itself"
             )
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory with both loops held: the first window's verdict stands
-            more, window = [], f"no second window ({type(e).__name__}); within this machine's noise ({noise:.2f}x)"
-            free_memory()
+        window += f"; this machine measured a step up to {noise:.2f}x apart from itself"
     memory = memory_change(result.peak_ratio(best.result))
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
@@ -577,13 +586,13 @@ def _judged(
         # A memory rung is kept only if the loop stays as fast as naive fp32. The product of the factors before it would
         # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive
         # directly, in as many pairs as against the best loop.
-        try:
-            vs_naive = [(naive_loop.trainer.step(), trainer.step()) for _ in range(len(pairs))]
+        vs_naive, failed = _paired(naive_loop.trainer, trainer, len(pairs))
+        if failed:  # e.g. out of memory with three loops' state held: say so, keep the product
+            note = (f"{note}; " if note else "") + (
+                f"timed against naive through the product of factors ({failed} when paired with naive)"
+            )
+        else:
             speedup = speed_change(vs_naive).factor
-        except Exception as e:  # noqa: BLE001 - e.g. out of memory with three loops' state held: say so, keep the product
-            vs_naive, note = [], f"{note}; " if note else ""
-            note += f"timed against naive through the product of factors ({type(e).__name__} when paired with naive)"
-            free_memory()
     kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
     if window:
         why += f" ({window})"
@@ -618,6 +627,18 @@ def _judged(
         "same_step_factor": speed.factor if same_step else None,
     }
     return _Loop(trainer, result, speedup) if kept else None
+
+
+def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, float]], str]:
+    """(n steps of two loops in alternation, (first_s, second_s) each, ""), or ([], the error's name) where a step
+    fails (out of memory with several loops' state held), the memory freed. A loop whose step failed half-way is kept:
+    the ladder only times it from then on, and a failure that recurs is caught where it pairs again (_measure)."""
+    try:
+        return [(first.step(), second.step()) for _ in range(n)], ""
+    except Exception as e:  # noqa: BLE001 - any failure of a timing step: the caller says what it means for the verdict
+        failed = type(e).__name__
+    free_memory()  # after the except block: the error's traceback, which holds the failed step's tensors, is gone
+    return [], failed
 
 
 def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Capabilities) -> RunResult:
@@ -657,9 +678,27 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         }
         return row
     n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
-    naive_loop.trainer.step()
-    best.trainer.step()  # untimed: a compiled loop compiles again after a later rung reset the compiler
-    pairs = [(naive_loop.trainer.step(), best.trainer.step()) for _ in range(n)]
+    # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
+    _, failed = _paired(naive_loop.trainer, best.trainer, 1)
+    pairs, failed = _paired(naive_loop.trainer, best.trainer, n) if not failed else ([], failed)
+    if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
+        row.step_times, row.excluded_steps = list(top.step_times), list(top.excluded_steps)
+        row.median_step_s, row.tokens_per_s, row.mfu, row.mfu_basis = (
+            top.median_step_s,
+            top.tokens_per_s,
+            top.mfu,
+            top.mfu_basis,
+        )
+        row.ladder = {
+            "kept": True,
+            "why": f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, the product "
+            "of the kept rungs' factors",
+            "vs": naive_r.label,
+            "speedup": best.speedup,
+            "kept_rungs": kept,
+            "memory_vs_naive": top.peak_ratio(naive_r),
+        }
+        return row
     speed = speed_change(pairs)
     row.step_times = [b for _, b in pairs]
     row.median_step_s = statistics.median(row.step_times)

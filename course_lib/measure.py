@@ -30,19 +30,23 @@ GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")
 
 
-def available_cpu_memory() -> int | None:
+def available_cpu_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
     """Bytes this machine can still give a process before the kernel's out-of-memory killer ends it (Linux's
     MemAvailable, or less under a container's limit, cgroup v2's memory.max); None where it cannot be read (not Linux).
     A CPU allocation past it is not an error Python could catch: the process is killed, the notebook's kernel dies."""
     try:
-        meminfo = Path("/proc/meminfo").read_text()
+        meminfo = (proc / "meminfo").read_text()
         available = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
     except (OSError, AttributeError, ValueError):
         return None
-    with contextlib.suppress(OSError, ValueError):
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            available = min(available, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+            # the container's use less the file cache the kernel drops before it kills anything
+            used = int((cgroup / "memory.current").read_text())
+            stat = (cgroup / "memory.stat").read_text()
+            used -= int(re.search(r"^inactive_file (\d+)$", stat, re.MULTILINE).group(1))
+            available = min(available, int(limit) - used)
     return available
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import os
 from typing import Callable
 
 import torch
@@ -103,7 +104,6 @@ class Trainer:
     ):
         self.caps = caps_mod.capabilities(cfg.device)
         self.caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
-        check_cpu_memory(cfg)
         # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
         # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
         # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
@@ -112,6 +112,8 @@ class Trainer:
             # (on a GPU an uncompiled run must not count them either)
             torch._dynamo.reset()
         free_memory()
+        if model is None and parts is None and batches is None:  # the course's GPT on cfg's batches, as the formula
+            check_cpu_memory(cfg)
         torch.manual_seed(cfg.seed)
         self.cfg, self.dev = cfg, torch.device(cfg.device)
         if splits is None and (batches is None or cfg.eval_every):
@@ -326,6 +328,7 @@ def check_cpu_memory(cfg: TrainConfig) -> None:
     kills the process rather than fail an allocation, and the result and the notebook's kernel would be lost with it."""
     if torch.device(cfg.device).type != "cpu" or (free := measure.available_cpu_memory()) is None:
         return
+    free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this machine share what is free
     from . import memory_estimate
 
     try:

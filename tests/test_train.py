@@ -127,14 +127,31 @@ def test_a_cpu_step_past_the_free_memory_is_an_oom_row_before_anything_is_alloca
     assert r.status == "oom" and "GiB are free here: not started" in r.reason and "lower batch_size" in r.reason
     assert r.step_times == []  # refused before its first step
     assert train_mod.run(tiny(), "fits").ok  # and the next run goes on
+    # a model of the learner's own (notebook 09), or pipeline stages' parts: the formula sizes the course's GPT only
+    from course_lib.model import GPT
+
+    train_mod.Trainer(big, model=GPT(big.model))
     monkeypatch.setattr(measure, "available_cpu_memory", lambda: None)  # not Linux: the allocator is left to say
     train_mod.check_cpu_memory(big)
 
 
-def test_the_free_memory_is_read_from_linux_and_its_container_limit():
+def test_the_free_memory_is_read_from_linux_and_its_container_limit(tmp_path):
     from course_lib import measure
 
-    free = measure.available_cpu_memory()
+    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir(), cgroup.mkdir()
+    (proc / "meminfo").write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert measure.available_cpu_memory(proc, cgroup) == 20000000 * 1024  # no container: what Linux says
+    (cgroup / "memory.max").write_text("max\n")
+    assert measure.available_cpu_memory(proc, cgroup) == 20000000 * 1024
+    # a container of 8 GiB holding 7 GiB, 2 GiB of it file cache the kernel drops first: 3 GiB are free
+    (cgroup / "memory.max").write_text(f"{8 * 2**30}\n")
+    (cgroup / "memory.current").write_text(f"{7 * 2**30}\n")
+    (cgroup / "memory.stat").write_text(f"anon {5 * 2**30}\ninactive_file {2 * 2**30}\nactive_file 0\n")
+    assert measure.available_cpu_memory(proc, cgroup) == 3 * 2**30
+    assert measure.available_cpu_memory(tmp_path / "nowhere", cgroup) is None  # not Linux
+
+    free = measure.available_cpu_memory()  # this machine's
     if sys.platform == "linux":
         assert free is not None and 0 < free < 2**50
     else:
