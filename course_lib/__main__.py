@@ -30,14 +30,23 @@ def cmd_ladder(args) -> int:
     import torch
 
     from .capabilities import capabilities
-    from .ladder import baseline_failure, check_climb_options, enough_steps, ladder_table, run_ladder, verdict
+    from .ladder import (
+        baseline_failure,
+        check_climb_options,
+        enough_steps,
+        ladder_table,
+        left_out as ladder_left_out,
+        run_ladder,
+        verdict,
+    )
     from .results import check_writable, provenance, save_results
 
     try:
         if args.threads is not None:
-            if not 1 <= args.threads <= (os.cpu_count() or 1):
+            usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            if not 1 <= args.threads <= usable:
                 raise C.ConfigError(
-                    f"--threads takes a number of CPU threads from 1 to this machine's {os.cpu_count()}, got "
+                    f"--threads takes a number of CPU threads from 1 to the {usable} this process may use, got "
                     f"{args.threads}"
                 )
             torch.set_num_threads(args.threads)
@@ -52,7 +61,7 @@ def cmd_ladder(args) -> int:
             raise C.ConfigError(f"{both[0]!r} is in --rungs and in --leave-out: name it in one of them")
         options = {technique.name: value for _, technique, value in parsed_settings(args.set, techniques_only=True)}
         leave_out = {name: "left out (--leave-out)" for name in left_out}
-        T.check_ladder_arguments(options, leave_out)
+        T.check_ladder_arguments(options, ladder_left_out(rungs, leave_out))  # --rungs leaves out the others
         check_climb_options(base, options)  # a value its technique refuses, said before the banner (run_ladder again)
         out = check_writable(args.json) if args.json is not None else None
         if out is not None and out.exists() and not args.force:
@@ -123,13 +132,18 @@ def cmd_ladder(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = written()
+        try:
+            where = written()
+        except OSError as e:  # not even the temporary folder: the table below is what is left
+            where = None
+            print(f"could not write the results anywhere ({e}): the table below has them", file=sys.stderr)
+        again = "with --force (it replaces the file only once the climb finishes) or another --json path"
         print(
             f"\ninterrupted: {len(saved)} rung(s) measured"
             + (f", saved in {where}" if where else "")
             + (f"; {out} is as it was" if replacing else "")
-            + ". Run the same command again to climb again (--force replaces a file only once the climb finishes); "
-            "--rungs measures some rungs only.",
+            + f". To climb again, run the same command {again if where or replacing else 'again'}; --rungs measures "
+            "some rungs only.",
             file=sys.stderr,
         )
         if saved:
@@ -665,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
         return status
     except KeyboardInterrupt:  # (the ladder catches its own, to save the rungs measured): one line, not a traceback
-        print(f"\ninterrupted: {args.command} stopped before it finished; nothing was written", file=sys.stderr)
+        print(f"\ninterrupted: {args.command} stopped before it finished", file=sys.stderr)
         return 130
     except BrokenPipeError:  # the output piped to a reader that stopped early (`| head`): nothing to say to it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again

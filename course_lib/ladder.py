@@ -272,10 +272,21 @@ def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) 
     naive = T.naive(base)
     for name, value in (options or {}).items():
         if T.TECHNIQUE[name].set(naive, value) == naive:
+            rung = T.option_rung(name)
             raise C.ConfigError(
                 f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "
-                "with --leave-out instead"
+                f"with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
             )
+
+
+def left_out(rungs: list[str] | None, leave_out: dict[str, str] | None) -> dict[str, str]:
+    """{rung: why} of the rungs a climb leaves out: those of `leave_out`, and where `rungs` names the rungs to measure,
+    every other one."""
+    out = dict(leave_out or {})
+    for rung in T.LADDER[1:] if rungs is not None else []:
+        if rung.name not in rungs:
+            out.setdefault(rung.name, "left out: not among the rungs asked for")
+    return out
 
 
 def run_ladder(
@@ -299,21 +310,17 @@ def run_ladder(
     after every rung (the command line saves them there, so an interrupted climb keeps what it measured)."""
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
-    T.check_ladder_arguments(options, leave_out)
-    check_climb_options(base, options)
     names = [r.name for r in T.LADDER]
     if unknown := [n for n in rungs or [] if n not in names]:
         raise C.ConfigError(
             f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}"
         )
+    leave_out = left_out(rungs, leave_out)
+    T.check_ladder_arguments(options, leave_out)
+    check_climb_options(base, options)
     base, raised = enough_steps(base)
     if raised and progress:
         progress(f"steps per rung {raised}")
-    leave_out = dict(leave_out or {})
-    if rungs is not None:
-        for rung in T.LADDER[1:]:
-            if rung.name not in rungs:
-                leave_out.setdefault(rung.name, "left out: not among the rungs asked for")
     caps = capabilities(base.device)
     refresh_peaks(caps)
     prov = provenance(caps.name)

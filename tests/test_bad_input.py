@@ -29,6 +29,8 @@ CLI = [
     (["ladder", "--preset", "tiny", "--threads", "100000"], "--threads takes a number of CPU threads from 1 to"),
     (["ladder", "--preset", "tiny", "--rungs", "0,0"], "a rung is named twice"),
     (["ladder", "--preset", "tiny", "--leave-out", "4", "--set", "compile=true"], "and that rung is left out"),
+    (["ladder", "--preset", "tiny", "--leave-out", "2", "--set", "precision=fp16"], "'+ 16-bit autocast' rung sets"),
+    (["ladder", "--preset", "tiny", "--rungs", "0,1", "--set", "compile=true"], "and that rung is left out"),
     (["ladder", "--preset", "tiny", "--set", "compile=false"], "the rung would change nothing"),
     (["ladder", "--preset", "tiny", "--set", "precision=fp32"], "the rung would change nothing"),
     (
@@ -172,28 +174,17 @@ def test_ctrl_c_during_a_ladder_keeps_the_rungs_measured(tmp_path, capsys, monke
     """The climb saves after every rung; an interrupt ends cleanly with exit 130, says what was saved and how to go
     on."""
     from course_lib import ladder as ladder_mod
-    from course_lib.results import RunResult, load_results, provenance
+    from course_lib.results import load_results
 
     def interrupted(base, on_result=None, **_):
-        done = [
-            RunResult(
-                "naive fp32",
-                "ok",
-                base.to_dict(),
-                provenance("test"),
-                tokens_per_s=1.0,
-                median_step_s=1.0,
-                ladder={"kept": True, "why": "the baseline"},
-            )
-        ]
-        on_result(done)
-        raise KeyboardInterrupt
+        return _one_rung_then(base, on_result, lambda done: (_ for _ in ()).throw(KeyboardInterrupt))
 
     monkeypatch.setattr(ladder_mod, "run_ladder", interrupted)
     out = tmp_path / "l.json"
     assert cli(["ladder", "--preset", "tiny", "--json", str(out)]) == 130
     err = capsys.readouterr().err
     assert "interrupted: 1 rung(s) measured, saved in" in err and "Traceback" not in err
+    assert "run the same command with --force" in err  # the file it saved in now exists
     results, meta = load_results(out)
     assert [r.label for r in results] == ["naive fp32"] and meta["preset"] == "tiny"
 

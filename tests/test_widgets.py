@@ -121,9 +121,13 @@ def test_a_save_that_fails_keeps_the_runs_and_says_so(tmp_path, tiny):
     second = p.run()
     assert second.ok and len(p.results) == 2
     assert "Not saved to" in p.status.value and "kept in this panel's .results" in p.status.value
-    p.save_to = tmp_path / "elsewhere.json"
+    earlier = tmp_path / "elsewhere.json"
+    earlier.write_text("an earlier session's runs")
+    saved = p.save_runs(earlier)  # at once, and beside a file already there, never over it
+    assert saved == tmp_path / "elsewhere-2.json" and len(load_results(saved)[0]) == 2
+    assert earlier.read_text() == "an earlier session's runs"
     p.run()
-    assert len(load_results(p.save_to)[0]) == 3 and "Not saved" not in p.status.value
+    assert len(load_results(saved)[0]) == 3 and "Not saved" not in p.status.value
 
 
 def test_save_to_never_replaces_an_earlier_file_and_says_where_it_writes(tmp_path, tiny):

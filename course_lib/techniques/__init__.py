@@ -128,17 +128,21 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
     if LADDER[0].name in (leave_out or {}):
         raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
     for name in options or {}:
-        rungs = [r.name for r in LADDER if r.technique is not None and r.technique.name == name]
-        if rungs and all(r in (leave_out or {}) for r in rungs):
-            raise ConfigError(
-                f"--set {name}=... changes what the {rungs[-1]!r} rung sets, and that rung is left out: drop one"
-            )
+        rung = option_rung(name)
+        if rung is not None and rung.name in (leave_out or {}):
+            raise ConfigError(f"--set {name}=... changes what the {rung.name!r} rung sets, and that rung is left out")
+
+
+def option_rung(technique: str) -> Rung | None:
+    """The rung an option {technique: value} changes: that technique's last rung (precision=fp16: the 16-bit rung's
+    format, not TF32's), or None for a technique of no rung."""
+    return next((r for r in reversed(LADDER) if r.technique is not None and r.technique.name == technique), None)
 
 
 def rung_option(rung: Rung, options: dict | None):
     """What `options` {technique: value} make `rung` set instead of its own value, or None. An option replaces what its
     technique's last rung sets (precision=fp16: the 16-bit rung's format, not TF32's)."""
-    last = rung.technique is not None and rung is [r for r in LADDER if r.technique is rung.technique][-1]
+    last = rung.technique is not None and rung is option_rung(rung.technique.name)
     return (options or {}).get(rung.technique.name) if last else None
 
 

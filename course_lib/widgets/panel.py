@@ -229,9 +229,18 @@ class Panel:
             except OSError as e:  # the folder removed, a full disk: the runs are still here, and the learner is told
                 self.unsaved = (
                     f"Not saved to {self.save_to} ({e.strerror or e}): the {len(self.results)} runs are kept in "
-                    "this panel's .results; set .save_to to another file to save them there"
+                    "this panel's .results; .save_runs('another.json') saves them, and every later run, there"
                 )
         self.redraw()
+
+    def save_runs(self, path: str | Path) -> Path:
+        """Save every run so far to `path` now, and each later run there too (as `save_to` does); a file already there
+        is kept, and the runs go beside it (`<name>-2.json`). Returns the file written."""
+        self.save_to, self.save_note = _file_of_its_own(path)
+        save_results(self.results, self.save_to)
+        self.unsaved = ""
+        self.status.value = self.save_note
+        return self.save_to
 
     def _safe_run(self) -> None:
         """The button's handler: never lets an exception kill the panel; the error is shown instead."""
