@@ -559,8 +559,8 @@ def _judged(
     progress=None,
 ) -> _Loop | None:
     """Fill in `result.ladder` (the verdict against `best`); the rung's loop when it is kept, else None. `noise`: how
-    far apart this machine timed a step and itself (same_step_noise): a speed verdict no further from 1 is timed again
-    in a second window of pairs, and stands only if both windows agree."""
+    far apart this machine timed a step and itself (same_step_noise): a speed verdict within it (within_noise) is timed
+    again in a second window of pairs, and stands only if both windows agree."""
     if not result.ok:
         result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
         return None
