@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from . import capabilities as caps_mod, data as data_mod, measure, techniques
+from . import capabilities as caps_mod, data as data_mod, measure, memory_formula, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
@@ -329,10 +329,8 @@ def check_cpu_memory(cfg: TrainConfig) -> None:
     if torch.device(cfg.device).type != "cpu" or (free := measure.available_cpu_memory()) is None:
         return
     free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this machine share what is free
-    from . import memory_estimate
-
     try:
-        need = memory_estimate.estimate(cfg).peak_bytes
+        need = memory_formula.estimate(cfg).peak_bytes
     except Exception:  # noqa: BLE001 - a config the formula does not model: the allocator is left to say
         return
     if need > free:

@@ -17,7 +17,7 @@ LAYERS = (
     ("model and data", "model data moe flash_attention"),
     (
         "measurement and techniques",
-        "measure techniques "
+        "measure memory_formula techniques "
         + " ".join(f"techniques.{p.stem}" for p in (PACKAGE / "techniques").glob("*.py") if p.stem != "__init__"),
     ),
     ("results", "results plots"),

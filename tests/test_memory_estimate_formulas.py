@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from course_lib import memory_estimate as M
-from course_lib.config import ModelConfig, gpt2_small_preset, tiny_preset
+from course_lib.config import ConfigError, ModelConfig, gpt2_small_preset, tiny_preset
 from course_lib.data import Splits
 from course_lib.measure import GiB
 from course_lib.model import GPT
@@ -193,7 +193,7 @@ def test_will_it_fit(tiny):
     assert M.estimate(replace(gpt2_small_preset("cpu"), batch_size=n)).verdict(24) == "fits"
     assert M.estimate(replace(gpt2_small_preset("cpu"), batch_size=n + 1)).verdict(24) != "fits"
     assert M.max_batch_that_fits(gpt2_small_preset("cpu"), device_gib=24) == n  # the default limit finds the same
-    with pytest.raises(M.ConfigError, match="every batch up to limit=4096 fits"):  # not 4096 as if it were the answer
+    with pytest.raises(ConfigError, match="every batch up to limit=4096 fits"):  # not 4096 as if it were the answer
         M.max_batch_that_fits(tiny(), device_gib=1e6)
 
 
