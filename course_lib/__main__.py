@@ -479,7 +479,7 @@ def cmd_doctor(args) -> int:
     print(report.table())
     if args.json:
         print(f"wrote {args.json}", file=sys.stderr)
-    return 1 if report.failed else 0
+    return 130 if report.interrupted else 1 if report.failed else 0
 
 
 def cmd_bpe(args) -> int:

@@ -43,6 +43,7 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
     capabilities: dict = field(default_factory=dict)
+    interrupted: str = ""  # the check Ctrl-C stopped, where one did: the report holds the checks before it
 
     @property
     def failed(self) -> list[Check]:
@@ -52,11 +53,13 @@ class DoctorReport:
         return next(c.status for c in self.checks if c.name == name)
 
     def table(self) -> str:
-        width = max(len(c.name) for c in self.checks)
+        width = max((len(c.name) for c in self.checks), default=0)
         lines = [f"doctor on {self.device}, torch {self.provenance.get('torch')}", ""]
         lines += [f"{c.name:<{width}}  {c.status.upper():<7}  {c.seconds:5.1f} s  {c.detail}" for c in self.checks]
         counts = {s: sum(c.status == s for c in self.checks) for s in (PASS, FAIL, NA, SKIPPED)}
         lines += ["", ", ".join(f"{n} {s}" for s, n in counts.items())]
+        if self.interrupted:
+            lines.append(f"interrupted (Ctrl-C) at {self.interrupted}: the checks after it did not run")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -361,6 +364,9 @@ def run_doctor(
             continue
         try:
             status, detail = PASS, fn()
+        except KeyboardInterrupt:  # the checks so far are a report too: kept, shown and written
+            report.interrupted = name
+            break
         except _NotApplicable as e:
             status, detail = NA, str(e)
         except Exception as e:  # noqa: BLE001 - a failing path is the doctor's finding, not its crash

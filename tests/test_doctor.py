@@ -47,6 +47,23 @@ def test_a_failing_path_is_reported_as_a_failure_not_a_crash(monkeypatch):
     assert [c.status for c in report.checks] == [FAIL] and "is broken" in report.checks[0].detail
 
 
+def test_ctrl_c_keeps_the_checks_that_ran_and_writes_them(tmp_path, capsys, monkeypatch):
+    import course_lib.doctor as D
+    from course_lib.__main__ import main as cli
+
+    def interrupted(caps):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "check_matmul_peak", interrupted)
+    out = tmp_path / "d.json"
+    assert cli(["doctor", "--quick", "--json", str(out)]) == 130
+    report = json.loads(out.read_text())
+    names = [c["name"] for c in report["checks"]]
+    assert report["interrupted"] == "matmul peak" and "memory report" in names and "matmul peak" not in names
+    printed = capsys.readouterr()
+    assert "interrupted (Ctrl-C) at matmul peak" in printed.out and "Traceback" not in printed.err
+
+
 def test_doctor_command_quick_says_what_it_left_out(tmp_path, capsys):
     # The command's own entry point, in this process (test_cli.py runs `python -m course_lib` as a learner types it).
     from course_lib.__main__ import main as cli
