@@ -19,8 +19,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from . import config as C, techniques as T
@@ -39,7 +37,7 @@ def cmd_ladder(args) -> int:
         run_ladder,
         verdict,
     )
-    from .results import check_writable, provenance, save_results
+    from .results import ResultsFile, check_writable, provenance
 
     try:
         if args.threads is not None:
@@ -85,38 +83,26 @@ def cmd_ladder(args) -> int:
         **provenance(caps.name),
         **({"cpu": caps.cpu.summary()} if caps.cpu else {}),
     )
+    # an earlier file (--force) is replaced only by a finished climb; a write that fails is said once, and the climb
+    # goes on
+    kept = ResultsFile(out, replace=True, fallback_name="ladder", **meta) if out is not None else None
     saved: list = []
-    # An earlier file (--force) is replaced only by a finished climb: until then the rungs go to a file beside it, so an
-    # interrupted climb never leaves a complete earlier one half-overwritten.
-    replacing = out is not None and out.exists()
-    climbing = out.with_name(f"{out.stem}.in-progress{out.suffix}") if replacing else out
-    unwritten: list[OSError] = []
 
     def save(results) -> None:
-        """After every rung. A write that fails (the folder removed, a full disk) is said once and the climb goes on:
-        what it measures is written at the end, elsewhere if need be."""
         saved[:] = results
-        if out is None:
-            return
-        try:
-            save_results(results, climbing, **meta)
-            unwritten.clear()
-        except OSError as e:
-            if not unwritten:
-                print(f"warning: could not write {climbing} ({e}); climbing on", file=sys.stderr)
-            unwritten[:] = [e]
+        if kept is not None:
+            failing = kept.error
+            kept.save(results)
+            if kept.error and not failing:
+                print(f"warning: could not write {kept.writing} ({kept.error}); climbing on", file=sys.stderr)
 
-    def written() -> Path | None:
-        """Where the climb's results are, once it has ended: `out`, or a file in the temporary folder where `out`
-        cannot be written."""
-        if out is None or not saved:
+    def written(complete: bool) -> Path | None:
+        if kept is None:
             return None
-        if unwritten:
-            fallback = Path(tempfile.gettempdir()) / f"ladder-{time.strftime('%Y%m%d-%H%M%S')}.json"
-            save_results(saved, fallback, **meta)
-            print(f"could not write {climbing} ({unwritten[0]}): the results are in {fallback}", file=sys.stderr)
-            return fallback
-        return climbing
+        error, where = kept.error, kept.finish(complete)
+        if error is not None and where is not None:
+            print(f"could not write {kept.writing} ({error}): the results are in {where}", file=sys.stderr)
+        return where
 
     try:
         results = run_ladder(
@@ -133,7 +119,7 @@ def cmd_ladder(args) -> int:
         return 2
     except KeyboardInterrupt:
         try:
-            where = written()
+            where = written(complete=False)
         except OSError as e:  # not even the temporary folder: the table below is what is left
             where = None
             print(f"could not write the results anywhere ({e}): the table below has them", file=sys.stderr)
@@ -141,18 +127,15 @@ def cmd_ladder(args) -> int:
         print(
             f"\ninterrupted: {len(saved)} rung(s) measured"
             + (f", saved in {where}" if where else "")
-            + (f"; {out} is as it was" if replacing else "")
-            + f". To climb again, run the same command {again if where or replacing else 'again'}; --rungs measures "
+            + (f"; {out} is as it was" if kept and kept.replacing else "")
+            + f". To climb again, run the same command {again if where or kept else 'again'}; --rungs measures "
             "some rungs only.",
             file=sys.stderr,
         )
         if saved:
             print(ladder_table(saved))
         return 130
-    where = written()
-    if where is not None and where == climbing and replacing:
-        os.replace(climbing, out)  # the finished climb replaces the earlier file in one step
-        where = out
+    where = written(complete=True)
     print(ladder_table(results))
     print()
     print(verdict(results))

@@ -61,6 +61,16 @@ def _field_types(cls) -> dict[str, object]:
     return typing.get_type_hints(cls)
 
 
+def _check_fields(names, cls) -> None:
+    """A ConfigError naming the closest field where one of `names` (a dict's keys) is no field of dataclass `cls`."""
+    fields = _field_types(cls)
+    if unknown := [k for k in names if k not in fields]:
+        raise ConfigError(
+            f"{cls.__name__} has no field {unknown[0]!r}{did_you_mean(unknown[0], fields)}; its fields: "
+            f"{', '.join(fields)}"
+        )
+
+
 def _conforms(value, hint) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is bool:
@@ -437,24 +447,15 @@ class TrainConfig:
                 "a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; "
                 f"got {type(d).__name__}"
             )
-        for obj, names, where in (
-            (d, _field_types(cls), "TrainConfig"),
-            (d.get("model", {}), _field_types(ModelConfig), "ModelConfig"),
-        ):
-            if unknown := [k for k in obj if k not in names]:
-                raise ConfigError(
-                    f"{where} has no field {unknown[0]!r}{did_you_mean(unknown[0], names)}; "
-                    f"its fields: {', '.join(names)}"
-                )
+        _check_fields(d, cls)
+        _check_fields(d.get("model", {}), ModelConfig)
         d = dict(d)
         d["model"] = ModelConfig(**d.get("model", {}))
         return cls(**d)
 
     def with_model(self, **changes) -> "TrainConfig":
         """This config with the model's fields in `changes` changed; a name that is no field is a ConfigError."""
-        fields = [f.name for f in dataclasses.fields(ModelConfig)]
-        if unknown := [k for k in changes if k not in fields]:
-            raise ConfigError(f"{unknown[0]!r} is not a field of ModelConfig{did_you_mean(unknown[0], fields)}")
+        _check_fields(changes, ModelConfig)
         return replace(self, model=replace(self.model, **changes))
 
     def by_section(self) -> dict[str, dict[str, object]]:

@@ -158,6 +158,44 @@ def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
     return path
 
 
+class ResultsFile:
+    """A results file kept current while runs are measured (a climb's --json, a panel's save_to). `save` writes every
+    result so far in one step (save_results); a write that fails is kept in `error`, not raised, so the runs go on and
+    the caller can say so. With `replace`, an existing file is not touched until `finish`: the results go to a file
+    beside it, so an unfinished set never takes the place of a whole one."""
+
+    def __init__(self, path: Path, replace: bool = False, fallback_name: str = "results", **meta):
+        self.path, self.meta, self.fallback_name = Path(path), meta, fallback_name
+        self.replacing = replace and self.path.exists()
+        self.writing = (
+            self.path.with_name(f"{self.path.stem}.in-progress{self.path.suffix}") if self.replacing else self.path
+        )
+        self.results: list[RunResult] = []
+        self.error: OSError | None = None  # why the last save failed; None once one succeeds
+
+    def save(self, results: list[RunResult]) -> None:
+        self.results = list(results)
+        try:
+            save_results(self.results, self.writing, **self.meta)
+            self.error = None
+        except OSError as e:
+            self.error = e
+
+    def finish(self, complete: bool) -> Path | None:
+        """Where the results are now that the runs have ended (None where there were none): the file, which a complete
+        set now replaces an earlier one with, or, where it could not be written, a new file in the temporary folder."""
+        if not self.results:
+            return None
+        if self.error is not None:
+            fallback = Path(tempfile.gettempdir()) / f"{self.fallback_name}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+            save_results(self.results, fallback, **self.meta)
+            return fallback
+        if complete and self.replacing:
+            os.replace(self.writing, self.path)  # in one step
+            return self.path
+        return self.writing
+
+
 def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
     payload = json.loads(Path(path).read_text())
     if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):

@@ -324,8 +324,8 @@ def _chain(e: BaseException):
 
 def check_cpu_memory(cfg: TrainConfig) -> None:
     """On a CPU, a MemoryError (an out-of-memory the callers report as "oom") before anything is allocated, where the
-    memory formula (memory_estimate, notebook 02) puts a step's peak above what this machine has free: past that, Linux
-    kills the process rather than fail an allocation, and the result and the notebook's kernel would be lost with it."""
+    memory formula (memory_formula.estimate, notebook 02) puts a step's peak above what this machine has free: past
+    that, Linux kills the process rather than fail an allocation, and the result and the notebook's kernel with it."""
     if torch.device(cfg.device).type != "cpu" or (free := measure.available_cpu_memory()) is None:
         return
     free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this machine share what is free

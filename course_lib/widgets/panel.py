@@ -41,7 +41,7 @@ from IPython.display import display
 from .. import config as C, techniques as T
 from ..measure import device_name
 from ..plots import PlotSpec
-from ..results import RunResult, check_writable, save_results
+from ..results import ResultsFile, RunResult, check_writable
 from .controls import ALL_CONTROLS, Controls
 from .export_box import ExportBox
 from .figure import FigureView
@@ -94,7 +94,7 @@ class Panel:
         self.inputs = Controls(base or C.cpu_preset(), controls, extras=extras)
         self.controls, self.extras, self.reasons = self.inputs.widgets, self.inputs.extras, self.inputs.reasons
         self.save_to, self.save_note = _file_of_its_own(save_to) if save_to else (None, "")
-        self.unsaved = ""  # why the last save failed, shown with every run until one succeeds
+        self._file = ResultsFile(self.save_to) if self.save_to else None
         self.queue = RunQueue(runner, on_start=self._started, on_step=self._stepped, on_result=self._kept)
         self.runner = self.queue.runner
         self.figure = FigureView(plots)
@@ -222,23 +222,29 @@ class Panel:
         """A result is in `results` (the queue put it there first: nothing here can lose it): saved and drawn."""
         if self.progress.description == "running":  # a run ended (an invalid config never started one)
             self.progress.description = "done" if result.ok else result.status
-        if self.save_to:
-            try:
-                save_results(self.results, self.save_to)
-                self.unsaved = ""
-            except OSError as e:  # the folder removed, a full disk: the runs are still here, and the learner is told
-                self.unsaved = (
-                    f"Not saved to {self.save_to} ({e.strerror or e}): the {len(self.results)} runs are kept in "
-                    "this panel's .results; .save_runs('another.json') saves them, and every later run, there"
-                )
+        if self._file is not None:
+            self._file.save(self.results)  # a failed write (the folder removed) is kept and shown: the runs go on
         self.redraw()
+
+    @property
+    def unsaved(self) -> str:
+        """Why the last save failed, shown with every run until one succeeds; "" when it did not."""
+        e = self._file.error if self._file is not None else None
+        if e is None:
+            return ""
+        return (
+            f"Not saved to {self.save_to} ({e.strerror or e}): the {len(self.results)} runs are kept in this panel's "
+            ".results; .save_runs('another.json') saves them, and every later run, there"
+        )
 
     def save_runs(self, path: str | Path) -> Path:
         """Save every run so far to `path` now, and each later run there too (as `save_to` does); a file already there
         is kept, and the runs go beside it (`<name>-2.json`). Returns the file written."""
         self.save_to, self.save_note = _file_of_its_own(path)
-        save_results(self.results, self.save_to)
-        self.unsaved = ""
+        self._file = ResultsFile(self.save_to)
+        self._file.save(self.results)
+        if self._file.error is not None:  # asked for by name: said as an error
+            raise self._file.error
         self.status.value = self.save_note
         return self.save_to
 
