@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import cpu_allocator
 from .cache import cache_dir, write_atomic
 from .config import PRECISION_DTYPES, PRECISIONS, ConfigError, TrainConfig, check_device
 from .tf32 import matmul_precision
@@ -503,6 +504,12 @@ class Capabilities:
             out["compile=True"] = self.compile.note
         if not self.fused_adamw.ok:
             out["fused_adamw=True"] = self.fused_adamw.note
+        if self.type != "cpu":
+            out["keep_freed_memory=True"] = (
+                "nothing to do on a GPU: PyTorch's caching allocator already keeps freed GPU memory for reuse"
+            )
+        elif cpu_allocator.unavailable():
+            out["keep_freed_memory=True"] = cpu_allocator.unavailable()
         return out
 
     def problems(self, cfg: TrainConfig) -> list[str]:

@@ -291,6 +291,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "batch": ("batch_size", "grad_accum_steps", "context"),
     "precision": ("precision", "loss_scale_init", "loss_scale_growth_interval"),
     "speed and memory": (
+        "keep_freed_memory",
         "compile",
         "compile_mode",
         "fused_adamw",
@@ -341,6 +342,7 @@ class TrainConfig:
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 2000
     # -- speed and memory: the other techniques, each off in the naive loop
+    keep_freed_memory: bool = False  # techniques.keep_freed_memory: a CPU step reuses freed memory (glibc)
     compile: bool = False  # techniques.torch_compile
     compile_mode: CompileMode = "default"
     fused_adamw: bool = False  # techniques.fused_adamw

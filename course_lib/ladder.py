@@ -416,8 +416,17 @@ def _climb(
 ) -> tuple[RunResult, _Loop]:
     """One rung on top of `best`: measured in pairs with it and judged. (Its result, the best loop after it.) The loop
     that loses goes: a rung not kept drops its model and optimizer here, before the next rung builds its own."""
-    result, trainer, pairs = _measure(cfg, label, best, progress, give_up=not fixed and rung.aims == (T.SPEED,))
+    # A rung that switches the process's own setting (keep freed memory) runs its steps back to back, as it would
+    # alone, and is paired with the best loop afterwards, two steps at a time (_paired).
+    alone = T.process_wide_differs(best.cfg, cfg)
+    result, trainer, pairs = _measure(
+        cfg, label, None if alone else best, progress, give_up=not fixed and rung.aims == (T.SPEED,)
+    )
     result.reason = result.reason or rung.what_changed
+    if alone and result.ok:
+        pairs, failed = _paired(best.trainer, trainer, len(result.step_times) - len(result.excluded_steps))
+        if failed:
+            result.stopped_early = f"not timed against the best loop so far: {failed} when paired with it"
     loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed, noise, progress)
     if loop is None:
         return result, best
@@ -640,8 +649,17 @@ def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, 
     """(n steps of two loops in alternation, (first_s, second_s) each, ""), or ([], the error's name) where a step
     fails (out of memory with several loops' state held), the memory freed. A loop whose step failed half-way is kept:
     the ladder only times it from then on, and a failure that recurs is caught where it pairs again (_measure)."""
+    # loops that differ in the process's own setting (keep freed memory) each take a step after a switch untimed: the
+    # first step under it still pays for what the other loop's step left (pages handed back, to map again)
+    settle = T.process_wide_differs(first.cfg, second.cfg)
+
+    def timed(loop: Trainer) -> float:
+        if settle:
+            loop.step()
+        return loop.step()
+
     try:
-        return [(first.step(), second.step()) for _ in range(n)], ""
+        return [(timed(first), timed(second)) for _ in range(n)], ""
     except Exception as e:  # noqa: BLE001 - any failure of a timing step: the caller says what it means for the verdict
         failed = type(e).__name__
     free_memory()  # after the except block: the error's traceback, which holds the failed step's tensors, is gone

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from . import capabilities as caps_mod, data as data_mod, measure, memory_formula, techniques
+from . import capabilities as caps_mod, cpu_allocator, data as data_mod, measure, memory_formula, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
@@ -312,6 +312,7 @@ def train(
 
 def free_memory() -> None:
     gc.collect()
+    cpu_allocator.give_back()  # what a run that kept freed memory (techniques.keep_freed_memory) still holds
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -12,7 +12,7 @@ PACKAGE = Path(course_lib.__file__).parent
 
 # Bottom to top. A module may import from its own layer or those below; a new module must be placed here.
 LAYERS = (
-    ("base", "cache timing tf32 bpe budget config codegen distributed distributed.zero_memory"),
+    ("base", "cache timing tf32 cpu_allocator bpe budget config codegen distributed distributed.zero_memory"),
     ("device", "capabilities"),
     ("model and data", "model data moe flash_attention"),
     (

@@ -24,6 +24,7 @@ from . import (
     fused_adamw,
     fused_attention,
     grad_accumulation,
+    keep_freed_memory,
     lr_schedule,
     mixed_precision,
     optimizer,
@@ -61,6 +62,7 @@ from .model_parts import ModelParts  # noqa: F401
 from .optimizer import make_optimizer, optimizer_for, param_groups  # noqa: F401
 
 TECHNIQUES: tuple[Technique, ...] = (
+    keep_freed_memory.TECHNIQUE,
     mixed_precision.TECHNIQUE,
     fused_attention.TECHNIQUE,
     torch_compile.TECHNIQUE,
@@ -81,6 +83,7 @@ def technique_named(name: str) -> Technique | None:
 
 
 BUILD_ORDER: tuple[Technique | Setting, ...] = (
+    keep_freed_memory.TECHNIQUE,
     activation_checkpointing.TECHNIQUE,
     data_parallel.SETTING,
     fused_attention.TECHNIQUE,
@@ -117,6 +120,12 @@ def naive(cfg: TrainConfig) -> TrainConfig:
     for t in TECHNIQUES:
         cfg = t.set(cfg, t.off)
     return cfg
+
+
+def process_wide_differs(a: TrainConfig, b: TrainConfig) -> bool:
+    """Whether two configs differ in a technique that is the process's (Technique.process_wide): their loops, timed in
+    alternation, must each take a step after a switch before one is timed."""
+    return any(t.process_wide and t.value(a) != t.value(b) for t in TECHNIQUES)
 
 
 def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:

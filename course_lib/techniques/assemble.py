@@ -5,7 +5,8 @@ one fixed order (as torchtitan's parallelize.py applies its own):
      hooks its parameters and gives the step its last sync),
   3. the model and its loss become one module (LossModule), optionally with the loss in chunks,
   4. torch.compile wraps that module (it then traces through the checkpointed blocks and the loss),
-  5. the optimizer (fused or not), its schedule, autocast and the GradScaler, and the clipping.
+  5. the optimizer (fused or not), its schedule, autocast and the GradScaler, and the clipping,
+  6. on a CPU, the start of each step sets the process's allocator (keep freed memory or not).
 The optimizer always holds the original parameters. A technique that is off becomes a no-op object (nullcontext, a
 disabled GradScaler, a clipper that does nothing), so the loop in course_lib.train has one code path.
 
@@ -24,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..config import TrainConfig
-from . import activation_checkpointing, data_parallel, torch_compile
+from . import activation_checkpointing, data_parallel, keep_freed_memory, torch_compile
 from .chunked_loss import LossModule
 from .clipping import _no_clip, make_clipper
 from .declaration import nothing_to_do
@@ -96,6 +97,7 @@ def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -
     loss_module = LossModule(loss_model, cfg.loss_chunks, parts)  # 3
     loss_fn, begin_step = torch_compile.apply(cfg, loss_module)  # 4
     optimizer = make_optimizer(cfg, model)  # 5: the original parameters, whatever wraps the model
+    begin_step = keep_freed_memory.apply(cfg, begin_step)  # 6: each step sets the process's allocator first
     return Setup(
         model=model,
         loss_module=loss_module,

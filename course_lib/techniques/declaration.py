@@ -52,6 +52,9 @@ class Technique:
     # enters the estimate at its own place in the step), or None, and then `memory_note` says why it has none.
     memory_term: Callable | None = None
     memory_note: str = ""
+    # What it switches is the process's, not the loop's (the C library's allocator): a step of one loop leaves it set
+    # for the next, so two loops that differ in it are timed two steps at a time, the first after a switch untimed.
+    process_wide: bool = False
 
     @property
     def name(self) -> str:
