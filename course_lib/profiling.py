@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
+from . import cpu_allocator
 from .config import ConfigError, TrainConfig
 from .results import RunResult, gflops_text
 from .timing import time_fn
@@ -35,6 +37,8 @@ class Profile:
     prof: torch.profiler.profile
     active: list[int]  # the steps recorded
     device: str  # "cuda" or "cpu": whose time the summary counts
+    # the process's minor page faults in each recorded step (cpu_allocator.page_faults), where the system counts them
+    page_faults: list[int] | None = None
 
     @property
     def active_wall_s(self) -> float:
@@ -76,8 +80,10 @@ def profile_run(
         profile(activities=activities, schedule=when, record_shapes=True) as prof,
         _named_cpu_kernels(cfg) if name_kernels else contextlib.nullcontext(),
     ):
+        faults = [cpu_allocator.page_faults()]  # after each step (the first: before any)
 
         def after(step: int, _r) -> None:
+            faults.append(cpu_allocator.page_faults())
             with _without_profiler_chatter():
                 prof.step()
             if progress:
@@ -86,7 +92,9 @@ def profile_run(
         result = trainer.fit("profiled", callback=after)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    return Profile(result, prof, list(range(warmup, warmup + active)), "cuda" if on_cuda else "cpu")
+    recorded = list(range(warmup, warmup + active))
+    per_step = [faults[i + 1] - faults[i] for i in recorded] if None not in faults else None
+    return Profile(result, prof, recorded, "cuda" if on_cuda else "cpu", per_step)
 
 
 PROFILER_CHATTER = ("USDT:", "STAGE:")  # how the lines Kineto writes when recording starts and stops begin
@@ -195,8 +203,21 @@ def summary(p: Profile, rows: int = 20) -> str:
     )
     return (
         f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}\n"
-        f"Where a step's time goes (the operators' own time per step, by kind):\n{kinds}"
+        f"Where a step's time goes (the operators' own time per step, by kind):\n{kinds}" + _page_fault_text(p)
     )
+
+
+def _page_fault_text(p: Profile) -> str:
+    """A CPU step's page faults: memory the kernel mapped and zeroed at first touch, time no operator's row shows."""
+    if not p.page_faults:
+        return ""
+    kept = p.result.config.get("keep_freed_memory")
+    why = (
+        "freed memory is kept (keep_freed_memory): what is left is new memory, the profiler's among it"
+        if kept
+        else "freed memory goes back to the kernel and each step maps it again: --set keep_freed_memory=true keeps it"
+    )
+    return f"\nPage faults: {statistics.median(p.page_faults):,.0f} a step, the profiler on ({why})"
 
 
 # ---- the kernel floor ----------------------------------------------------------------------------------------------

@@ -42,6 +42,10 @@ def test_a_cpu_profile_says_where_a_steps_time_goes_by_kind(tiny):
         assert kinds[kind] > 0, kinds
     assert "torch.compile's generated kernels" not in kinds  # nothing is compiled
     assert "Where a step's time goes" in profiling.summary(p)
+    # the page faults of each recorded step, where the system counts them, and what to do about them
+    if p.page_faults is not None:
+        assert len(p.page_faults) == 2 and min(p.page_faults) >= 0
+        assert "Page faults: " in profiling.summary(p) and "keep_freed_memory=true" in profiling.summary(p)
 
 
 @pytest.mark.skipif(
@@ -213,7 +217,7 @@ def footer_seconds(table: str, label: str) -> float:
 def test_profile_command_and_its_errors(capsys, tmp_path):
     trace = tmp_path / "not yet" / "trace.json"  # a folder that does not exist yet is made
     assert (
-        cli(["profile", "--preset", "tiny", "--rung", "3", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
+        cli(["profile", "--preset", "tiny", "--rung", "4", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
     )
     out = capsys.readouterr().out
     assert "1 recorded after 2 warm-up" in out and "precision bf16" in out and "attention sdpa" in out
