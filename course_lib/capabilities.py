@@ -504,12 +504,8 @@ class Capabilities:
             out["compile=True"] = self.compile.note
         if not self.fused_adamw.ok:
             out["fused_adamw=True"] = self.fused_adamw.note
-        if self.type != "cpu":
-            out["keep_freed_memory=True"] = (
-                "nothing to do on a GPU: PyTorch's caching allocator already keeps freed GPU memory for reuse"
-            )
-        elif cpu_allocator.unavailable():
-            out["keep_freed_memory=True"] = cpu_allocator.unavailable()
+        if why := cpu_allocator.unavailable(self.type):
+            out["keep_freed_memory=True"] = why
         return out
 
     def problems(self, cfg: TrainConfig) -> list[str]:

@@ -3,60 +3,80 @@
 PyTorch keeps no cache of CPU memory (on a GPU its caching allocator does): a CPU tensor's bytes come from the C
 library's malloc and go back with free. glibc's malloc gives a block larger than its mmap threshold a mapping of its
 own, unmapped again at free, and it hands the top of its heap back to the kernel once more than its trim threshold
-lies free there. Both thresholds start at 128 KiB and rise with what a program frees, up to 32 and 64 MiB. A training
-step's activations are such blocks: each step gets them back as fresh pages, and the kernel zeroes every 4 KiB page at
-its first touch (a minor page fault). `keep_freed(True)` raises both thresholds past any tensor the course makes, so a
-step reuses the memory the step before it freed.
+lies free there. Both thresholds start at 128 KiB; glibc's own rule raises them to the largest mapped block a program
+has freed, at most 32 and 64 MiB. So a step's blocks above 32 MiB (the cpu preset's 64 MiB logits and their gradient),
+and what its frees leave at the heap's top, go back to the kernel, and the next step gets them as fresh pages that the
+kernel maps and zeroes at their first touch, one page fault per page (4 KiB, or 2 MiB where transparent huge pages
+back them). `keep_freed(True)` turns off both (mallopt: no block gets a mapping of its own, the heap is never trimmed),
+so a step reuses the memory the steps before it freed. The heap settles over a few steps (what else is allocated in
+between splits the freed blocks): on the Zen 3 the cpu preset's steps after the switch made 102,000, 33,000 and then 0
+page faults (2026-11-27).
 
-At the bottom of the package: the training loop sets it (course_lib.techniques), the notebooks count page faults.
+At the bottom of the package: the training loop sets it (course_lib.techniques), the notebooks and `profile` count page
+faults.
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
-import platform
+import os
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
-KEEP = 1 << 30  # both thresholds while freed memory is kept: 1 GiB, past any block the course's presets free
-# glibc's own rule moves each threshold up to the largest block a program has freed, at most these: where a training
-# loop's thresholds stand after its first steps. They are what "not kept" means once keep_freed(True) has been called,
-# since glibc's rule, once mallopt has set a threshold, stays off for the life of the process.
-GLIBC_MMAP_MAX, GLIBC_TRIM_MAX = 32 << 20, 64 << 20
+import torch
+
+# mallopt's parameters (malloc.h) and glibc's defaults for them
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+GLIBC_MMAP_MAX_COUNT = 65536  # M_MMAP_MAX's default: how many blocks may have mappings of their own
+# Where glibc's own rule takes the two thresholds at most. After a mallopt that rule stays off for the life of the
+# process, so once freed memory has been kept, "not kept" is these (for the cpu preset's naive step, whose largest
+# freed block of 32 MiB or less is 16 MiB, glibc's rule stops at 16 and 32 MiB: 81,000 page faults a step timed this
+# way against 82,000-86,000, on the Zen 3).
+GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD_MAX = 32 << 20, 64 << 20
+NEVER = -1  # M_TRIM_THRESHOLD -1: never trim the heap (man mallopt)
 
 _state = {"keep": None}  # None: never set in this process (glibc's own rule)
 
 
 @functools.lru_cache(maxsize=1)
 def _libc():
-    """glibc, or None where the C library is another (macOS, Windows, musl): mallopt's thresholds are glibc's."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    """glibc, or None where the C library is another (macOS, Windows, musl): mallopt's parameters are glibc's."""
+    try:
+        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+            return None
+    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or no such name (macOS, musl)
         return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return ctypes.CDLL("libc.so.6")
 
 
-def unavailable() -> str:
-    """Why freed memory cannot be kept here, or "" where it can."""
+def unavailable(device: str | torch.device = "cpu") -> str:
+    """Why freed memory cannot be kept for a run on `device`, or "" where it can: the one check the capabilities, the
+    loop, the exported script, `profile` and the notebooks ask."""
+    if torch.device(device).type != "cpu":
+        return "nothing to do on a GPU: PyTorch's caching allocator already keeps freed GPU memory for reuse"
     if _libc() is None:
         return (
-            f"the switch is glibc's malloc (Linux); this is {platform.system()} "
-            f"{platform.libc_ver()[0] or 'without glibc'}: a preloaded jemalloc or tcmalloc does the same"
+            "the switch is glibc's malloc (Linux), and this system's C library is another: a preloaded jemalloc or "
+            "tcmalloc keeps freed memory instead"
         )
     return ""
 
 
 def keep_freed(keep: bool) -> None:
-    """Keep freed memory in the process (True), or hand it back as glibc does by default (False). Process-wide: every
-    later allocation follows it, until changed. False where it was never set changes nothing."""
+    """Keep freed memory in the process (True), or hand it back as glibc does (False: its thresholds at the largest its
+    own rule reaches, and what the heap kept handed back now, so that a loop that does not keep freed memory never runs
+    on what one that did left). Process-wide: every later allocation follows it, until changed. False where it was never
+    set changes nothing. A no-op without glibc."""
     libc = _libc()
     if libc is None or _state["keep"] == keep or (not keep and _state["keep"] is None):
         return
-    mmap, trim = (KEEP, KEEP) if keep else (GLIBC_MMAP_MAX, GLIBC_TRIM_MAX)
-    if not (libc.mallopt(M_MMAP_THRESHOLD, mmap) and libc.mallopt(M_TRIM_THRESHOLD, trim)):
-        # a glibc older than 2.26 refuses a threshold above 32 MiB: the largest it takes
-        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_MAX)
-        libc.mallopt(M_TRIM_THRESHOLD, KEEP if keep else GLIBC_TRIM_MAX)
+    if keep:
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, NEVER)
+    else:
+        libc.mallopt(M_MMAP_MAX, GLIBC_MMAP_MAX_COUNT)
+        libc.mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX)
+        libc.mallopt(M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD_MAX)
+        libc.malloc_trim(0)
     _state["keep"] = keep
 
 

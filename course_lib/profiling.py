@@ -211,13 +211,15 @@ def _page_fault_text(p: Profile) -> str:
     """A CPU step's page faults: memory the kernel mapped and zeroed at first touch, time no operator's row shows."""
     if not p.page_faults:
         return ""
-    kept = p.result.config.get("keep_freed_memory")
-    why = (
-        "freed memory is kept (keep_freed_memory): what is left is new memory, the profiler's among it"
-        if kept
-        else "freed memory goes back to the kernel and each step maps it again: --set keep_freed_memory=true keeps it"
-    )
-    return f"\nPage faults: {statistics.median(p.page_faults):,.0f} a step, the profiler on ({why})"
+    if p.result.config.get("keep_freed_memory"):
+        why = " (freed memory is kept: what is left is new memory, the profiler's among it)"
+    elif not cpu_allocator.unavailable(p.device):
+        why = (
+            " (freed memory goes back to the kernel and each step maps it again: --set keep_freed_memory=true keeps it)"
+        )
+    else:
+        why = ""
+    return f"\nPage faults: {statistics.median(p.page_faults):,.0f} a step, the profiler on{why}"
 
 
 # ---- the kernel floor ----------------------------------------------------------------------------------------------

@@ -142,6 +142,7 @@ class Trainer:
         self.params = list(self.setup.model.parameters())  # what the optimizer updates (read again when fit() starts:
         # a caller may replace .setup before)
         self.step_index = 0  # the next step's index: what batches() is asked for
+        self.last_step_faults: int | None = None  # the last step's page faults (cpu_allocator.page_faults)
         self.result: RunResult | None = None  # the run being recorded, while fit() runs
 
     def _count_flops_per_token(self, x: torch.Tensor, y: torch.Tensor) -> int:
@@ -234,8 +235,11 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(dev)
         meter = self._ledger if recording and step == self._ledger_step else measure.NOT_MEASURED
         timer = self._timer if recording else measure.StepTimer(dev)
+        faults_before = cpu_allocator.page_faults()
         with techniques.matmul_precision(cfg.precision), timer.step():
             step_loss, norm, lr, scale_before = run_step(setup, cfg, self.params, micro, meter)
+        # the pages this step had the kernel map in (a CPU's memory handed back and fetched again: keep_freed_memory)
+        self.last_step_faults = None if faults_before is None else cpu_allocator.page_faults() - faults_before
         self.step_index += 1
         seconds = timer.times[-1]
         if not recording:

@@ -124,7 +124,7 @@ def naive(cfg: TrainConfig) -> TrainConfig:
 
 def process_wide_differs(a: TrainConfig, b: TrainConfig) -> bool:
     """Whether two configs differ in a technique that is the process's (Technique.process_wide): their loops, timed in
-    alternation, must each take a step after a switch before one is timed."""
+    alternation, must each take untimed steps after a switch before one is timed (ladder.SETTLE_STEPS)."""
     return any(t.process_wide and t.value(a) != t.value(b) for t in TECHNIQUES)
 
 

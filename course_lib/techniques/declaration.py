@@ -53,7 +53,7 @@ class Technique:
     memory_term: Callable | None = None
     memory_note: str = ""
     # What it switches is the process's, not the loop's (the C library's allocator): a step of one loop leaves it set
-    # for the next, so two loops that differ in it are timed two steps at a time, the first after a switch untimed.
+    # for the next, so two loops that differ in it each take untimed steps after a switch (ladder.SETTLE_STEPS).
     process_wide: bool = False
 
     @property
