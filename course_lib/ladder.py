@@ -43,10 +43,6 @@ MIN_MEMORY_CHANGE = 0.01  # the same for the peak (the CPU ledger is exact; CUDA
 MIN_PAIRS = 3  # fewer paired steps cannot tell a change from noise
 GIVE_UP_SLOWER = 1.5  # a speed rung this much slower in each of its first GIVE_UP_AFTER paired steps is stopped there
 GIVE_UP_AFTER = MIN_PAIRS  # enough pairs for a verdict
-# Untimed steps of each loop after a switch of the process's own setting (keeping freed memory), before its timed one:
-# the heap settles over a few steps. On the Zen 3 the cpu preset's steps after switching it on made 102,000, 33,000 and
-# then 0 page faults; timed after one step, the naive loop kept measured 1.26-1.31x, after two 1.41x (2026-11-27).
-SETTLE_STEPS = 2
 OPTIMISED = "= optimised here"  # the label of the last row: the loop this device ends with
 
 FASTER, SLOWER, NO_CHANGE, TOO_FEW = "faster", "slower", "no measurable change", "too few timed steps to tell"
@@ -420,18 +416,8 @@ def _climb(
 ) -> tuple[RunResult, _Loop]:
     """One rung on top of `best`: measured in pairs with it and judged. (Its result, the best loop after it.) The loop
     that loses goes: a rung not kept drops its model and optimizer here, before the next rung builds its own."""
-    # A rung that switches the process's own setting (keep freed memory) runs its steps back to back, as it would
-    # alone (so give-up, which reads pairs as they come, does not apply to it), and is paired with the best loop
-    # afterwards, each loop settling after every switch (paired, SETTLE_STEPS).
-    alone = T.process_wide_differs(best.cfg, cfg)
-    result, trainer, pairs = _measure(
-        cfg, label, None if alone else best, progress, give_up=not fixed and rung.aims == (T.SPEED,)
-    )
+    result, trainer, pairs = _measure(cfg, label, best, progress, give_up=not fixed and rung.aims == (T.SPEED,))
     result.reason = result.reason or rung.what_changed
-    if alone and result.ok:
-        pairs, failed = paired(best.trainer, trainer, len(result.step_times) - len(result.excluded_steps))
-        if failed:
-            result.stopped_early = f"not timed against the best loop so far: {failed} when paired with it"
     loop = _judged(result, trainer, pairs, rung, best, naive_loop, caps, fixed, noise, progress)
     if loop is None:
         return result, best
@@ -588,7 +574,7 @@ def _judged(
                 f"  {first.factor:.2f}x is within this machine's noise (a step measured {noise:.2f}x apart from "
                 f"itself): {len(pairs)} more paired steps"
             )
-        more, failed = paired(best.trainer, trainer, len(pairs))
+        more, failed = _paired(best.trainer, trainer, len(pairs))
         if failed:  # one window cannot tell it from noise, and the second could not be taken
             speed = dataclasses.replace(first, verdict=NO_CHANGE)
             window = f"{first.factor:.2f}x, not confirmed: {failed} in a second window of paired steps"
@@ -607,7 +593,7 @@ def _judged(
         # A memory rung is kept only if the loop stays as fast as naive fp32. The product of the factors before it would
         # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive
         # directly, in as many pairs as against the best loop.
-        vs_naive, failed = paired(naive_loop.trainer, trainer, len(pairs))
+        vs_naive, failed = _paired(naive_loop.trainer, trainer, len(pairs))
         if failed:  # e.g. out of memory with three loops' state held: say so, keep the product
             note = (f"{note}; " if note else "") + (
                 f"timed against naive through the product of factors ({failed} when paired with naive)"
@@ -650,28 +636,12 @@ def _judged(
     return _Loop(trainer, result, speedup) if kept else None
 
 
-def paired(
-    first: Trainer, second: Trainer, n: int, faults: list[tuple[int | None, int | None]] | None = None
-) -> tuple[list[tuple[float, float]], str]:
+def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, float]], str]:
     """(n steps of two loops in alternation, (first_s, second_s) each, ""), or ([], the error's name) where a step
     fails (out of memory with several loops' state held), the memory freed. A loop whose step failed half-way is kept:
-    the ladder only times it from then on, and a failure that recurs is caught where it pairs again (_measure).
-    Loops that differ in the process's own setting (keeping freed memory) each take SETTLE_STEPS untimed steps after a
-    switch first. `faults`, where given, gets the timed steps' page faults, (first's, second's) per pair."""
-    settle = SETTLE_STEPS if T.process_wide_differs(first.cfg, second.cfg) else 0
-
-    def timed(loop: Trainer) -> float:
-        for _ in range(settle):
-            loop.step()
-        return loop.step()
-
+    the ladder only times it from then on, and a failure that recurs is caught where it pairs again (_measure)."""
     try:
-        pairs = []
-        for _ in range(n):
-            pairs.append((timed(first), timed(second)))
-            if faults is not None:
-                faults.append((first.last_step_faults, second.last_step_faults))
-        return pairs, ""
+        return [(first.step(), second.step()) for _ in range(n)], ""
     except Exception as e:  # noqa: BLE001 - any failure of a timing step: the caller says what it means for the verdict
         failed = type(e).__name__
     free_memory()  # after the except block: the error's traceback, which holds the failed step's tensors, is gone
@@ -715,11 +685,9 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         }
         return row
     n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
-    # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler (where the loops
-    # differ in keeping freed memory, the steps that settle the heap after each switch do that)
-    rewarm = not T.process_wide_differs(naive_loop.cfg, best.cfg)
-    _, failed = paired(naive_loop.trainer, best.trainer, 1) if rewarm else ([], "")
-    pairs, failed = paired(naive_loop.trainer, best.trainer, n) if not failed else ([], failed)
+    # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
+    _, failed = _paired(naive_loop.trainer, best.trainer, 1)
+    pairs, failed = _paired(naive_loop.trainer, best.trainer, n) if not failed else ([], failed)
     if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
         row.step_times, row.excluded_steps = list(top.step_times), list(top.excluded_steps)
         row.median_step_s, row.tokens_per_s, row.mfu, row.mfu_basis = (

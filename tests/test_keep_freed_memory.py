@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from course_lib import capabilities as K, cpu_allocator, export, techniques as T
+from course_lib import capabilities as K, config as C, cpu_allocator, export, techniques as T
 from course_lib.config import TrainConfig, with_setting
+from course_lib.lessons import fresh_processes
 
 GLIBC = not cpu_allocator.unavailable()
 
@@ -79,8 +80,23 @@ def test_the_exported_script_keeps_freed_memory_on_a_cpu_with_glibc_only():
     assert "mallopt" not in export.script(dataclasses.replace(cpu, device="cuda"))  # nothing to do on a GPU
 
 
-def test_the_rung_comes_first_is_a_speed_rung_and_switches_the_process():
-    rung = T.LADDER[1]
-    assert rung.name == "+ keep freed memory" and rung.aims == (T.SPEED,) and rung.technique.process_wide
-    naive = T.naive(TrainConfig())
-    assert T.process_wide_differs(naive, rung.apply(naive)) and not T.process_wide_differs(naive, naive)
+def test_it_has_no_rung_and_a_climb_refuses_it_with_a_reason():
+    t = T.TECHNIQUE["keep_freed_memory"]
+    assert t.rungs == () and all(r.technique is not t for r in T.LADDER)
+    assert not T.naive(with_setting(TrainConfig(), "keep_freed_memory", True)).keep_freed_memory  # naive turns it off
+    with pytest.raises(C.ConfigError, match="no rung of the ladder"):
+        T.check_ladder_arguments({"keep_freed_memory": True}, None)
+
+
+@pytest.mark.skipif(not GLIBC, reason=f"no glibc here: {cpu_allocator.unavailable()}")
+def test_fresh_processes_time_each_setting_as_a_program_of_its_own(tiny, monkeypatch):
+    cfg = tiny(steps=100, measure_memory=False)
+    runs = fresh_processes.time_in_fresh_processes(
+        {"handed back": cfg, "kept": with_setting(cfg, "keep_freed_memory", True)}, steps=2, warmup=1, rounds=1
+    )
+    assert [len(r.steps) for r in runs.values()] == [2, 2]
+    assert all(s > 0 and f is not None and f >= 0 for r in runs.values() for s, f in r.steps)
+    assert runs["kept"].median_ms > 0 and runs["kept"].median_faults is not None
+    monkeypatch.setattr(fresh_processes, "_RUN", "raise SystemExit('no such loop')")
+    with pytest.raises(RuntimeError, match="'broken': its process failed: no such loop"):
+        fresh_processes.time_in_fresh_processes({"broken": cfg}, steps=1)

@@ -217,7 +217,7 @@ def footer_seconds(table: str, label: str) -> float:
 def test_profile_command_and_its_errors(capsys, tmp_path):
     trace = tmp_path / "not yet" / "trace.json"  # a folder that does not exist yet is made
     assert (
-        cli(["profile", "--preset", "tiny", "--rung", "4", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
+        cli(["profile", "--preset", "tiny", "--rung", "3", "--steps", "1", "--rows", "3", "--trace", str(trace)]) == 0
     )
     out = capsys.readouterr().out
     assert "1 recorded after 2 warm-up" in out and "precision bf16" in out and "attention sdpa" in out

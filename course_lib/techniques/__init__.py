@@ -62,7 +62,6 @@ from .model_parts import ModelParts  # noqa: F401
 from .optimizer import make_optimizer, optimizer_for, param_groups  # noqa: F401
 
 TECHNIQUES: tuple[Technique, ...] = (
-    keep_freed_memory.TECHNIQUE,
     mixed_precision.TECHNIQUE,
     fused_attention.TECHNIQUE,
     torch_compile.TECHNIQUE,
@@ -71,6 +70,7 @@ TECHNIQUES: tuple[Technique, ...] = (
     set_to_none.TECHNIQUE,
     chunked_loss.TECHNIQUE,
     activation_checkpointing.TECHNIQUE,
+    keep_freed_memory.TECHNIQUE,  # no rung: the process's setting (its module says why)
 )
 TECHNIQUE = {t.name: t for t in TECHNIQUES}
 
@@ -122,12 +122,6 @@ def naive(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-def process_wide_differs(a: TrainConfig, b: TrainConfig) -> bool:
-    """Whether two configs differ in a technique that is the process's (Technique.process_wide): their loops, timed in
-    alternation, must each take untimed steps after a switch before one is timed (ladder.SETTLE_STEPS)."""
-    return any(t.process_wide and t.value(a) != t.value(b) for t in TECHNIQUES)
-
-
 def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
     """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
     if unknown := [k for k in options or {} if k not in TECHNIQUE]:
@@ -138,7 +132,12 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
         raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
     for name in options or {}:
         rung = option_rung(name)
-        if rung is not None and rung.name in (leave_out or {}):
+        if rung is None:
+            raise ConfigError(
+                f"--set {name}=... is a technique with no rung of the ladder ({TECHNIQUE[name].no_rung}): the climb "
+                "cannot switch it on; run it with `profile` or `export`, or in a panel"
+            )
+        if rung.name in (leave_out or {}):
             raise ConfigError(f"--set {name}=... changes what the {rung.name!r} rung sets, and that rung is left out")
 
 

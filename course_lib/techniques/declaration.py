@@ -52,9 +52,9 @@ class Technique:
     # enters the estimate at its own place in the step), or None, and then `memory_note` says why it has none.
     memory_term: Callable | None = None
     memory_note: str = ""
-    # What it switches is the process's, not the loop's (the C library's allocator): a step of one loop leaves it set
-    # for the next, so two loops that differ in it each take untimed steps after a switch (ladder.SETTLE_STEPS).
-    process_wide: bool = False
+    no_rung: str = (
+        ""  # for a technique with no rung of the ladder: why (the ladder's refusal of a --set for it says it)
+    )
 
     @property
     def name(self) -> str:

@@ -1,11 +1,13 @@
-"""Keep freed memory in the process (a CPU's): a step reuses the memory the step before it freed, instead of the
-kernel mapping and zeroing fresh pages for every large activation (course_lib.cpu_allocator says why it happens).
-On a GPU, PyTorch's caching allocator already does this, so the technique is a CPU's only.
+"""Keep freed memory in the process (a CPU's): a step reuses the memory the steps before it freed, instead of the
+kernel mapping and zeroing fresh pages for its large tensors (course_lib.cpu_allocator says why it happens). On a GPU,
+PyTorch's caching allocator already does this, so the technique is a CPU's only.
 
-It is the process's setting, not the loop's: the loop sets it at the start of each step (`apply`), so that two loops
-timed in alternation each run under their own. Its effect shows only once the heap has settled, a few steps after a
-switch, so the ladder times such a pair with untimed steps after each switch (`Technique.process_wide`,
-course_lib.ladder.SETTLE_STEPS).
+It is the process's setting, not the loop's: the loop sets it at the start of each step (`apply`). So it has no rung
+of the ladder. The ladder times each rung step for step in alternation with the best loop in one process, and glibc
+cannot be given its own rule back once mallopt has been called: "not kept" after a switch is glibc's largest thresholds
+instead, and on the Zen 3 a naive step so timed inside a climb made 16,000-40,000 page faults and took 340-430 ms, where
+in a fresh process it makes about 84,000 and takes about 430 ms (2026-11-27): every pair with naive would flatter it.
+Notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes), where each setting is what a program gets.
 """
 
 from __future__ import annotations
@@ -64,14 +66,10 @@ TECHNIQUE = Technique(
     False,
     help="a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it",
     export=export,
-    rungs=(
-        (
-            "+ keep freed memory",
-            True,
-            "glibc's malloc keeps freed memory in the process: no page faults for a step's activations",
-        ),
-    ),
     aims=(SPEED,),
-    process_wide=True,
     memory_note="not in the estimate: the tensors are the same; the process holds its peak between steps",
+    no_rung=(
+        "it is the process's setting, and the ladder's paired steps share one process, where glibc's own rule cannot "
+        "be had back once it is changed; notebook 02 times it in fresh processes"
+    ),
 )
