@@ -233,8 +233,11 @@ def chosen_config(args) -> C.TrainConfig:
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
     options, settings = {}, {}
+    after = {}  # a technique with no rung (keep_freed_memory): set on the config the rung names, not the preset's
     for name, technique, value in parsed_settings(args.set):
-        if args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
+        if args.rung is not None and technique is not None and not technique.rungs:
+            after[name] = value
+        elif args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
             options[technique.name] = value
         else:
             settings[name] = value
@@ -242,7 +245,7 @@ def chosen_config(args) -> C.TrainConfig:
     ladder.check_options(base, options)  # a value its technique refuses: an error, not a value dropped
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung", one=True)[0] if by_index else args.rung  # or a name rung_config checks
-    return ladder.rung_config(base, rung, options) if rung is not None else base
+    return export.with_settings(ladder.rung_config(base, rung, options), after) if rung is not None else base
 
 
 def _new_file(path: str, force: bool, flag: str):

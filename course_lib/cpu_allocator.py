@@ -7,10 +7,10 @@ lies free there. Both thresholds start at 128 KiB; glibc's own rule raises them 
 has freed, at most 32 and 64 MiB. So a step's blocks above 32 MiB (the cpu preset's 64 MiB logits and their gradient),
 and what its frees leave at the heap's top, go back to the kernel, and the next step gets them as fresh pages that the
 kernel maps and zeroes at their first touch, one page fault per page (4 KiB, or 2 MiB where transparent huge pages
-back them). `keep_freed(True)` turns off both (mallopt: no block gets a mapping of its own, the heap is never trimmed),
-so a step reuses the memory the steps before it freed. The heap settles over a few steps (what else is allocated in
-between splits the freed blocks): on the Zen 3 the cpu preset's steps after the switch made 102,000, 33,000 and then 0
-page faults (2026-11-27).
+back them). `keep_freed(True)` turns off both (mallopt: no block of the main heap gets a mapping of its own, the heap is
+never trimmed; a thread's arena still maps a block too large for its heap), so a step reuses the memory the steps before
+it freed. The heap settles over a few steps (what else is allocated in between splits the freed blocks): on the Zen 3
+the cpu preset's steps after the switch made 102,000, 33,000 and then 0 page faults (2026-11-27, not shipped).
 
 At the bottom of the package: the training loop sets it (course_lib.techniques), the notebooks and `profile` count page
 faults.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
@@ -28,32 +27,39 @@ import torch
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
 GLIBC_MMAP_MAX_COUNT = 65536  # M_MMAP_MAX's default: how many blocks may have mappings of their own
 # Where glibc's own rule takes the two thresholds at most. After a mallopt that rule stays off for the life of the
-# process, so once freed memory has been kept, "not kept" is these (for the cpu preset's naive step, whose largest
-# freed block of 32 MiB or less is 16 MiB, glibc's rule stops at 16 and 32 MiB: 81,000 page faults a step timed this
-# way against 82,000-86,000, on the Zen 3).
+# process, so once freed memory has been kept, "not kept" is these: not what glibc's rule would have reached (for the
+# cpu preset's naive step, whose largest freed block of 32 MiB or less is 16 MiB, it stops at 16 and 32 MiB), which is
+# why the switch is timed in fresh processes (course_lib.lessons.fresh_processes), not step for step in one.
 GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD_MAX = 32 << 20, 64 << 20
 NEVER = -1  # M_TRIM_THRESHOLD -1: never trim the heap (man mallopt)
 
 _state = {"keep": None}  # None: never set in this process (glibc's own rule)
 
 
+# (the exported script has this function, rendered from here: techniques.keep_freed_memory.export)
+def is_glibc() -> bool:
+    """Whether this process's C library is glibc, whose mallopt keeps freed memory."""
+    import os
+
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or no such name (macOS, musl)
+        return False
+
+
 @functools.lru_cache(maxsize=1)
 def _libc():
-    """glibc, or None where the C library is another (macOS, Windows, musl): mallopt's parameters are glibc's."""
-    try:
-        if not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-            return None
-    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or no such name (macOS, musl)
-        return None
-    return ctypes.CDLL("libc.so.6")
+    """glibc, or None where the C library is another (macOS, Windows, musl)."""
+    return ctypes.CDLL("libc.so.6") if is_glibc() else None
 
 
-def unavailable(device: str | torch.device = "cpu") -> str:
+def unavailable(device: str | torch.device = "cpu", here: bool = True) -> str:
     """Why freed memory cannot be kept for a run on `device`, or "" where it can: the one check the capabilities, the
-    loop, the exported script, `profile` and the notebooks ask."""
+    loop, the exported script, `profile` and the notebooks ask. `here=False`: for a script that will run elsewhere,
+    only the device counts (the script checks its own C library)."""
     if torch.device(device).type != "cpu":
         return "nothing to do on a GPU: PyTorch's caching allocator already keeps freed GPU memory for reuse"
-    if _libc() is None:
+    if here and _libc() is None:
         return (
             "the switch is glibc's malloc (Linux), and this system's C library is another: a preloaded jemalloc or "
             "tcmalloc keeps freed memory instead"
@@ -62,10 +68,11 @@ def unavailable(device: str | torch.device = "cpu") -> str:
 
 
 def keep_freed(keep: bool) -> None:
-    """Keep freed memory in the process (True), or hand it back as glibc does (False: its thresholds at the largest its
-    own rule reaches, and what the heap kept handed back now, so that a loop that does not keep freed memory never runs
-    on what one that did left). Process-wide: every later allocation follows it, until changed. False where it was never
-    set changes nothing. A no-op without glibc."""
+    """Keep freed memory in the process (True), or stop keeping it (False: glibc's thresholds at the largest its own
+    rule reaches, and what the heap holds free handed back to the kernel now). Not glibc's own rule again: that cannot
+    be had back, and the heap's free blocks stay in it to be reused, so compare the two in fresh processes
+    (course_lib.lessons.fresh_processes). Process-wide: every later allocation follows it, until changed. False where
+    it was never set changes nothing. A no-op without glibc."""
     libc = _libc()
     if libc is None or _state["keep"] == keep or (not keep and _state["keep"] is None):
         return

@@ -80,10 +80,10 @@ def profile_run(
         profile(activities=activities, schedule=when, record_shapes=True) as prof,
         _named_cpu_kernels(cfg) if name_kernels else contextlib.nullcontext(),
     ):
-        faults = [cpu_allocator.page_faults()]  # after each step (the first: before any)
+        faults: dict[int, int | None] = {}  # each step's page faults (Trainer.last_step_faults)
 
         def after(step: int, _r) -> None:
-            faults.append(cpu_allocator.page_faults())
+            faults[step] = trainer.last_step_faults
             with _without_profiler_chatter():
                 prof.step()
             if progress:
@@ -93,7 +93,7 @@ def profile_run(
     if trace is not None:
         prof.export_chrome_trace(str(trace))
     recorded = list(range(warmup, warmup + active))
-    per_step = [faults[i + 1] - faults[i] for i in recorded] if None not in faults else None
+    per_step = [faults[i] for i in recorded if faults.get(i) is not None] or None  # (a run stopped early: fewer)
     return Profile(result, prof, recorded, "cuda" if on_cuda else "cpu", per_step)
 
 
@@ -213,7 +213,7 @@ def _page_fault_text(p: Profile) -> str:
         return ""
     if p.result.config.get("keep_freed_memory"):
         why = " (freed memory is kept: what is left is new memory, the profiler's among it)"
-    elif not cpu_allocator.unavailable(p.device):
+    elif not cpu_allocator.unavailable(p.device):  # where the switch exists
         why = (
             " (freed memory goes back to the kernel and each step maps it again: --set keep_freed_memory=true keeps it)"
         )

@@ -316,7 +316,7 @@ def train(
 
 def free_memory() -> None:
     gc.collect()
-    cpu_allocator.give_back()  # what a run that kept freed memory (techniques.keep_freed_memory) still holds
+    cpu_allocator.give_back()  # the heap's free memory to the kernel (all of it after a run that kept freed memory)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

@@ -53,9 +53,9 @@ def test_a_freed_block_is_reused_without_page_faults_only_while_freed_memory_is_
     assert min(got["default"]) >= 16, got
     # kept: the first rounds grow the heap (what else is allocated between them splits the freed block); then reused
     assert max(got["kept"][3:]) <= 8 and max(got["kept"][3:]) * 4 < min(got["default"]), got
-    # handed back (glibc's largest thresholds, what its own rule reaches, and the kept heap returned): every round
-    # faults again
-    assert min(got["handed_back"]) >= 16, got
+    # handed back: what the heap kept goes back to the kernel at the switch, so the next round maps it again (later
+    # rounds may reuse the heap's free blocks: glibc's own rule, which never put them there, cannot be had back)
+    assert got["handed_back"][0] >= 16, got
     # the loop sets the process's allocator at the start of each step, as its config says
     assert got["states"] == [True, False], got
 
@@ -89,14 +89,17 @@ def test_it_has_no_rung_and_a_climb_refuses_it_with_a_reason():
 
 
 @pytest.mark.skipif(not GLIBC, reason=f"no glibc here: {cpu_allocator.unavailable()}")
-def test_fresh_processes_time_each_setting_as_a_program_of_its_own(tiny, monkeypatch):
-    cfg = tiny(steps=100, measure_memory=False)
+def test_fresh_processes_time_each_setting_as_a_program_of_its_own(monkeypatch):
+    """The naive cpu preset, whose 64 MiB logits glibc maps afresh each step by its own rule: in a process that keeps
+    freed memory its settled steps map at most half as many pages (where pages are 4 KiB: with 2 MiB huge pages both
+    are few), each process as a program of its own gets it (nothing kept from the tests' own process)."""
+    cfg = dataclasses.replace(T.naive(C.preset("cpu", "cpu")), steps=100, measure_memory=False)
     runs = fresh_processes.time_in_fresh_processes(
-        {"handed back": cfg, "kept": with_setting(cfg, "keep_freed_memory", True)}, steps=2, warmup=1, rounds=1
+        {"handed back": cfg, "kept": with_setting(cfg, "keep_freed_memory", True)}, steps=2, warmup=2, rounds=1
     )
     assert [len(r.steps) for r in runs.values()] == [2, 2]
-    assert all(s > 0 and f is not None and f >= 0 for r in runs.values() for s, f in r.steps)
-    assert runs["kept"].median_ms > 0 and runs["kept"].median_faults is not None
+    kept, handed_back = runs["kept"].median_faults, runs["handed back"].median_faults
+    assert kept <= handed_back / 2 if handed_back >= 1000 else kept <= max(handed_back, 64), (kept, handed_back)
     monkeypatch.setattr(fresh_processes, "_RUN", "raise SystemExit('no such loop')")
     with pytest.raises(RuntimeError, match="'broken': its process failed: no such loop"):
         fresh_processes.time_in_fresh_processes({"broken": cfg}, steps=1)

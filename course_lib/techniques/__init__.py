@@ -125,7 +125,8 @@ def naive(cfg: TrainConfig) -> TrainConfig:
 def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
     """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
     if unknown := [k for k in options or {} if k not in TECHNIQUE]:
-        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {', '.join(TECHNIQUE)}")
+        ladder = ", ".join(n for n, t in TECHNIQUE.items() if t.rungs)
+        raise ConfigError(f"{unknown} are not techniques of the ladder; they are {ladder}")
     if unknown := [n for n in leave_out or {} if n not in [r.name for r in LADDER]]:
         raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
     if LADDER[0].name in (leave_out or {}):

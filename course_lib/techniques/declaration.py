@@ -37,7 +37,8 @@ class Setting:
 
 @dataclass(frozen=True)
 class Technique:
-    """A speed or memory technique: one config field, off in the naive loop, switched on by its ladder rungs."""
+    """A speed or memory technique: one config field, off in the naive loop, switched on by its ladder rungs (one with
+    none says why in `no_rung`)."""
 
     field: str  # a TrainConfig field, or "model.<field>" for a ModelConfig field
     label: str  # the panel's name for it

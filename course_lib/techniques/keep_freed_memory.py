@@ -6,7 +6,8 @@ It is the process's setting, not the loop's: the loop sets it at the start of ea
 of the ladder. The ladder times each rung step for step in alternation with the best loop in one process, and glibc
 cannot be given its own rule back once mallopt has been called: "not kept" after a switch is glibc's largest thresholds
 instead, and on the Zen 3 a naive step so timed inside a climb made 16,000-40,000 page faults and took 340-430 ms, where
-in a fresh process it makes about 84,000 and takes about 430 ms (2026-11-27): every pair with naive would flatter it.
+in a fresh process it makes about 84,000 and takes about 430 ms (2026-11-27, not shipped): every pair with naive would
+flatter it.
 Notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes), where each setting is what a program gets.
 """
 
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from .. import cpu_allocator
-from ..codegen import Code
+from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import SPEED, Technique
 
@@ -37,22 +36,19 @@ def apply(cfg: TrainConfig, begin_step: Callable[[], None]) -> Callable[[], None
 
 
 def export(cfg: TrainConfig) -> Code:
-    """The script's lines: the same mallopt calls as cpu_allocator.keep_freed(True), where glibc runs the script (its
-    device a CPU: on a GPU there is nothing to do)."""
-    if not cfg.keep_freed_memory or torch.device(cfg.device).type != "cpu":
-        return Code()
+    """The script's lines: the same mallopt calls as cpu_allocator.keep_freed(True), where the script finds glibc
+    (cpu_allocator.is_glibc, rendered), for a CPU (on a GPU there is nothing to do)."""
     A = cpu_allocator
+    if not cfg.keep_freed_memory or A.unavailable(cfg.device, here=False):
+        return Code()
     return Code(
-        imports=("import ctypes", "import os"),
+        imports=("import ctypes",),
+        defs=(source(A.is_glibc),),
         setup=(
             "# Keep freed memory in the process (glibc's malloc): no block gets a mapping of its own and the heap is\n"
             "# never trimmed, so a step reuses the pages the steps before it freed instead of the kernel mapping and\n"
             "# zeroing them again (a page fault per page). Elsewhere a preloaded jemalloc does it.\n"
-            "try:\n"
-            '    glibc = os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")\n'
-            "except (AttributeError, ValueError, OSError):  # no confstr (Windows), or no such name (macOS, musl)\n"
-            "    glibc = False\n"
-            "if glibc:\n"
+            "if is_glibc():\n"
             '    libc = ctypes.CDLL("libc.so.6")\n'
             f"    libc.mallopt({A.M_MMAP_MAX}, 0)  # M_MMAP_MAX: no block gets a mapping of its own\n"
             f"    libc.mallopt({A.M_TRIM_THRESHOLD}, {A.NEVER})  # M_TRIM_THRESHOLD: never hand the heap's top back"
@@ -64,7 +60,10 @@ TECHNIQUE = Technique(
     "keep_freed_memory",
     "keep freed memory (CPU)",
     False,
-    help="a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it",
+    help=(
+        "a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it (the "
+        "whole process's setting: runs after it in this kernel no longer get glibc's own rule; notebook 02)"
+    ),
     export=export,
     aims=(SPEED,),
     memory_note="not in the estimate: the tensors are the same; the process holds its peak between steps",
