@@ -243,10 +243,7 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
     """The ladder's cumulative config at the rung named: ladder_configs, what `ladder` runs there (a rung this
     device cannot run is skipped). For a device this machine does not have (a GPU config written on a laptop), every
     rung up to the one named is applied: the script will run elsewhere, and nothing here can say what to skip."""
-    names = [r.name for r in T.LADDER]
-    if rung not in names:
-        near = C.did_you_mean(rung, names) or C.did_you_mean(f"+ {str(rung).lstrip('+ ')}", names)  # 'compile'
-        raise C.ConfigError(f"{rung!r} is not a rung of the ladder{near}; the rungs are {', '.join(map(repr, names))}")
+    T.check_rung_name(rung)
     try:
         capabilities(base.device)
         here = True
@@ -310,11 +307,8 @@ def run_ladder(
     after every rung (the command line saves them there, so an interrupted climb keeps what it measured)."""
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
-    names = [r.name for r in T.LADDER]
-    if unknown := [n for n in rungs or [] if n not in names]:
-        raise C.ConfigError(
-            f"{unknown[0]!r} is not a rung of the ladder{C.did_you_mean(unknown[0], names)}; the rungs: {names}"
-        )
+    for name in rungs or []:
+        T.check_rung_name(name)
     leave_out = left_out(rungs, leave_out)
     T.check_ladder_arguments(options, leave_out)
     check_climb_options(base, options)
@@ -686,8 +680,8 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         return row
     n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
     # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
-    _, failed = _paired(naive_loop.trainer, best.trainer, 1)
-    pairs, failed = _paired(naive_loop.trainer, best.trainer, n) if not failed else ([], failed)
+    pairs, failed = _paired(naive_loop.trainer, best.trainer, n + 1)
+    pairs = pairs[1:]
     if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
         row.step_times, row.excluded_steps = list(top.step_times), list(top.excluded_steps)
         row.median_step_s, row.tokens_per_s, row.mfu, row.mfu_basis = (

@@ -482,7 +482,9 @@ class Estimate:
         return self.peak_bytes / GiB
 
     def verdict(self, device_gib: float, margin: float = 0.1) -> str:
-        """ "fits", "tight" (within the margin kept for the CUDA context and fragmentation) or "does not fit"."""
+        """ "fits", "tight" (within the margin kept for the CUDA context and fragmentation) or "does not fit"; a
+        ConfigError for a device size or margin that is not one (check_device_gib)."""
+        check_device_gib(device_gib, margin)
         if self.peak_gib <= device_gib * (1 - margin):
             return "fits"
         if self.peak_gib <= device_gib:
@@ -522,7 +524,6 @@ def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tup
     """The calculator: a config and a device's memory in GiB in; the predicted peak by category and a verdict out.
     Not included: the CUDA context (a few hundred MiB), the caching allocator's fragmentation, library workspaces;
     the margin is kept for them."""
-    check_device_gib(device_gib, margin)
     est = estimate(cfg)
     return est, est.verdict(device_gib, margin)
 
@@ -550,8 +551,8 @@ def calculator_config(
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
     """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not. The search goes
-    up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit)."""
-    check_device_gib(device_gib, margin)
+    up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit). A device
+    size or margin that is not one is refused by the first verdict (Estimate.verdict)."""
 
     def fits(bs: int) -> bool:
         return (

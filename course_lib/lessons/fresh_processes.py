@@ -29,7 +29,6 @@ print(json.dumps(steps))
 class ProcessRuns:
     """One setting's runs, each in a fresh process: the timed steps' (seconds, page faults), all processes' together."""
 
-    label: str
     steps: list[tuple[float, int | None]]
 
     @property
@@ -48,7 +47,7 @@ def time_in_fresh_processes(
     """Each config of `configs` {label: config} trained for `warmup` + `steps` steps in a process of its own, the
     configs taking turns for `rounds` rounds (so that a machine slowing down over the minutes slows each alike); the
     last `steps` of each process are timed. A run that fails raises RuntimeError with its process's last lines."""
-    out = {label: ProcessRuns(label, []) for label in configs}
+    out = {label: ProcessRuns([]) for label in configs}
     for _ in range(rounds):
         for label, cfg in configs.items():
             proc = subprocess.run(

@@ -15,7 +15,7 @@ Adding a technique: one module here with its `TECHNIQUE`, listed in TECHNIQUES a
 
 from __future__ import annotations
 
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError, TrainConfig, did_you_mean
 from . import (
     activation_checkpointing,
     chunked_loss,
@@ -120,6 +120,14 @@ def naive(cfg: TrainConfig) -> TrainConfig:
     for t in TECHNIQUES:
         cfg = t.set(cfg, t.off)
     return cfg
+
+
+def check_rung_name(name) -> None:
+    """A ConfigError, with "did you mean", unless `name` names a rung of the ladder ('compile' finds '+ compile')."""
+    names = [r.name for r in LADDER]
+    if name not in names:
+        near = did_you_mean(name, names) or did_you_mean(f"+ {str(name).lstrip('+ ')}", names)
+        raise ConfigError(f"{name!r} is not a rung of the ladder{near}; the rungs are {', '.join(map(repr, names))}")
 
 
 def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
