@@ -107,9 +107,9 @@ class Trainer:
         # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
         # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
         # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
-        if cfg.compile or torch.cuda.is_available():
+        if cfg.compile or torch.device(cfg.device).type == "cuda":
             # first: it also frees an earlier compiled run's CUDA graphs, whose memory pool free_memory then returns
-            # (on a GPU an uncompiled run must not count them either)
+            # (an uncompiled CUDA run must not count them either; a CPU run's memory does not hold them)
             torch._dynamo.reset()
         free_memory()
         if model is None and parts is None and batches is None:  # the course's GPT on cfg's batches, as the formula

@@ -195,8 +195,11 @@ def test_reduce_overhead_trains_as_the_default_mode_does_on_cuda(set_to_none, gr
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (none here)")
 def test_reduce_overhead_peak_counts_the_graphs_memory_pool(tiny):
     """A replay allocates nothing, so the allocated peak of a reduce-overhead step missed the activations in the
-    graphs' pool (an H200, GPT-2 small: 1.33 GiB against 28.4 GiB without graphs). Its peak is the reserved one, pool
-    included: not far below the default mode's, and said to be that."""
+    graphs' pool (an H200, GPT-2 small at batch 64: 1.33 GiB against 28.4 GiB without graphs). Its peak is the reserved
+    one, pool included, and said to be that. How it compares with the default mode's allocated peak depends on the
+    program: 28.8 against 28.4 GiB for GPT-2 small, 0.051 against 0.109 GiB for this tiny model (the graphs reuse their
+    pool's memory), both on an H200. What must be in the pool is one micro-batch's logits, an output of the forward
+    graph: the peak holds at least that, which a replay's allocated peak (the tensors outside the pool) does not."""
     from torch._dynamo.utils import counters
 
     from course_lib.train import train
@@ -208,4 +211,6 @@ def test_reduce_overhead_peak_counts_the_graphs_memory_pool(tiny):
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])  # the graphs did replay
     graphs, plain = runs["reduce-overhead"], runs["default"]
     assert graphs.peak_is_reserved and not plain.peak_is_reserved
-    assert 0.8 * plain.peak_gib <= graphs.peak_gib <= 3 * plain.peak_gib, (graphs.peak_gib, plain.peak_gib)
+    cfg = tiny(batch_size=32)
+    logits_gib = cfg.batch_size // cfg.grad_accum_steps * cfg.context * cfg.model.vocab_size * 4 / 2**30  # fp32
+    assert logits_gib <= graphs.peak_gib <= 3 * plain.peak_gib, (graphs.peak_gib, logits_gib, plain.peak_gib)

@@ -35,10 +35,11 @@ def test_the_exported_script_is_cached_by_its_frozen_config():
     assert export.script.cache_info().maxsize is not None  # bounded: a long session does not grow it without end
 
 
-def test_a_compiled_run_starts_with_a_fresh_compiler_and_an_eager_one_leaves_it_alone(tiny, monkeypatch):
+def test_a_compiled_run_starts_with_a_fresh_compiler_and_an_eager_cpu_one_leaves_it_alone(tiny, monkeypatch):
     """Trainer resets dynamo before a compiled run (an earlier model's guards and dynamo's cache limit would otherwise
-    decide what this run compiles, and its first step would not honestly include compiling); an eager run does not
-    touch the compiler's state."""
+    decide what this run compiles, and its first step would not honestly include compiling), and before any CUDA run (it
+    frees an earlier run's CUDA graphs, whose pool would count in this run's memory); an eager CPU run does not touch
+    the compiler's state, on a machine with a GPU too."""
     from course_lib.train import Trainer
 
     resets = []
@@ -47,3 +48,6 @@ def test_a_compiled_run_starts_with_a_fresh_compiler_and_an_eager_one_leaves_it_
     assert resets == []
     Trainer(tiny(steps=2, timing_warmup=1, measure_memory=False, compile=True))
     assert resets == [1]
+    if torch.cuda.is_available():
+        Trainer(tiny(device="cuda", steps=2, timing_warmup=1, measure_memory=False))
+        assert resets == [1, 1]
