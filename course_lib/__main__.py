@@ -99,9 +99,9 @@ def cmd_ladder(args) -> int:
     def written(complete: bool) -> Path | None:
         if kept is None:
             return None
-        error, where = kept.error, kept.finish(complete)
-        if error is not None and where is not None:
-            print(f"could not write {kept.writing} ({error}): the results are in {where}", file=sys.stderr)
+        where = kept.finish(complete)
+        if kept.note:
+            print(kept.note + ("" if where else ": the table below has them"), file=sys.stderr)
         return where
 
     try:
@@ -118,11 +118,7 @@ def cmd_ladder(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        try:
-            where = written(complete=False)
-        except OSError as e:  # not even the temporary folder: the table below is what is left
-            where = None
-            print(f"could not write the results anywhere ({e}): the table below has them", file=sys.stderr)
+        where = written(complete=False)
         again = "with --force (it replaces the file only once the climb finishes) or another --json path"
         print(
             f"\ninterrupted: {len(saved)} rung(s) measured"

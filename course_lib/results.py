@@ -172,6 +172,7 @@ class ResultsFile:
         )
         self.results: list[RunResult] = []
         self.error: OSError | None = None  # why the last save failed; None once one succeeds
+        self.note = ""  # what went wrong in `finish`, said as a sentence; "" where nothing did
 
     def save(self, results: list[RunResult]) -> None:
         self.results = list(results)
@@ -182,18 +183,30 @@ class ResultsFile:
             self.error = e
 
     def finish(self, complete: bool) -> Path | None:
-        """Where the results are now that the runs have ended (None where there were none): the file, which a complete
-        set now replaces an earlier one with, or, where it could not be written, a new file in the temporary folder."""
+        """Where the results are now that the runs have ended: the file, which a complete set now replaces an earlier
+        one with, or, where it could not be written, a new file in the temporary folder. None where there were no
+        results, or where not even that folder could be written (`note` says so: the caller still holds them). Never
+        raises, so that runs already measured are never lost to a traceback."""
+        self.note = ""
         if not self.results:
             return None
-        if self.error is not None:
-            fallback = Path(tempfile.gettempdir()) / f"{self.fallback_name}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+        if self.error is None and complete and self.replacing:
+            try:
+                os.replace(self.writing, self.path)  # in one step
+                return self.path
+            except OSError as e:  # the whole set stays where it was written
+                self.note = f"could not replace {self.path} ({e}): the results are in {self.writing}"
+                return self.writing
+        if self.error is None:
+            return self.writing
+        fallback = Path(tempfile.gettempdir()) / f"{self.fallback_name}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+        try:
             save_results(self.results, fallback, **self.meta)
-            return fallback
-        if complete and self.replacing:
-            os.replace(self.writing, self.path)  # in one step
-            return self.path
-        return self.writing
+        except OSError as e:
+            self.note = f"could not write {self.writing} ({self.error}) nor {fallback} ({e})"
+            return None
+        self.note = f"could not write {self.writing} ({self.error}): the results are in {fallback}"
+        return fallback
 
 
 def load_results(path: str | Path) -> tuple[list[RunResult], dict]:

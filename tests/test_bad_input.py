@@ -289,6 +289,34 @@ def test_a_write_that_fails_mid_climb_does_not_stop_it_and_the_results_land_else
     assert [r.label for r in load_results(fallback)[0]] == ["naive fp32"]
 
 
+def test_a_finished_climb_that_can_be_written_nowhere_still_shows_its_table(tmp_path, capsys, monkeypatch):
+    """The folder of --json gone mid-climb and the temporary folder unwritable too: no traceback after the rungs were
+    measured; the line says where it tried, and the table is printed."""
+    from course_lib import ladder as ladder_mod
+
+    folder = tmp_path / "mid"
+    out = folder / "l.json"
+    (tmp_path / "no-temp").write_text("a file, not a folder")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-temp"))
+
+    def folder_gone(base, on_result=None, **_):
+        def after(done):
+            out.unlink()
+            folder.rmdir()
+            folder.write_text("now a file")
+            on_result(done)
+            return done
+
+        return _one_rung_then(base, on_result, after)
+
+    monkeypatch.setattr(ladder_mod, "run_ladder", folder_gone)
+    cli(["ladder", "--preset", "tiny", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and f"could not write {out}" in captured.err
+    assert "no-temp" in captured.err and "the table below has them" in captured.err
+    assert "naive fp32" in captured.out  # the table
+
+
 # ---- the Python API: a ConfigError that says what to change -------------------------------------------------------
 
 API = [
