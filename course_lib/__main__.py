@@ -365,7 +365,7 @@ def cmd_profile(args) -> int:
 
     from .profiling import kernel_floor, profile_run, summary
     from .results import efficiency_text
-    from .train import unless_out_of_memory
+    from .train import unless_it_fails
 
     try:
         # before the run: checked, not found out after
@@ -377,7 +377,7 @@ def cmd_profile(args) -> int:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
         active = args.steps if args.steps is not None else 3
-        p, oom = unless_out_of_memory(
+        p, oom = unless_it_fails(
             lambda: profile_run(
                 cfg,
                 active=active,
@@ -411,7 +411,7 @@ def cmd_profile(args) -> int:
     )
     print(summary(p, rows=args.rows))
     if not args.no_floor:
-        floor, oom = unless_out_of_memory(lambda: kernel_floor(p).text())
+        floor, oom = unless_it_fails(lambda: kernel_floor(p).text())
         if oom:
             print(
                 "kernel floor: out of memory while timing a call alone; the profile above stands "

@@ -36,7 +36,7 @@ from typing import Callable
 from . import config as C, techniques as T
 from .capabilities import Capabilities, capabilities, efficiency, measured_tflops
 from .results import RunResult, efficiency_text, fmt, provenance, text_table
-from .train import StopRun, Trainer, catching_oom, free_memory
+from .train import StopRun, Trainer, catching_oom, free_memory, unless_it_fails
 
 MIN_SPEED_CHANGE = 0.03  # a speed change below 3% is reported as none: it is within what repeated runs differ by
 MIN_MEMORY_CHANGE = 0.01  # the same for the peak (the CPU ledger is exact; CUDA's allocator rounds blocks)
@@ -634,12 +634,11 @@ def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, 
     """(n steps of two loops in alternation, (first_s, second_s) each, ""), or ([], the error's name) where a step
     fails (out of memory with several loops' state held), the memory freed. A loop whose step failed half-way is kept:
     the ladder only times it from then on, and a failure that recurs is caught where it pairs again (_measure)."""
-    try:
-        return [(first.step(), second.step()) for _ in range(n)], ""
-    except Exception as e:  # noqa: BLE001 - any failure of a timing step: the caller says what it means for the verdict
-        failed = type(e).__name__
-    free_memory()  # after the except block: the error's traceback, which holds the failed step's tensors, is gone
-    return [], failed
+    # any failure of a timing step is caught: the caller says what it means for the verdict
+    pairs, failed = unless_it_fails(
+        lambda: [(first.step(), second.step()) for _ in range(n)], lambda e: type(e).__name__
+    )
+    return pairs or [], failed or ""
 
 
 def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Capabilities) -> RunResult:

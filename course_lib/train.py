@@ -368,26 +368,32 @@ def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
     return catching_oom(lambda: train(cfg, label, **kwargs), cfg, label)
 
 
-def unless_out_of_memory(attempt: Callable[[], object]) -> tuple[object, str | None]:
-    """(attempt(), None), or, when it runs out of memory (out_of_memory), (None, why) with the memory freed."""
+def out_of_memory_reason(e: BaseException) -> str | None:
+    """ "out of memory: <the error's first line>" where e is one (out_of_memory), else None."""
+    oom = out_of_memory(e)
+    return None if oom is None else "out of memory: " + str(oom).splitlines()[0][:200]
+
+
+def unless_it_fails(
+    attempt: Callable[[], object], reason: Callable[[BaseException], str | None] = out_of_memory_reason
+) -> tuple[object, str | None]:
+    """(attempt(), None), or, where it raised an exception that `reason` names (out of memory by default), (None, that
+    name) with the memory freed; any other exception is raised."""
     try:
         return attempt(), None
-    except Exception as e:  # noqa: BLE001 - only out-of-memory is handled; anything else is re-raised
-        oom = out_of_memory(e)
-        if oom is None:
+    except Exception as e:  # noqa: BLE001 - what `reason` does not name is re-raised
+        why = reason(e)
+        if why is None:
             raise
-        reason = "out of memory: " + str(oom).splitlines()[0][:200]
-        # Keep no exception past this block: its traceback holds the failed run's frames (the model, the
-        # activations), and one held here would also tie them to this frame in a cycle that outlives the return.
-        del oom
-    # Leaving the except block drops `e`, its traceback and the frames, so their memory can be freed now.
+    # Leaving the except block drops `e`, its traceback and the failed run's frames (the model, the activations), so
+    # their memory can be freed now; one held past it would tie them to this frame in a cycle that outlives the return.
     free_memory()
-    return None, reason
+    return None, why
 
 
 def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str) -> RunResult:
     """attempt(), or, when it runs out of memory, a result with status "oom" and the memory freed."""
-    result, reason = unless_out_of_memory(attempt)
+    result, reason = unless_it_fails(attempt)
     if reason is None:
         return result
     return RunResult(

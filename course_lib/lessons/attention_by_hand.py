@@ -28,7 +28,7 @@ import torch
 from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
 from ..profiling import SDPA_OPS
-from ..train import free_memory, unless_out_of_memory
+from ..train import free_memory, unless_it_fails
 from .micro_benchmarks import peak_bytes, time_fn
 
 __all__ = [
@@ -228,7 +228,7 @@ def context_sweep(
                     ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
                     return (ms, *peak_bytes(call, device=device))
 
-            got, oom = unless_out_of_memory(measured)  # out of memory is a point of the sweep
+            got, oom = unless_it_fails(measured)  # out of memory is a point of the sweep
             if oom:
                 ran_out.add(impl)
                 points.append(oom_point)
