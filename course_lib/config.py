@@ -210,8 +210,20 @@ def get_setting(cfg: "TrainConfig", name: str):
 
 def with_setting(cfg: "TrainConfig", name: str, value) -> "TrainConfig":
     """cfg with one setting (get_setting's names) changed."""
-    where, field_name = _owner(name)
-    return replace(cfg, **{field_name: value}) if where == "train" else cfg.with_model(**{field_name: value})
+    return with_settings(cfg, {name: value})
+
+
+def with_settings(cfg: "TrainConfig", settings: dict) -> "TrainConfig":
+    """cfg with every one of `settings` {name: value} (get_setting's names) changed in one step: only the whole new
+    config is checked, so settings that hold only together are taken in any order (context=128 before
+    model.block_size=128, grad_accum_steps=3 before batch_size=6)."""
+    train, model = {}, {}
+    for name, value in settings.items():
+        where, field_name = _owner(name)
+        (train if where == "train" else model)[field_name] = value
+    if model:
+        train["model"] = replace(cfg.model, **model)
+    return replace(cfg, **train) if train else cfg
 
 
 def parse_setting(name: str, text: str):

@@ -548,25 +548,6 @@ def _settings_text(settings: dict) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in settings.items())
 
 
-def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
-    """cfg with each of `settings` {name: value} set (with_setting's names), in whatever order they are given: every
-    config on the way is checked whole, so a setting that only holds with a later one (context=128 before
-    model.block_size=128, grad_accum_steps=3 before batch_size=6) waits for it. A setting that never holds raises the
-    error it gave."""
-    waiting = dict(settings)
-    while waiting:
-        errors = {}
-        for name, value in waiting.items():
-            try:
-                cfg = with_setting(cfg, name, value)
-            except ConfigError as e:
-                errors[name] = e
-        if len(errors) == len(waiting):  # no setting went in on this pass: none will on the next
-            raise next(iter(errors.values()))
-        waiting = {name: waiting[name] for name in errors}
-    return cfg
-
-
 def technique_diff(base: TrainConfig, title: str | None = None, *, without: dict | None = None, **changes):
     """A notebook cell's view of one technique: the diff between the exported script of `base` with `without`
     applied (the technique off; default: base as it is) and that of `base` with `changes` applied (the technique on).
@@ -653,8 +634,17 @@ def ladder_diffs(results: list):
 def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
     """cfg with one setting set: a technique's name or field (techniques.technique_named), a TrainConfig field or
     "model.<field>"."""
-    technique = T.technique_named(name)
+    return with_settings(cfg, {name: value})
+
+
+def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
+    """cfg with each of `settings` {name: value} set (with_setting's names) in one step (config.with_settings): only
+    the whole new config is checked, so settings that hold only together are taken in any order."""
+    fields = {}
+    for name, value in settings.items():
+        technique = T.technique_named(name)
+        fields[technique.field if technique is not None else name] = value
     try:
-        return technique.set(cfg, value) if technique is not None else C.with_setting(cfg, name, value)
+        return C.with_settings(cfg, fields)
     except ConfigError as e:
-        raise ConfigError(f"--set {name}=...: {e}") from None
+        raise ConfigError(f"--set {', '.join(f'{name}=...' for name in settings)}: {e}") from None
