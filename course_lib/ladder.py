@@ -658,12 +658,7 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         details={"memory_measured_at": top.label},
     )
     if best is naive_loop:
-        row.step_times, row.median_step_s, row.tokens_per_s = (
-            list(naive_r.step_times),
-            naive_r.median_step_s,
-            naive_r.tokens_per_s,
-        )
-        row.excluded_steps, row.mfu, row.mfu_basis = list(naive_r.excluded_steps), naive_r.mfu, naive_r.mfu_basis
+        _timed_as(row, top)
         measured = any(r.status != "skipped" for r in results[1:])
         row.ladder = {
             "kept": True,
@@ -681,13 +676,7 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
     pairs, failed = _paired(naive_loop.trainer, best.trainer, n + 1)
     pairs = pairs[1:]
     if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
-        row.step_times, row.excluded_steps = list(top.step_times), list(top.excluded_steps)
-        row.median_step_s, row.tokens_per_s, row.mfu, row.mfu_basis = (
-            top.median_step_s,
-            top.tokens_per_s,
-            top.mfu,
-            top.mfu_basis,
-        )
+        _timed_as(row, top)
         row.ladder = {
             "kept": True,
             "why": f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, the product "
@@ -716,6 +705,18 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         "memory_vs_naive": top.peak_ratio(naive_r),
     }
     return row
+
+
+def _timed_as(row: RunResult, source: RunResult) -> None:
+    """The last row takes `source`'s own timed steps and what follows from them: where naive is the best loop, or the
+    best loop could not be timed in pairs."""
+    row.step_times, row.excluded_steps = list(source.step_times), list(source.excluded_steps)
+    row.median_step_s, row.tokens_per_s, row.mfu, row.mfu_basis = (
+        source.median_step_s,
+        source.tokens_per_s,
+        source.mfu,
+        source.mfu_basis,
+    )
 
 
 def _step_printer(name: str, total: int):
