@@ -87,6 +87,18 @@ def keep_freed(keep: bool) -> None:
     _state["keep"] = keep
 
 
+def not_glibcs_own_rule(device: str | torch.device, keep: bool) -> str:
+    """Why a run on `device` that does not keep freed memory is not timed as glibc runs it by default, or "": this
+    process kept freed memory earlier (a panel's or a notebook's run), and glibc's own rule cannot be had back."""
+    if keep or _state["keep"] is None or unavailable(device):
+        return ""
+    return (
+        "this process kept freed memory in an earlier run, and glibc's own rule for handing it back cannot be had "
+        "back: this run was timed with glibc's largest thresholds instead (restart the kernel to time it as glibc "
+        "runs it)"
+    )
+
+
 def keeping() -> bool:
     """Whether freed memory is being kept now (keep_freed(True) was the last call)."""
     return bool(_state["keep"])

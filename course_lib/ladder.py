@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from . import config as C, techniques as T
+from . import config as C, cpu_allocator, techniques as T
 from .capabilities import Capabilities, capabilities, efficiency, measured_tflops
 from .results import RunResult, efficiency_text, fmt, provenance, text_table
 from .train import StopRun, Trainer, catching_oom, free_memory, unless_it_fails
@@ -314,6 +314,8 @@ def run_ladder(
     base, raised = enough_steps(base)
     if raised and progress:
         progress(f"steps per rung {raised}")
+    if (note := cpu_allocator.not_glibcs_own_rule(base.device, keep=False)) and progress:
+        progress(f"note: {note}")  # every rung's result says it too
     caps = capabilities(base.device)
     refresh_peaks(caps)
     prov = provenance(caps.name)

@@ -106,3 +106,22 @@ def test_fresh_processes_time_each_setting_as_a_program_of_its_own(monkeypatch):
     monkeypatch.setattr(fresh_processes, "_RUN", "raise SystemExit('no such loop')")
     with pytest.raises(RuntimeError, match="'broken': its process failed: no such loop"):
         fresh_processes.time_in_fresh_processes({"broken": cfg}, steps=1)
+
+
+def test_a_run_after_freed_memory_was_kept_says_it_is_not_timed_as_glibc_runs_it(tiny, monkeypatch):
+    """Once this process has kept freed memory, glibc's own rule cannot be had back: a later run that does not keep it
+    says so in its note (a panel's table shows it), and a run that keeps it, or one in a process that never did, says
+    nothing."""
+    from course_lib.train import train
+
+    monkeypatch.setattr(cpu_allocator, "keep_freed", lambda keep: None)  # the test process's allocator left alone
+    monkeypatch.setitem(cpu_allocator._state, "keep", None)
+    assert train(tiny(steps=2, timing_warmup=1, measure_memory=False), "fresh").reason == ""
+    monkeypatch.setitem(cpu_allocator._state, "keep", True)
+    kept = train(tiny(steps=2, timing_warmup=1, measure_memory=False, keep_freed_memory=True), "kept")
+    assert kept.reason == "" and "allocator" not in kept.details
+    after = train(tiny(steps=2, timing_warmup=1, measure_memory=False), "after")
+    if cpu_allocator.unavailable("cpu"):  # not glibc: nothing was kept, nothing to say
+        assert after.reason == ""
+    else:
+        assert "glibc's own rule" in after.reason and after.details["allocator"] == after.reason
