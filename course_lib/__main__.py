@@ -28,15 +28,7 @@ def cmd_ladder(args) -> int:
     import torch
 
     from .capabilities import capabilities
-    from .ladder import (
-        baseline_failure,
-        check_climb_options,
-        enough_steps,
-        ladder_table,
-        left_out as ladder_left_out,
-        run_ladder,
-        verdict,
-    )
+    from .ladder import baseline_failure, ladder_table, prepare_climb, run_ladder, verdict
     from .results import ResultsFile, check_writable, provenance
 
     try:
@@ -59,16 +51,15 @@ def cmd_ladder(args) -> int:
             raise C.ConfigError(f"{both[0]!r} is in --rungs and in --leave-out: name it in one of them")
         options = {technique.name: value for _, technique, value in parsed_settings(args.set, techniques_only=True)}
         leave_out = {name: "left out (--leave-out)" for name in left_out}
-        T.check_ladder_arguments(options, ladder_left_out(rungs, leave_out))  # --rungs leaves out the others
-        check_climb_options(base, options)  # a value its technique refuses, said before the banner (run_ladder again)
+        # a --set for a rung left out, or one its technique refuses: said before the banner (run_ladder asks again)
+        base, _, raised = prepare_climb(base, rungs, leave_out, options)
         out = check_writable(args.json) if args.json is not None else None
         if out is not None and out.exists() and not args.force:
             raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another --json path")
     except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    base, raised = enough_steps(base)  # said in the banner (run_ladder then finds nothing to raise)
-    raised = f", {raised}" if raised else ""
+    raised = f", {raised}" if raised else ""  # said in the banner (run_ladder then finds nothing to raise)
     print(
         f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
         f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "

@@ -285,6 +285,24 @@ def left_out(rungs: list[str] | None, leave_out: dict[str, str] | None) -> dict[
     return out
 
 
+def prepare_climb(
+    base: C.TrainConfig,
+    rungs: list[str] | None = None,
+    leave_out: dict[str, str] | None = None,
+    options: dict[str, object] | None = None,
+) -> tuple[C.TrainConfig, dict[str, str], str]:
+    """What a climb checks before its first rung, a ConfigError that says what to change (run_ladder asks it; the
+    command line asks first, to refuse before its banner), and what it climbs with: (base with enough steps to judge a
+    rung, every rung left out {name: why}, how the steps were raised or "")."""
+    for name in rungs or []:
+        T.check_rung_name(name)
+    leave_out = left_out(rungs, leave_out)
+    T.check_ladder_arguments(options, leave_out)
+    check_climb_options(base, options)
+    base, raised = enough_steps(base)
+    return base, leave_out, raised
+
+
 def run_ladder(
     base: C.TrainConfig,
     steps: int | None = None,
@@ -306,12 +324,7 @@ def run_ladder(
     after every rung (the command line saves them there, so an interrupted climb keeps what it measured)."""
     if steps is not None:
         base = dataclasses.replace(base, steps=steps)
-    for name in rungs or []:
-        T.check_rung_name(name)
-    leave_out = left_out(rungs, leave_out)
-    T.check_ladder_arguments(options, leave_out)
-    check_climb_options(base, options)
-    base, raised = enough_steps(base)
+    base, leave_out, raised = prepare_climb(base, rungs, leave_out, options)
     if raised and progress:
         progress(f"steps per rung {raised}")
     if (note := cpu_allocator.not_glibcs_own_rule(base.device, keep=False)) and progress:
