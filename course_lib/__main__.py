@@ -178,7 +178,7 @@ def parsed_settings(
                 f"--set takes FIELD=VALUE (a technique of {techniques}, its config field, a TrainConfig field or "
                 f"model.<field>), got {item!r}"
             )
-        key = technique.name if technique else name
+        key = technique.name if technique else name.removeprefix("model.")  # n_head and model.n_head: one field
         if key in seen:
             raise ValueError(f"--set {name}: {key} is set twice; give it once")
         seen.add(key)

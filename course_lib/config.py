@@ -217,9 +217,12 @@ def with_settings(cfg: "TrainConfig", settings: dict) -> "TrainConfig":
     """cfg with every one of `settings` {name: value} (get_setting's names) changed in one step: only the whole new
     config is checked, so settings that hold only together are taken in any order (context=128 before
     model.block_size=128, grad_accum_steps=3 before batch_size=6)."""
-    train, model = {}, {}
+    train, model, named = {}, {}, {}
     for name, value in settings.items():
         where, field_name = _owner(name)
+        if (where, field_name) in named:  # n_head and model.n_head: which one was meant?
+            raise ConfigError(f"{named[where, field_name]} and {name} set the same field: give one of them")
+        named[where, field_name] = name
         (train if where == "train" else model)[field_name] = value
     if model:
         train["model"] = replace(cfg.model, **model)

@@ -263,11 +263,14 @@ def check_options(base: C.TrainConfig, options: dict[str, object] | None) -> Non
 
 
 def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) -> None:
-    """check_options, and for a climb, a ConfigError for an option that makes its rung change nothing (compile=False
-    would measure naive against itself; a config at --rung may turn a technique off that way, a climb may not)."""
+    """check_options' ConfigError for a value refused, and then, for a climb, one for an option that makes its rung
+    change nothing (compile=False would measure naive against itself; a config at --rung may turn a technique off that
+    way, a climb may not)."""
     naive = T.naive(base)
+    # every value checked first (set raises check_options' ConfigError for one refused), then what each changes
+    changed = {name: T.TECHNIQUE[name].set(naive, value) != naive for name, value in (options or {}).items()}
     for name, value in (options or {}).items():
-        if T.TECHNIQUE[name].set(naive, value) == naive:  # set: check_options' ConfigError for a value refused
+        if not changed[name]:
             rung = T.option_rung(name)
             raise C.ConfigError(
                 f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "

@@ -87,6 +87,12 @@ class RunResult:
         return self.memory["peak_bytes"] / GiB if self.memory else None
 
     @property
+    def note(self) -> str:
+        """What a table says beside a run: its reason, else how this process's allocator differed from the C library's
+        own rule (details["allocator"]: cpu_allocator.not_glibcs_own_rule)."""
+        return self.reason or self.details.get("allocator", "")
+
+    @property
     def peak_is_reserved(self) -> bool:
         """The peak is the allocator's reserved one (CUDA graphs: measure.cuda_memory_report), not the live tensors'."""
         return bool(self.memory) and self.memory.get("method", "").startswith(GRAPHS_METHOD)
@@ -185,8 +191,8 @@ class ResultsFile:
     def finish(self, complete: bool) -> Path | None:
         """Where the results are now that the runs have ended: the file, which a complete set now replaces an earlier
         one with, or, where it could not be written, a new file in the temporary folder. None where there were no
-        results, or where not even that folder could be written (`note` says so: the caller still holds them). Never
-        raises, so that runs already measured are never lost to a traceback."""
+        results, or where not even that folder could be written (`note` says so: the caller still holds them). No
+        OSError escapes it, so that runs already measured are never lost to a full disk or a folder gone."""
         self.note = ""
         if not self.results:
             return None
@@ -279,7 +285,7 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
                 "memory vs base": fmt(mem, ".2f") + "x" if mem else "",
                 "MFU": efficiency_text(r),
                 "compile s": fmt(r.compile_s, ".1f", missing=""),
-                "note": r.reason,
+                "note": r.note,
             }
         )
     return rows

@@ -274,8 +274,7 @@ class Trainer:
                 f"the run {result.label!r} stopped after {taken} step(s), before any timed step: {result.stopped_early}"
             )
         if note := cpu_allocator.not_glibcs_own_rule(cfg.device, cfg.keep_freed_memory):
-            result.details["allocator"] = note
-            result.reason = result.reason or note  # shown as the run's note in a panel's table
+            result.details["allocator"] = note  # shown as the run's note (RunResult.note) in a panel's table
         result.median_step_s = measure.median_excluding(result.step_times, excluded)
         result.tokens_per_s = result.tokens_per_step / result.median_step_s
         if cfg.compile:

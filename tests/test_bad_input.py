@@ -72,6 +72,10 @@ CLI = [
     (["ladder", "--preset", "tiny", "--leave-out", "-2"], "--leave-out takes indices 0..9"),
     (["ladder", "--preset", "tiny", "--rungs", "0,2", "--leave-out", "2"], "is in --rungs and in --leave-out"),
     (["ladder", "--preset", "tiny", "--set", "loss_chunks=0"], "loss_chunks must be a positive int"),
+    # every value checked before what each rung would change, in either order
+    (["ladder", "--preset", "tiny", "--set", "compile=false", "--set", "loss_chunks=0"], "loss_chunks must be"),
+    (["ladder", "--preset", "tiny", "--set", "loss_chunks=0", "--set", "compile=false"], "loss_chunks must be"),
+    (["export", "--preset", "tiny", "--set", "n_head=2", "--set", "model.n_head=4"], "n_head is set twice"),
     (["export", "--preset", "tiny", "--rung", "12"], "--rung takes an index 0..9, got"),
     (["export", "--preset", "tiny", "--rung", "-1"], "is not a rung of the ladder"),
     (["profile", "--preset", "tiny", "--rows", "0"], "--rows takes the number of operators"),
@@ -341,6 +345,7 @@ API = [
     (lambda: C.TrainConfig.from_dict([1, 2]), "a TrainConfig is a dict of its fields"),
     (lambda: C.preset("cpu-large"), "Unknown preset"),
     (lambda: C.parse_setting("warmup", "3"), "is not a setting"),
+    (lambda: C.with_settings(C.tiny_preset("cpu"), {"n_head": 2, "model.n_head": 2}), "set the same field"),
     (lambda: M.max_batch_that_fits(C.tiny_preset("cpu"), 1e6), "every batch up to limit=4096 fits"),
     (lambda: M.max_batch_that_fits(C.tiny_preset("cpu"), "8GB"), "a positive number of GiB, e.g. 80"),
     (lambda: M.will_it_fit(C.tiny_preset("cpu"), -1), "a positive number of GiB"),

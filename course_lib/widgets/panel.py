@@ -205,7 +205,7 @@ class Panel:
         peak = f", peak {result.peak_text(unit=' GiB')}" if result.peak_gib is not None else ", memory not measured"
         speed = f"{result.tokens_per_s:,.0f} tokens/s" if result.tokens_per_s is not None else "done"
         self.status.value = (
-            f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.reason})" if result.reason else "")
+            f"<b>{result.label}</b>: {speed}{peak}" + (f" ({result.note})" if result.note else "")
             if result.ok
             else f"<b>{result.label}</b>: {result.status.upper()} {result.reason}"
         ) + (f"<br><span style='color:#c44e52'>{self.unsaved}</span>" if self.unsaved else "")
