@@ -118,3 +118,41 @@ def test_the_sweep_goes_on_past_an_implementation_that_runs_out_of_memory(monkey
         ("sdpa", 128): "ok",
         ("sdpa", 256): "ok",
     }
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3, 8), (2, 3, 37, 16), (2, 2, 128, 32)])
+@pytest.mark.parametrize("blocks", [1, 2, 4, 5])
+def test_sdpa_in_query_blocks_is_causal_attention(shape, blocks):
+    """The same function as SDPA causal, in value and in every gradient, whether or not the blocks divide s (and with
+    more blocks than queries)."""
+    q, k, v = A.random_qkv(*shape, seed=sum(shape) + blocks, requires_grad=True)
+    grad = torch.randn_like(q)
+    ref_out = A.sdpa_attention(q, k, v)
+    ref = [ref_out, *torch.autograd.grad(ref_out, (q, k, v), grad)]
+    out = A.sdpa_in_query_blocks(q, k, v, blocks)
+    got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    for a, b in zip(got, ref):
+        assert A.max_abs_diff(a, b) < 1e-5
+
+
+def test_square_share_counts_the_blocks_on_and_below_the_diagonal():
+    assert A.square_share(1) == 1.0
+    assert A.square_share(2) == 0.75
+    assert A.square_share(4) == 5 / 8
+    # the causal pairs themselves, s (s + 1) / 2 of s^2, are what the share tends to as the blocks shrink to one query
+    s = 64
+    assert abs(A.square_share(s) - (s + 1) / (2 * s)) < 1e-12
+
+
+def test_causal_skipping_times_the_three_ways_in_turns():
+    r = A.causal_skipping(batch=1, heads=2, s=64, head_dim=16, blocks=4, repeats=3)
+    assert list(r["ms"]) == ["whole square (not causal)", "causal", "causal, in 4 query blocks"]
+    for lo, med, hi in r["ms"].values():
+        assert 0 < lo <= med <= hi
+    assert r["shape"] == dict(batch=1, heads=2, s=64, head_dim=16, blocks=4, dtype="float32")
+    assert r["device"] and r["torch"] == torch.__version__
+
+
+def test_context_sweep_runs_the_query_blocks():
+    (point,) = A.context_sweep([64], impls=("sdpa_blocks",), batch=1, heads=2, head_dim=16, repeats=1)
+    assert point.status == "ok" and point.ms > 0 and point.peak_bytes > 0

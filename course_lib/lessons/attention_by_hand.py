@@ -14,6 +14,9 @@ Flash attention by hand, forward and backward (`flash_attention`, `flash_backwar
 FlashAttention-2's algorithm in PyTorch, written in course_lib.flash_attention (the model can use it:
 ModelConfig.attention="flash") and measured here: its memory by sequence length (`peak_bytes_by_length`) and the
 share of its FLOPs its backward spends recomputing (`recompute_share`).
+
+Whether this device's SDPA kernel skips the masked half of a causal square (`causal_skipping`), and
+`sdpa_in_query_blocks`, which hands the kernel only the keys each block of queries can see.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 # notebook 04 reads the hand-written flash attention here, beside the other attentions of its lesson
 from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
 from ..profiling import SDPA_OPS
+from ..timing import StepTimer
 from ..train import free_memory, unless_it_fails
 from .micro_benchmarks import peak_bytes, time_fn
 
@@ -102,7 +107,35 @@ def _flash(q, k, v):
     return flash_attention(q, k, v, block_q=128, block_k=128)
 
 
-IMPLS: dict[str, Callable] = {"naive": _naive, "sdpa": _sdpa, "tiled": _tiled, "flash": _flash}
+def sdpa_in_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+    """Causal attention through SDPA one block of queries at a time, each block against the keys up to its own last
+    query only: the same function as sdpa_attention, but a kernel that computes every pair of the square it is given
+    computes (blocks + 1) / (2 blocks) of the whole square (5/8 at 4 blocks) instead of all of it."""
+    s = q.size(-2)
+    bounds = [s * i // blocks for i in range(blocks + 1)]
+    outs = []
+    for i0, i1 in zip(bounds, bounds[1:]):
+        if i1 == i0:  # more blocks than queries
+            continue
+        # queries i0..i1-1 against keys 0..i1-1: query i0 + r sees key j when j <= i0 + r, a diagonal i0 to the right
+        keep = torch.ones(i1 - i0, i1, dtype=torch.bool, device=q.device).tril(diagonal=i0)
+        outs.append(F.scaled_dot_product_attention(q[..., i0:i1, :], k[..., :i1, :], v[..., :i1, :], attn_mask=keep))
+    return torch.cat(outs, dim=-2)
+
+
+def square_share(blocks: int) -> float:
+    """The share of the s x s square of (query, key) pairs that sdpa_in_query_blocks hands its kernel: the blocks on
+    and below the diagonal, (blocks + 1) / (2 blocks); the causal pairs themselves are a half of it as s grows."""
+    return (blocks + 1) / (2 * blocks)
+
+
+IMPLS: dict[str, Callable] = {
+    "naive": _naive,
+    "sdpa": _sdpa,
+    "tiled": _tiled,
+    "flash": _flash,
+    "sdpa_blocks": sdpa_in_query_blocks,
+}
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -285,3 +318,46 @@ def plot_sweep(points: list[AttentionPoint], title: str = ""):
     shape = f"batch {points[0].batch}, heads {points[0].heads}, head dim {points[0].head_dim}" if points else ""
     fig.suptitle(f"{title or 'Attention vs context length'} ({shape})\n{dev}, torch {torch.__version__}", fontsize=9)
     return fig
+
+
+# ---- does the kernel skip the masked half? ------------------------------------------------------
+
+
+def causal_skipping(
+    batch: int = 8,
+    heads: int = 2,
+    s: int = 512,
+    head_dim: int = 64,
+    blocks: int = 4,
+    repeats: int = 5,
+    device="cpu",
+    dtype=torch.float32,
+) -> dict:
+    """Forward + backward of SDPA three ways, the three taking turns `repeats` times after a warm-up each (a machine
+    that slows down slows all alike): the whole square (not causal), causal, and causal in `blocks` query blocks
+    (sdpa_in_query_blocks). {"ms": {way: (min, median, max)}, the shape, the device}. Causal needs half the pairs; a
+    kernel that skips the tiles above the diagonal takes about half the time of the whole square, one that computes
+    the square and masks it takes as long."""
+    from ..measure import device_name
+
+    q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(q)
+    ways = {
+        "whole square (not causal)": lambda: F.scaled_dot_product_attention(q, k, v),
+        "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        f"causal, in {blocks} query blocks": lambda: sdpa_in_query_blocks(q, k, v, blocks),
+    }
+    timers = {name: StepTimer(device) for name in ways}
+    for round_ in range(repeats + 1):  # round 0 warms each way up, untimed
+        for name, attend in ways.items():
+            if round_ == 0:
+                torch.autograd.grad(attend(), (q, k, v), grad)
+                continue
+            with timers[name].step():
+                torch.autograd.grad(attend(), (q, k, v), grad)
+    ms = {}
+    for name, timer in timers.items():
+        t = sorted(x * 1e3 for x in timer.times)
+        ms[name] = (t[0], t[len(t) // 2], t[-1])
+    shape = dict(batch=batch, heads=heads, s=s, head_dim=head_dim, blocks=blocks, dtype=str(dtype).removeprefix("torch."))
+    return {"ms": ms, "shape": shape, "device": device_name(device), "torch": torch.__version__}
