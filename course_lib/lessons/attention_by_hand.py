@@ -359,5 +359,6 @@ def causal_skipping(
     for name, timer in timers.items():
         t = sorted(x * 1e3 for x in timer.times)
         ms[name] = (t[0], t[len(t) // 2], t[-1])
-    shape = dict(batch=batch, heads=heads, s=s, head_dim=head_dim, blocks=blocks, dtype=str(dtype).removeprefix("torch."))
+    dtype_name = str(dtype).removeprefix("torch.")
+    shape = dict(batch=batch, heads=heads, s=s, head_dim=head_dim, blocks=blocks, dtype=dtype_name)
     return {"ms": ms, "shape": shape, "device": device_name(device), "torch": torch.__version__}
