@@ -135,13 +135,52 @@ def test_sdpa_in_query_blocks_is_causal_attention(shape, blocks):
         assert A.max_abs_diff(a, b) < 1e-5
 
 
-def test_square_share_counts_the_blocks_on_and_below_the_diagonal():
-    assert A.square_share(1) == 1.0
-    assert A.square_share(2) == 0.75
-    assert A.square_share(4) == 5 / 8
-    # the causal pairs themselves, s (s + 1) / 2 of s^2, are what the share tends to as the blocks shrink to one query
-    s = 64
-    assert abs(A.square_share(s) - (s + 1) / (2 * s)) < 1e-12
+@pytest.mark.parametrize("s, blocks", [(512, 1), (512, 2), (512, 4), (10, 3), (3, 5), (37, 4)])
+def test_square_share_is_the_pairs_the_kernel_is_handed(s, blocks):
+    """Counted pair by pair from the shapes sdpa_in_query_blocks hands SDPA (its queries times its keys), whether or
+    not the blocks divide s; (blocks + 1) / (2 blocks) where they do."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    handed = []  # queries x keys of each attention kernel call, as the kernel receives them
+
+    class Kernels(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in func.__name__:
+                handed.append(args[0].size(-2) * args[1].size(-2))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = A.random_qkv(1, 1, s, 4)
+    with Kernels():
+        A.sdpa_in_query_blocks(q, k, v, blocks)
+    assert len(handed) == len(A.query_blocks(s, blocks))
+    assert A.square_share(s, blocks) == sum(handed) / (s * s)
+    if s % blocks == 0:
+        assert A.square_share(s, blocks) == (blocks + 1) / (2 * blocks)
+
+
+def test_query_blocks_need_one_block_or_more():
+    with pytest.raises(ValueError, match="1 block or more"):
+        A.query_blocks(8, 0)
+    assert A.query_blocks(3, 5) == [(0, 1), (1, 2), (2, 3)]  # empty blocks left out
+
+
+def test_use_query_blocks_makes_the_models_sdpa_run_in_blocks(monkeypatch):
+    """The model built after use_query_blocks attends in blocks (the patch the README's step timing used), with the
+    same loss as plain SDPA."""
+    from course_lib import config as C, model as M
+
+    cfg = C.ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_embd=16, block_size=32, attention="sdpa")
+    idx = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    plain = M.GPT(cfg)(idx)
+    monkeypatch.setitem(M.ATTENTION_IMPLS, "sdpa", M.ATTENTION_IMPLS["sdpa"])  # put back after the test
+    A.use_query_blocks(4)
+    calls = []
+    real = A.sdpa_in_query_blocks
+    monkeypatch.setattr(A, "sdpa_in_query_blocks", lambda *t, **kw: calls.append(1) or real(*t, **kw))
+    torch.manual_seed(0)
+    blocked = M.GPT(cfg)(idx)
+    assert calls and A.max_abs_diff(blocked, plain) < 1e-5
 
 
 def test_causal_skipping_times_the_three_ways_in_turns():
@@ -156,3 +195,23 @@ def test_causal_skipping_times_the_three_ways_in_turns():
 def test_context_sweep_runs_the_query_blocks():
     (point,) = A.context_sweep([64], impls=("sdpa_blocks",), batch=1, heads=2, head_dim=16, repeats=1)
     assert point.status == "ok" and point.ms > 0 and point.peak_bytes > 0
+
+
+def test_fresh_processes_run_a_labels_before_in_its_own_processes():
+    """What the README's timing of the loop with SDPA in query blocks ran: `before` changes only its label's
+    processes; a `before` for a label with no config is refused before anything runs."""
+    from course_lib import config as C
+    from course_lib.lessons import fresh_processes as FP
+
+    cfg = C.preset("tiny", "cpu").with_model(attention="sdpa")
+    patch = "from course_lib.lessons.attention_by_hand import use_query_blocks; use_query_blocks(4)"
+    check = "\nfrom course_lib import model; assert model.ATTENTION_IMPLS['sdpa'].__name__ == '{}'"
+    runs = FP.time_in_fresh_processes(
+        {"plain": cfg, "blocks": cfg},
+        steps=1,
+        warmup=1,
+        before={"blocks": patch + check.format("attend"), "plain": check.format("sdpa_attention")},
+    )
+    assert [len(r.steps) for r in runs.values()] == [1, 1]
+    with pytest.raises(ValueError, match="not among the configs' labels"):
+        FP.time_in_fresh_processes({"plain": cfg}, steps=1, before={"blocks": patch})

@@ -22,6 +22,7 @@ Whether this device's SDPA kernel skips the masked half of a causal square (`cau
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -49,6 +50,10 @@ __all__ = [
     "context_sweep",
     "IMPLS",
     "scores_bytes",
+    "sdpa_in_query_blocks",
+    "query_blocks",
+    "square_share",
+    "causal_skipping",
 ]
 
 
@@ -107,26 +112,54 @@ def _flash(q, k, v):
     return flash_attention(q, k, v, block_q=128, block_k=128)
 
 
-def sdpa_in_query_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: int = 4) -> torch.Tensor:
+def query_blocks(s: int, blocks: int) -> list[tuple[int, int]]:
+    """The (first, past-the-last) query of each of `blocks` blocks of s queries, as even as whole queries allow (empty
+    blocks left out)."""
+    if blocks < 1:
+        raise ValueError(f"blocks={blocks}: split the queries into 1 block or more")
+    bounds = [s * i // blocks for i in range(blocks + 1)]
+    return [(i0, i1) for i0, i1 in zip(bounds, bounds[1:]) if i1 > i0]
+
+
+def sdpa_in_query_blocks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: int = 4, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Causal attention through SDPA one block of queries at a time, each block against the keys up to its own last
     query only: the same function as sdpa_attention, but a kernel that computes every pair of the square it is given
-    computes (blocks + 1) / (2 blocks) of the whole square (5/8 at 4 blocks) instead of all of it."""
-    s = q.size(-2)
-    bounds = [s * i // blocks for i in range(blocks + 1)]
+    is given square_share(s, blocks) of the square (5/8 at 4 blocks) instead of all of it.
+
+    Block (i0, i1) is causal aligned to its lower right, query i0 + r seeing keys 0 .. i0 + r, given as a boolean
+    mask (torch.nn.attention.bias.causal_lower_right is not a plain tensor, and the course's memory ledger and
+    profiler watch every operator). On a GPU a mask makes SDPA leave its flash kernel for another: there this compares
+    two kernels, not two shares of the square."""
     outs = []
-    for i0, i1 in zip(bounds, bounds[1:]):
-        if i1 == i0:  # more blocks than queries
-            continue
-        # queries i0..i1-1 against keys 0..i1-1: query i0 + r sees key j when j <= i0 + r, a diagonal i0 to the right
-        keep = torch.ones(i1 - i0, i1, dtype=torch.bool, device=q.device).tril(diagonal=i0)
-        outs.append(F.scaled_dot_product_attention(q[..., i0:i1, :], k[..., :i1, :], v[..., :i1, :], attn_mask=keep))
-    return torch.cat(outs, dim=-2)
+    for i0, i1 in query_blocks(q.size(-2), blocks):
+        keep = torch.ones(i1 - i0, i1, dtype=torch.bool, device=q.device).tril(diagonal=i0)  # (queries, keys)
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[..., i0:i1, :], k[..., :i1, :], v[..., :i1, :], attn_mask=keep, dropout_p=dropout_p
+            )
+        )
+    return torch.cat(outs, dim=-2)  # (b, a, s, d)
 
 
-def square_share(blocks: int) -> float:
-    """The share of the s x s square of (query, key) pairs that sdpa_in_query_blocks hands its kernel: the blocks on
-    and below the diagonal, (blocks + 1) / (2 blocks); the causal pairs themselves are a half of it as s grows."""
-    return (blocks + 1) / (2 * blocks)
+def square_share(s: int, blocks: int) -> float:
+    """The share of the s x s square of (query, key) pairs that sdpa_in_query_blocks hands its kernel: each block's
+    queries times the keys up to its last one. (blocks + 1) / (2 blocks) where the blocks divide s; the causal pairs
+    themselves, s (s + 1) / 2, are about half of the square."""
+    return sum((i1 - i0) * i1 for i0, i1 in query_blocks(s, blocks)) / (s * s)
+
+
+def use_query_blocks(blocks: int = 4) -> None:
+    """Make this process's model attention="sdpa" run sdpa_in_query_blocks (course_lib.model.ATTENTION_IMPLS): for
+    timing the training loop with it, in a process of its own (lessons.fresh_processes, `before`); nothing else in the
+    course calls this."""
+    from .. import model
+
+    def attend(q, k, v, dropout_p: float = 0.0, training: bool = False):
+        return sdpa_in_query_blocks(q, k, v, blocks, dropout_p if training else 0.0)
+
+    model.ATTENTION_IMPLS["sdpa"] = attend
 
 
 IMPLS: dict[str, Callable] = {
@@ -336,8 +369,8 @@ def causal_skipping(
     """Forward + backward of SDPA three ways, the three taking turns `repeats` times after a warm-up each (a machine
     that slows down slows all alike): the whole square (not causal), causal, and causal in `blocks` query blocks
     (sdpa_in_query_blocks). {"ms": {way: (min, median, max)}, the shape, the device}. Causal needs half the pairs; a
-    kernel that skips the tiles above the diagonal takes about half the time of the whole square, one that computes
-    the square and masks it takes as long."""
+    kernel that skips the tiles above the diagonal takes about half the time of the whole square where a call is long
+    enough to be timed (no launch overhead to hide it), one that computes the square and masks it takes as long."""
     from ..measure import device_name
 
     q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
@@ -357,8 +390,8 @@ def causal_skipping(
                 torch.autograd.grad(attend(), (q, k, v), grad)
     ms = {}
     for name, timer in timers.items():
-        t = sorted(x * 1e3 for x in timer.times)
-        ms[name] = (t[0], t[len(t) // 2], t[-1])
+        t = [x * 1e3 for x in timer.times]
+        ms[name] = (min(t), statistics.median(t), max(t))
     dtype_name = str(dtype).removeprefix("torch.")
     shape = dict(batch=batch, heads=heads, s=s, head_dim=head_dim, blocks=blocks, dtype=dtype_name)
     return {"ms": ms, "shape": shape, "device": device_name(device), "torch": torch.__version__}

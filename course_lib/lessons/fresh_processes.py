@@ -19,6 +19,7 @@ _RUN = """
 import json, sys
 from course_lib.config import TrainConfig
 from course_lib.train import Trainer
+exec(sys.argv[3])  # the label's `before`: a change to the process made before its loop is built, or nothing
 trainer = Trainer(TrainConfig.from_dict(json.loads(sys.argv[1])))
 steps = [(trainer.step(), trainer.last_step_faults) for _ in range(int(sys.argv[2]))]
 print(json.dumps(steps))
@@ -42,16 +43,27 @@ class ProcessRuns:
 
 
 def time_in_fresh_processes(
-    configs: dict[str, TrainConfig], steps: int, warmup: int = 2, rounds: int = 1, timeout_s: float = 600
+    configs: dict[str, TrainConfig],
+    steps: int,
+    warmup: int = 2,
+    rounds: int = 1,
+    timeout_s: float = 600,
+    before: dict[str, str] | None = None,
 ) -> dict[str, ProcessRuns]:
     """Each config of `configs` {label: config} trained for `warmup` + `steps` steps in a process of its own, the
     configs taking turns for `rounds` rounds (so that a machine slowing down over the minutes slows each alike); the
-    last `steps` of each process are timed. A run that fails raises RuntimeError with its process's last lines."""
+    last `steps` of each process are timed. `before` {label: Python source} runs in that label's processes before
+    the loop is built (e.g. "from course_lib.lessons.attention_by_hand import use_query_blocks; use_query_blocks(4)").
+    A run that fails raises RuntimeError with its process's last lines."""
+    unknown = set(before or {}) - set(configs)
+    if unknown:
+        raise ValueError(f"before names {sorted(unknown)}, which are not among the configs' labels {list(configs)}")
     out = {label: ProcessRuns([]) for label in configs}
     for _ in range(rounds):
         for label, cfg in configs.items():
+            prelude = (before or {}).get(label, "")
             proc = subprocess.run(
-                [sys.executable, "-c", _RUN, json.dumps(cfg.to_dict()), str(warmup + steps)],
+                [sys.executable, "-c", _RUN, json.dumps(cfg.to_dict()), str(warmup + steps), prelude],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
