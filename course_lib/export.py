@@ -640,29 +640,18 @@ def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
 def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
     """cfg with each of `settings` {name: value} set (with_setting's names) in one step (config.with_settings): only
     the whole new config is checked, so settings that hold only together are taken in any order."""
+    # a technique's name is its field's own name (vocab_multiple), which config takes as it takes model.vocab_multiple
     try:
-        return C.with_settings(cfg, _as_fields(settings))
+        return C.with_settings(cfg, settings)
     except ConfigError as e:
         # named by the settings that fail on their own, where some do (context=10**6), else by all of them
-        alone = [name for name in settings if len(settings) > 1 and not _holds(cfg, {name: settings[name]})]
+        alone = [name for name in settings if not _holds(cfg, {name: settings[name]})] if len(settings) > 1 else []
         raise ConfigError(f"--set {', '.join(f'{name}=...' for name in alone or settings)}: {e}") from None
-
-
-def _as_fields(settings: dict) -> dict:
-    """A technique's name (`vocab_multiple`) as the config field it sets (`model.vocab_multiple`); other names as they
-    are (config.with_settings refuses two names of one field)."""
-    fields, named = {}, {}
-    for name, value in settings.items():
-        field = t.field if (t := T.technique_named(name)) is not None else name
-        if field in named:
-            raise ConfigError(f"{named[field]} and {name} set the same field: give one of them")
-        fields[field], named[field] = value, name
-    return fields
 
 
 def _holds(cfg: TrainConfig, settings: dict) -> bool:
     try:
-        C.with_settings(cfg, _as_fields(settings))
+        C.with_settings(cfg, settings)
         return True
     except ConfigError:
         return False

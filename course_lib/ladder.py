@@ -266,11 +266,10 @@ def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) 
     """check_options' ConfigError for a value refused, and then, for a climb, one for an option that makes its rung
     change nothing (compile=False would measure naive against itself; a config at --rung may turn a technique off that
     way, a climb may not)."""
+    check_options(base, options)  # every value first, so the error does not depend on the options' order
     naive = T.naive(base)
-    # every value checked first (set raises check_options' ConfigError for one refused), then what each changes
-    changed = {name: T.TECHNIQUE[name].set(naive, value) != naive for name, value in (options or {}).items()}
     for name, value in (options or {}).items():
-        if not changed[name]:
+        if T.TECHNIQUE[name].set(naive, value) == naive:
             rung = T.option_rung(name)
             raise C.ConfigError(
                 f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "
@@ -331,7 +330,7 @@ def run_ladder(
     if raised and progress:
         progress(f"steps per rung {raised}")
     if (note := cpu_allocator.not_glibcs_own_rule(base.device, keep=False)) and progress:
-        progress(f"note: {note}")  # every rung's result says it too
+        progress(f"note: {note}")  # each result's details["allocator"] holds it too
     caps = capabilities(base.device)
     refresh_peaks(caps)
     prov = provenance(caps.name)

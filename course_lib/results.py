@@ -251,7 +251,7 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
                     "memory vs base": "other model",
                     "MFU": efficiency_text(r),
                     "compile s": fmt(r.compile_s, ".1f", missing=""),
-                    "note": r.reason,
+                    "note": r.note,
                 }
             )
             continue

@@ -380,12 +380,11 @@ def causal_skipping(
         "causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         f"causal, in {blocks} query blocks": lambda: sdpa_in_query_blocks(q, k, v, blocks),
     }
+    for attend in ways.values():  # one untimed call each
+        torch.autograd.grad(attend(), (q, k, v), grad)
     timers = {name: StepTimer(device) for name in ways}
-    for round_ in range(repeats + 1):  # round 0 warms each way up, untimed
+    for _ in range(repeats):
         for name, attend in ways.items():
-            if round_ == 0:
-                torch.autograd.grad(attend(), (q, k, v), grad)
-                continue
             with timers[name].step():
                 torch.autograd.grad(attend(), (q, k, v), grad)
     ms = {}

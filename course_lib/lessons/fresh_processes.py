@@ -55,15 +55,15 @@ def time_in_fresh_processes(
     last `steps` of each process are timed. `before` {label: Python source} runs in that label's processes before
     the loop is built (e.g. "from course_lib.lessons.attention_by_hand import use_query_blocks; use_query_blocks(4)").
     A run that fails raises RuntimeError with its process's last lines."""
-    unknown = set(before or {}) - set(configs)
+    before = before or {}
+    unknown = set(before) - set(configs)
     if unknown:
         raise ValueError(f"before names {sorted(unknown)}, which are not among the configs' labels {list(configs)}")
     out = {label: ProcessRuns([]) for label in configs}
     for _ in range(rounds):
         for label, cfg in configs.items():
-            prelude = (before or {}).get(label, "")
             proc = subprocess.run(
-                [sys.executable, "-c", _RUN, json.dumps(cfg.to_dict()), str(warmup + steps), prelude],
+                [sys.executable, "-c", _RUN, json.dumps(cfg.to_dict()), str(warmup + steps), before.get(label, "")],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
