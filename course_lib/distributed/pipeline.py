@@ -281,6 +281,21 @@ def check(options: dict) -> None:
         raise ConfigError(f"pipeline: stages_per_rank is at least 1, got {o['stages_per_rank']}")
 
 
+def fewest_steps(cfg) -> int:
+    """The smallest "steps" option a launch of `cfg` can time: its warm-up steps and one timed step. The run adds its
+    memory step after them itself (main), so the loop's own rule (warm-up, memory step, one timed) holds with this."""
+    return cfg.timing_warmup + 1
+
+
+def check_steps(steps: int, cfg) -> None:
+    """A ConfigError, in the launch's own terms, for a "steps" option that leaves no step to time."""
+    if steps < fewest_steps(cfg):
+        raise ConfigError(
+            f'pipeline: "steps": {steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s) (the memory '
+            f'step is added after them): raise "steps" to at least {fewest_steps(cfg)} (pipeline.fewest_steps(cfg))'
+        )
+
+
 def split_points(n_layer: int, p: int, block_cost: float, head_cost: float) -> list[tuple[int, int]]:
     """Contiguous block ranges [lo, hi) per stage so that each stage's estimated work is near total/p; the last
     stage also carries the output layer (head_cost). Every stage gets at least one block."""
@@ -740,6 +755,7 @@ def main(argv=None) -> None:
     ms = [int(m) for m in o["microbatches"]]
     schedules = list(o["schedules"])
     steps = int(o["steps"])
+    check_steps(steps, ctx.cfg)
     v = int(o["stages_per_rank"])
     batch = int(o["batch_size"] or max(ms))
     if ctx.cfg.compile:
