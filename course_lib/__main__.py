@@ -60,6 +60,8 @@ def cmd_ladder(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     raised = f", {raised}" if raised else ""  # said in the banner (run_ladder then finds nothing to raise)
+    if args.preset == "auto":
+        print(C.auto_reason(base.device), file=sys.stderr)
     print(
         f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
         f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
@@ -554,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         epilog=_rungs_and_presets(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="cpu", choices=list(C.PRESETS), help="the model and batch (default: cpu)")
+    p.add_argument(
+        "--preset", default="auto", choices=list(C.PRESETS), help="the model and batch (default: auto: sized to it)"
+    )
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
     p.add_argument("--rungs", default=None, help="only these rungs, by index (0 = naive fp32), e.g. 0,2,3")
