@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RANKS = "shakespeare_bpe.tiktoken"
 
 # Run in the child interpreter: load the tokenizer through the course's own function, check where every file was
-# found, then run `python -m course_lib bpe` with the (slow) trainer replaced by a stub, to see where it writes.
+# found, then run `python -m course_lib bpe` (without and with --force) with the (slow) trainer replaced by a stub, to
+# see where it writes.
 CHECK = r"""
 import contextlib, io, json, sys
 from pathlib import Path
@@ -49,17 +50,22 @@ assert script["course_ranks_file"]().resolve() == expect_ranks, script["course_r
 from course_lib import __main__ as cli, bpe
 bpe.train_bpe = lambda text, n: {bytes([i]): i for i in range(256)}
 d.corpus_text = lambda: ""
-err = io.StringIO()
-with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-    rc = cli.main(["bpe"])
-print(json.dumps({"data_dir": str(d.DATA_DIR), "measured": measured, "bpe_rc": rc, "bpe_err": err.getvalue()}))
+def bpe_cli(*args):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        return cli.main(["bpe", *args]), err.getvalue()
+
+unforced_rc, unforced_err = bpe_cli()  # the shipped ranks are replaced only with --force
+rc, err = bpe_cli("--force")
+print(json.dumps({"data_dir": str(d.DATA_DIR), "measured": measured, "bpe_rc": rc, "bpe_err": err,
+                  "unforced_rc": unforced_rc, "unforced_err": unforced_err}))
 """
 
 
 def copy_of_repository(dest: Path) -> Path:
     """What a build needs, copied, so that builds neither write into this checkout nor pick up stale build/ files."""
     dest.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, dest / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints")
     for name in ("course_lib", "data"):
@@ -131,6 +137,12 @@ def test_wheel_ships_the_data_and_an_installed_copy_finds_it(tmp_path):
         for f in (ROOT / "data" / sub).glob("**/*.json"):
             assert f"course_lib/_data/{f.relative_to(ROOT / 'data').as_posix()}" in names
     assert not any(n.startswith("data/") for n in names)  # no top-level `data` package in site-packages
+    # The licence travels with every install: its text in the wheel, its SPDX name in the metadata.
+    with zipfile.ZipFile(wheel) as z:
+        (licence,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        assert z.read(licence) == (ROOT / "LICENSE").read_bytes()
+        (metadata,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        assert "License-Expression: MIT" in z.read(metadata).decode().splitlines()
 
     installed = tmp_path / "site-packages"
     with zipfile.ZipFile(wheel) as z:
@@ -148,6 +160,7 @@ def test_a_source_tree_with_no_install_reads_its_own_data_folder(tmp_path):
     src = copy_of_repository(tmp_path / "src")  # on sys.path as PYTHONPATH=$PWD puts it: no course_lib._data package
     out = run_check(tmp_path, src, src / "course_lib", src / "data", src / "data" / RANKS)
     assert out["data_dir"] == str(src / "data") and out["bpe_rc"] == 0, out["bpe_err"]
+    assert out["unforced_rc"] == 2 and "--force" in out["unforced_err"], out["unforced_err"]
 
 
 @pytest.mark.parametrize("mode", ["lenient", "strict"])  # lenient: what plain `pip install -e .` does
@@ -162,6 +175,8 @@ def test_editable_install_reads_and_writes_the_repository_data_folder(tmp_path, 
     else:
         pkg, data_dir = src / "course_lib", src / "data"
     out = run_check(tmp_path, installed, pkg, data_dir, src / "data" / RANKS)
-    # `python -m course_lib bpe` rewrites the repository's own data/ file (here the stub's 256 ranks).
+    # `python -m course_lib bpe --force` rewrites the repository's own data/ file (here the stub's 256 ranks); without
+    # --force it refuses.
     assert out["bpe_rc"] == 0, out["bpe_err"]
+    assert out["unforced_rc"] == 2 and "--force" in out["unforced_err"], out["unforced_err"]
     assert len((src / "data" / RANKS).read_text().splitlines()) == 256
