@@ -52,16 +52,19 @@ def adamw_update(
         m_hat = m / (1 - b1^t),    v_hat = v / (1 - b2^t)   (bias correction: m and v start at zero)
         theta <- theta - lr * m_hat / (sqrt(v_hat) + eps)
 
+    Written in the order of torch.optim.AdamW's for-loop (foreach=False), so that the two give the same bits: m moves
+    towards g by lerp, and the last line is computed as theta - (lr / (1 - b1^t)) m / (sqrt(v) / sqrt(1 - b2^t) + eps).
     bias_correction=False uses m and v as they are: no optimizer does that; it is here to measure what the
     correction does (notebook 05).
     """
     b1, b2 = betas
-    p.mul_(1 - lr * weight_decay)
-    m.mul_(b1).add_(g, alpha=1 - b1)
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - b1)  # b1 m + (1 - b1) g
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    m_hat = m / (1 - b1**t) if bias_correction else m
-    v_hat = v / (1 - b2**t) if bias_correction else v
-    p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+    bias_correction1, bias_correction2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
+    sqrt_v_hat = v.sqrt() / bias_correction2**0.5
+    p.addcdiv_(m, sqrt_v_hat.add_(eps), value=-(lr / bias_correction1))
 
 
 def bias_correction_ratio(t: int, betas: tuple[float, float]) -> float:
@@ -169,8 +172,9 @@ def rmsprop_update(
 
 class HandOptimizer(torch.optim.Optimizer):
     """The loop every hand-written optimizer of the course shares: for each parameter that has a gradient, its state
-    (made at its first step, zeros like the parameter) and one call of the update rule. A subclass names its state
-    tensors (`state_names`) and its rule (`update`); nothing else."""
+    (made at its first step, zeros like the parameter) and one call of the update rule. A parameter whose .grad is None
+    (frozen, or unused this step) is skipped as torch.optim skips it: no weight decay, no step, its state untouched.
+    A subclass names its state tensors (`state_names`) and its rule (`update`); nothing else."""
 
     def state_names(self, group: dict) -> tuple[str, ...]:
         return ()
@@ -180,6 +184,10 @@ class HandOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -191,6 +199,7 @@ class HandOptimizer(torch.optim.Optimizer):
                     state.update({name: torch.zeros_like(p) for name in self.state_names(group)})
                 state["t"] += 1
                 self.update(p, p.grad, state, group)
+        return loss
 
 
 class HandAdamW(HandOptimizer):
