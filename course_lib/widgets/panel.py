@@ -3,6 +3,10 @@ that keeps every run of the session. It can be driven from code (`set`, `run`), 
 
 The panel holds no result that is not also in `panel.results` (a plain list), and it can save them to JSON.
 
+The Run button's first press shows a run the notebook already made of the configuration the controls describe (the
+runs it put in `panel.results`, or ran through `panel.run`) as it was measured, instead of training it again; any
+later press, or a changed control, trains.
+
 A notebook fits the panel to its own lesson with three arguments, and nothing else:
 
 - `runner(cfg, label, callback, **extras) -> RunResult` decides what Run does (default: course_lib.train.run);
@@ -45,6 +49,7 @@ from ..results import ResultsFile, RunResult, check_writable
 from .controls import ALL_CONTROLS, Controls
 from .export_box import ExportBox
 from .figure import FigureView
+from .pressing import made
 from .run_queue import RunQueue
 from .table import TableView
 
@@ -113,7 +118,8 @@ class Panel:
         self.status = W.HTML(self.save_note)
         self.run_button.add_class("course-run")  # stable hooks for the browser test
         self.clear_button.add_class("course-clear")
-        self.run_button.on_click(lambda _b: self._safe_run())
+        self.run_button.on_click(lambda _b: self.press())
+        self.press_title, self._presses = title, 0
         self.clear_button.on_click(lambda _b: self.clear())
         header = W.HTML(
             f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
@@ -135,6 +141,7 @@ class Panel:
                 W.HBox([self.export_button, self.export_status]),
             ]
         )
+        made(self)
 
     # ---- what the parts hold ---------------------------------------------------------------------------------------
     @property
@@ -222,6 +229,8 @@ class Panel:
         """A result is in `results` (the queue put it there first: nothing here can lose it): saved and drawn."""
         if self.progress.description == "running":  # a run ended (an invalid config never started one)
             self.progress.description = "done" if result.ok else result.status
+        if result.status == "interrupted":  # Panel.run's own status line is never reached: the interrupt goes on up
+            self.status.value = f"<b>{result.label}</b>: interrupted; the panel is ready for the next run"
         if self._file is not None:
             self._file.save(self.results)  # a failed write (the folder removed) is kept and shown: the runs go on
         self.redraw()
@@ -248,12 +257,36 @@ class Panel:
         self.status.value = self.save_note
         return self.save_to
 
-    def _safe_run(self) -> None:
-        """The button's handler: never lets an exception kill the panel; the error is shown instead."""
+    def press(self) -> str:
+        """What the Run button does, never raising (an error is shown and the kernel lives on); returns why the press
+        gave no result ("" when it did). The first press shows a run of this configuration the notebook already made
+        (`measured_already`) as it was measured instead of training it again; any later press trains."""
+        self._presses += 1
         try:
-            self.run()
+            shown = self.measured_already() if self._presses == 1 else None
+            if shown is not None:
+                self.redraw()
+                self.status.value = (
+                    f"<b>{shown.label}</b> is this configuration, measured above: shown as it was, not trained again "
+                    "(press Run again to train it anew, or change a control)"
+                )
+                return ""
+            result = self.run()
         except Exception as e:  # noqa: BLE001 - shown to the learner, the kernel lives on
             self.status.value = f"<span style='color:#c44e52'>Error: {type(e).__name__}: {e}</span>"
+            return f"{type(e).__name__}: {e}"
+        return "" if result.ok else f"{result.status}: {result.reason}"
+
+    def measured_already(self) -> RunResult | None:
+        """The latest successful run in `results` of the configuration the controls describe now (None if there is
+        none, or the panel has controls of the notebook's own, whose values a result does not record)."""
+        if self.extras:
+            return None
+        try:
+            now = self.config().to_dict()
+        except (C.ConfigError, ValueError):
+            return None
+        return next((r for r in reversed(self.results) if r.ok and r.config == now), None)
 
     def clear(self) -> None:
         self.queue.clear()

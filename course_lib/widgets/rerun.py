@@ -3,7 +3,8 @@ a Run button, and the figure of the last run. `run(**values)` returns (result, f
 `results`, a plain list outside the widgets, and the figure is shown as PNG bytes in an Image widget (a figure
 displayed into an Output widget from a button's callback came out blank in JupyterLab: widgets/figure.py's
 FigureView, which it uses).
-An error is shown as one line, the results so far are kept, and the box goes on.
+An error is shown as one line, the results so far are kept, and the box goes on. `show(result, fig, **values)` puts a
+run the notebook already made in the box, so that the first press with those values shows it instead of running again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import ipywidgets as W
 from matplotlib.figure import Figure
 
 from .figure import FigureView
+from .pressing import made
 
 
 class Rerun:
@@ -23,8 +25,33 @@ class Rerun:
         self.button = W.Button(description="Run", button_style="primary", icon="play")
         self.status = W.HTML(html.escape(title))
         self.figure = FigureView()  # the panel's figure widget, shown from a figure the run made
-        self.button.on_click(self.run)
+        self.button.on_click(lambda _b: self.press())
         self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.figure.image])
+        self.press_title, self._presses, self._shown = title, 0, None
+        made(self)
+
+    def show(self, result: object, fig: Figure, **values) -> "Rerun":
+        """Show a run the notebook already made (`values`: the controls' values it ran with), kept in `results`; the
+        first press of Run with those values shows it again instead of running it anew."""
+        self.results.append(result)
+        self.figure.show_figure(fig)
+        self._shown = values
+        self.status.value = html.escape(f"measured above: {values}; press Run to run it again, or change a control")
+        return self
+
+    def press(self) -> str:
+        """What the Run button does: returns why the press gave no result ("" when it did). The first press with the
+        values of the run `show` gave shows that run as it was measured; any other press runs."""
+        self._presses += 1
+        values = {name: w.value for name, w in self.controls.items()}
+        if self._presses == 1 and self._shown is not None and values == self._shown:
+            self.status.value = html.escape(
+                f"measured above: {values}; shown as it was, not run again (press Run again to run it anew)"
+            )
+            return ""
+        count = len(self.results)
+        self.run()
+        return "" if len(self.results) > count else html.unescape(self.status.value.replace("<b>error</b>", "error"))
 
     def run(self, _=None) -> object:
         """One run with the controls' values: its result kept in `results`, its figure shown."""
