@@ -41,7 +41,7 @@ LAYERS = (
     ),
     (
         "the learner's side",
-        "widgets doctor distributed.strategy_panel __main__ course_lib hosted "
+        "widgets doctor distributed.strategy_panel __main__ course_lib hosted results_page "
         + " ".join(f"widgets.{p.stem}" for p in (PACKAGE / "widgets").glob("*.py") if p.stem != "__init__"),
     ),
 )
