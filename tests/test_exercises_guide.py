@@ -1,5 +1,5 @@
-"""The teacher's guide (docs/teachers_guide.md) says what the checkers say: its exercises' blocks are generated from
-course_lib.exercises and must be up to date; the README links it."""
+"""The exercises' guide for teachers (docs/exercises.md) says what the checkers say: its blocks are generated from
+course_lib.exercises and must be up to date; the README and the teacher's guide link it."""
 
 import pytest
 
@@ -10,6 +10,7 @@ from course_lib.exercises import guide as G
 def test_the_committed_guide_is_up_to_date():
     text = G.GUIDE.read_text()
     assert G.update(text) == text, "the exercises changed: run `python -m course_lib exercises --guide` and commit"
+    assert "<!-- exercises" not in (G.GUIDE.parent / "teachers_guide.md").read_text()  # they have a file of their own
 
 
 def test_every_exercise_and_every_hint_is_in_the_guide_under_its_notebook():
@@ -41,5 +42,8 @@ def test_the_cli_rewrites_a_stale_guide(tmp_path, capsys):
     assert cli.main(["exercises", "--guide", str(copy)]) == 0 and "up to date" in capsys.readouterr().out
 
 
-def test_the_readme_links_the_guide():
-    assert "(docs/teachers_guide.md)" in (G.GUIDE.parent.parent / "README.md").read_text()
+def test_the_readme_and_the_teachers_guide_link_the_exercises():
+    assert G.GUIDE.name == "exercises.md"
+    readme = (G.GUIDE.parent.parent / "README.md").read_text()
+    assert "(docs/teachers_guide.md)" in readme and "(docs/exercises.md)" in readme
+    assert "(exercises.md)" in (G.GUIDE.parent / "teachers_guide.md").read_text()
