@@ -28,8 +28,8 @@ from dataclasses import replace
 import torch
 
 from .. import measure, techniques
-from ..model import GPT
 from . import _common, zero_memory
+from .fsdp import fsdp_model
 
 STAGE_NAMES = {
     0: "DDP",
@@ -56,21 +56,6 @@ def zero1_optimizer(cfg, model: torch.nn.Module):
         parameters_as_bucket_view=True,
         lr=cfg.lr,
     )
-
-
-def fsdp_model(cfg, reshard_after_forward: bool, offload: bool = False) -> torch.nn.Module:
-    """The course's GPT sharded by FSDP2 as data_parallel="fsdp" shards it (techniques.shard_with_fsdp2), with the
-    choice stage 2 needs: keep the gathered parameters from forward to backward."""
-    torch.manual_seed(cfg.seed)  # the same initial weights as every other stage's (and the reference's) GPT
-    model = GPT(cfg.model).to(cfg.device)
-    techniques.shard_with_fsdp2(
-        model,
-        techniques.ModelParts.of(model),
-        torch.device(cfg.device).type,
-        reshard_after_forward=reshard_after_forward,
-        offload=offload,
-    )
-    return model
 
 
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -163,13 +163,22 @@ def shard_with_fsdp2(
     device_type: str,
     reshard_after_forward: bool | None = None,
     offload: bool = False,
+    mp_policy=None,
+    replicated: tuple[nn.Module, ...] = (),
 ) -> None:
     """FSDP2 in place, inside an initialised process group: fully_shard on every block, then on the root (embeddings,
     final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
     1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward: None is fully_shard's own
     default (torch 2.13: free each block's gathered parameters after its forward, keep the root's, which backward
     needs first); False keeps every gathered parameter from forward to backward (ZeRO-2's memory, one all-gather
-    less); True frees the root's too. offload keeps the shards in CPU memory."""
+    less); True frees the root's too. offload keeps the shards in CPU memory.
+
+    mp_policy: a torch.distributed.fsdp.MixedPrecisionPolicy, e.g. param_dtype=torch.bfloat16 (the gathered copy and
+    the computation in bf16) and reduce_dtype=torch.float32 (gradients reduced in fp32, into the fp32 shards the
+    optimizer updates: its master weights); None computes in the parameters' own dtype. replicated: modules whose
+    parameters stay plain tensors, whole on every rank (a norm's weight, too small to gain from sharding); every rank
+    must start them equal (the same seed), and a hook averages their gradients over the ranks after each backward.
+    (Clipping's global norm, torch.nn.utils.get_total_norm, refuses such a mix of DTensor and plain gradients.)"""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
@@ -178,9 +187,23 @@ def shard_with_fsdp2(
     options = {"offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
     if reshard_after_forward is not None:
         options["reshard_after_forward"] = reshard_after_forward
+    if mp_policy is not None:
+        options["mp_policy"] = mp_policy
+    kept_whole = {p for m in replicated for p in m.parameters()}
+    if kept_whole:
+        options["ignored_params"] = kept_whole  # FSDP2 neither shards them nor reduces their gradients
     for block in parts.blocks if parts.blocks is not None else ():
         fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
+    for p in kept_whole:
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(_average_over_ranks)
+
+
+def _average_over_ranks(p: torch.Tensor) -> None:
+    """A replicated parameter's gradient, averaged over the ranks (what DDP does for every parameter)."""
+    dist.all_reduce(p.grad)
+    p.grad /= dist.get_world_size()
 
 
 def export(cfg: TrainConfig) -> Code:
