@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import os
 
-BUDGETS = ("full", "smoke")
+BUDGETS = {"full": "the learner's full experiment", "smoke": "a quick, test-sized run"}
 
 
 def budget() -> str:
-    value = os.environ.get("COURSE_BUDGET", "full").strip().lower() or "full"
+    """The budget COURSE_BUDGET names (case and spaces aside; unset or empty: full). A ValueError for any other value
+    lists the allowed ones."""
+    given = os.environ.get("COURSE_BUDGET", "full")
+    value = given.strip().lower() or "full"
     if value not in BUDGETS:
-        raise ValueError(f"COURSE_BUDGET={value!r} is not one of {BUDGETS}: unset it or use 'smoke' for a quick run")
+        allowed = ", ".join(f"{name} ({what})" for name, what in BUDGETS.items())
+        raise ValueError(
+            f"COURSE_BUDGET={given!r} is not a budget: set it to one of {allowed}, or unset it for the full one"
+        )
     return value
 
 

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -47,7 +47,8 @@ def provenance(device_name: str) -> dict:
 @dataclass
 class RunResult:
     label: str
-    status: str  # "ok", "oom", "diverged" (a non-finite loss: the steps up to it are kept), "skipped" or "error"
+    # "ok", "oom", "diverged" (a non-finite loss: the steps up to it are kept), "skipped", "error" or "interrupted"
+    status: str
     config: dict
     provenance: dict
     reason: str = ""
@@ -216,11 +217,60 @@ class ResultsFile:
 
 
 def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
-    payload = json.loads(Path(path).read_text())
+    """The results and the rest of a file save_results wrote. A file that is missing, a folder, empty, cut short,
+    not text, or of another kind raises a ResultsFileError that says which, in words a learner can act on."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ResultsFileError(f"there is no file {path}") from None
+    except IsADirectoryError:
+        raise ResultsFileError(f"{path} is a folder: give the file in it") from None
+    except UnicodeDecodeError:
+        raise ResultsFileError("it is not text (a binary file?)") from None
+    except OSError as e:  # a file that cannot be read (its permissions): the system's reason
+        raise ResultsFileError(f"it cannot be read ({e.strerror or e})") from None
+    if not text.strip():
+        raise ResultsFileError("it is empty (a run stopped before its first result was written?)")
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as e:
+        # the text stops where more was expected (or inside a string): cut short, not mistyped
+        ends = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+        raise ResultsFileError(
+            "it ends in the middle of its JSON (cut short: a copy or a download that did not finish?)"
+            if ends
+            else f"it is not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from None
     if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
-        raise ValueError("it holds no list of results, as a file `ladder --json` or a panel wrote does")
-    results = [RunResult.from_dict(r) for r in payload.pop("results")]
+        raise ResultsFileError("it holds no list of results, as a file `ladder --json` or a panel wrote does")
+    results = [_run_record(i, row) for i, row in enumerate(payload.pop("results"))]
     return results, payload
+
+
+def _run_record(i: int, row) -> RunResult:
+    """Result number i of a file as a RunResult, or a ResultsFileError naming what it lacks or has too many of."""
+    known = {f.name for f in fields(RunResult)}
+    needed = {f.name for f in fields(RunResult) if f.default is MISSING and f.default_factory is MISSING}
+    what = (
+        f"a {type(row).__name__}, not an object"
+        if not isinstance(row, dict)
+        else f"no {sorted(needed - set(row))}"
+        if needed - set(row)
+        else f"fields no run has: {sorted(set(row) - known)}"
+        if set(row) - known
+        else ""
+    )
+    try:
+        if not what:
+            return RunResult.from_dict(row)
+    except (TypeError, ValueError) as e:  # a field of the wrong kind (val_losses not pairs)
+        what = str(e)
+    raise ResultsFileError(f"its result {i + 1} is not a run's record ({what})")
+
+
+class ResultsFileError(ValueError):
+    """A file that holds no results save_results could have written; the message says what it holds instead."""
 
 
 def gflops_text(flop_per_s: float) -> str:

@@ -14,8 +14,12 @@ def test_pick_follows_the_environment(monkeypatch):
 
 def test_an_unknown_budget_says_what_to_use(monkeypatch):
     monkeypatch.setenv("COURSE_BUDGET", "tiny")
-    with pytest.raises(ValueError, match="use 'smoke'"):
+    with pytest.raises(ValueError) as e:
         budget.pick(1, 2)
+    assert "COURSE_BUDGET='tiny' is not a budget" in str(e.value)
+    assert all(f"{name} (" in str(e.value) for name in budget.BUDGETS) and "unset it" in str(e.value)
+    monkeypatch.setenv("COURSE_BUDGET", " Smoke ")  # case and spaces aside
+    assert budget.is_smoke()
 
 
 def test_the_budget_line_says_how_to_get_the_other_budget(monkeypatch):

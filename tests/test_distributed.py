@@ -260,3 +260,59 @@ def test_each_rank_sends_the_ring_share_and_this_torchs_gloo_reduce_scatter_send
     for kind in ("all-reduce", "all-gather", "broadcast"):
         assert share[kind] == pytest.approx(zero_memory.sent_share(kind, n), rel=0.02), (kind, share)
     assert share["reduce-scatter"] == pytest.approx(2 * (n - 1) / n, rel=0.03), share
+
+
+def test_a_worker_killed_mid_collective_ends_the_launch_with_its_cause_and_no_process_left(tmp_path):
+    """Rank 1 is killed by SIGKILL (as the out-of-memory killer does) while rank 0 waits in the all-reduce: the launch
+    ends within a bounded time, its message names the killed rank and the signal first (rank 0's 'connection closed'
+    is what followed), and neither worker nor torchrun outlives it."""
+    import time
+
+    t0 = time.monotonic()
+    r = L.launch("selftest", 2, options={"mode": "killed"}, device="cpu", timeout_s=90, out_dir=tmp_path)
+    assert time.monotonic() - t0 < 60 and not r.timed_out and not r.ok
+    assert r.why().splitlines()[1].startswith("rank 1 was killed by SIGKILL: the system's out-of-memory killer")
+    assert len(L.rank_pids(r)) == 2
+    for pid in L.rank_pids(r) + [r.pid]:
+        assert not L.alive(pid), f"process {pid} outlived the launch"
+
+
+def test_a_launch_whose_launcher_dies_leaves_no_worker_behind(tmp_path):
+    """The notebook kernel that launched a run is killed (a restart): torchrun is told (Linux: the parent-death
+    signal), stops its workers, and ends; its own session would have kept them waiting for the hour otherwise."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's")
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from course_lib.distributed import launch as L; "
+            "L.launch('selftest', 2, options={'mode': 'hang'}, device='cpu', timeout_s=600, out_dir=sys.argv[1])",
+            str(tmp_path),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("pid_rank*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in tmp_path.glob("pid_rank*")]
+        assert len(pids) == 2, "the ranks never started"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        deadline = time.monotonic() + 30
+        while any(L.alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        survivors = [pid for pid in pids if L.alive(pid)]
+    finally:
+        launcher.kill()
+        for f in tmp_path.glob("pid_rank*"):  # this test's own workers, should they have survived
+            if L.alive(pid := int(f.read_text())):
+                os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"workers {survivors} outlived the process that launched them"

@@ -112,6 +112,8 @@ class LaunchResult:
             head = f"{self.strategy} with {self.nproc} processes failed (exit code {self.returncode})"
         else:
             head = f"{self.strategy}: {len(self.ranks)} of {self.nproc} ranks wrote results"
+        if first := root_cause(self.stderr):
+            head += "\n" + first
         # The ranks' own exceptions first (the root cause is usually one rank's error, the rest is fallout).
         # An exception's own line ("[rank1]: ConfigError: n_head=2 ..."), not a source line that mentions one.
         errors = [
@@ -126,6 +128,37 @@ class LaunchResult:
         if not self.ok:
             raise RuntimeError(self.why())
         return self
+
+
+def _stopped_with_this_process() -> None:
+    """Run in torchrun's process before it starts (Linux): SIGTERM to it when the process that launched it dies, even
+    by SIGKILL (a notebook kernel restarted), so that torchrun stops its workers; its own session would outlive the
+    kernel otherwise. Elsewhere nothing: the launch's own timeout and the stop in `launch` still hold."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def root_cause(stderr: str) -> str:
+    """The first rank to fail, as torchrun's summary names it ("Root Cause"), in a sentence; "" where it names none. A
+    rank killed by a signal raised nothing: the other ranks' errors (a connection closed) are only what followed."""
+    found = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", stderr, flags=re.S)
+    if not found:
+        return ""
+    rank, code = int(found[1]), int(found[2])
+    if code >= 0:
+        return f"the first to fail: rank {rank}, with exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = ": the system's out-of-memory killer (see `dmesg`) or a kill by hand" if name == "SIGKILL" else ""
+    return (
+        f"rank {rank} was killed by {name}{why}; the other ranks' errors below followed from it, and torchrun stopped "
+        "them"
+    )
 
 
 def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -146,6 +179,18 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
             except ProcessLookupError:
                 return
             time.sleep(0.1)
+
+
+def _stop_ranks(out: Path) -> None:
+    """SIGKILL to any worker of this launch still alive (each wrote its pid in `out`): torchrun gives each worker a
+    session of its own, which a signal to torchrun's group does not reach when torchrun itself could not stop them."""
+    for f in out.glob("pid_rank*"):
+        try:
+            pid = int(f.read_text())
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):  # gone already, or a pid file half written by a rank that died writing it
+            pass
 
 
 def check_strategy_options(strategy: str, options: dict) -> None:
@@ -187,7 +232,7 @@ def launch(
     check_strategy_options(strategy, options or {})  # here, before any process starts: one message, not one per rank
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"course_{strategy}_"))
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("rank*.json"):
+    for old in [*out.glob("rank*.json"), *out.glob("pid_rank*")]:  # an earlier launch's, not this one's
         old.unlink()
     config_file = None
     if cfg is not None:
@@ -201,7 +246,13 @@ def launch(
     env["TORCHELASTIC_ERROR_FILE"] = str(out / "error.json")
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_stopped_with_this_process,
     )
     timed_out = False
     try:
@@ -212,6 +263,7 @@ def launch(
         stdout, stderr = proc.communicate()
     finally:
         _stop_group(proc, grace_s=1.0)  # workers that outlived torchrun, if any
+        _stop_ranks(out)
     wall = time.perf_counter() - t0
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
     result = LaunchResult(

@@ -1,12 +1,15 @@
 """The smallest distributed program: every rank all-reduces its rank number. Options: {"mode": "ok"}, or
-"fail" (the last rank raises) or "hang" (the last rank never reaches the collective) to show how the launcher
-reports a failed or hung run and stops every process; {"measure_bytes": B} also runs an all-reduce, an all-gather, a
-reduce-scatter and a broadcast of B bytes each (the full side of the exchange, as _common.CollectiveCounter counts it)
-and records, for each, the bytes this rank wrote to its sockets meanwhile (gloo on Linux; None elsewhere): what one
-rank really sends, beside the ring algorithms' formula (zero_memory.sent_share)."""
+"fail" (the last rank raises), "hang" (the last rank never reaches the collective) or "killed" (the last rank is
+killed by SIGKILL, as the out-of-memory killer does, while the others wait in the collective) to show how the launcher
+reports a failed, hung or killed run and stops every process; {"measure_bytes": B} also runs an all-reduce, an
+all-gather, a reduce-scatter and a broadcast of B bytes each (the full side of the exchange, as
+_common.CollectiveCounter counts it) and records, for each, the bytes this rank wrote to its sockets meanwhile (gloo on
+Linux; None elsewhere): what one rank really sends, beside the ring algorithms' formula (zero_memory.sent_share)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import torch
@@ -49,6 +52,9 @@ def main(argv=None) -> None:
         raise RuntimeError(f"rank {ctx.rank} fails on purpose (selftest mode 'fail')")
     if mode == "hang" and ctx.is_last:
         time.sleep(3600)
+    if mode == "killed" and ctx.is_last:
+        time.sleep(1)  # the others are in the all-reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
     t = torch.tensor([float(ctx.rank)], device=ctx.device)
     t0 = time.perf_counter()
     dist.all_reduce(t)

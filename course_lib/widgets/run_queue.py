@@ -3,8 +3,9 @@ only in a widget.
 
 A run that cannot go on does not stop the queue: running out of memory is a row with status "oom" (the failed run's
 memory freed first, so the next run has it: course_lib.train.catching_oom), a ConfigError a "skipped" row with its
-message, any other exception an "error" row with its type and first line. The queue knows no widget: it reports to
-three optional callbacks, which the panel points at its progress bar, status line, table and figure.
+message, any other exception an "error" row with its type and first line. An interrupt (Kernel > Interrupt) is an
+"interrupted" row, and then stops the queue and the cell, as an interrupt should. The queue knows no widget: it reports
+to three optional callbacks, which the panel points at its progress bar, status line, table and figure.
 
     on_start(cfg, label)    a run begins
     on_step(done, steps)    after each step the runner reports (`callback(step, result)`, step counted from 0)
@@ -70,6 +71,18 @@ class RunQueue:
 
         try:
             result = catching_oom(lambda: self.runner(cfg, label, callback, **extras), cfg, label)
+        except KeyboardInterrupt:  # Kernel > Interrupt: a row says so, its memory is freed, and the cell stops
+            self.keep(
+                RunResult(
+                    label=label,
+                    status="interrupted",
+                    config=cfg.to_dict(),
+                    provenance=provenance(device_name(cfg.device)),
+                    reason="interrupted before it finished: run it again to measure it",
+                )
+            )
+            free_memory()
+            raise
         except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why; the queue goes on
             status = "skipped" if isinstance(e, C.ConfigError) else "error"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
