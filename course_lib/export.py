@@ -592,16 +592,16 @@ def ladder_diffs(results: list):
     techniques.LADDER's order, then its last row): for each rung, what it changes in the exported script against the
     best loop so far, the one it was measured against, with its verdict, speed and memory; a rung that was kept becomes
     the next one's base.
-    A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised loop
-    against naive fp32, all at once."""
+    A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised and the
+    leanest loop against naive fp32, each all at once."""
     import html
 
     from IPython.display import HTML
 
-    from .ladder import AGAIN, OPTIMISED, rung_name
+    from .ladder import AGAIN, FINAL_ROWS, rung_name, rungs_of
 
     rungs = T.RUNGS
-    climbed = [r for r in results if r.label != OPTIMISED]
+    climbed = rungs_of(results)
     second_looks = climbed[len(rungs) :]  # "<rung>, again": a rung tried once more on top of the loop the climb reached
     if [r.label for r in climbed[: len(rungs)]] != list(rungs) or any(rung_name(r) not in rungs for r in second_looks):
         raise ValueError(
@@ -621,11 +621,11 @@ def ladder_diffs(results: list):
         )
         if r.ok and (r.ladder or {}).get("kept"):
             best_cfg = cfg
-    top = next((r for r in results if r.label == OPTIMISED), None)
-    if top is not None:
+    for top in (r for r in results if r.label in FINAL_ROWS):
+        what = "the optimised loop" if top.label == FINAL_ROWS[0] else "the leanest loop"
         parts.append(
             f"<details open><summary><b>{html.escape(top.label)}</b>: {html.escape(_measured(top, naive))}</summary>"
-            + diff_html(naive_cfg, TrainConfig.from_dict(top.config), "the optimised loop against naive fp32")
+            + diff_html(naive_cfg, TrainConfig.from_dict(top.config), f"{what} against naive fp32")
             + "</details>"
         )
     return HTML("\n".join(parts))

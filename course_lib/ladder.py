@@ -11,16 +11,22 @@ What is kept (`judge`):
   against itself, `same_step_noise`), a factor within twice that noise is timed again in a second window of pairs,
   and stands only if both windows agree (`second_window`);
 - a memory technique (set_to_none, checkpointing, the chunked loss) where it made the peak smaller; what it cost in
-  time is reported;
+  time is reported (the climb's loop becomes the leanest one; the optimised loop leaves out what cost time);
 - SDPA, which aims at both, where it helped one without hurting the other.
 
 A rung that did not help stays in the table, not kept, with its measured factor and the device's reason (bf16 on a
 CPU without bf16 instructions), and the next rung climbs from the best loop so far. A speed rung not kept for a reason
 other than missing hardware gets a second look at the end, on top of the loop the climb reached (its row named
 "<rung>, again"): what came after it can change its verdict. A speed rung far slower than the
-best loop in each of its first timed steps is stopped there: its verdict is already clear. The last row is the loop
-this device ends with, timed once more against naive fp32 in pairs. `fixed=True` climbs the fixed ladder instead:
-every rung the device can run is kept, whatever it measured, for comparison.
+best loop in each of its first timed steps is stopped there: its verdict is already clear.
+
+Two rows end the table, each timed once more against naive fp32 in pairs (`final_rows`):
+- `= optimised here`, the fastest loop that fits: the climb's loop without the memory techniques that cost measurable
+  time at their rung, unless the loop does not fit without them (one is put back, in ladder order, until it fits);
+- `= leanest here`, the loop with the least memory: the climb's loop, every memory technique that made it leaner kept,
+  with what that costs in time against the optimised loop.
+`fixed=True` climbs the fixed ladder instead: every rung the device can run is kept, whatever it measured, for
+comparison (both final rows are then that loop).
 """
 
 from __future__ import annotations
@@ -43,8 +49,13 @@ MIN_MEMORY_CHANGE = 0.01  # the same for the peak (the CPU ledger is exact; CUDA
 MIN_PAIRS = 3  # fewer paired steps cannot tell a change from noise
 GIVE_UP_SLOWER = 1.5  # a speed rung this much slower in each of its first GIVE_UP_AFTER paired steps is stopped there
 GIVE_UP_AFTER = MIN_PAIRS  # enough pairs for a verdict
-OPTIMISED = "= optimised here"  # the label of the last row: the loop this device ends with
+OPTIMISED = "= optimised here"  # the fastest loop that fits, on this device
+LEANEST = "= leanest here"  # the loop with the least memory, on this device (the last row)
+FINAL_ROWS = (OPTIMISED, LEANEST)
 
+# how a row's speed-up over naive fp32 (its ladder["speedup"]) was found: naive itself, the product of the paired
+# factors of the rungs up to it, or its own steps timed in pairs with naive's
+BASELINE, PRODUCT, PAIRED = "baseline", "product of paired factors", "paired with naive"
 FASTER, SLOWER, NO_CHANGE, TOO_FEW = "faster", "slower", "no measurable change", "too few timed steps to tell"
 LEANER, FATTER, NOT_MEASURED = "leaner", "more memory", "not measured"
 
@@ -141,13 +152,12 @@ def judge(
     memory: tuple[float | None, str],
     device_note: str = "",
     fixed: bool = False,
-    loop_speedup: float | None = None,
 ) -> tuple[bool, str]:
     """(kept, why) for a rung that aims at `aims` (techniques.SPEED or MEMORY), measured as `speed` and `memory`
     against the best loop so far. `device_note` is what the device says of the technique (no bf16 instructions),
-    added where it was not kept. `fixed`: kept whatever it measured (the fixed ladder). `loop_speedup`: the loop's
-    speed-up over naive fp32 with this rung; a memory technique that would leave the loop slower than naive fp32 is not
-    kept (the optimised loop is faster *and* leaner than where it started)."""
+    added where it was not kept. `fixed`: kept whatever it measured (the fixed ladder). A memory technique is kept
+    where it made the peak smaller, whatever it cost in time: the optimised loop leaves out those that cost time
+    (final_rows)."""
     mem_factor, mem_verdict = memory
     if speed.verdict in (FASTER, SLOWER):  # (a factor exists only where there were pairs)
         speed_text = f"{speed.factor:.2f}x faster" if speed.verdict == FASTER else f"{1 / speed.factor:.2f}x slower"
@@ -165,8 +175,6 @@ def judge(
     # a memory technique trades time for memory by design: it is kept for memory
     if T.MEMORY in aims and T.SPEED not in aims:
         kept, what = mem_verdict == LEANER, f"{mem_text}, {speed_text}"
-        if kept and loop_speedup is not None and loop_speedup < 1 - MIN_SPEED_CHANGE:
-            kept, what = False, f"{what}: the loop would be slower than naive fp32 ({loop_speedup:.2f}x)"
     else:
         kept, what = helped and not hurt, f"{speed_text}, {mem_text}" if T.MEMORY in aims else speed_text
     if fixed:
@@ -203,8 +211,7 @@ class _Loop:
 
     trainer: Trainer
     result: RunResult
-    # over naive fp32: the product of the paired factors of the speed rungs kept on the way up (1 for naive); a kept
-    # memory rung's is timed against naive directly (_judged)
+    # over naive fp32: the product of the paired factors of the rungs kept on the way up (1 for naive)
     speedup: float | None
 
     @property
@@ -316,7 +323,8 @@ def run_ladder(
     on_result: Callable[[list[RunResult]], None] | None = None,
 ) -> list[RunResult]:
     """Climb techniques.LADDER from naive fp32 (the module docstring says how), one result per rung in order, then the
-    last row, OPTIMISED: the loop this device ends with. Each rung's `ladder` dict holds its verdict.
+    two final rows, OPTIMISED (the fastest loop that fits) and LEANEST (the least memory). Each row's `ladder` dict
+    holds its verdict.
 
     A rung the device cannot run, or one left out by choice (`leave_out` {rung name: why}: a test budget, a technique
     you want to see the ladder without; `rungs`: measure only these names, the others are left out) is 'skipped' with
@@ -337,7 +345,7 @@ def run_ladder(
     results: list[RunResult] = []
     naive_loop = best = None
     # "rung i of n" counts the rungs not left out by choice (one the device refuses is counted, and passes at once),
-    # the second looks and the last row
+    # the second looks and the final rows (one count)
     started, n, done = time.perf_counter(), sum(r.name not in leave_out for r in T.LADDER) + 1, 0
 
     def climb_one(label: str, rung: T.Rung, why_not: str | None = None) -> None:
@@ -365,6 +373,7 @@ def run_ladder(
                 "kept": result.ok,
                 "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
                 "speedup": 1.0 if result.ok else None,
+                "speedup_basis": BASELINE,
                 "memory_vs_naive": 1.0 if result.ok else None,
             }
             results.append(result)
@@ -392,8 +401,8 @@ def run_ladder(
                 on_result(results)
     if best is not None:
         if progress:
-            progress(_progress_text(done, n, OPTIMISED, started))
-        results.append(_confirm(naive_loop, best, results, caps))
+            progress(_progress_text(done, n, f"{OPTIMISED} and {LEANEST}", started))
+        results += final_rows(naive_loop, best, results, caps, fixed, progress)
         if on_result:
             on_result(results)
     return results
@@ -598,19 +607,7 @@ def _judged(
     memory = memory_change(result.peak_ratio(best.result))
     note = device_note(trainer.cfg, rung, caps)
     speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
-    vs_naive: list[tuple[float, float]] = []
-    if rung.aims == (T.MEMORY,) and memory[1] == LEANER and not fixed and best is not naive_loop and pairs:
-        # A memory rung is kept only if the loop stays as fast as naive fp32. The product of the factors before it would
-        # carry each one's noise (kept rungs inside the noise can add up to a slower loop): time it against naive
-        # directly, in as many pairs as against the best loop.
-        vs_naive, failed = _paired(naive_loop.trainer, trainer, len(pairs))
-        if failed:  # e.g. out of memory with three loops' state held: say so, keep the product
-            note = (f"{note}; " if note else "") + (
-                f"timed against naive through the product of factors ({failed} when paired with naive)"
-            )
-        else:
-            speedup = speed_change(vs_naive).factor
-    kept, why = judge(rung.aims, speed, memory, note, fixed, speedup)
+    kept, why = judge(rung.aims, speed, memory, note, fixed)
     if window:
         why += f" ({window})"
     same_step = _no_effect(trainer.cfg, rung, caps) and speed.factor
@@ -636,7 +633,7 @@ def _judged(
         "memory": memory[1],
         "memory_factor": memory[0],
         "speedup": speedup,
-        "pairs_vs_naive": [list(p) for p in vs_naive],  # (naive_s, rung_s) where speedup was timed against naive
+        "speedup_basis": PRODUCT,
         "memory_vs_naive": result.peak_ratio(naive_loop.result),
         "device_note": note,
         "pairs_again": [list(p) for p in more],  # a second window of (best_s, rung_s), where the first was within noise
@@ -657,13 +654,120 @@ def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, 
     return pairs or [], failed or ""
 
 
-def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Capabilities) -> RunResult:
-    """The last row: the loop this device ends with, timed once more in pairs against naive fp32 (as many pairs as a
-    rung has timed steps). Its memory is the one measured at the rung that made it the best (the same config)."""
+def memory_rungs_that_cost_time(results: list[RunResult]) -> list[RunResult]:
+    """The kept rungs whose only aim is memory and whose step was not as fast as the loop before it (slower, or too few
+    pairs to say): the optimised loop leaves these out where it fits without them. A pure function of the rows."""
+    return [
+        r
+        for r in results
+        if r.ladder.get("kept")
+        and r.ladder.get("aims") == [T.MEMORY]
+        and r.ladder.get("speed") not in (NO_CHANGE, FASTER)
+    ]
+
+
+def without_rungs(cfg: C.TrainConfig, rows: list[RunResult]) -> C.TrainConfig:
+    """`cfg` with the technique of each row's rung switched off (back to naive's value)."""
+    for r in rows:
+        t = T.RUNGS[rung_name(r)].technique
+        cfg = t.set(cfg, t.off)
+    return cfg
+
+
+def optimised_candidates(
+    leanest_cfg: C.TrainConfig, costly: list[RunResult]
+) -> list[tuple[C.TrainConfig, list[RunResult]]]:
+    """The loops the optimised one is tried as, fastest first: the leanest loop without every costly memory rung, then
+    with the first of them put back (ladder order), and so on to the leanest loop itself; each with the rungs put
+    back (those the loop does not fit without, when it is the one that runs)."""
+    return [(without_rungs(leanest_cfg, costly[k:]), costly[:k]) for k in range(len(costly) + 1)]
+
+
+def _slower_text(r: RunResult) -> str:
+    f = r.ladder.get("factor")
+    return f"{1 / f:.2f}x slower at its rung" if f and r.ladder.get("speed") == SLOWER else r.ladder.get("speed", "")
+
+
+def final_rows(
+    naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Capabilities, fixed: bool = False, progress=None
+) -> list[RunResult]:
+    """[OPTIMISED, LEANEST]. The climb's loop (`best`) is the leanest: it is timed in pairs against naive fp32. The
+    optimised loop is that loop without the memory techniques that cost time (memory_rungs_that_cost_time), run and
+    timed in pairs against naive fp32 on its own (the leanest loop's model and optimizer freed first); where it runs out
+    of memory, those techniques are put back one at a time (optimised_candidates). Where none cost time (or on the
+    fixed ladder) the two are one loop, and both rows say so."""
     kept = [r.label for r in results[1:] if r.ladder.get("kept")]
+    lean = _confirm(naive_loop, best, LEANEST, kept, caps, any(r.status != "skipped" for r in results[1:]))
+    costly = [] if fixed else memory_rungs_that_cost_time(results)
+    free = [r.label for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY] and r not in costly]
+    free_text = "; ".join(f"{label.removeprefix('+ ')} kept: no measurable cost in time" for label in free)
+    opt, leanest_cfg = None, best.cfg
+    for cfg, put_back in optimised_candidates(leanest_cfg, costly) if costly else []:
+        if cfg == leanest_cfg:  # nothing fits without all of them: the leanest loop is also the fastest that fits
+            break
+        left = [r for r in costly if r not in put_back]
+        if progress:
+            progress(f"{OPTIMISED}: the loop without {', '.join(rung_name(r) for r in left)}")
+        if best.trainer is not None and best is not naive_loop:
+            best.trainer = None  # the leanest loop is timed: its model and optimizer make room for this one
+            free_memory()
+        result, trainer, pairs = _measure(cfg, OPTIMISED, naive_loop, progress, give_up=False)
+        if result.status == "oom":
+            continue
+        opt, speed = result, speed_change(pairs)
+        opt.reason = "naive fp32 " + " ".join(k for k in kept if k not in {r.label for r in left})
+        notes = [f"{rung_name(r).removeprefix('+ ')} left out: {_slower_text(r)}" for r in left]
+        notes += [f"{rung_name(r).removeprefix('+ ')} kept: the loop does not fit without it" for r in put_back]
+        opt.ladder = {
+            "kept": True,
+            "why": (f"{speed.text()} naive fp32, timed in pairs with it" if result.ok else f"{result.status}: ")
+            + "; "
+            + "; ".join(notes + ([free_text] if free_text else [])),
+            "vs": naive_loop.result.label,
+            "speed": speed.verdict,
+            "factor": speed.factor,
+            "factor_iqr": [speed.low, speed.high],
+            "pairs": [list(p) for p in pairs],
+            "speedup": speed.factor,
+            "speedup_basis": PAIRED,
+            "kept_rungs": [k for k in kept if k not in {r.label for r in left}],
+            "left_out": {r.label: _slower_text(r) for r in left},
+            "put_back": [r.label for r in put_back],
+            "memory_vs_naive": result.peak_ratio(naive_loop.result),
+        }
+        del trainer
+        break
+    if opt is None:  # the leanest loop is the optimised one
+        opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
+        if costly:
+            why = "the loop does not fit without " + ", ".join(rung_name(r).removeprefix("+ ") for r in costly)
+        elif fixed:
+            why = "the fixed ladder keeps every rung"
+        else:
+            why = "every memory technique kept costs no measurable time" if free else "no memory technique was kept"
+        opt.ladder["why"] += f"; the same loop as {LEANEST}: {why}"
+        lean.ladder["why"] += f"; the same loop as {OPTIMISED}"
+        lean.ladder["vs_optimised"] = 1.0
+        return [opt, lean]
+    if opt.ok and lean.ladder.get("speedup") and opt.ladder.get("speedup"):
+        cost = opt.ladder["speedup"] / lean.ladder["speedup"]
+        lean.ladder["vs_optimised"] = 1 / cost
+        lean.ladder["why"] += (
+            f"; {cost:.2f}x slower than {OPTIMISED} (the ratio of their factors over naive)"
+            if cost >= 1
+            else f"; {1 / cost:.2f}x faster than {OPTIMISED} (the ratio of their factors over naive): timing noise"
+        )
+    return [opt, lean]
+
+
+def _confirm(
+    naive_loop: _Loop, best: _Loop, label: str, kept: list[str], caps: Capabilities, measured: bool = True
+) -> RunResult:
+    """A final row: `best`'s loop, timed once more in pairs against naive fp32 (as many pairs as a rung has timed
+    steps). Its memory is the one measured at the rung that made it the best (the same config)."""
     naive_r, top = naive_loop.result, best.result
     row = RunResult(
-        label=OPTIMISED,
+        label=label,
         status="ok",
         config=dict(top.config),
         provenance=provenance(caps.name),
@@ -676,13 +780,13 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
     )
     if best is naive_loop:
         _timed_as(row, top)
-        measured = any(r.status != "skipped" for r in results[1:])
         row.ladder = {
             "kept": True,
             "why": "nothing was kept: naive fp32 is the best of the loops measured here"
             if measured
-            else "no rung was measured: the optimised loop is naive fp32 by default",
+            else "no rung was measured: the loop is naive fp32 by default",
             "speedup": 1.0,
+            "speedup_basis": BASELINE,
             "memory_vs_naive": 1.0,
             "factor": 1.0,
             "kept_rungs": [],
@@ -700,6 +804,7 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
             "of the kept rungs' factors",
             "vs": naive_r.label,
             "speedup": best.speedup,
+            "speedup_basis": PRODUCT,
             "kept_rungs": kept,
             "memory_vs_naive": top.peak_ratio(naive_r),
         }
@@ -718,6 +823,7 @@ def _confirm(naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Cap
         "factor_iqr": [speed.low, speed.high],
         "pairs": [list(p) for p in pairs],
         "speedup": speed.factor,
+        "speedup_basis": PAIRED,
         "kept_rungs": kept,
         "memory_vs_naive": top.peak_ratio(naive_r),
     }
@@ -763,8 +869,14 @@ def everything_on(base: C.TrainConfig) -> C.TrainConfig:
 
 
 def optimised(results: list[RunResult]) -> RunResult | None:
-    """The last row of a climb: the loop this device ends with (None for a climb that did not get that far)."""
+    """The OPTIMISED row of a climb: the fastest loop that fits (None for a climb that did not get that far)."""
     return next((r for r in reversed(results) if r.label == OPTIMISED), None)
+
+
+def leanest(results: list[RunResult]) -> RunResult | None:
+    """The LEANEST row of a climb: the loop with the least memory (None for a climb that did not get that far, or one
+    saved before the ladder had that row)."""
+    return next((r for r in reversed(results) if r.label == LEANEST), None)
 
 
 def baseline_failure(results: list[RunResult]) -> str | None:
@@ -777,19 +889,53 @@ def baseline_failure(results: list[RunResult]) -> str | None:
     return f"naive fp32, the baseline, did not finish ({r.status}: {r.reason}): there is nothing to climb from.{hint}"
 
 
-def optimised_config(results: list[RunResult]) -> C.TrainConfig:
-    """The config of the loop a climb ended with: what `export --ladder` writes and notebook 09's panel starts from."""
-    row = optimised(results)
+def _final_config(results: list[RunResult], label: str, what: str) -> C.TrainConfig:
+    row = next((r for r in reversed(results) if r.label == label), None)
     if row is None and (failed := baseline_failure(results)):
-        raise C.ConfigError(f"these results hold no optimised loop: {failed}")
+        raise C.ConfigError(f"these results hold no {what}: {failed}")
     if row is None or not row.config:
-        raise C.ConfigError("these results hold no optimised loop (no '= optimised here' row): run the whole ladder")
+        raise C.ConfigError(
+            f"these results hold no {what} (no {label!r} row): run the whole ladder"
+            + (" again (this climb was saved before the ladder had that row)" if label == LEANEST else "")
+        )
     return C.TrainConfig.from_dict(row.config)
 
 
+def optimised_config(results: list[RunResult]) -> C.TrainConfig:
+    """The config of the fastest loop that fits (the OPTIMISED row): what `export --ladder` writes by default and
+    notebook 09's panel starts from."""
+    return _final_config(results, OPTIMISED, "optimised loop")
+
+
+def leanest_config(results: list[RunResult]) -> C.TrainConfig:
+    """The config of the loop with the least memory (the LEANEST row): `export --ladder F --loop leanest`."""
+    return _final_config(results, LEANEST, "leanest loop")
+
+
+def final_config(results: list[RunResult], loop: str = "optimised") -> C.TrainConfig:
+    """optimised_config or leanest_config, by name ("optimised" or "leanest"); a ConfigError for another name."""
+    loops = {"optimised": optimised_config, "leanest": leanest_config}
+    if loop not in loops:
+        raise C.ConfigError(f"loop={loop!r}: choose 'optimised' (the fastest that fits) or 'leanest' (least memory)")
+    return loops[loop](results)
+
+
 def rungs_of(results: list[RunResult]) -> list[RunResult]:
-    """The rungs of a climb, without the last row."""
-    return [r for r in results if r.label != OPTIMISED]
+    """The rungs of a climb, without the final rows."""
+    return [r for r in results if r.label not in FINAL_ROWS]
+
+
+def speedup_basis(r: RunResult) -> str:
+    """How a row's speed-up over naive was found (BASELINE, PRODUCT or PAIRED); for a climb saved before rows said so,
+    from what the row holds (a final row timed in pairs, a memory rung once timed against naive directly)."""
+    lad = r.ladder or {}
+    if "speedup_basis" in lad:
+        return lad["speedup_basis"]
+    if r.label == T.LADDER[0].name:
+        return BASELINE
+    if (r.label in FINAL_ROWS and lad.get("pairs")) or lad.get("pairs_vs_naive"):
+        return PAIRED
+    return PRODUCT
 
 
 def spread_text(r: RunResult) -> str:
@@ -800,25 +946,46 @@ def spread_text(r: RunResult) -> str:
     return f"{min(timed) * 1e3:.1f}-{r.median_step_s * 1e3:.1f}-{max(timed) * 1e3:.1f}"
 
 
+LADDER_COLUMNS = {  # each column's header, and what it holds all the way down
+    "vs best so far, paired": "a rung's step time against the best loop so far, timed in pairs (median, IQR)",
+    "vs naive, product of pairs": "the loop's speed-up over naive fp32: the product of the paired factors up to it",
+    "vs naive, paired": "a final loop's speed-up over naive fp32, its steps timed in pairs with naive's (median, IQR)",
+    "memory vs naive": "the measured peak over naive fp32's",
+}
+
+
+def _factor_text(factor: float | None, iqr) -> str:
+    iqr = iqr or [None, None]
+    return (
+        f"{factor:.2f}x ({iqr[0]:.2f}-{iqr[1]:.2f})"
+        if factor and iqr[0]
+        else fmt(factor, ".2f", "") + ("x" if factor else "")
+    )
+
+
 def ladder_rows(results: list[RunResult]) -> list[dict[str, str]]:
-    """One row per rung, and the last row: the verdict, the factor against the best loop so far (with its spread), the
-    speed-up and memory against naive fp32, ms per step as min-median-max, efficiency, compile time and why."""
+    """One row per rung, then the final rows; each column means one thing all the way down (LADDER_COLUMNS): the
+    verdict, the factor against the best loop so far, the speed-up over naive fp32 as the product of paired factors
+    (rungs) or timed in pairs with naive (the final loops), memory against naive, ms per step as min-median-max,
+    efficiency, compile time and why."""
     rows = []
     for r in results:
         lad = r.ladder or {}
-        factor, iqr = lad.get("factor"), lad.get("factor_iqr") or [None, None]
+        basis, final = speedup_basis(r), r.label in FINAL_ROWS
         rows.append(
             {
                 "rung": r.label,
                 "kept": ("yes" if lad.get("kept") else "no") if r.ok or r.status != "skipped" else "-",
-                "vs best so far": f"{factor:.2f}x ({iqr[0]:.2f}-{iqr[1]:.2f})"
-                if factor and r.label != OPTIMISED and iqr[0]
+                "vs best so far, paired": "" if final else _factor_text(lad.get("factor"), lad.get("factor_iqr")),
+                "vs naive, product of pairs": _factor_text(lad.get("speedup"), None) if basis == PRODUCT else "",
+                "vs naive, paired": _factor_text(lad.get("factor"), lad.get("factor_iqr"))
+                if final and basis == PAIRED
+                else _factor_text(lad.get("speedup"), None)
+                if basis == PAIRED
                 else "",
-                "speed-up": fmt(lad.get("speedup"), ".2f", "") + ("x" if lad.get("speedup") else ""),
                 "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
                 "peak GiB": r.peak_text() if r.ok else "",
-                "memory vs naive": fmt(lad.get("memory_vs_naive"), ".2f", "")
-                + ("x" if lad.get("memory_vs_naive") else ""),
+                "memory vs naive": _factor_text(lad.get("memory_vs_naive"), None),
                 "efficiency": efficiency_text(r) if r.ok else "",
                 "compile s": fmt(r.compile_s, ".1f", ""),
                 "why": lad.get("why") or r.reason,
@@ -831,26 +998,40 @@ def ladder_table(results: list[RunResult]) -> str:
     return text_table(ladder_rows(results))
 
 
+def _loop_line(row: RunResult, what: str) -> str:
+    lad = row.ladder
+    if lad.get("pairs") and speedup_basis(row) == PAIRED:
+        speed = (
+            f"{lad['factor']:.2f}x naive fp32's speed ({lad['factor_iqr'][0]:.2f}-{lad['factor_iqr'][1]:.2f} over "
+            f"{len(lad['pairs'])} steps timed in pairs with naive)"
+        )
+    elif speedup_basis(row) == BASELINE:
+        speed = "naive fp32 itself"
+    else:
+        speed = f"{fmt(lad.get('speedup'), '.2f')}x naive fp32's speed (the product of its rungs' factors)"
+    memory = f" in {lad['memory_vs_naive']:.2f}x its peak memory" if lad.get("memory_vs_naive") else ""
+    return f"{what} is {speed}{memory}"
+
+
 def verdict(results: list[RunResult]) -> str:
-    """What this device needs, in a few lines: the optimised loop against naive, what was kept and what not, and why."""
-    row = optimised(results)
+    """What this device needs, in a few lines: each final loop against naive (one figure each, timed in pairs with
+    naive), what was kept and what not, and why."""
+    row, lean = optimised(results), leanest(results)
     rungs = [r for r in rungs_of(results)[1:]]
     if row is None:
         return baseline_failure(results) or "The climb did not finish: no verdict."
-    lad = row.ladder
     kept = [r.label.removeprefix("+ ") for r in rungs if r.ladder.get("kept")]
     dropped = [r for r in rungs if r.status != "skipped" and not r.ladder.get("kept")]
-    lines = [
-        f"On {row.provenance['device']}: the optimised loop is "
-        + (
-            f"{lad['factor']:.2f}x naive fp32's speed ({lad['factor_iqr'][0]:.2f}-{lad['factor_iqr'][1]:.2f} over "
-            f"{len(lad.get('pairs', []))} paired steps)"
-            if lad.get("pairs")
-            else "naive fp32 itself"
-        )
-        + (f" in {lad['memory_vs_naive']:.2f}x its peak memory." if lad.get("memory_vs_naive") else ".")
-    ]
-    lines.append("kept: " + (", ".join(kept) if kept else "nothing"))
+    first = f"On {row.provenance['device']}: " + _loop_line(row, "the optimised loop") + ", the fastest that fits"
+    if lean is not None and lean.ladder.get("vs_optimised") == 1.0 and lean.config == row.config:
+        first += ", and it is also the leanest."
+    elif lean is not None:
+        first += "; " + _loop_line(lean, "the leanest loop") + "."
+    else:
+        first += "."
+    lines = [first, "kept: " + (", ".join(kept) if kept else "nothing")]
+    for label, why in (row.ladder.get("left_out") or {}).items():
+        lines.append(f"left out of the optimised loop, kept in the leanest: {label.removeprefix('+ ')} ({why})")
     for r in dropped:
         lines.append(
             f"not kept: {r.label.removeprefix('+ ')}: {r.ladder.get('why', r.reason).removeprefix('not kept: ')}"

@@ -47,8 +47,8 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
     payload = json.loads(out.read_text())
     assert payload["preset"] == "tiny" and payload["torch"] and payload["device"] and payload["fixed"] is False
     by = {r["label"]: r for r in payload["results"]}
-    assert [label for label in by if not label.endswith(L.AGAIN)] == names + [L.OPTIMISED]
-    assert list(by)[-1] == L.OPTIMISED
+    assert [label for label in by if not label.endswith(L.AGAIN)] == names + list(L.FINAL_ROWS)
+    assert tuple(by)[-2:] == L.FINAL_ROWS
     assert by["+ compile"]["status"] == "skipped" and "--leave-out" in by["+ compile"]["reason"]
     assert by["+ tf32"]["status"] == "skipped" and "not among the rungs asked for" in by["+ tf32"]["reason"]
     ran = [by[n] for n in ("naive fp32", "+ 16-bit autocast", "+ sdpa", "+ checkpointing", "+ chunked loss")]
@@ -57,12 +57,16 @@ def test_ladder_command_runs_rungs_and_writes_json(tmp_path):
         assert len(r["ladder"]["pairs"]) == 3 and r["ladder"]["why"].startswith(("kept", "not kept")), r["ladder"]
     top = by[L.OPTIMISED]
     # the kept rungs in the order they ran: the ladder's, then any second looks ("<rung>, again")
-    kept = [label for label, r in list(by.items())[1:-1] if r["ladder"]["kept"]]
-    assert top["ladder"]["kept_rungs"] == kept and top["status"] == "ok"
+    kept = [label for label, r in list(by.items())[1:-2] if r["ladder"]["kept"]]
+    assert by[L.LEANEST]["ladder"]["kept_rungs"] == kept and top["status"] == "ok"
+    assert set(top["ladder"]["kept_rungs"]) <= set(kept)  # less the memory rungs that cost time
     # The optimised loop is what export writes from this file.
     script = tmp_path / "train.py"
     assert cli(["export", "--ladder", str(out), "--out", str(script)]) == 0
     assert script.read_text() == export.script(C.TrainConfig.from_dict(top["config"]))
+    lean = tmp_path / "lean.py"  # and the leanest loop, when asked for
+    assert cli(["export", "--ladder", str(out), "--loop", "leanest", "--out", str(lean)]) == 0
+    assert lean.read_text() == export.script(C.TrainConfig.from_dict(by[L.LEANEST]["config"]))
     # An existing file is not replaced without --force, and the refusal comes before any work.
     again = subprocess.run(
         [sys.executable, "-m", "course_lib", "ladder", "--preset", "tiny", "--json", str(out)],

@@ -8,6 +8,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from course_lib import config as C, ladder as L, techniques as T
 from course_lib.capabilities import Support, capabilities
@@ -178,68 +179,156 @@ def test_a_memory_rung_that_costs_time_is_kept_and_says_what_it_cost(climb):
     assert re.search(r"1\.2[3-7]x slower", r.ladder["why"]) and "x the memory" in r.ladder["why"]  # 1.25x, +-2 % noise
 
 
-def test_the_optimised_loop_is_naive_plus_the_kept_rungs_and_is_timed_against_naive(climb):
+def test_the_optimised_loop_leaves_out_memory_techniques_that_cost_time_and_the_leanest_keeps_them(climb):
+    """On the made-up laptop the chunked loss (1.05x) and checkpointing (1.25x) make the peak smaller and cost time: the
+    leanest loop keeps them, the optimised loop (the fastest that fits) leaves them out; each is timed against naive."""
     results = climb("avx2 laptop", native_16bit=False)
-    last = results[-1]
-    assert last.label == L.OPTIMISED and L.optimised(results) is last
-    kept = [r.label for r in results[1:-1] if r.ladder["kept"]]
+    opt, lean = results[-2:]
+    assert (opt.label, lean.label) == L.FINAL_ROWS and L.optimised(results) is opt and L.leanest(results) is lean
+    kept = [r.label for r in L.rungs_of(results)[1:] if r.ladder["kept"]]
     assert kept == ["+ sdpa", "+ compile", "+ chunked loss", "+ checkpointing"]
-    assert last.ladder["kept_rungs"] == kept
-    cfg = L.optimised_config(results)
+    assert lean.ladder["kept_rungs"] == kept and opt.ladder["kept_rungs"] == ["+ sdpa", "+ compile"]
+    assert set(opt.ladder["left_out"]) == {"+ chunked loss", "+ checkpointing"} and opt.ladder["put_back"] == []
+    assert "checkpointing left out: 1.2" in opt.ladder["why"] and "x slower at its rung" in opt.ladder["why"]
+    cfg, lean_cfg = L.optimised_config(results), L.leanest_config(results)
     assert (cfg.precision, cfg.model.attention, cfg.compile, cfg.activation_checkpointing, cfg.loss_chunks) == (
         "fp32",
         "sdpa",
         True,
-        "full",
-        8,
+        "none",
+        1,
     )
+    assert (lean_cfg.activation_checkpointing, lean_cfg.loss_chunks) == ("full", 8)
+    assert L.final_config(results, "leanest") == lean_cfg and L.final_config(results, "optimised") == cfg
     assert not cfg.fused_adamw and cfg.model.vocab_multiple == 1  # no change on this device: not kept
-    expected = speed(T.naive(cfg), "avx2 laptop") / speed(cfg, "avx2 laptop")
-    assert last.ladder["factor"] == pytest.approx(expected, rel=0.04) and len(last.ladder["pairs"]) >= L.MIN_PAIRS
-    assert "not kept: 16-bit autocast" in L.verdict(results)
+    for row, c in ((opt, cfg), (lean, lean_cfg)):  # each timed in pairs with naive: one figure per loop
+        expected = speed(T.naive(c), "avx2 laptop") / speed(c, "avx2 laptop")
+        assert row.ladder["factor"] == pytest.approx(expected, rel=0.04) and len(row.ladder["pairs"]) >= L.MIN_PAIRS
+        assert L.speedup_basis(row) == L.PAIRED and row.ladder["speedup"] == row.ladder["factor"]
+    assert peak(lean_cfg) < peak(cfg) and opt.memory["peak_bytes"] == peak(cfg)  # the optimised loop's own peak
+    cost = opt.ladder["factor"] / lean.ladder["factor"]
+    assert (
+        cost == pytest.approx(1.05 * 1.25, rel=0.05) and f"{cost:.2f}x slower than {L.OPTIMISED}" in lean.ladder["why"]
+    )
+    text = L.verdict(results)
+    assert "not kept: 16-bit autocast" in text and "the leanest loop is" in text and "timed in pairs with naive" in text
+    assert text.count("x naive fp32's speed") == 2  # one figure per loop
+    assert "left out of the optimised loop, kept in the leanest: checkpointing" in text
 
 
-def test_a_memory_rung_that_would_leave_the_loop_slower_than_naive_is_not_kept(climb):
-    results = climb("avx2 laptop", native_16bit=False, leave_out={"+ compile": "test", "+ sdpa": "test"})
-    ck = by_label(results)["+ checkpointing"]
-    assert ck.ladder["memory"] == L.LEANER and not ck.ladder["kept"]
-    assert "slower than naive fp32" in ck.ladder["why"]
+def test_a_memory_technique_that_costs_nothing_joins_the_optimised_loop(climb, monkeypatch):
+    """The chunked loss made free on this device: it stays in the optimised loop, and the row says why."""
+    real = speed
+
+    def free_chunks(cfg, device):
+        return real(cfg, device) / (1.05 if cfg.loss_chunks > 1 else 1)
+
+    monkeypatch.setitem(globals(), "speed", free_chunks)
+    results = climb("avx2 laptop", native_16bit=False)
+    opt = L.optimised(results)
+    assert by_label(results)["+ chunked loss"].ladder["speed"] == L.NO_CHANGE
+    assert L.optimised_config(results).loss_chunks == 8 and "+ chunked loss" in opt.ladder["kept_rungs"]
+    assert "chunked loss kept: no measurable cost in time" in opt.ladder["why"]
+    assert L.optimised_config(results).activation_checkpointing == "none"
 
 
-def test_a_memory_rung_is_timed_against_naive_not_through_the_product_of_noisy_factors(tiny):
-    """Kept rungs inside the noise can add up: factors a little above 1 by chance would let a memory rung that costs
-    time pass as 'as fast as naive' through their product. The memory rung is timed against naive fp32 directly."""
-    StandInTrainer.device, StandInTrainer.made = "avx2 laptop", []
-    naive_cfg = tiny(steps=8, timing_warmup=2)
-    best_cfg = dataclasses.replace(naive_cfg, loss_chunks=8)  # truly 1.05x slower than naive...
-    loops = []
-    for cfg, speedup in ((naive_cfg, 1.0), (best_cfg, 1.4)):  # ...but its product of factors read 1.4x by chance
-        trainer = StandInTrainer(cfg)
-        loops.append(L._Loop(trainer, trainer.fit(str(cfg.loss_chunks), lambda *_: None), speedup))
-    naive_loop, best = loops
-    rung = next(r for r in T.LADDER if r.name == "+ checkpointing")
-    trainer = StandInTrainer(dataclasses.replace(best_cfg, activation_checkpointing="full"))  # 1.25x slower again
-    result = trainer.fit(rung.name, lambda *_: None)
-    pairs = [(best.trainer.step(), trainer.step()) for _ in range(4)]
-    kept = L._judged(result, trainer, pairs, rung, best, naive_loop, capabilities("cpu"), fixed=False)
-    assert kept is None and "slower than naive fp32 (0.7" in result.ladder["why"], result.ladder
-    assert len(result.ladder["pairs_vs_naive"]) == len(pairs)  # the pairs it was judged on are kept
+def test_a_memory_technique_the_loop_does_not_fit_without_is_put_back(climb, monkeypatch):
+    """Made up: without checkpointing the optimised loop runs out of memory. The chunked loss is put back first (ladder
+    order), still out of memory; then checkpointing too, where it fits: the leanest loop is also the optimised one."""
+    real_fit = StandInTrainer.fit
+    tried = []
 
-    # Naive failing when paired (out of memory with three loops' state held) is said, and the product decides instead.
-    def out_of_memory():
-        raise RuntimeError("out of memory")
+    def fit(self, label, callback):
+        if label == L.OPTIMISED:
+            tried.append((self.cfg.loss_chunks, self.cfg.activation_checkpointing))
+            if self.cfg.activation_checkpointing == "none":
+                raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+        return real_fit(self, label, callback)
 
-    naive_loop.trainer.step = out_of_memory
-    result = trainer.fit(rung.name, lambda *_: None)
-    kept = L._judged(result, trainer, pairs, rung, best, naive_loop, capabilities("cpu"), fixed=False)
-    assert kept is not None and result.ladder["pairs_vs_naive"] == [], result.ladder
-    assert "RuntimeError when paired with naive" in result.ladder["device_note"]
+    monkeypatch.setattr(StandInTrainer, "fit", fit)
+    results = climb("avx2 laptop", native_16bit=False)
+    opt, lean = results[-2:]
+    assert tried == [(1, "none"), (8, "none")]  # then the leanest loop itself: already timed, not run again
+    assert opt.config == lean.config and "does not fit without chunked loss, checkpointing" in opt.ladder["why"]
+    assert lean.ladder["vs_optimised"] == 1.0
+
+
+def test_the_optimised_loop_fits_with_a_technique_put_back(climb, monkeypatch):
+    real_fit = StandInTrainer.fit
+
+    def fit(self, label, callback):
+        if label == L.OPTIMISED and self.cfg.loss_chunks == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (made up)")
+        return real_fit(self, label, callback)
+
+    monkeypatch.setattr(StandInTrainer, "fit", fit)
+    results = climb("avx2 laptop", native_16bit=False)
+    opt = L.optimised(results)
+    assert opt.ladder["put_back"] == ["+ chunked loss"] and list(opt.ladder["left_out"]) == ["+ checkpointing"]
+    assert "chunked loss kept: the loop does not fit without it" in opt.ladder["why"]
+    assert (
+        L.optimised_config(results).loss_chunks == 8 and L.optimised_config(results).activation_checkpointing == "none"
+    )
+
+
+def _row(label, aims, speed_verdict, kept=True):
+    return RunResult(label, "ok", {}, {}, ladder={"kept": kept, "aims": aims, "speed": speed_verdict})
+
+
+def test_which_memory_rungs_cost_time_from_the_rows_alone(tiny):
+    rows = [
+        _row("+ sdpa", [T.SPEED, T.MEMORY], L.SLOWER),  # aims at speed too: never left out for its time
+        _row("+ set_to_none", [T.MEMORY], L.NO_CHANGE),
+        _row("+ chunked loss", [T.MEMORY], L.SLOWER),
+        _row("+ checkpointing", [T.MEMORY], L.TOO_FEW),  # cannot say it is free
+        _row("+ checkpointing", [T.MEMORY], L.SLOWER, kept=False),
+        _row("+ set_to_none", [T.MEMORY], L.FASTER),
+    ]
+    assert [r.label for r in L.memory_rungs_that_cost_time(rows)] == ["+ chunked loss", "+ checkpointing"]
+    lean = dataclasses.replace(tiny(), loss_chunks=4, activation_checkpointing="full", set_to_none=True)
+    cands = L.optimised_candidates(lean, L.memory_rungs_that_cost_time(rows))
+    assert [(c.loss_chunks, c.activation_checkpointing, c.set_to_none) for c, _ in cands] == [
+        (1, "none", True),
+        (4, "none", True),
+        (4, "full", True),
+    ]
+    assert [[r.label for r in back] for _, back in cands] == [
+        [],
+        ["+ chunked loss"],
+        ["+ chunked loss", "+ checkpointing"],
+    ]
+
+
+def test_each_column_of_the_table_means_one_thing(climb):
+    """Products of paired factors and direct pairs against naive never share a column."""
+    results = climb("avx2 laptop", native_16bit=False)
+    rows = L.ladder_rows(results)
+    assert set(L.LADDER_COLUMNS) <= set(rows[0])
+    for row, r in zip(rows, results):
+        final = r.label in L.FINAL_ROWS
+        assert bool(row["vs naive, paired"]) == final, r.label
+        assert not (final and row["vs naive, product of pairs"]) and not (final and row["vs best so far, paired"])
+        if r.ok and r.label != "naive fp32" and not final:
+            assert row["vs naive, product of pairs"] and row["vs best so far, paired"], r.label
+
+
+def test_a_climb_saved_before_the_final_rows_said_their_basis_reads_the_same():
+    old_top = RunResult(L.OPTIMISED, "ok", {}, {}, ladder={"factor": 2.0, "pairs": [[1, 0.5]] * 3, "speedup": 2.0})
+    old_memory_rung = RunResult("+ checkpointing", "ok", {}, {}, ladder={"speedup": 0.9, "pairs_vs_naive": [[1, 1]]})
+    assert L.speedup_basis(old_top) == L.speedup_basis(old_memory_rung) == L.PAIRED
+    assert L.speedup_basis(RunResult("+ sdpa", "ok", {}, {}, ladder={"speedup": 1.2})) == L.PRODUCT
+    with pytest.raises(C.ConfigError, match="saved before the ladder had that row"):
+        L.leanest_config([RunResult("naive fp32", "ok", {}, {}), old_top])
+    with pytest.raises(C.ConfigError, match="choose 'optimised'"):
+        L.final_config([old_top], "fastest")
 
 
 def test_on_a_gpu_with_bf16_tensor_cores_every_speed_rung_helps_and_is_kept(climb):
     results = climb("gpu", native_16bit=True)
     speed_rungs = [
-        r for r in results[1:-1] if r.ladder.get("aims") and T.SPEED in r.ladder["aims"] and r.label != "+ tf32"
+        r
+        for r in L.rungs_of(results)[1:]
+        if r.ladder.get("aims") and T.SPEED in r.ladder["aims"] and r.label != "+ tf32"
     ]
     assert speed_rungs and all(r.ladder["kept"] for r in speed_rungs), [(r.label, r.ladder["why"]) for r in speed_rungs]
     assert L.optimised_config(results).precision == "bf16"
@@ -287,10 +376,11 @@ def test_a_second_window_that_fails_leaves_no_verdict(climb, monkeypatch):
     fused = by_label(results)["+ fused AdamW"].ladder
     assert not fused["kept"] and fused["speed"] == L.NO_CHANGE
     assert "not confirmed: OutOfMemoryError in a second window" in fused["why"], fused["why"]
-    # and the last row, which could not be paired with naive either, says what its speed-up is instead
+    # and the leanest loop, which could not be paired with naive either, says what its speed-up is instead
     last = results[-1]
-    assert last.label == L.OPTIMISED and last.ok and last.ladder["speedup"] > 1
+    assert last.label == L.LEANEST and last.ok and last.ladder["speedup"] > 1 and L.speedup_basis(last) == L.PRODUCT
     assert last.ladder["why"].startswith("not timed against naive fp32 (OutOfMemoryError when paired)")
+    assert L.ladder_rows(results)[-1]["vs naive, paired"] == ""  # a product stays in the product's column
 
 
 def test_same_step_noise_within_noise_and_second_window():
@@ -399,7 +489,9 @@ def test_a_speed_rung_that_lost_early_gets_a_second_look_on_top_of_the_loop_the_
     assert L.optimised_config(results).precision == "bf16"
     assert L.again_label("+ 16-bit autocast") in L.optimised(results).ladder["kept_rungs"]
     # a second look that does not help is not kept either, and the optimised row stays last
-    assert not rows[L.again_label("+ fused AdamW")].ladder["kept"] and results[-1].label == L.OPTIMISED
+    assert (
+        not rows[L.again_label("+ fused AdamW")].ladder["kept"] and tuple(r.label for r in results[-2:]) == L.FINAL_ROWS
+    )
 
 
 def test_no_second_look_for_missing_hardware_nor_on_the_fixed_ladder(climb):
@@ -423,7 +515,7 @@ def test_the_progress_counts_only_the_rungs_measured(climb):
     assert [name.strip() for *_, name in counted if name.strip() in left_out] == []
     assert counted[0][:2] == (1, len(T.LADDER) - len(left_out) + 1)  # (a second look adds one when it is decided)
     assert counted[-1][1] == len(T.LADDER) - len(left_out) + 1 + sum(r.label.endswith(L.AGAIN) for r in results)
-    assert counted[-1][0] == counted[-1][1] and counted[-1][2].strip() == L.OPTIMISED
+    assert counted[-1][0] == counted[-1][1] and counted[-1][2].strip() == f"{L.OPTIMISED} and {L.LEANEST}"
     assert [i for i, *_ in counted] == list(range(1, len(counted) + 1))
 
 

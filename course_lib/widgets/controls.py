@@ -233,7 +233,7 @@ class Controls:
         def arch(m):
             return (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size)
 
-        for name, fn in C.PRESETS.items():
+        for name, fn in sorted(C.PRESETS.items(), key=lambda item: item[0] == "auto"):  # a named preset before auto
             if arch(fn(self.base.device).model) == arch(self.base.model):
                 return name
         return "cpu"
