@@ -16,9 +16,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from . import config as C, techniques as T
@@ -169,6 +172,12 @@ def parsed_settings(
     out, seen = [], set()
     for item in items or []:
         name, _, text = item.partition("=")
+        name, text = _unquoted(name.strip()), _unquoted(text.strip())  # `--set "lr = 3e-4"`, `'precision="bf16"'`
+        if not all(c.isalnum() or c in "._" for c in name):  # a newline, a space, a quote or a dash inside a name
+            raise ValueError(
+                f"--set {item!r}: {name!r} is no setting's name (letters, digits, '_' and '.'): write FIELD=VALUE, "
+                "e.g. --set batch_size=8"
+            )
         technique = T.technique_named(name)
         if techniques_only and (technique is None or not text):
             raise ValueError(
@@ -186,6 +195,12 @@ def parsed_settings(
         seen.add(key)
         out.append((name, technique, C.parse_setting(name, text)))
     return out
+
+
+def _unquoted(text: str) -> str:
+    """A value without one pair of quotes around it (they reach here when a shell quotes twice, or copied from
+    Python)."""
+    return text[1:-1] if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 def chosen_config(args) -> C.TrainConfig:
@@ -208,7 +223,7 @@ def chosen_config(args) -> C.TrainConfig:
 
         try:
             results, _meta = load_results(args.ladder)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except ValueError as e:  # load_results says what the file is instead
             raise ValueError(
                 f"--ladder {args.ladder}: not a ladder's results file ({e}); write one with "
                 "`python -m course_lib ladder --json PATH`"
@@ -261,7 +276,7 @@ def cmd_config(args) -> int:
         print(f"{section}:")
         for name, value in values.items():
             t = T.technique_named(name)
-            on = f"  <- on ({t.help}): {t.export.__module__}" if t is not None and value != t.off else ""
+            on = f"  <- on ({t.help}): {T.module_of(t)}" if t is not None and value != t.off else ""
             print(f"  {name:<28} {value!r}{on}")
     return 0
 
@@ -423,16 +438,43 @@ def cmd_profile(args) -> int:
 
 
 def cmd_info(args) -> int:
+    """What this machine supports, and the notebooks' budget (COURSE_BUDGET): a table, or JSON with --json."""
+    import json
+    import platform
+
+    from . import __version__, budget
+    from .cache import write_atomic
     from .capabilities import capabilities
 
     try:
+        out = None if args.json in (None, "-") else _new_file(args.json, args.force, "--json")
         caps = capabilities(args.device)
-    except C.ConfigError as e:
+        rows = [*caps.rows(), ("notebooks' budget", budget.describe())]  # an unknown COURSE_BUDGET: said here first
+    except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    width = max(len(k) for k, _ in caps.rows())
-    for k, v in caps.rows():
-        print(f"{k:>{width}}: {v}")
+    if args.json is None:
+        width = max(len(k) for k, _ in rows)
+        for k, v in rows:
+            print(f"{k:>{width}}: {v}")
+        return 0
+    payload = {
+        "course_lib": __version__,
+        "python": platform.python_version(),
+        "budget": budget.budget(),
+        "rows": dict(rows),
+        "capabilities": caps.to_dict(),
+    }
+    text = json.dumps(payload, indent=1, default=str) + "\n"
+    if out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        write_atomic(out, lambda f: f.write_text(text), strict=True)
+    except OSError as e:
+        print(f"error: could not write {out} ({e.strerror or e}): choose another --json path", file=sys.stderr)
+        return 2
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 
@@ -487,10 +529,17 @@ def cmd_bpe(args) -> int:
                 file=sys.stderr,
             )
             return 2
+        if out.exists() and not args.force:  # the shipped ranks, replaced only when asked, as any other file
+            print(
+                f"error: {out} is the course's shipped tokenizer: pass --force to retrain and replace it (git restores "
+                "it), or --out PATH to write the ranks elsewhere",
+                file=sys.stderr,
+            )
+            return 2
     if out.exists():  # said before the minutes of training, so that a Ctrl-C keeps the old file
         print(
             f"retraining the ranks; {out} will be replaced when done "
-            + ("(--force)" if args.out is not None else "(git restores the shipped one; --out writes elsewhere)"),
+            + ("(--force)" if args.out is not None else "(--force; git restores the shipped one)"),
             file=sys.stderr,
         )
     ranks = bpe.train_bpe(data.corpus_text(), data.N_RANKS)
@@ -539,6 +588,11 @@ def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     )
 
 
+def example(*lines: str) -> str:
+    """A command's --help ends with examples, one command a line (shown as written: RawDescriptionHelpFormatter)."""
+    return "examples:\n" + "\n".join(f"  {line}" for line in lines)
+
+
 def _rungs_and_presets() -> str:
     """--help's list of the ladder's rungs (by index, with what each is for) and of the presets (their sizes)."""
     rungs = "\n".join(
@@ -553,14 +607,48 @@ def _rungs_and_presets() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
-        prog="python -m course_lib", description="Optimising the training loop: measurements from the command line"
+        prog="python -m course_lib",
+        description="Optimising the training loop: measurements from the command line",
+        epilog="Start with `python -m course_lib info`; `python -m course_lib COMMAND --help` shows a command's "
+        "options and an example.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"course_lib {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p = sub.add_parser(
+        "info",
+        help="what this machine supports",
+        epilog=example("python -m course_lib info", "python -m course_lib info --json info.json"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
+    p.add_argument(
+        "--json", nargs="?", const="-", default=None, metavar="PATH", help="as JSON, to standard output or to PATH"
+    )
+    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
+    p.set_defaults(func=cmd_info)
+    p = sub.add_parser(
+        "doctor",
+        help="exercise every device-specific path on this device: pass / fail / n/a",
+        epilog=example("python -m course_lib doctor --quick", "python -m course_lib doctor --json doctor.json"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
+    p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
+    p.add_argument("--json", default=None, help="also write the table as JSON here")
+    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser(
         "ladder",
         help="climb the techniques from naive fp32, keeping each one only where it helps on this device",
-        epilog=_rungs_and_presets(),
+        epilog=example(
+            "python -m course_lib ladder --json ladder.json",
+            "python -m course_lib ladder --preset tiny --steps 5 --rungs 0,2,3",
+        )
+        + "\n\n"
+        + _rungs_and_presets(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -595,7 +683,48 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
     p.set_defaults(func=cmd_ladder)
-    p = sub.add_parser("exercises", help="list the notebooks' exercises; --verify checks every checker")
+    p = sub.add_parser(
+        "profile",
+        help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up",
+        epilog=example(
+            "python -m course_lib profile --preset tiny --steps 3",
+            "python -m course_lib profile --ladder ladder.json --trace trace.json",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(
+        p,
+        steps="steps to record (default: 3), after the config's warm-up steps (at least 2: the first compiles, the "
+        "profiler warms up on the last); no validation pass runs",
+    )
+    p.add_argument("--rows", type=int, default=20, help="operators to list, at least 1 (default: 20)")
+    p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
+    p.add_argument("--force", action="store_true", help="replace the --trace file if it exists")
+    p.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="leave out the kernel floor (each matmul and attention call of a step timed again alone: a few seconds)",
+    )
+    p.set_defaults(func=cmd_profile)
+    p = sub.add_parser(
+        "export",
+        help="write one standalone training script (torch + tiktoken) for a config",
+        epilog=example(
+            "python -m course_lib export --ladder ladder.json --out train.py",
+            "python -m course_lib export --preset cpu --set precision=bf16 --out train.py",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_arguments(p, steps="optimizer steps (default: the preset's)")
+    p.add_argument("--out", default=None, help="the script's path (default: standard output)")
+    p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser(
+        "exercises",
+        help="list the notebooks' exercises; --verify checks every checker",
+        epilog=example("python -m course_lib exercises --status", "python -m course_lib exercises --verify"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p = p.add_mutually_exclusive_group()  # one of them, or the list
     p.add_argument("--verify", action="store_true", help="each checker against its reference and its recorded mistakes")
     p.add_argument(
@@ -615,59 +744,76 @@ def main(argv: list[str] | None = None) -> int:
         help="rewrite the exercises' part of the teacher's guide (default: docs/teachers_guide.md)",
     )
     p.set_defaults(func=cmd_exercises)  # (a group's defaults are its parser's)
-    p = sub.add_parser("config", help="print a config section by section (a preset, changed by --set, or a --rung)")
+    p = sub.add_parser(
+        "config",
+        help="print a config section by section (a preset, changed by --set, or a --rung)",
+        epilog=example(
+            "python -m course_lib config --preset cpu --set batch_size=4", "python -m course_lib config --rung 4"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("export", help="write one standalone training script (torch + tiktoken) for a config")
-    add_config_arguments(p, steps="optimizer steps (default: the preset's)")
-    p.add_argument("--out", default=None, help="the script's path (default: standard output)")
-    p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
-    p.set_defaults(func=cmd_export)
-    p = sub.add_parser(
-        "profile", help="where a step's time goes: torch.profiler over a few steps of a config, after its warm-up"
-    )
-    add_config_arguments(
-        p,
-        steps="steps to record (default: 3), after the config's warm-up steps (at least 2: the first compiles, the "
-        "profiler warms up on the last); no validation pass runs",
-    )
-    p.add_argument("--rows", type=int, default=20, help="operators to list, at least 1 (default: 20)")
-    p.add_argument("--trace", default=None, help="also write a Chrome trace here (open it in https://ui.perfetto.dev)")
-    p.add_argument("--force", action="store_true", help="replace the --trace file if it exists")
-    p.add_argument(
-        "--no-floor",
-        action="store_true",
-        help="leave out the kernel floor (each matmul and attention call of a step timed again alone: a few seconds)",
-    )
-    p.set_defaults(func=cmd_profile)
-    p = sub.add_parser("info", help="what this machine supports")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
-    p.set_defaults(func=cmd_info)
-    p = sub.add_parser("doctor", help="exercise every device-specific path on this device: pass / fail / n/a")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
-    p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
-    p.add_argument("--json", default=None, help="also write the table as JSON here")
-    p.add_argument("--force", action="store_true", help="replace the --json file if it exists")
-    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser(
         "bpe",
-        help="retrain the course tokenizer's BPE ranks from the corpus (replaces the shipped "
-        "data/shakespeare_bpe.tiktoken unless --out says where)",
+        help="(maintainers) retrain the course tokenizer's BPE ranks from the corpus",
+        epilog=example(
+            "python -m course_lib bpe --out /tmp/ranks.tiktoken",
+            "python -m course_lib bpe --force   (replaces the shipped data/shakespeare_bpe.tiktoken)",
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--out", default=None, help="write the ranks here instead of replacing the shipped file in data/")
-    p.add_argument("--force", action="store_true", help="replace the --out file if it exists")
+    p.add_argument("--out", default=None, help="write the ranks here (default: the shipped file in data/)")
+    p.add_argument("--force", action="store_true", help="replace the file if it exists (the shipped one included)")
     p.set_defaults(func=cmd_bpe)
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare call: what there is to do, not an error
+        parser.print_help()
+        return 0
     try:
-        status = args.func(args)
-        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
-        return status
+        with stopped_as_interrupted() as stopped_by:
+            status = args.func(args)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        # a command that caught the interrupt itself (the ladder, the doctor) returns 130; a SIGTERM's code is 143
+        return 128 + stopped_by[0] if status == 130 and stopped_by else status
     except KeyboardInterrupt:  # (the ladder catches its own, to save the rungs measured): one line, not a traceback
+        signum = stopped_by[0] if stopped_by else signal.SIGINT
         print(f"\ninterrupted: {args.command} stopped before it finished", file=sys.stderr)
-        return 130
+        return 128 + signum
     except BrokenPipeError:  # the output piped to a reader that stopped early (`| head`): nothing to say to it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail again
         return 141
+
+
+@contextlib.contextmanager
+def stopped_as_interrupted():
+    """Within it, SIGTERM (a job scheduler, a kernel restarted) and SIGHUP (a terminal closed) raise KeyboardInterrupt,
+    as Ctrl-C does, so a command stops the same way: what it finished kept, one line said. Yields a list that gets
+    the signal's number. A second one of them ends the process at once (the system's default)."""
+    stopped_by: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield stopped_by
+        return
+
+    def stop(signum, _frame):
+        signal.signal(signum, signal.SIG_DFL)
+        stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    def note_ctrl_c(signum, frame):
+        stopped_by.append(signum)
+        signal.default_int_handler(signum, frame)
+
+    handled = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    # a signal ignored on purpose stays ignored (`nohup` ignores SIGHUP, a shell's `&` job SIGINT)
+    before = {sig: signal.getsignal(sig) for sig in handled if signal.getsignal(sig) != signal.SIG_IGN}
+    for sig in before:
+        signal.signal(sig, note_ctrl_c if sig == signal.SIGINT else stop)
+    try:
+        yield stopped_by
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
