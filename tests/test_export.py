@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import config as C, data, export, ladder, techniques as T, train
+from course_lib import codegen, config as C, data, export, ladder, techniques as T, train
 from course_lib.__main__ import main as cli
 from course_lib.capabilities import capabilities
 from course_lib.doctor import check_config
@@ -125,17 +125,27 @@ def padded_batches(stream: torch.Tensor, cfg: C.TrainConfig, pad: int) -> list:
     return steps
 
 
+# The template itself, uncut (only its settings set: it imports course_lib), runs these cases too: exactly as their cut
+# scripts do, so the cut changes nothing a run does.
+UNCUT = ("naive fp32", "fp16 + GradScaler + clipping", "everything on but compile", "accumulation with uneven padding")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, splits):
-    """Every case's script run once (one subprocess): name -> (script losses, the padded batches or None)."""
+    """Every case's script run once (one subprocess): name -> (script losses, the padded batches or None); the uncut
+    template's runs under "<name> (uncut)"."""
     tmp = tmp_path_factory.mktemp("export")
     cases, batches = [], {}
-    for i, (name, (cfg, padded, _)) in enumerate(CASES.items()):
+    jobs = [(name, *case, True) for name, case in CASES.items()]
+    jobs += [(f"{name} (uncut)", *CASES[name], False) for name in UNCUT]
+    for i, (name, cfg, padded, _, cut) in enumerate(jobs):
         script = tmp / f"train_{i}.py"
-        script.write_text(export.script(cfg))
+        script.write_text(export.script(cfg, cut=cut))
         case = {"script": str(script), "losses": str(tmp / f"losses_{i}.json"), "batches": None}
         if padded:
-            batches[name] = padded_batches(splits.train, cfg, splits.pad_id)
+            batches[name] = batches.get(name.removesuffix(" (uncut)")) or padded_batches(
+                splits.train, cfg, splits.pad_id
+            )
             case["batches"] = str(tmp / f"batches_{i}.pt")
             torch.save(batches[name], case["batches"])
         cases.append(case)
@@ -150,7 +160,7 @@ def runs(tmp_path_factory, splits):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {
-        name: (json.loads(Path(c["losses"]).read_text()), batches.get(name)) for name, c in zip(CASES, cases)
+        job[0]: (json.loads(Path(c["losses"]).read_text()), batches.get(job[0])) for job, c in zip(jobs, cases)
     }, proc.stdout
 
 
@@ -171,6 +181,11 @@ def test_the_script_trains_like_the_course_loop(name, runs, splits):
             assert abs(a - b) <= rtol * abs(b), f"{name}: {script_losses} against {course.losses} (rtol {rtol})"
         if script_losses != course.losses:
             print(f"{name}: within rtol {rtol}, not bit for bit: {script_losses} against {course.losses}")
+
+
+@pytest.mark.parametrize("name", UNCUT)
+def test_the_template_uncut_trains_as_its_cut_script(name, runs):
+    assert runs[0][f"{name} (uncut)"][0] == runs[0][name][0]
 
 
 def test_the_script_prints_its_timing(runs):
@@ -296,53 +311,91 @@ def test_fsdp_script_trains_like_the_course_loop(dp_runs):
 # ---- what the script holds -------------------------------------------------------------------------------------
 
 
-def test_every_config_field_is_declared_once():
-    """Each field has one snippet, is read by one, is a plain constant of the run, or is said not to be exported."""
-    names = [f"model.{f.name}" for f in dataclasses.fields(C.ModelConfig)]
+def test_every_config_field_is_a_setting_of_the_template():
+    """Each field is one setting of the template (its name in capitals), or is said not to be exported; a field the
+    template lacks is an error that says what to add."""
+    names = [f.name for f in dataclasses.fields(C.ModelConfig)]
     names += [f.name for f in dataclasses.fields(C.TrainConfig) if f.name != "model"]
-    declared = list(export.SNIPPETS) + [r for reads in export.FIELDS_READ.values() for r in reads]
-    declared += list(export.RUN_FIELDS) + list(export.NOT_EXPORTED)
-    assert sorted(declared) == sorted(names)
-    assert {t.field for t in T.TECHNIQUES} <= set(export.SNIPPETS)
+    assert sorted(export.settings(BASE)) == sorted(n.upper() for n in names if n not in export.NOT_EXPORTED)
+    uncut = export.script(BASE, cut=False)
+    assert all(f"\n{name} = {codegen.literal(v)}" in uncut for name, v in export.settings(BASE).items())
+    with pytest.raises(RuntimeError, match="the template has no setting"):
+        codegen.set_constants("A = 1\n", {"A": 2, "B": 3})
+
+
+def test_the_cut_drops_every_branch_the_settings_decide():
+    """What the cut does, on a small source: if/elif/else, `and`/`or` with a setting in them, `a if S else b`, a
+    setting that decides nothing left as written, and the settings and imports nothing reads any more dropped."""
+    src = textwrap.dedent("""
+        import os
+        import sys
+        A = 2
+        B = "x"
+        DOUBLE = A * 2
+
+
+        def f(n):
+            if A > 1:
+                n += 1  # kept
+            if B == "y":
+                n = 0
+            elif B == "x":
+                n *= DOUBLE
+            else:
+                n = -1
+            if A == 2 and n > 3:
+                n -= 1
+            if A == 3 or n > 3:
+                n -= 1
+            return n if B == "x" else os.sep
+    """)
+    known = codegen.known_constants(src, {"A": 2, "B": "x"})
+    assert known["DOUBLE"] == 4
+    out = codegen.drop_unused(codegen.fold(src, known), known)
+    assert "n += 1  # kept" in out and "n *= DOUBLE" in out and "n = -1" not in out and "n = 0" not in out
+    assert out.count("if n > 3:") == 2 and "return n\n" in out
+    assert "import os" not in out and "import sys" not in out and "B = " not in out and "A = 2" in out  # DOUBLE reads A
+    namespace = {}
+    exec(out, namespace)
+    exec(src, reference := {})
+    assert [namespace["f"](n) for n in range(6)] == [reference["f"](n) for n in range(6)]
 
 
 # What each technique's rung puts into the script; none of these is in the naive script.
 MARKERS = {
-    "precision": {"tf32": 'fp32_precision = "tf32"', T.FAST_16BIT: "torch.autocast("},
+    "precision": {"tf32": 'fp32_precision = "tf32"', T.FAST_16BIT: "torch.autocast"},
     "model.attention": "scaled_dot_product_attention",
     "compile": "torch.compile(",
-    "model.vocab_multiple": "padded_vocab_size",
+    "model.vocab_multiple": "VOCAB_MULTIPLE = 64",
     "fused_adamw": "fused=True",
     "set_to_none": "set_to_none=True",
-    "activation_checkpointing": "checkpoint(",
+    "activation_checkpointing": "CheckpointedBlock(",
     "loss_chunks": "LOSS_CHUNKS",
     "keep_freed_memory": "mallopt(",
 }
 OFF_WORDS = (
     "mallopt",
     "autocast",
-    "compile",
-    "checkpoint",
-    "fused",
+    "torch.compile",
+    "Checkpointed",
+    "fused=True",
     "GradScaler",
     "scaler",
-    "no_sync",
+    "require_backward_grad_sync",
     "scaled_dot_product",
-    "padded_vocab",
-    "vocab_multiple",
+    "flash",
     "LOSS_CHUNKS",
-    "GRAD_ACCUM",
-    "MICRO_BATCH",
+    "HeadLossInSlices",
     "scheduler",
     "clip",
-    "distributed",
+    "torch.distributed",
     "fp32_precision",
     "set_to_none=True",
     "evaluate",
-    "WEIGHT_DECAY",
+    "param_groups",
     "dist.",
-    "world",
-    "hidden(",
+    "rank ==",
+    "cuda",
 )
 
 
@@ -361,13 +414,17 @@ def test_each_rung_adds_its_technique(rung):
     assert marker in changed and changed.startswith("--- a/train.py\n+++ b/train.py\n")
 
 
-def test_the_accumulation_loop_is_written_only_when_on():
+def test_accumulation_is_a_number_of_micro_batches_and_ddp_syncs_on_the_last():
+    """As in nanoGPT, the step always loops over its micro-batches: accumulation changes their number (and, under DDP,
+    switches the gradient sync off on all but the last)."""
     one, two = export.script(BASE), export.script(dataclasses.replace(BASE, grad_accum_steps=2))
-    assert "for x, y in micro:" not in one and "GRAD_ACCUM_STEPS" not in one
-    assert "for x, y in micro:" in two and "step_loss += loss.detach()" in two
+    code = [text.split('"""', 2)[2].splitlines() for text in (one, two)]  # after the docstring
+    changed = [(a, b) for a, b in zip(*code) if a != b]
+    assert len(code[0]) == len(code[1]) and [a.split("#")[0] for a, _ in changed] == ["GRAD_ACCUM_STEPS = 1  "]
+    assert "GRAD_ACCUM_STEPS = 2" in two and "step_loss += loss.detach()" in one
     ddp = export.script(dataclasses.replace(BASE, grad_accum_steps=2, data_parallel="ddp"))
-    assert "ddp_model.no_sync()" in ddp and "init_process_group" in ddp
-    assert "no_sync" not in export.script(dataclasses.replace(BASE, data_parallel="ddp"))
+    assert "ddp_model.require_backward_grad_sync = i == GRAD_ACCUM_STEPS - 1" in ddp and "init_process_group" in ddp
+    assert "require_backward_grad_sync" not in export.script(dataclasses.replace(BASE, data_parallel="ddp"))
 
 
 def test_exported_scripts_pass_pyflakes(tmp_path, pyflakes):
@@ -482,7 +539,7 @@ def test_export_command_writes_a_rung(tmp_path, capsys, tiny):
         )
         == 0
     )
-    assert "DistributedDataParallel(model)" in out.read_text() and "n_layer: int = 3" in out.read_text()
+    assert "DistributedDataParallel(model)" in out.read_text() and "N_LAYER = 3" in out.read_text()
 
 
 @pytest.mark.parametrize(
@@ -545,7 +602,8 @@ def test_the_fsdp_script_shards_every_block_then_the_root(tmp_path, pyflakes):
         < text.index("torch.optim.AdamW(")
     )
     assert (
-        'init_device_mesh("cuda", (world,))' in text
+        "init_device_mesh(DEVICE_TYPE, (world,))" in text
+        and 'DEVICE = "cuda"' in text
         and 'backend="nccl"' in text
         and "torchrun --nproc_per_node" in text
     )
@@ -565,7 +623,7 @@ def test_technique_diff_shows_a_technique_on_against_off():
     assert export.technique_diff(on, without={"clip_norm": None}).data == export.diff_html(
         BASE, on, "without clip_norm=None"
     )
-    assert "padded_vocab_size" in export.technique_diff(BASE, **{"model.vocab_multiple": 64}).data
+    assert "VOCAB_MULTIPLE = 64" in export.technique_diff(BASE, **{"model.vocab_multiple": 64}).data
     with pytest.raises(ValueError, match="needs the settings"):
         export.technique_diff(BASE)
 
@@ -624,7 +682,7 @@ def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdi
     assert "torch.compile(" in compiled and "not measured here" in compiled
     fused = page[page.index("+ fused AdamW</b>") : page.index("+ set_to_none</b>")]
     # the padding was not kept: not in its base either
-    assert "fused=True" in fused and "padded_vocab_size" not in fused
+    assert "fused=True" in fused and "VOCAB_MULTIPLE = 64" not in fused
     last = page[page.index(OPTIMISED) :]
     assert "the optimised loop against naive fp32" in last and "9,000 tokens/s (9.00x naive)" in last
     with pytest.raises(ValueError, match="one result per rung"):

@@ -23,7 +23,8 @@ LAYERS = (
     ("results", "results plots"),
     (
         "the loop and the shared helpers",
-        "train ladder memory_estimate profiling training_compute export reference distributed._common distributed.ddp "
+        "train train_template ladder memory_estimate profiling training_compute export reference distributed._common "
+        "distributed.ddp "
         "distributed.ddp_by_hand distributed.expert_parallel distributed.fsdp distributed.pipeline distributed.resume "
         "distributed.selftest distributed.series distributed.tensor_parallel distributed.zero_stages "
         "distributed.launch distributed.collectives distributed.zero1_by_hand",

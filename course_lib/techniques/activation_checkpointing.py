@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from ..codegen import Code, source
 from ..config import ConfigError, TrainConfig
 from .declaration import MEMORY, Technique
 from .model_parts import ModelParts
@@ -140,43 +139,12 @@ def kept_per_layer(
     return kept, 0 if mode == "none" else saved
 
 
-# ---- its piece of the exported script ------------------------------------------------------------------------------
-
-
-def export(cfg: TrainConfig) -> Code:
-    if cfg.activation_checkpointing == "none":
-        return Code()
-    wrap = (
-        "# Activation checkpointing wraps each block before anything else wraps the model (it must see the blocks).\n"
-        "for i, block in enumerate(model.blocks):\n"
-        "    model.blocks[i] = CheckpointedBlock(block)"
-    )
-    # The runtime classes themselves (course_lib.techniques), rendered: full checkpointing's block, and selective's on
-    # top of it with its policy (the matmul and attention ops it keeps).
-    full = source(CheckpointedBlock)
-    if cfg.activation_checkpointing == "full":
-        return Code(imports=("from torch.utils.checkpoint import checkpoint",), defs=(full,), setup=wrap)
-    ops = "".join(f"    torch.ops.{op},\n" for op in _SAVED_BY_SELECTIVE)
-    rename = {"_selective_policy": "selective_policy", "_SAVED_BY_SELECTIVE": "SAVED_BY_SELECTIVE"}
-    policy = source(_selective_policy, rename=rename)
-    selective = source(SelectiveCheckpointedBlock, rename=rename)
-    return Code(
-        imports=(
-            "import functools",
-            "from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts",
-        ),
-        defs=(f"SAVED_BY_SELECTIVE = (\n{ops})\n\n\n{policy}", full, selective),
-        setup=wrap.replace("CheckpointedBlock(block)", "SelectiveCheckpointedBlock(block)"),
-    )
-
-
 TECHNIQUE = Technique(
     "activation_checkpointing",
     "activation checkpointing",
     "none",
     help="keep less of the forward pass (a block's input; with selective, its matmul outputs too), recompute the rest "
     "in backward",
-    export=export,
     rungs=(("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),),
     aims=(MEMORY,),
     memory_term=kept_per_layer,

@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..codegen import Code, source
-from ..config import ConfigError, TrainConfig
+from ..config import ConfigError
 from ..data import IGNORE_INDEX
 from .declaration import MEMORY, Technique
 from .model_parts import ModelParts
@@ -135,42 +134,12 @@ def memory_terms(tokens: int, h: int, vocab: int, chunks: int, autocast: bool) -
     return fwd, back
 
 
-# ---- its piece of the exported script ------------------------------------------------------------------------------
-
-
-def export(cfg: TrainConfig) -> Code:
-    loss_sum_src = source(loss_sum)
-    if cfg.loss_chunks == 1:
-        fn = '''
-def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(b, s) token ids and targets -> the summed loss (a scalar)."""
-    return loss_sum(model(idx), targets)  # logits (b, s, vocab)
-'''
-        return Code(defs=(loss_sum_src, fn.strip() + "\n"))
-    fn = '''
-def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(b, s) token ids and targets -> the summed loss (a scalar), with the output layer and the loss in LOSS_CHUNKS
-    slices of the tokens, each slice's gradients made in forward: only one slice of the (tokens x vocab) logits
-    exists at a time, and backward recomputes nothing."""
-    hidden = model.hidden(idx)  # (b, s, d)
-    hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
-    return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
-'''
-    return Code(
-        constants=(
-            f"LOSS_CHUNKS = {cfg.loss_chunks}  # the output layer and the loss in this many slices of the tokens",
-        ),
-        defs=(source(HeadLossInSlices), fn.strip() + "\n"),
-    )
-
-
 TECHNIQUE = Technique(
     "loss_chunks",
     "loss chunks",
     1,
     help="the output layer and the loss in slices of the tokens, gradients made in forward: one slice of logits at "
     "a time",
-    export=export,
     rungs=(
         (
             "+ chunked loss",

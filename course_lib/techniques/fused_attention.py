@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import flash_attention as F_, model as model_mod
-from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import MEMORY, SPEED, Technique
 
@@ -26,27 +24,12 @@ def what_attention_keeps(cfg: TrainConfig) -> tuple[str, bool]:
     return m.attention, m.attention == "naive"
 
 
-def export(cfg: TrainConfig) -> Code:
-    fn = model_mod.ATTENTION_IMPLS[cfg.model.attention]
-    # the course's flash attention brings its code along: its forward, its backward and the autograd.Function
-    helpers = (
-        (F_._causal_tile_mask, F_.tiled_attention, F_.flash_backward, F_.FlashAttention, F_.flash_attention)
-        if cfg.model.attention == "flash"
-        else ()
-    )
-    return Code(
-        model_defs=(*(source(h) for h in helpers), source(fn)),
-        model_edits=(("ATTENTION_IMPLS[cfg.attention]", fn.__name__),),
-    )
-
-
 TECHNIQUE = Technique(
     "model.attention",
     "attention",
     "naive",
     help="naive attention writes out the s x s scores; scaled_dot_product_attention fuses them away; flash is the "
     "course's own flash attention, in PyTorch (slow, for measuring your own kernel)",
-    export=export,
     rungs=(
         (
             "+ sdpa",

@@ -2,58 +2,26 @@
 kernel mapping and zeroing fresh pages for its large tensors (course_lib.cpu_allocator says why it happens). On a GPU,
 PyTorch's caching allocator already does this, so the technique is a CPU's only.
 
-It is the process's setting, not the loop's: the loop sets it at the start of each step (`apply`). So it has no rung
-of the ladder. The ladder times each rung step for step in alternation with the best loop in one process, and glibc
-cannot be given its own rule back once mallopt has been called: "not kept" after a switch is glibc's largest thresholds
-instead, and on the Zen 3 a naive step so timed inside a climb made 16,000-40,000 page faults and took 340-430 ms, where
-in a fresh process it makes about 84,000 and takes about 430 ms (2026-11-27, not shipped): every pair with naive would
-flatter it.
+It is the process's setting, not the loop's: a run sets it when it is built (`apply`). So it has no rung of the
+ladder. The ladder times each rung step for step in alternation with the best loop in one process, and glibc cannot be
+given its own rule back once mallopt has been called: "not kept" after a switch is glibc's largest thresholds instead,
+so a naive step timed inside a climb makes far fewer page faults than in a fresh process, and every pair with naive
+would flatter it.
 Notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes), where each setting is what a program gets.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from .. import cpu_allocator
-from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import SPEED, Technique
 
 
-def apply(cfg: TrainConfig, begin_step: Callable[[], None]) -> Callable[[], None]:
-    """What the loop calls before each optimizer step: the process's allocator set as `cfg` asks (on a CPU), then
-    `begin_step` (compile's, where it replays CUDA graphs)."""
-    if cpu_allocator.unavailable(cfg.device):
-        return begin_step
-    keep = cfg.keep_freed_memory
-
-    def start() -> None:
-        cpu_allocator.keep_freed(keep)
-        begin_step()
-
-    return start
-
-
-def export(cfg: TrainConfig) -> Code:
-    """The script's lines: the same mallopt calls as cpu_allocator.keep_freed(True), where the script finds glibc
-    (cpu_allocator.is_glibc, rendered), for a CPU (on a GPU there is nothing to do)."""
-    A = cpu_allocator
-    if not cfg.keep_freed_memory or A.unavailable(cfg.device, here=False):
-        return Code()
-    return Code(
-        imports=("import ctypes",),
-        defs=(source(A.is_glibc),),
-        setup=(
-            "# Keep freed memory in the process (glibc's malloc): no block gets a mapping of its own and the heap is\n"
-            "# never trimmed, so a step reuses the pages the steps before it freed instead of the kernel mapping and\n"
-            "# zeroing them again (a page fault per page). Elsewhere a preloaded jemalloc does it.\n"
-            "if is_glibc():\n"
-            '    libc = ctypes.CDLL("libc.so.6")\n'
-            f"    libc.mallopt({A.M_MMAP_MAX}, 0)  # M_MMAP_MAX: no block gets a mapping of its own\n"
-            f"    libc.mallopt({A.M_TRIM_THRESHOLD}, {A.NEVER})  # M_TRIM_THRESHOLD: never hand the heap's top back"
-        ),
-    )
+def apply(cfg: TrainConfig) -> None:
+    """The process's allocator set as `cfg` asks, on a CPU where glibc runs (course_lib.train.Trainer calls it when it
+    builds a run)."""
+    if not cpu_allocator.unavailable(cfg.device):
+        cpu_allocator.keep_freed(cfg.keep_freed_memory)
 
 
 TECHNIQUE = Technique(
@@ -64,7 +32,6 @@ TECHNIQUE = Technique(
         "a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it (the "
         "whole process's setting: runs after it in this kernel no longer get glibc's own rule; notebook 02)"
     ),
-    export=export,
     aims=(SPEED,),
     memory_note="not in the estimate: the tensors are the same; the process holds its peak between steps",
     no_rung=(

@@ -8,9 +8,7 @@ import math
 
 import torch
 
-from ..codegen import Code, source
 from ..config import TrainConfig
-from .declaration import Setting
 
 
 def _warmup(step: int, lr: float, warmup: int) -> float:
@@ -94,35 +92,3 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def make_scheduler(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg) / cfg.lr)
-
-
-_SCHEDULES = {
-    "constant": (constant_lr, "constant_lr(step, LR, LR_WARMUP_STEPS)"),
-    "cosine": (warmup_cosine_lr, "warmup_cosine_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
-    "wsd": (wsd_lr, "wsd_lr(step, LR, LR_WARMUP_STEPS, STEPS, min_lr_ratio=MIN_LR_RATIO)"),
-    "inverse_sqrt": (inverse_sqrt_lr, "inverse_sqrt_lr(step, LR, LR_WARMUP_STEPS)"),
-    "exponential": (exponential_lr, "exponential_lr(step, LR, LR_WARMUP_STEPS, STEPS, MIN_LR_RATIO)"),
-}
-# helpers a schedule function calls, written before it when its source names them (by their exported names)
-_SCHEDULE_HELPERS = {"linear_warmup": _warmup, "exponential_gamma": exponential_gamma}
-
-
-def export(cfg: TrainConfig) -> Code:
-    if cfg.schedule == "constant" and cfg.lr_warmup_steps == 0:
-        return Code()
-    fn, call = _SCHEDULES[cfg.schedule]
-    src = source(fn, rename={"_warmup": "linear_warmup"})
-    defs = tuple(
-        source(h, rename={"_warmup": "linear_warmup"}) for name, h in _SCHEDULE_HELPERS.items() if f"{name}(" in src
-    ) + (src,)
-    constants = [f"LR_WARMUP_STEPS = {cfg.lr_warmup_steps}"]
-    if "MIN_LR_RATIO" in call:
-        constants.append(f"MIN_LR_RATIO = {cfg.min_lr_ratio!r}")
-    setup = (
-        "# The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.\n"
-        f"scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: {call} / LR)"
-    )
-    return Code(constants=tuple(constants), defs=defs, setup=setup, schedule_step="scheduler.step()")
-
-
-SETTING = Setting("schedule", export, reads=("lr_warmup_steps", "min_lr_ratio"))

@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from ..codegen import Code, device_type
 from ..config import PRECISION_DTYPES, TrainConfig
 from ..tf32 import matmul_precision  # noqa: F401 - TF32's switch, the loop's step runs in it (kept below the device's
 from .declaration import FAST_16BIT, Technique  # capabilities, which time matmuls with it)
@@ -39,12 +38,6 @@ def make_grad_scaler(cfg: TrainConfig) -> torch.amp.GradScaler:
     )
 
 
-def autocast_line(cfg: TrainConfig) -> str:
-    """The exported script's `with torch.autocast(...)` line for cfg's 16-bit precision."""
-    dtype = str(AUTOCAST_DTYPES[cfg.precision])  # "torch.bfloat16", as the script writes it
-    return f'with torch.autocast(device_type="{device_type(cfg)}", dtype={dtype}):'
-
-
 # ---- its memory term -----------------------------------------------------------------------------------------------
 
 
@@ -53,49 +46,11 @@ def activation_format(cfg: TrainConfig) -> tuple[bool, int]:
     return cfg.precision in AUTOCAST_DTYPES, PRECISION_DTYPES[cfg.precision].itemsize
 
 
-# ---- its piece of the exported script ------------------------------------------------------------------------------
-
-
-def export(cfg: TrainConfig) -> Code:
-    if cfg.precision == "fp32":
-        return Code()
-    if cfg.precision == "tf32":
-        return Code(
-            setup=(
-                "# TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa "
-                "(CUDA Ampere and later;\n"
-                "# no effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.\n"
-                'torch.backends.cuda.matmul.fp32_precision = "tf32"\n'
-                'torch.backends.cudnn.conv.fp32_precision = "tf32"'
-            )
-        )
-    autocast = autocast_line(cfg) + "  # matmuls in " + cfg.precision + "; the weights stay fp32"
-    if cfg.precision == "bf16":
-        return Code(autocast=autocast)
-    return Code(
-        autocast=autocast,
-        setup=(
-            "# fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large\n"
-            "# scale before backward and divides the gradients by it before the step (skipped if any is inf/nan).\n"
-            f'scaler = torch.amp.GradScaler("{device_type(cfg)}", init_scale={cfg.loss_scale_init!r}, '
-            f"growth_interval={cfg.loss_scale_growth_interval})"
-        ),
-        backward="scaler.scale(loss).backward()",
-        unscale="scaler.unscale_(optimizer)  # the true gradients, for clipping" if cfg.clip_norm is not None else "",
-        step=(
-            "scaler.step(optimizer)\n"
-            "scaler.update()  # a smaller scale after an inf/nan, a larger one after many clean steps"
-        ),
-    )
-
-
 TECHNIQUE = Technique(
     "precision",
     "precision",
     "fp32",
     help="the format the matmuls run in: fp32, TF32 (CUDA tensor cores), or bf16/fp16 under autocast with fp32 weights",
-    export=export,
-    reads=("loss_scale_init", "loss_scale_growth_interval"),
     rungs=(
         ("+ tf32", "tf32", "TF32 tensor-core matmuls for fp32 (CUDA Ampere+; does nothing on a CPU)"),
         (

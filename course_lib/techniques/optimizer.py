@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..codegen import Code, source
 from ..config import TrainConfig
-from .declaration import Setting
 
 # What each optimizer keeps per parameter (its memory term, which memory_estimate.static_bytes reads): SGD nothing,
 # momentum one buffer, Adam/AdamW two moments (m and v), AdaGrad its sum of g^2, RMSProp its average. torch's
@@ -77,54 +75,3 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
         momentum=cfg.momentum,
         fused=cfg.fused_adamw,
     )
-
-
-def export(cfg: TrainConfig) -> Code:
-    constants = [f"LR = {cfg.lr!r}"]
-    groups = cfg.weight_decay > 0 and cfg.decay_2d_only
-    setup = []
-    if cfg.weight_decay > 0:
-        constants.append(f"WEIGHT_DECAY = {cfg.weight_decay!r}" + ("  # on >=2-D tensors only" if groups else ""))
-    defs = ()
-    if groups:  # the loop's own param_groups, rendered
-        defs = (source(param_groups),)
-        setup.append("params = param_groups(model, WEIGHT_DECAY)")
-        params, wd = "params", []
-    else:
-        params = "model.parameters()"
-        wd = (
-            [f"weight_decay={'WEIGHT_DECAY' if cfg.weight_decay > 0 else '0.0'}"]
-            if cfg.optimizer == "adamw" or cfg.weight_decay > 0
-            else []
-        )
-    if cfg.optimizer == "adamw":
-        constants += [f"BETAS = {tuple(cfg.betas)!r}", f"EPS = {cfg.eps!r}"]
-        args = ", ".join([params, "lr=LR", "betas=BETAS", "eps=EPS", *wd, "<adamw_impl>"])
-        line = f"optimizer = torch.optim.AdamW({args})"
-        why = "<adamw_why>"  # the fused_adamw snippet says which implementation
-    elif cfg.optimizer == "sgd":
-        line, why = f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', *wd])})", "# Plain SGD: p -= lr * grad."
-    elif cfg.optimizer in ("adagrad", "rmsprop"):  # as techniques.optimizer_for makes them
-        constants.append(f"EPS = {cfg.eps!r}")
-        cls, why = {
-            "adagrad": (
-                "Adagrad",
-                "# AdaGrad: each coordinate's step divided by the root of its summed squared gradients.",
-            ),
-            "rmsprop": (
-                "RMSprop",
-                "# RMSProp: each coordinate's step divided by the root of a running average of g^2.",
-            ),
-        }[cfg.optimizer]
-        line = f"optimizer = torch.optim.{cls}({', '.join([params, 'lr=LR', 'eps=EPS', *wd, 'foreach=False'])})"
-    else:
-        constants.append(f"MOMENTUM = {cfg.momentum!r}")
-        line, why = (
-            f"optimizer = torch.optim.SGD({', '.join([params, 'lr=LR', 'momentum=MOMENTUM', *wd])})",
-            "# SGD with momentum: a running sum of gradients, one state tensor per parameter.",
-        )
-    setup.append(f"{why}\n{line}")
-    return Code(constants=tuple(constants), defs=defs, setup="\n".join(setup))
-
-
-SETTING = Setting("optimizer", export, reads=("lr", "betas", "eps", "momentum", "weight_decay", "decay_2d_only"))

@@ -5,7 +5,6 @@ memory term (`gradients_before_backward`): whether the gradients are there when 
 
 from __future__ import annotations
 
-from ..codegen import Code
 from ..config import TrainConfig
 from .declaration import MEMORY, Technique
 
@@ -16,22 +15,11 @@ def gradients_before_backward(cfg: TrainConfig) -> bool:
     return not (cfg.set_to_none and cfg.grad_accum_steps == 1)
 
 
-def export(cfg: TrainConfig) -> Code:
-    if cfg.set_to_none:
-        return Code(
-            zero_grad=(
-                "optimizer.zero_grad(set_to_none=True)  # frees the gradients; the next backward allocates them afresh"
-            )
-        )
-    return Code(zero_grad="optimizer.zero_grad(set_to_none=False)  # zeroed in place: their memory stays allocated")
-
-
 TECHNIQUE = Technique(
     "set_to_none",
     "zero_grad(set_to_none)",
     False,
     help="free the gradients between steps instead of zeroing them in place",
-    export=export,
     rungs=(("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),),
     aims=(MEMORY,),
     memory_term=gradients_before_backward,

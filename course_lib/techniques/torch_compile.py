@@ -5,14 +5,12 @@ the loop leaves it out of the timing.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 
-from ..codegen import Code, source
 from ..config import TrainConfig
-from .declaration import Technique, nothing_to_do
+from .declaration import Technique
 
 # The modes that replay CUDA graphs on a GPU: the loop then calls begin_cuda_graph_step before each optimizer step.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -60,41 +58,10 @@ def begin_cuda_graph_step(params, grads_kept: bool) -> None:
                 p.grad = torch.zeros_like(p)
 
 
-def apply(cfg: TrainConfig, loss_module) -> tuple[Callable, Callable[[], None]]:
-    """(what the loop calls: `loss_module` itself or compiled, what it calls before each optimizer step)."""
-    if not cfg.compile:
-        return loss_module, nothing_to_do
-    compiled = torch.compile(loss_module, **compile_arguments(cfg))
-    if cfg.compile_mode not in CUDA_GRAPH_MODES:  # marked on any device: harmless where no graph replays
-        return compiled, nothing_to_do
-    params = list(loss_module.parameters())
-    return compiled, functools.partial(begin_cuda_graph_step, params, grads_kept=not cfg.set_to_none)
-
-
-def export(cfg: TrainConfig) -> Code:
-    if not cfg.compile:
-        return Code()
-    arguments = compile_arguments(cfg)
-    why_options = (
-        "# On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, off by up to 1.8e-7 (absolute) and several times\n"
-        "# faster than its exact vectorised tanh (GPT-2's tanh GELU is the model's only tanh).\n"
-        if "options" in arguments
-        else ""
-    )
-    written = "".join(f", {name}={value!r}" for name, value in arguments.items() if value is not None)
-    setup = (
-        "# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
-        "# the first step compiles (it is left out of the timing).\n"
-        f"{why_options}compiled_loss = torch.compile(compute_loss{written})"
-    )
-    if cfg.compile_mode not in CUDA_GRAPH_MODES:
-        return Code(setup=setup, loss_fn="compiled_loss")
-    return Code(
-        defs=(source(begin_cuda_graph_step),),
-        setup=setup,
-        loss_fn="compiled_loss",
-        step_start=f"begin_cuda_graph_step(model.parameters(), grads_kept={not cfg.set_to_none})",
-    )
+def apply(cfg: TrainConfig, loss_module) -> Callable:
+    """What the step calls for its forward and loss: `loss_module` itself, or compiled. (In a CUDA-graph mode the step
+    also calls begin_cuda_graph_step first; on any device: harmless where no graph replays.)"""
+    return torch.compile(loss_module, **compile_arguments(cfg)) if cfg.compile else loss_module
 
 
 TECHNIQUE = Technique(
@@ -102,8 +69,6 @@ TECHNIQUE = Technique(
     "compile",
     False,
     help="torch.compile fuses the element-wise work of the model and its loss into generated kernels",
-    export=export,
-    reads=("compile_mode",),
     rungs=(("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),),
     memory_note="not in the estimate: it counts the eager loop's tensors (the ledger measures what compile keeps)",
 )

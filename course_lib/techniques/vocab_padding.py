@@ -5,26 +5,13 @@ padded_vocab_size); the memory estimate's V is that padded size.
 
 from __future__ import annotations
 
-import textwrap
-
-from ..codegen import Code, field_line, source
-from ..config import ModelConfig, TrainConfig
 from .declaration import Technique
-
-
-def export(cfg: TrainConfig) -> Code:
-    if cfg.model.vocab_multiple == 1:
-        return Code(model_edits=(("padded_vocab", "vocab"),))  # no padding: the embedding has vocab_size rows
-    prop = textwrap.indent(source(ModelConfig.padded_vocab_size.fget), "    ")
-    return Code(model_config=(field_line(ModelConfig, "vocab_multiple", cfg.model.vocab_multiple), "", prop.rstrip()))
-
 
 TECHNIQUE = Technique(
     "model.vocab_multiple",
     "pad vocab to x",
     1,
     help="pad the embedding and the output layer to a multiple of this many rows",
-    export=export,
     rungs=(("+ vocab to x64", 64, "embedding padded to a multiple of 64"),),
     choices=(1, 8, 64, 128),
     memory_note="the estimate's vocabulary V is ModelConfig.padded_vocab_size",
