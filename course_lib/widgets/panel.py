@@ -119,7 +119,7 @@ class Panel:
         self.run_button.add_class("course-run")  # stable hooks for the browser test
         self.clear_button.add_class("course-clear")
         self.run_button.on_click(lambda _b: self.press())
-        self.press_title, self._presses = title, 0
+        self.press_title, self._presses, self.last_press = title, 0, ""
         self.clear_button.on_click(lambda _b: self.clear())
         header = W.HTML(
             f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
@@ -180,6 +180,15 @@ class Panel:
         sliders' ranges follow it)."""
         self.inputs.start_from(cfg)
         return self
+
+    def loop_buttons(self, results: list[RunResult]) -> W.ToggleButtons:
+        """A choice of a climb's two loops (ladder.final_config: the optimised, the leanest): the panel starts from the
+        one chosen."""
+        from ..ladder import final_config
+
+        buttons = W.ToggleButtons(options=["optimised", "leanest"], value="optimised", description="start from")
+        buttons.observe(lambda change: self.start_from(final_config(results, change["new"])).redraw(), names="value")
+        return buttons
 
     def label(self, cfg: C.TrainConfig) -> str:
         """A short name for a run: what differs from the panel's starting config."""
@@ -259,9 +268,14 @@ class Panel:
 
     def press(self) -> str:
         """What the Run button does, never raising (an error is shown and the kernel lives on); returns why the press
-        gave no result ("" when it did). The first press shows a run of this configuration the notebook already made
-        (`measured_already`) as it was measured instead of training it again; any later press trains."""
+        gave no result ("" when it did), also kept in `last_press`. The first press shows a run of this configuration
+        the notebook already made (`measured_already`) as it was measured instead of training it again; any later
+        press trains."""
         self._presses += 1
+        self.last_press = self._press()
+        return self.last_press
+
+    def _press(self) -> str:
         try:
             shown = self.measured_already() if self._presses == 1 else None
             if shown is not None:

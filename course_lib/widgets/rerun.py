@@ -27,7 +27,7 @@ class Rerun:
         self.figure = FigureView()  # the panel's figure widget, shown from a figure the run made
         self.button.on_click(lambda _b: self.press())
         self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.figure.image])
-        self.press_title, self._presses, self._shown = title, 0, None
+        self.press_title, self._presses, self._shown, self.last_press = title, 0, None, ""
         made(self)
 
     def show(self, result: object, fig: Figure, **values) -> "Rerun":
@@ -40,18 +40,21 @@ class Rerun:
         return self
 
     def press(self) -> str:
-        """What the Run button does: returns why the press gave no result ("" when it did). The first press with the
-        values of the run `show` gave shows that run as it was measured; any other press runs."""
+        """What the Run button does: returns why the press gave no result ("" when it did; kept in `last_press`). The
+        first press with the values of the run `show` gave shows that run as it was measured; any other press runs."""
         self._presses += 1
         values = {name: w.value for name, w in self.controls.items()}
         if self._presses == 1 and self._shown is not None and values == self._shown:
             self.status.value = html.escape(
                 f"measured above: {values}; shown as it was, not run again (press Run again to run it anew)"
             )
+            self.last_press = ""
             return ""
         count = len(self.results)
         self.run()
-        return "" if len(self.results) > count else html.unescape(self.status.value.replace("<b>error</b>", "error"))
+        error = html.unescape(self.status.value.replace("<b>error</b>", "error"))
+        self.last_press = "" if len(self.results) > count else error
+        return self.last_press
 
     def run(self, _=None) -> object:
         """One run with the controls' values: its result kept in `results`, its figure shown."""
