@@ -20,8 +20,9 @@ def adamw_step(p, g, m, v, t: int, lr: float, betas=(0.9, 0.999), eps: float = 1
 
 def optimizer_from(step) -> type[torch.optim.Optimizer]:
     """An optimizer built on a step function with adamw_step's signature (the learner's, once it passes): the loop of
-    optimizers_by_hand.HandAdamW calls it for every parameter, and its new (p, m, v) replace the old. So a learner's
-    AdamW trains the course's model beside torch.optim.AdamW (notebook 05)."""
+    optimizers_by_hand.HandAdamW calls it for every parameter that has a gradient (one whose .grad is None is skipped,
+    as torch skips it), and its new (p, m, v) replace the old. So a learner's AdamW trains the course's model beside
+    torch.optim.AdamW (notebook 05)."""
 
     class StepAdamW(HandAdamW):
         def update(self, p, g, state, group):
