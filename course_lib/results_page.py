@@ -21,7 +21,7 @@ from .cache import write_atomic
 from .data import DATA_DIR, MEASURED_DIR
 from .ladder import OPTIMISED
 from .plots import ladder_speedups, plot_climbs
-from .reference import CHECKS_DIR, load_reference, measured_cpu_climbs, measured_cpus
+from .reference import CHECKS_DIR, REFERENCE_DIR, load_reference, measured_cpu_climbs, measured_cpus
 from .results import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -171,7 +171,7 @@ def _climb_section(climb: Climb) -> list[str]:
     where = f"; CUDA {meta['cuda']}" if meta.get("cuda") else ""
     cpu = f" [{meta['cpu']}]" if meta.get("cpu") else ""
     out = [
-        f"### {meta['device']}, `{meta['preset']}`, {meta['date'][:10]}",
+        f"#### {meta['device']}, `{meta['preset']}`, {meta['date'][:10]} ({climb.path.stem})",
         "",
         f"`data/{rel}`: {meta['device']}{cpu}, torch {meta['torch']}{where}, {meta['date']}, commit "
         f"{meta.get('commit') or 'n/a'}; model {_model(meta)}; made by `python -m course_lib ladder --preset "
@@ -190,18 +190,30 @@ def _climb_section(climb: Climb) -> list[str]:
     return out + [""]
 
 
+NOTEBOOKS_RUN = sorted(REFERENCE_DIR.glob("*.ipynb")) if REFERENCE_DIR.exists() else []  # executed, outputs kept
+
+
+def _where(path: Path) -> str:
+    """ ": device, torch, date" of a shipped JSON file that says them (at its top, in its provenance or its first
+    run's), else ""."""
+    try:
+        meta = json.loads(path.read_text()) if path.suffix == ".json" else {}
+    except ValueError:
+        meta = {}
+    if not isinstance(meta, dict):
+        return ""
+    runs = meta.get("results") if isinstance(meta.get("results"), list) else []
+    first_run = runs[0].get("provenance", {}) if runs and isinstance(runs[0], dict) else {}
+    where = {**first_run, **meta.get("provenance", {}), **{k: v for k, v in meta.items() if k != "provenance"}}
+    if not where.get("device"):
+        return ""
+    return f": {where['device']}, torch {where.get('torch', 'n/a')}, {str(where.get('date', ''))[:10]}"
+
+
 def _checks_section() -> list[str]:
-    out = []
+    out = [f"- `data/{f.relative_to(DATA_DIR).as_posix()}`: executed, its outputs kept" for f in NOTEBOOKS_RUN]
     for f in sorted(CHECKS_DIR.iterdir()) if CHECKS_DIR.exists() else []:
-        about = ""
-        if f.suffix == ".json":
-            try:
-                meta = json.loads(f.read_text())
-            except ValueError:
-                meta = {}
-            if isinstance(meta, dict) and meta.get("device"):
-                about = f": {meta['device']}, torch {meta.get('torch', 'n/a')}, {str(meta.get('date', ''))[:10]}"
-        out.append(f"- `data/{f.relative_to(DATA_DIR).as_posix()}`{about}")
+        out.append(f"- `data/{f.relative_to(DATA_DIR).as_posix()}`{_where(f)}")
     return out
 
 
@@ -232,12 +244,12 @@ def page() -> str:
         "",
     ]
     for name, climbs in device_classes():
-        lines += [f"## {name}", ""]
+        lines += [f"### {name}", ""]
         for climb in climbs:
             lines += _climb_section(climb)
     others = [c for c in _read(measured_cpus()) if c.path not in {x.path for _, cs in device_classes() for x in cs}]
     if others:
-        lines += ["## CPUs with their kernels held to another instruction set", ""]
+        lines += ["### CPUs with their kernels held to another instruction set", ""]
         for climb in others:
             lines += _climb_section(climb)
     lines += ["## Other shipped measurements", "", *_checks_section(), ""]
