@@ -452,6 +452,31 @@ class TrainConfig:
         """Tokens per optimizer step (on one process), padding included."""
         return self.batch_size * self.context
 
+    @property
+    def ledger_step(self) -> int | None:
+        """The step a CPU run takes under the memory ledger (the last, left out of the timing), or None: memory not
+        measured, or a GPU, whose allocator reads its peak over the timed steps themselves."""
+        return self.steps - 1 if self.measure_memory and torch.device(self.device).type == "cpu" else None
+
+    @property
+    def untimed_steps(self) -> set[int]:
+        """The steps left out of the timing: the warm-up steps (the first also compiles) and the memory-ledger step."""
+        return set(range(min(self.timing_warmup, self.steps))) | ({self.ledger_step} - {None})
+
+    def fewest_steps(self, timed: int = 1, ledger: bool | None = None) -> int:
+        """The steps a run needs to time `timed` of them, after its warm-up and, where it has one (`ledger`: this
+        config's own by default), its memory-ledger step."""
+        return self.timing_warmup + timed + (self.ledger_step is not None if ledger is None else ledger)
+
+    def check_steps_to_time(self, ledger: bool | None = None) -> None:
+        """A ConfigError that says what to raise where the run would leave no step to time."""
+        if self.steps < (need := self.fewest_steps(1, ledger)):
+            ledger_text = " and the memory-ledger step" if need > self.timing_warmup + 1 else ""
+            raise ConfigError(
+                f"steps={self.steps} leaves no step to time after {self.timing_warmup} warm-up step(s){ledger_text}: "
+                f"raise steps to at least {need}"
+            )
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

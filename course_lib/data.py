@@ -19,6 +19,7 @@ import torch
 
 from . import bpe
 from .cache import cache_dir, write_atomic
+from .config import ConfigError
 
 
 def data_dir() -> Path:
@@ -148,6 +149,17 @@ class Splits:
     val: torch.Tensor
     pad_id: int
     vocab_size: int
+
+
+def check_vocabulary(vocab_size: int, tokens: int | None = None) -> None:
+    """A ConfigError unless the model's vocabulary has a row for every token of the tokenizer (`tokens`: the course's
+    BPE by default)."""
+    tokens = get_tokenizer().n_vocab if tokens is None else tokens
+    if vocab_size < tokens:
+        raise ConfigError(
+            f"model vocab_size={vocab_size} is smaller than the tokenizer's {tokens} tokens: "
+            f"raise vocab_size to at least {tokens}"
+        )
 
 
 def load_splits(val_fraction: float = 0.05, kind: str = "shakespeare") -> Splits:

@@ -23,7 +23,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from . import cpu_allocator
 from .capabilities import device_name  # noqa: F401 - re-exported: the notebooks use measure.device_name
+from .config import TrainConfig
 from .timing import StepTimer, median_excluding, synchronize, time_fn  # noqa: F401 - re-exported for the notebooks
 
 GiB = 1024**3
@@ -428,6 +430,80 @@ class LedgerMeasurement(NotMeasured):
 
     def report(self) -> MemoryReport:
         return self.ledger.report()
+
+
+class StepRecorder:
+    """What a run measures around each training step, from outside it (course_lib.train.train_step measures nothing):
+    - the step's wall time (timing.StepTimer: the device synchronised before the clock is read);
+    - the page faults it made (a CPU's memory handed back and fetched again: techniques.keep_freed_memory);
+    - on CUDA, the allocator's peaks over the run's own timed steps, each step read on its own, so that another loop's
+      steps taken in between (the ladder's pairs) never count;
+    - on a CPU, the memory ledger over its one step (cfg.ledger_step), through the `meter` the step is given.
+    Built before the run's model, so that what CUDA already holds (an earlier run's leftovers, the notebook's tensors,
+    cuBLAS's workspaces) is its baseline, not this run's memory. Between `start` and `stop` it records; outside, a
+    step is only timed (the ladder's extra paired steps)."""
+
+    def __init__(self, cfg: TrainConfig, cuda_graphs: bool = False):
+        self.dev, self.cfg, self.cuda_graphs = torch.device(cfg.device), cfg, cuda_graphs
+        warm_up_cuda_libraries(self.dev)
+        cuda = self.dev.type == "cuda"
+        self.baseline = torch.cuda.memory_allocated(self.dev) if cuda else 0
+        self.reserved_baseline = torch.cuda.memory_reserved(self.dev) if cuda else 0
+        self.recording, self.ledger, self.faults = False, None, None
+        self.timer = StepTimer(self.dev)
+
+    def start(self, output_layer: torch.nn.Module | None) -> None:
+        """A run begins: its own clock, ledger and peaks."""
+        self.recording, self.timer = True, StepTimer(self.dev)
+        self.ledger = LedgerMeasurement(output_layer) if self.cfg.ledger_step is not None else None
+        self.cuda_peak = self.cuda_reserved = None
+
+    def stop(self) -> None:
+        self.recording, self.timer = False, StepTimer(self.dev)
+
+    def meter(self, step: int) -> NotMeasured:
+        """What watches step `step` from inside: the ledger on its step, else nothing."""
+        return self.ledger if self.recording and step == self.cfg.ledger_step else NOT_MEASURED
+
+    @contextlib.contextmanager
+    def step(self, step: int, setup):
+        """Around step `step` of the loop built as `setup` (techniques.Setup): its clock, its page faults, its peaks,
+        and on its step the ledger, which registers what exists before it and follows what it makes."""
+        first_timed = min(self.cfg.timing_warmup, self.cfg.steps - 1)
+        cuda_peak = self.recording and self.dev.type == "cuda" and step >= first_timed
+        if cuda_peak:
+            if step == first_timed and self.cuda_graphs:
+                torch.cuda.empty_cache()  # what compiling left goes; the graphs' pool is in use, and stays
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        faults_before = cpu_allocator.page_faults()
+        with self.timer.step(), self.meter(step).watching(setup):
+            yield
+        self.faults = None if faults_before is None else cpu_allocator.page_faults() - faults_before
+        if cuda_peak:
+            self.cuda_peak = max(self.cuda_peak or 0, torch.cuda.max_memory_allocated(self.dev))
+            self.cuda_reserved = max(self.cuda_reserved or 0, torch.cuda.max_memory_reserved(self.dev))
+
+    def memory(self, model: torch.nn.Module, optimizer, steps_taken: int) -> dict | None:
+        """The run's memory report (MemoryReport.to_dict()): the ledger's, or the CUDA allocator's peaks, or None."""
+        if self.ledger is not None and steps_taken > self.cfg.ledger_step:
+            return self.ledger.report().to_dict()
+        if self.dev.type != "cuda" or self.cuda_peak is None:
+            return None
+        # With set_to_none=False the gradients live through the whole step, so they are at the peak at full size.
+        # With set_to_none=True they exist only from backward on, and the allocator cannot say whether the peak fell
+        # before or after: they are "not measured" (inside "other") rather than guessed.
+        static: dict = static_bytes(model, optimizer, gradients_at_parameter_size=True)
+        static["gradients"] = None if self.cfg.set_to_none else static["gradients"]
+        report = cuda_memory_report(
+            self.dev,
+            static,
+            peak=self.cuda_peak,
+            baseline=self.baseline,
+            reserved=self.cuda_reserved,
+            cuda_graphs=self.cuda_graphs,
+            reserved_baseline=self.reserved_baseline,
+        )
+        return report.to_dict()
 
 
 GRAPHS_METHOD = "CUDA graphs"  # how a reserved peak's method begins (results.peak_text labels it)

@@ -103,7 +103,7 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from .model import GPT
-    from .train import run_step
+    from .train import train_step
 
     if fake and cfg.precision == "fp16":
         raise ValueError(
@@ -128,10 +128,11 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
         ]
         n_targets = cfg.batch_size * cfg.context  # random ids: no padding
         for _ in range(warm_steps):  # so that the optimizer state exists, as in a steady-state step
-            run_step(setup, cfg, params, micro, n_targets=n_targets)
+            train_step(setup, cfg, params, micro, n_targets=n_targets)
         meter = measure.LedgerMeasurement(setup.parts.head)
         # the loop's own step body, watched by the ledger
-        run_step(setup, cfg, params, micro, meter, n_targets=n_targets)
+        with meter.watching(setup):
+            train_step(setup, cfg, params, micro, meter, n_targets=n_targets)
         report = meter.report()
     report.method = (
         "CPU ledger under FakeTensorMode: shapes only, nothing allocated"

@@ -1,18 +1,17 @@
-"""The one training loop. Every technique reaches it through techniques.build(), and every measurement through
-a measurement object with a no-op twin, so there is one code path:
+"""The training loop. `train_step` is one optimizer step, the code to read top to bottom:
 
-    for each optimizer step:
-        for each micro-batch:        (gradient accumulation; 1 micro-batch when it is off)
-            forward + loss under autocast (a no-op context in fp32)
-            backward of loss scaled by the GradScaler (a no-op scaler unless fp16)
-        unscale, global-norm clip, optimizer step, scaler update, zero_grad, LR schedule step
+    for each micro-batch:            (gradient accumulation; one micro-batch when it is off)
+        forward and loss under autocast (bf16 or fp16; fp32 runs without it)
+        backward of the loss, scaled by the GradScaler (fp16 only)
+    unscale, clip by the global norm, optimizer step, scaler update, zero_grad, learning-rate schedule
 
-(The micro-batch loop is `setup.forward_backward`, techniques.accumulate_micro_batches; pipeline parallelism
-replaces it with its schedule, which runs the micro-batches' forwards and backwards across the stages.)
+Its real variations are `if`s in it: CUDA graphs (compile's reduce-overhead mode), pipeline parallelism (a schedule runs
+the micro-batches across the stages), DDP written by hand (its last all-reduces after backward). Nothing measures inside
+it: measure.StepRecorder wraps each step from outside (time, memory peaks, the CPU memory ledger, page faults).
 
-`Trainer(cfg, model)` builds (the course's GPT by default, or any module that maps inputs to logits) and
-exposes what it built (`.setup`) before `fit()` trains; `train(cfg, ...)` is the two in one call, and `run`
-turns an out-of-memory error into a result.
+`Trainer(cfg, model)` builds what cfg asks for (techniques.build: the course's GPT by default, or any module mapping
+inputs to logits) and shows it (`.setup`) before `fit()` trains; `train(cfg, ...)` is the two in one call, and `run`
+turns an out-of-memory error into a result (out of memory is handled at the end of this module, and only there).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import copy
 import gc
 import math
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -29,9 +29,62 @@ from . import capabilities as caps_mod, cpu_allocator, data as data_mod, measure
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
-from .techniques.torch_compile import uses_cuda_graphs
+from .techniques import keep_freed_memory
+from .techniques.torch_compile import CUDA_GRAPH_MODES, begin_cuda_graph_step, uses_cuda_graphs
 
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+
+
+def train_step(
+    setup: techniques.Setup,
+    cfg: TrainConfig,
+    params: list[torch.Tensor],
+    micro: list[tuple[torch.Tensor, torch.Tensor]],
+    meter: measure.NotMeasured = measure.NOT_MEASURED,
+    n_targets: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """One optimizer step over the step's micro-batches [(inputs, targets), ...]. Returns (loss per target token,
+    gradient norm before clipping, learning rate used, loss scale used). `meter` is a no-op unless the memory ledger
+    watches this step; `n_targets` is given where tensors hold no values (FakeTensorMode)."""
+    # Divide by the real target tokens of the whole step, not per micro-batch: a mean of micro-batch means is wrong
+    # when micro-batches hold different numbers of padding tokens.
+    if n_targets is None:
+        n_targets = sum(data_mod.count_targets(y) for _, y in micro)
+    if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:  # a new step: CUDA graphs may overwrite the last one's
+        begin_cuda_graph_step(params, grads_kept=not cfg.set_to_none)
+    if setup.pipeline is not None:  # pipeline parallelism: its schedule runs forward and backward across the stages
+        step_loss = setup.pipeline.forward_backward(setup, micro, n_targets, meter)
+    else:
+        loss_fn = meter.loss_fn(setup)  # the (maybe compiled) model and loss; the ledger follows the eager one
+        step_loss = torch.zeros((), device=micro[0][1].device)
+        for x, y in micro:  # each backward adds its gradients into .grad
+            with setup.autocast(), meter.phase("forward"):
+                loss = loss_fn(x, y) / n_targets
+            with meter.phase("backward"):
+                setup.scaler.scale(loss).backward()
+            step_loss += loss.detach()
+            del loss  # the graph and its activations go now, not when the next micro-batch replaces it
+    if setup.hand_ddp is not None:  # DDP by hand: wait for its last all-reduces, then every rank holds the mean
+        with meter.phase("backward"):
+            setup.hand_ddp.finish()
+    with meter.phase("optimizer"):
+        setup.scaler.unscale_(setup.optimizer)  # fp16: the true gradients, before clipping
+        grads = [p.grad for p in params if p.grad is not None]
+        meter.on_grads(grads)  # the ledger names them before zero_grad may free them
+        norm = setup.pipeline.grad_norm(grads) if setup.pipeline else torch.nn.utils.get_total_norm(grads)
+        if cfg.clip_norm is not None and cfg.clip_kind == "global":  # one factor for all: the direction is kept
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.clip_norm, norm)
+        elif cfg.clip_norm is not None:
+            techniques.clip_by_tensor_norm(params, cfg.clip_norm)
+        lr = setup.optimizer.param_groups[0]["lr"]
+        scale = setup.scaler.get_scale() if setup.scaler.is_enabled() else 1.0
+        setup.scaler.step(setup.optimizer)  # skipped, under fp16, where a gradient is inf or nan
+        setup.scaler.update()
+        setup.optimizer.zero_grad(set_to_none=cfg.set_to_none)
+        with warnings.catch_warnings():  # a step the fp16 scaler skipped still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            setup.scheduler.step()
+    return step_loss, norm, lr, scale
 
 
 class StopRun(Exception):
@@ -56,40 +109,15 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_b
     return total / count
 
 
-def run_step(
-    setup: techniques.Setup,
-    cfg: TrainConfig,
-    params: list[torch.Tensor],
-    micro: list[tuple[torch.Tensor, torch.Tensor]],
-    meter: measure.NotMeasured = measure.NOT_MEASURED,
-    n_targets: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """One optimizer step over its micro-batches, watched by `meter` (a no-op unless it measures).
-    Returns (loss per target token, gradient norm before clipping, learning rate used, loss scale used).
-    `n_targets` defaults to the count of non-padding targets (give it where tensors hold no values: FakeTensorMode)."""
-    # Normalise by the count of real target tokens in the whole accumulated batch, not per micro-batch:
-    # a mean of micro-batch means is wrong when micro-batches hold different numbers of padding tokens.
-    if n_targets is None:
-        n_targets = sum(data_mod.count_targets(y) for _, y in micro)
-    with meter.watching(setup):
-        setup.begin_step()  # where compile replays CUDA graphs: a new step begins (techniques.torch_compile)
-        step_loss = setup.forward_backward(setup, micro, n_targets, meter)  # techniques.accumulate_micro_batches
-        with meter.phase("backward"):
-            setup.sync_gradients()  # DDP by hand (data_parallel="bucketed"): its last all-reduces; else nothing
-        with meter.phase("optimizer"):
-            norm, lr, scale = techniques.optimizer_step(setup, cfg, params, on_grads=meter.on_grads)
-    return step_loss, norm, lr, scale
-
-
 class Trainer:
-    """The one training loop, built for one config.
+    """The training loop, built for one config.
 
     model: the course's GPT of cfg.model by default; any module mapping inputs to logits works (notebook 09
       trains an MLP), with `parts` saying what the techniques may need (its blocks, body and output layer).
     batches(step) -> [(x, y), ...]: the micro-batches of a step; by default random windows of the course's text.
     flops_per_token: by default the GPT formula for a GPT, else counted once with FlopCounterMode.
     After construction `.setup` holds what was built (model, loss module, optimizer, ...), so a caller can look
-    at it or hook into it (DDP's communication hook) before `fit()`.
+    at it or hook into it (DDP's communication hook, a pipeline's schedule) before `fit()`.
     """
 
     def __init__(
@@ -112,24 +140,18 @@ class Trainer:
             # (an uncompiled CUDA run must not count them either; a CPU run's memory does not hold them)
             torch._dynamo.reset()
         free_memory()
+        keep_freed_memory.apply(cfg)  # the process's allocator, as cfg asks (a CPU's)
         if model is None and parts is None and batches is None:  # the course's GPT on cfg's batches, as the formula
             check_cpu_memory(cfg)
         torch.manual_seed(cfg.seed)
         self.cfg, self.dev = cfg, torch.device(cfg.device)
         if splits is None and (batches is None or cfg.eval_every):
             splits = data_mod.load_splits()
-        if model is None and splits is not None and cfg.model.vocab_size < splits.vocab_size:
-            raise ConfigError(
-                f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {splits.vocab_size} "
-                "tokens: raise vocab_size"
-            )
+        if model is None and splits is not None:
+            data_mod.check_vocabulary(cfg.model.vocab_size, splits.vocab_size)
         self.splits = splits
         self.batches = batches or data_mod.random_batches(splits.train, cfg, cfg.seed)
-        # CUDA: what is already allocated (an earlier run's leftovers, the notebook's tensors, cuBLAS's workspaces)
-        # is not this run's.
-        measure.warm_up_cuda_libraries(self.dev)
-        self.cuda_baseline = torch.cuda.memory_allocated(self.dev) if self.dev.type == "cuda" else 0
-        self.cuda_reserved_baseline = torch.cuda.memory_reserved(self.dev) if self.dev.type == "cuda" else 0
+        self.recorder = measure.StepRecorder(cfg, uses_cuda_graphs(cfg))  # before the model: CUDA's baseline
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)
         self.setup = techniques.build(cfg, model, parts)
         self.flops_per_token = flops_per_token or (
@@ -145,27 +167,29 @@ class Trainer:
         self.last_step_faults: int | None = None  # the last step's page faults (cpu_allocator.page_faults)
         self.result: RunResult | None = None  # the run being recorded, while fit() runs
 
-    def _count_flops_per_token(self, x: torch.Tensor, y: torch.Tensor) -> int:
-        """FlopCounterMode over one forward and backward, on a copy of the model (its gradients stay untouched)."""
-        return measure.counted_flops_per_token(
-            copy.deepcopy(self.setup.model), x, lambda out: techniques.loss_sum(out, y), tokens=y.numel()
-        )
+    def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        micro = [(x.to(self.dev, non_blocking=True), y.to(self.dev, non_blocking=True)) for x, y in self.batches(step)]
+        if not micro:
+            raise ConfigError(
+                f"batches({step}) returned no micro-batches: it must return a list of (inputs, targets) pairs, "
+                "one per micro-batch (cfg.grad_accum_steps of them)"
+            )
+        return micro
 
     def fit(self, label: str = "run", callback: Callable[[int, RunResult], None] | None = None) -> RunResult:
         """Train `cfg.steps` optimizer steps and return what was measured. `callback(step, result)` is called after
         every step (progress bars); it may raise StopRun to end the run early (the ladder gives up on a rung that is
         far slower than the best loop so far), and the result then holds the steps taken, with the reason."""
-        result = self._start(label)
+        cfg, setup, recorder = self.cfg, self.setup, self.recorder
+        cfg.check_steps_to_time()
+        result = self.result = self._new_result(label)
+        recorder.start(setup.parts.head)
         try:
-            for step in range(self.cfg.steps):
-                self.step()
-                if not math.isfinite(result.losses[-1]):  # nothing after a non-finite loss is training: say so and stop
-                    result.status = "diverged"
-                    result.reason = (
-                        f"diverged: the loss became {result.losses[-1]} at step {step} "
-                        f"(learning rate {result.lrs[-1]:g}): "
-                        "lower lr, or add warm-up (lr_warmup_steps) or clipping (clip_norm)"
-                    )
+            for step in range(cfg.steps):
+                micro = self.micro_batches(step)
+                with techniques.matmul_precision(cfg.precision), recorder.step(step, setup):
+                    loss, norm, lr, scale = train_step(setup, cfg, self.params, micro, recorder.meter(step))
+                self._record(step, micro, loss, norm, lr, scale)
                 if callback:
                     callback(step, result)
                 if result.status == "diverged":
@@ -174,100 +198,68 @@ class Trainer:
             result.stopped_early = str(stop)
         return self._finish()
 
-    def _start(self, label: str) -> RunResult:
-        cfg, dev = self.cfg, self.dev
+    def step(self) -> float:
+        """One more step of this loop after fit(), timed as fit() times its steps and recorded nowhere (the ladder
+        times one loop beside another in pairs); returns its time in seconds."""
+        with techniques.matmul_precision(self.cfg.precision), self.recorder.step(self.step_index, self.setup):
+            train_step(self.setup, self.cfg, self.params, self.micro_batches(self.step_index))
+        self.step_index += 1
+        self.last_step_faults = self.recorder.faults
+        return self.recorder.timer.times[-1]
+
+    def is_timed(self, step: int) -> bool:
+        """Whether step `step` of the run counts in its timing: not a warm-up step, not the memory-ledger step."""
+        return step not in self.cfg.untimed_steps
+
+    def _new_result(self, label: str) -> RunResult:
         self.params = params = list(self.setup.model.parameters())
-        self.result = RunResult(
+        return RunResult(
             label=label,
             status="ok",
-            config=cfg.to_dict(),
+            config=self.cfg.to_dict(),
             provenance=provenance(self.caps.name),
             n_params=sum(p.numel() for p in {id(p): p for p in params}.values()),
             flops_per_token=self.flops_per_token,
         )
-        self._timer = measure.StepTimer(dev)
-        self._ledger_step = cfg.steps - 1 if (dev.type == "cpu" and cfg.measure_memory) else None
-        self._excluded = set(range(min(cfg.timing_warmup, cfg.steps))) | (
-            {self._ledger_step} if self._ledger_step is not None else set()
-        )
-        if len(self._excluded) >= cfg.steps:
-            raise ConfigError(
-                f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s)"
-                f"{' and the memory-ledger step' if self._ledger_step is not None else ''}: "
-                f"raise steps to at least {len(self._excluded) + 1}"
-            )
-        self._ledger = measure.LedgerMeasurement(self.setup.parts.head) if self._ledger_step is not None else None
-        self._cuda_peak = self._cuda_reserved = None
-        return self.result
 
-    def is_timed(self, step: int) -> bool:
-        """Whether step `step` of the run counts in its timing: not a warm-up step, not the memory-ledger step."""
-        return step not in self._excluded
-
-    def step(self) -> float:
-        """One optimizer step, the loop's one step body; returns its time in seconds. While fit() runs, the step is
-        recorded in the run's result (loss, gradient norm, time; the memory ledger on its step). After the run, a
-        caller may take more steps to time this loop beside another one (course_lib.ladder pairs them): those are
-        timed the same way and recorded nowhere."""
-        cfg, dev, setup, result = self.cfg, self.dev, self.setup, self.result
-        step = self.step_index
-        recording = result is not None
-        micro = [(x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)) for x, y in self.batches(step)]
-        if not micro:
-            raise ConfigError(
-                f"batches({step}) returned no micro-batches: it must return a list of (inputs, targets) pairs, "
-                "one per micro-batch (cfg.grad_accum_steps of them)"
-            )
-        if recording and step == 0:
-            result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
-            result.flops_per_token = self.flops_per_token = self.flops_per_token or self._count_flops_per_token(
-                *micro[0]
-            )
-        # CUDA: the allocator's peak over this run's own timed steps, each read on its own, so that another loop's steps
-        # taken in between (the ladder's pairs) never count in it. Under CUDA graphs it is the reserved peak (see
-        # measure.cuda_memory_report), which does hold what the allocator kept cached from before: what compiling left
-        # is returned before the first timed step; another loop's cached blocks (a ladder's pairs) would count in it.
-        first_timed = min(cfg.timing_warmup, cfg.steps - 1)
-        cuda_peak = recording and dev.type == "cuda" and step >= first_timed
-        if cuda_peak:
-            if step == first_timed and uses_cuda_graphs(cfg):
-                torch.cuda.empty_cache()  # the graphs' pool is in use, and stays
-            torch.cuda.reset_peak_memory_stats(dev)
-        meter = self._ledger if recording and step == self._ledger_step else measure.NOT_MEASURED
-        timer = self._timer if recording else measure.StepTimer(dev)
-        faults_before = cpu_allocator.page_faults()
-        with techniques.matmul_precision(cfg.precision), timer.step():
-            step_loss, norm, lr, scale_before = run_step(setup, cfg, self.params, micro, meter)
-        # the pages this step had the kernel map in (a CPU's memory handed back and fetched again: keep_freed_memory)
-        self.last_step_faults = None if faults_before is None else cpu_allocator.page_faults() - faults_before
+    def _record(self, step: int, micro, loss: torch.Tensor, norm: torch.Tensor, lr: float, scale: float) -> None:
+        """The step's values in the run's result, read back only after its timed region."""
+        cfg, setup, result = self.cfg, self.setup, self.result
         self.step_index += 1
-        seconds = timer.times[-1]
-        if not recording:
-            return seconds
-        if cuda_peak:
-            self._cuda_peak = max(self._cuda_peak or 0, torch.cuda.max_memory_allocated(dev))
-            self._cuda_reserved = max(self._cuda_reserved or 0, torch.cuda.max_memory_reserved(dev))
-        # Read values back only after the timed region.
-        result.losses.append(step_loss.item())
+        self.last_step_faults = self.recorder.faults
+        if step == 0:
+            result.tokens_per_step = sum(y.numel() for _, y in micro)  # padding included
+            if self.flops_per_token is None:  # counted on a copy of the model: its gradients stay untouched
+                x, y = micro[0]
+                self.flops_per_token = measure.counted_flops_per_token(
+                    copy.deepcopy(setup.model), x, lambda out: techniques.loss_sum(out, y), tokens=y.numel()
+                )
+            result.flops_per_token = self.flops_per_token
+        result.losses.append(loss.item())
         result.grad_norms.append(norm.item())
         result.lrs.append(lr)
         if setup.scaler.is_enabled():
-            result.loss_scales.append(scale_before)
-            if setup.scaler.get_scale() < scale_before:
-                result.skipped_optimizer_steps += 1
+            result.loss_scales.append(scale)
+            result.skipped_optimizer_steps += setup.scaler.get_scale() < scale
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
             result.val_losses.append((step, evaluate(setup.model, self.splits.val, cfg, cfg.eval_batches)))
-        result.step_times = list(timer.times)
-        return seconds
+        result.step_times = list(self.recorder.timer.times)
+        if not math.isfinite(result.losses[-1]):  # nothing after a non-finite loss is training: say so and stop
+            result.status = "diverged"
+            result.reason = (
+                f"diverged: the loss became {result.losses[-1]} at step {step} (learning rate {lr:g}): "
+                "lower lr, or add warm-up (lr_warmup_steps) or clipping (clip_norm)"
+            )
 
     def _finish(self) -> RunResult:
         """The run's summary from its recorded steps; after it, step() records nothing."""
-        cfg, dev, setup, result = self.cfg, self.dev, self.setup, self.result
+        cfg, result = self.cfg, self.result
+        self.result = None
+        self.recorder.stop()
         taken = len(result.step_times)
-        excluded = {i for i in self._excluded if i < taken}
+        excluded = {i for i in cfg.untimed_steps if i < taken}
         result.excluded_steps = sorted(excluded)
         if result.status == "diverged":  # its times are recorded; no speed, MFU or memory is reported for it
-            self.result = None
             return result
         if taken == len(excluded):
             raise ConfigError(
@@ -282,24 +274,7 @@ class Trainer:
         result.mfu, result.mfu_basis = caps_mod.efficiency(
             result.tokens_per_s, result.flops_per_token, cfg.device, cfg.precision
         )
-        if self._ledger is not None and taken > self._ledger_step:
-            result.memory = self._ledger.report().to_dict()
-        elif dev.type == "cuda" and self._cuda_peak is not None:
-            # With set_to_none=False the gradients live through the whole step, so they are at the peak at full
-            # size. With set_to_none=True they exist only from backward on, and the allocator cannot say whether
-            # the peak fell before or after: they are "not measured" (inside "other") rather than guessed.
-            static: dict = measure.static_bytes(setup.model, setup.optimizer, gradients_at_parameter_size=True)
-            static["gradients"] = None if cfg.set_to_none else static["gradients"]
-            result.memory = measure.cuda_memory_report(
-                dev,
-                static,
-                peak=self._cuda_peak,
-                baseline=self.cuda_baseline,
-                reserved=self._cuda_reserved,
-                cuda_graphs=uses_cuda_graphs(cfg),
-                reserved_baseline=self.cuda_reserved_baseline,
-            ).to_dict()
-        self.result = None
+        result.memory = self.recorder.memory(self.setup.model, self.setup.optimizer, taken)
         return result
 
 

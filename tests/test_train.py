@@ -72,8 +72,9 @@ def test_the_loops_step_clips_the_global_norm_and_keeps_the_direction(splits, ti
     x, y = splits.train[:64].view(1, 64), splits.train[1:65].view(1, 64)
     (setup.loss_fn(x, y) / 64).backward()
     grads = torch.cat([p.grad.flatten() for p in params])
+    setup.optimizer.zero_grad()
     before = torch.cat([p.detach().flatten() for p in params])
-    norm, lr, _ = techniques.optimizer_step(setup, cfg, params)
+    _, norm, lr, _ = train_mod.train_step(setup, cfg, params, [(x, y)])
     delta = torch.cat([p.detach().flatten() for p in params]) - before
     assert norm.item() == pytest.approx(grads.norm().item(), rel=1e-5) and norm.item() > 1e-3
     assert delta.norm().item() == pytest.approx(0.1 * 1e-3, rel=1e-3)

@@ -67,7 +67,7 @@ def test_after_an_oom_the_failed_runs_tensors_are_freed_before_run_returns(tiny,
         held.append(weakref.ref(activations))
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
 
-    monkeypatch.setattr("course_lib.train.run_step", step)
+    monkeypatch.setattr("course_lib.train.train_step", step)
     gc.disable()  # only reference counting may free it: nothing is left for a later collection to find
     try:
         r = run(tiny(steps=3, measure_memory=False), "oom")
@@ -86,7 +86,7 @@ def test_an_oom_wrapped_by_another_error_is_still_reported_as_oom(tiny, monkeypa
         except torch.OutOfMemoryError as e:
             raise RuntimeError("backend compiler failed") from e
 
-    monkeypatch.setattr("course_lib.train.run_step", step)
+    monkeypatch.setattr("course_lib.train.train_step", step)
     r = run(tiny(steps=3, measure_memory=False), "oom")
     assert r.status == "oom" and "Tried to allocate 80.00 GiB" in r.reason
     monkeypatch.undo()

@@ -74,24 +74,23 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str, bucket_bytes: int = 0) 
         by_hand = {"naive": NaiveDDP, "overlapped": OverlappedDDP}.get(variant)
         hand["ddp"] = ddp = by_hand(setup.model) if by_hand else BucketedDDP(setup.model, bucket_bytes)
         ddp.launched = []  # when each all-reduce leaves, for the timeline
-        forward_backward = setup.forward_backward
 
-        def marked(*args):  # the loop's own forward and backward, the step's start marked
+        def mark_start(_module, _inputs):  # the step's first forward (grad_accum_steps=1: its only one)
             forward_began[0] = time.perf_counter()
-            return forward_backward(*args)
 
-        def finish_timed():  # the loop's slot after the last backward (Setup.sync_gradients): the wait, timed
-            t0 = time.perf_counter()
-            ddp.finish()
-            t1 = time.perf_counter()
-            start = forward_began[0]
-            exposed.append(t1 - t0)
-            timelines.append(
-                {"backward_done": t0 - start, "waited_until": t1 - start, "launches": [t - start for t in ddp.launched]}
-            )
-            ddp.launched.clear()
+        class TimedFinish:  # the loop calls setup.hand_ddp.finish() after the last backward: the wait, timed
+            def finish(self):
+                t0 = time.perf_counter()
+                ddp.finish()
+                t1 = time.perf_counter()
+                start = forward_began[0]
+                exposed.append(t1 - t0)
+                launches = [t - start for t in ddp.launched]
+                timelines.append({"backward_done": t0 - start, "waited_until": t1 - start, "launches": launches})
+                ddp.launched.clear()
 
-        setup.forward_backward, setup.sync_gradients = marked, finish_timed
+        setup.model.register_forward_pre_hook(mark_start)
+        setup.hand_ddp = TimedFinish()
 
     run_cfg = replace(cfg, data_parallel="ddp" if variant == "torch" else "none")
     result, setup = _common.train_rank(ctx, run_cfg, at, variant, on_build, lambda step, r: None)

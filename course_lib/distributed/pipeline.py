@@ -41,9 +41,9 @@ ALL_SCHEDULES), "stages_per_rank": 2 (the interleaved schedules'; ZB-V needs 2),
 
 Its steps are course_lib.train's one loop (Trainer): a PipelineSchedule owns forward and backward across the stages (it
 calls each stage's forward per micro-batch, sends and receives activations and gradients, and runs the backward
-itself), so the pipeline hands the loop that piece (`Setup.forward_backward`) and the gradient norm over all stages
-(`Setup.grad_norm`, for global-norm clipping); clipping, AdamW, the learning-rate schedule, timing and the memory
-ledger are the loop's, as for every other run.
+itself), so the pipeline hands the loop that piece (`Setup.pipeline`: PipelineStep.forward_backward) and the
+gradient norm over all stages (PipelineStep.grad_norm, for global-norm clipping); clipping, AdamW, the learning-rate
+schedule, timing and the memory ledger are the loop's, as for every other run.
 """
 
 from __future__ import annotations
@@ -538,7 +538,7 @@ def split_timeline(events: list, stage_indices: list[int]) -> tuple[list, dict]:
 
 
 class PipelineStep:
-    """The step's forward and backward for the course's one loop (`Setup.forward_backward`): the micro-batches of a
+    """The step's forward and backward for the course's one loop (`Setup.pipeline`): the micro-batches of a
     step go, as one batch, to the pipeline schedule, which cuts it into its own micro-batches and runs their
     forwards and backwards across the stages; then the two ends sum their tied-embedding gradients. Everything else
     of the step (clipping, the optimizer, the schedule, timing, the memory ledger) is the loop's.
@@ -584,7 +584,7 @@ class PipelineStep:
         with self.saved.hooks(self.n_stages - 1):  # the loss is the last stage's: what it saves, that stage keeps
             return self._scaler.scale(techniques.loss_sum(logits, targets) / self._n_targets)
 
-    def __call__(self, setup: techniques.Setup, micro, n_targets: int, meter) -> torch.Tensor:
+    def forward_backward(self, setup: techniques.Setup, micro, n_targets: int, meter) -> torch.Tensor:
         first, last = self.stages.first_stage is not None, self.stages.last_stage is not None
         x, y = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
         self._n_targets, self._scaler = n_targets, setup.scaler
@@ -612,14 +612,12 @@ class PipelineStep:
             self.after_backward(x, y, n_targets, step_loss)
         return step_loss
 
-
-def stage_grad_norm(stages: RankStages) -> Callable[[list[torch.Tensor]], torch.Tensor]:
-    """The gradient norm of the whole model from the stages' parts: each rank's sum of squares, summed over all
-    ranks. The tied embedding's gradient is on both ends after their all-reduce: it counts once (the first stage's)."""
-
-    def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-        last = stages.last_stage
-        twin = last.gpt.lm_head.weight.grad if last is not None and stages.first_stage is None else None
+    def grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradient norm of the whole model from the stages' parts: each rank's sum of squares, summed over all
+        ranks. The tied embedding's gradient is on both ends after their all-reduce: it counts once (the first
+        stage's)."""
+        last = self.stages.last_stage
+        twin = last.gpt.lm_head.weight.grad if last is not None and self.stages.first_stage is None else None
         own = [g for g in grads if g is not twin]
         sq = (
             torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in own]).sum()
@@ -628,8 +626,6 @@ def stage_grad_norm(stages: RankStages) -> Callable[[list[torch.Tensor]], torch.
         )
         dist.all_reduce(sq)
         return sq.sqrt()
-
-    return grad_norm
 
 
 def stage_flops_per_token(stages: RankStages, context: int) -> int:
@@ -819,7 +815,7 @@ def main(argv=None) -> None:
             step_fn = PipelineStep(
                 stages, ctx, sched_name, m, tied if placement[0] != placement[-1] else None, n_stages=n_stages
             )
-            trainer.setup.forward_backward, trainer.setup.grad_norm = step_fn, stage_grad_norm(stages)
+            trainer.setup.pipeline = step_fn
             against_unsplit: dict = {}
             if m == check_at:
 
