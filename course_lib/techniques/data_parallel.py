@@ -14,9 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..codegen import Code, device_type, source
 from ..config import ConfigError, TrainConfig
-from .declaration import Setting
 from .model_parts import ModelParts
 
 
@@ -203,106 +201,3 @@ def _average_over_ranks(p: torch.Tensor) -> None:
     """A replicated parameter's gradient, averaged over the ranks (what DDP does for every parameter)."""
     dist.all_reduce(p.grad)
     p.grad /= dist.get_world_size()
-
-
-def export(cfg: TrainConfig) -> Code:
-    if cfg.data_parallel == "none":
-        return Code()
-    cuda = device_type(cfg) == "cuda"
-    started_by_torchrun = (
-        'if "RANK" not in os.environ:  # run with plain python: say how to start it\n'
-        '    sys.exit(f"start this script with torchrun, which starts its processes: '
-        'torchrun --nproc_per_node=2 {sys.argv[0]}")\n'
-    )
-    if cuda:
-        init = (
-            "# torchrun starts one process per GPU and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.\n"
-            + started_by_torchrun
-            + 'local_rank = int(os.environ["LOCAL_RANK"])\n'
-            'device = torch.device("cuda", local_rank)  # this process\'s GPU\n'
-            "torch.cuda.set_device(device)\n"
-            'dist.init_process_group(backend="nccl", device_id=device)  # NCCL: GPU to GPU\n'
-            "rank, world = dist.get_rank(), dist.get_world_size()"
-        )
-        wrap_args = "model, device_ids=[local_rank]"
-    else:
-        init = (
-            "# torchrun starts the processes and gives each RANK and WORLD_SIZE in its environment.\n"
-            + started_by_torchrun
-            + 'dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes\n'
-            "rank, world = dist.get_rank(), dist.get_world_size()"
-        )
-        wrap_args = "model"
-    imports = ["import os", "import sys", "import torch.distributed as dist"]
-    if cfg.data_parallel == "fsdp":
-        return _fsdp(cfg, init, imports)
-    if cfg.data_parallel == "bucketed":  # the loop's own hand-written DDP, rendered
-        return Code(
-            imports=tuple(imports + ["import time"]),
-            init=init,
-            constants=(f"BUCKET_BYTES = {BUCKET_BYTES}  # gradients all-reduced in buckets of about this many bytes",),
-            defs=(source(HandDDP), source(bucket_plan), source(BucketedDDP)),
-            setup=(
-                "# DDP written by hand: every process holds the whole model and trains on its own slice of the batch;\n"
-                "# hooks on the parameters all-reduce the gradients in buckets while backward runs.\n"
-                "ddp = BucketedDDP(model, BUCKET_BYTES)"
-            ),
-            after_backward="ddp.finish()  # the buckets still in flight; then every process holds the mean gradient",
-            teardown="dist.destroy_process_group()",
-        )
-    setup = (
-        "# DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;\n"
-        "# backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same\n"
-        "# step. Its parameters are the model's own: the optimizer below holds them.\n"
-        f"ddp_model = DistributedDataParallel({wrap_args})"
-    )
-    micro = ""
-    if cfg.grad_accum_steps > 1:
-        micro = (
-            "# Only the last micro-batch's backward all-reduces; the others accumulate locally (no_sync).\n"
-            "sync = contextlib.nullcontext() if i == GRAD_ACCUM_STEPS - 1 else ddp_model.no_sync()\n"
-            "with sync:"
-        )
-    imports += ["from torch.nn.parallel import DistributedDataParallel"] + (["import contextlib"] if micro else [])
-    return Code(
-        imports=tuple(imports),
-        init=init,
-        setup=setup,
-        loss_model="ddp_model",
-        micro_sync=micro,
-        teardown="dist.destroy_process_group()",
-    )
-
-
-def _fsdp(cfg: TrainConfig, init: str, imports: list[str]) -> Code:
-    """FSDP2 (data_parallel="fsdp"), as techniques.shard_with_fsdp2 applies it: fully_shard on every block, then on
-    the root. The model keeps its name: fully_shard turns its parameters into shards in place."""
-    setup = (
-        "# FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.\n"
-        "# fully_shard each block, then the root (embeddings, final LayerNorm): before a block runs, its parameters\n"
-        "# are all-gathered, and freed after it; backward reduce-scatters the gradients, so each process receives\n"
-        "# its own shard's. The parameters are now shards (DTensors): the optimizer below is built on them.\n"
-        f'mesh = init_device_mesh("{device_type(cfg)}", (world,))\n'
-        "for block in model.blocks:\n"
-        "    fully_shard(block, mesh=mesh)\n"
-        "fully_shard(model, mesh=mesh)"
-    )
-    micro = (
-        (
-            "# Only the last micro-batch's backward reduce-scatters; "
-            "the others accumulate unsharded gradients locally.\n"
-            "model.set_requires_gradient_sync(i == GRAD_ACCUM_STEPS - 1)"
-        )
-        if cfg.grad_accum_steps > 1
-        else ""
-    )
-    imports = imports + [
-        "from torch.distributed.device_mesh import init_device_mesh",
-        "from torch.distributed.fsdp import fully_shard",
-    ]
-    return Code(
-        imports=tuple(imports), init=init, setup=setup, micro_start=micro, teardown="dist.destroy_process_group()"
-    )
-
-
-SETTING = Setting("data_parallel", export)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..codegen import Code
 from ..config import TrainConfig, get_setting, with_setting
 
 # What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
@@ -22,15 +21,6 @@ FAST_16BIT = "fast 16-bit"
 
 
 @dataclass(frozen=True)
-class Setting:
-    """A config field that every run has (no "off"): what it writes into the exported script."""
-
-    field: str  # a TrainConfig field
-    export: Callable[[TrainConfig], Code]  # its piece of the exported script (course_lib.codegen.Code)
-    reads: tuple[str, ...] = ()  # the other config fields `export` reads
-
-
-@dataclass(frozen=True)
 class Technique:
     """A speed or memory technique: one config field, off in the naive loop, switched on by its ladder rungs (one with
     none says why in `no_rung`)."""
@@ -39,17 +29,15 @@ class Technique:
     label: str  # the panel's name for it
     off: object  # its value in the naive loop
     help: str  # one sentence: what it does (the panel's tooltip)
-    export: Callable[[TrainConfig], Code]  # its piece of the exported script
     rungs: tuple[tuple[str, object, str], ...] = ()  # the ladder's rungs: (name, value, what it changes), in order
     choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
     aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
-    reads: tuple[str, ...] = ()  # the other config fields `export` reads
     # Its term in the memory estimate: the function of its module that memory_estimate calls for it (by name: each term
     # enters the estimate at its own place in the step), or None, and then `memory_note` says why it has none.
     memory_term: Callable | None = None
     memory_note: str = ""
     no_rung: str = (
-        ""  # for a technique with no rung of the ladder: why (the ladder's refusal of a --set for it says it)
+        ""  # for a technique with no rung of the ladder: why (the ladder's refusal of a --rung-value for it says it)
     )
 
     @property

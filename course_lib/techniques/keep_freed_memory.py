@@ -13,7 +13,6 @@ Notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes), wh
 from __future__ import annotations
 
 from .. import cpu_allocator
-from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import SPEED, Technique
 
@@ -25,27 +24,6 @@ def apply(cfg: TrainConfig) -> None:
         cpu_allocator.keep_freed(cfg.keep_freed_memory)
 
 
-def export(cfg: TrainConfig) -> Code:
-    """The script's lines: the same mallopt calls as cpu_allocator.keep_freed(True), where the script finds glibc
-    (cpu_allocator.is_glibc, rendered), for a CPU (on a GPU there is nothing to do)."""
-    A = cpu_allocator
-    if not cfg.keep_freed_memory or A.unavailable(cfg.device, here=False):
-        return Code()
-    return Code(
-        imports=("import ctypes",),
-        defs=(source(A.is_glibc),),
-        setup=(
-            "# Keep freed memory in the process (glibc's malloc): no block gets a mapping of its own and the heap is\n"
-            "# never trimmed, so a step reuses the pages the steps before it freed instead of the kernel mapping and\n"
-            "# zeroing them again (a page fault per page). Elsewhere a preloaded jemalloc does it.\n"
-            "if is_glibc():\n"
-            '    libc = ctypes.CDLL("libc.so.6")\n'
-            f"    libc.mallopt({A.M_MMAP_MAX}, 0)  # M_MMAP_MAX: no block gets a mapping of its own\n"
-            f"    libc.mallopt({A.M_TRIM_THRESHOLD}, {A.NEVER})  # M_TRIM_THRESHOLD: never hand the heap's top back"
-        ),
-    )
-
-
 TECHNIQUE = Technique(
     "keep_freed_memory",
     "keep freed memory (CPU)",
@@ -54,7 +32,6 @@ TECHNIQUE = Technique(
         "a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it (the "
         "whole process's setting: runs after it in this kernel no longer get glibc's own rule; notebook 02)"
     ),
-    export=export,
     aims=(SPEED,),
     memory_note="not in the estimate: the tensors are the same; the process holds its peak between steps",
     no_rung=(

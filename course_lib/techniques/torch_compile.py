@@ -9,7 +9,6 @@ from collections.abc import Callable
 
 import torch
 
-from ..codegen import Code, source
 from ..config import TrainConfig
 from .declaration import Technique
 
@@ -65,39 +64,11 @@ def apply(cfg: TrainConfig, loss_module) -> Callable:
     return torch.compile(loss_module, **compile_arguments(cfg)) if cfg.compile else loss_module
 
 
-def export(cfg: TrainConfig) -> Code:
-    if not cfg.compile:
-        return Code()
-    arguments = compile_arguments(cfg)
-    why_options = (
-        "# On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, off by up to 1.8e-7 (absolute) and several times\n"
-        "# faster than its exact vectorised tanh (GPT-2's tanh GELU is the model's only tanh).\n"
-        if "options" in arguments
-        else ""
-    )
-    written = "".join(f", {name}={value!r}" for name, value in arguments.items() if value is not None)
-    setup = (
-        "# torch.compile traces model and loss together and fuses their element-wise work into generated kernels;\n"
-        "# the first step compiles (it is left out of the timing).\n"
-        f"{why_options}compiled_loss = torch.compile(compute_loss{written})"
-    )
-    if cfg.compile_mode not in CUDA_GRAPH_MODES:
-        return Code(setup=setup, loss_fn="compiled_loss")
-    return Code(
-        defs=(source(begin_cuda_graph_step),),
-        setup=setup,
-        loss_fn="compiled_loss",
-        step_start=f"begin_cuda_graph_step(model.parameters(), grads_kept={not cfg.set_to_none})",
-    )
-
-
 TECHNIQUE = Technique(
     "compile",
     "compile",
     False,
     help="torch.compile fuses the element-wise work of the model and its loss into generated kernels",
-    export=export,
-    reads=("compile_mode",),
     rungs=(("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),),
     memory_note="not in the estimate: it counts the eager loop's tensors (the ledger measures what compile keeps)",
 )
