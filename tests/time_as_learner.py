@@ -42,7 +42,8 @@ def machine() -> dict:
 
 
 def time_notebook(path: Path, presses: int = 2, timeout_s: int = 1800) -> dict:
-    """The notebook run top to bottom in a fresh kernel, then its buttons: cells_s, presses, total_s and error."""
+    """The notebook run top to bottom in a fresh kernel, then its buttons: cells_s (and cells_over_5_s, by the cell's
+    index), presses, total_s and error."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -50,14 +51,17 @@ def time_notebook(path: Path, presses: int = 2, timeout_s: int = 1800) -> dict:
     nb.cells.append(nbformat.v4.new_code_cell(PRESS_SOURCE.format(times=presses)))
     where = {"metadata": {"path": str(path.parent)}}  # the kernel starts in the notebook's folder, as in Jupyter
     client = NotebookClient(nb, timeout=timeout_s, kernel_name="python3", resources=where)
-    t0, error, cells_s = time.perf_counter(), "", None
+    t0, error, cells_s, slow = time.perf_counter(), "", None, {}
     try:
         with client.setup_kernel():
             for i, cell in enumerate(nb.cells):
                 if i == len(nb.cells) - 1:
                     cells_s = time.perf_counter() - t0
                 if cell.cell_type == "code":
+                    start = time.perf_counter()
                     client.execute_cell(cell, i)
+                    if (took := time.perf_counter() - start) >= 5:  # the cells worth shortening, by index
+                        slow[i] = round(took, 1)
     except Exception as e:  # noqa: BLE001 - the record says what failed, and how far it got
         error = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"[:500]
     total = time.perf_counter() - t0
@@ -68,6 +72,7 @@ def time_notebook(path: Path, presses: int = 2, timeout_s: int = 1800) -> dict:
     ]
     return {
         "cells_s": None if cells_s is None else round(cells_s, 1),
+        "cells_over_5_s": slow,
         "presses": found[0] if found else [],
         "total_s": round(total, 1),
         "error": error,
