@@ -210,12 +210,14 @@ def ladder_diffs(results: list):
 
     from IPython.display import HTML
 
-    from .ladder import AGAIN, FINAL_ROWS, rung_name, rungs_of
+    from .ladder import AGAIN, CUDA_GRAPHS, CUDA_GRAPHS_RUNG, FINAL_ROWS, rung_name, rungs_of
 
     rungs = T.RUNGS
     climbed = rungs_of(results)
     second_looks = climbed[len(rungs) :]  # "<rung>, again": a rung tried once more on top of the loop the climb reached
-    if [r.label for r in climbed[: len(rungs)]] != list(rungs) or any(rung_name(r) not in rungs for r in second_looks):
+    if [r.label for r in climbed[: len(rungs)]] != list(rungs) or any(
+        rung_name(r) not in rungs and r.label != CUDA_GRAPHS for r in second_looks
+    ):
         raise ValueError(
             f"ladder_diffs wants one result per rung, in the ladder's order ({', '.join(rungs)}), then any second "
             f"looks ('<rung>{AGAIN}'); got {[r.label for r in climbed]}"
@@ -224,7 +226,7 @@ def ladder_diffs(results: list):
     naive_cfg = best_cfg = TrainConfig.from_dict(naive.config)
     parts = [f"<p><b>{html.escape(naive.label)}</b>: {html.escape(_measured(naive, naive))}</p>"]
     for r in climbed[1:]:
-        rung = rungs[rung_name(r)]
+        rung = rungs.get(rung_name(r), CUDA_GRAPHS_RUNG)  # (CUDA graphs: a rung only where the GPU waits on launches)
         cfg = TrainConfig.from_dict(r.config) if r.config else rung.apply(best_cfg)
         head = rung.what_changed + ("" if r.ok else " (the code it would add; not measured here)")
         parts.append(

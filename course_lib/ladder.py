@@ -18,7 +18,9 @@ A rung that did not help stays in the table, not kept, with its measured factor 
 CPU without bf16 instructions), and the next rung climbs from the best loop so far. A speed rung not kept for a reason
 other than missing hardware gets a second look at the end, on top of the loop the climb reached (its row named
 "<rung>, again"): what came after it can change its verdict. A speed rung far slower than the
-best loop in each of its first timed steps is stopped there: its verdict is already clear.
+best loop in each of its first timed steps is stopped there: its verdict is already clear. On a GPU, where a profile
+of the climb's compiled loop shows the device idle long enough (it waits on the CPU's launches), one more rung tries
+CUDA graphs (compile's reduce-overhead mode: `tries_cuda_graphs`).
 
 Two rows end the table, each timed once more against naive fp32 in pairs (`final_rows`):
 - `= optimised here`, the fastest loop that fits: the climb's loop without the memory techniques that cost measurable
@@ -39,7 +41,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from . import config as C, cpu_allocator, techniques as T
+import torch
+
+from . import config as C, cpu_allocator, profiling, techniques as T
 from .capabilities import Capabilities, capabilities, efficiency, measured_tflops
 from .results import RunResult, efficiency_text, fmt, provenance, text_table
 from .train import StopRun, Trainer, catching_oom, free_memory, unless_it_fails
@@ -263,8 +267,8 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
 
 
 def check_options(base: C.TrainConfig, options: dict[str, object] | None) -> None:
-    """A value a technique's field rejects (`--set loss_chunks=0`) is a ConfigError now, not a skipped rung minutes
-    later."""
+    """A value a technique's field rejects (`--rung-value loss_chunks=0`) is a ConfigError now, not a skipped rung
+    minutes later."""
     for name, value in (options or {}).items():
         T.TECHNIQUE[name].set(T.naive(base), value)
 
@@ -279,8 +283,8 @@ def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) 
         if T.TECHNIQUE[name].set(naive, value) == naive:
             rung = T.option_rung(name)
             raise C.ConfigError(
-                f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "
-                f"with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
+                f"--rung-value {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave "
+                f"it out with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
             )
 
 
@@ -399,6 +403,24 @@ def run_ladder(
             climb_one(again_label(rung.name), rung)
             if on_result:
                 on_result(results)
+    if best is not None and not fixed:
+        # On a GPU that waits for the CPU's launches (a model too small for it), a step recorded once as a CUDA graph
+        # and replayed may help: tried where the profile of the climb's loop shows the device idle long enough.
+        try_it, why = tries_cuda_graphs(best.cfg, *_idle_share_of(best.cfg, caps))
+        if progress and caps.type == "cuda":
+            progress(f"{CUDA_GRAPHS}: {why}")
+        if try_it:
+            n += 1
+            if progress:
+                progress(_progress_text(done, n, CUDA_GRAPHS, started))
+                done += 1
+            noise = same_step_noise(results)
+            cfg = dataclasses.replace(best.cfg, compile_mode="reduce-overhead")
+            result, best = _climb(cfg, CUDA_GRAPHS, CUDA_GRAPHS_RUNG, best, naive_loop, caps, fixed, progress, noise)
+            result.details["device_idle_share"] = why
+            results.append(result)
+            if on_result:
+                on_result(results)
     if best is not None:
         if progress:
             progress(_progress_text(done, n, f"{OPTIMISED} and {LEANEST}", started))
@@ -406,6 +428,45 @@ def run_ladder(
         if on_result:
             on_result(results)
     return results
+
+
+CUDA_GRAPHS = "+ CUDA graphs"  # a rung of its own, after the climb: only where the device waits on launches
+CUDA_GRAPHS_RUNG = T.Rung(
+    CUDA_GRAPHS,
+    "compile's reduce-overhead mode: the compiled step recorded once as a CUDA graph and replayed, one launch for many",
+    T.TECHNIQUE["compile"],
+    True,
+)
+
+
+def tries_cuda_graphs(cfg: C.TrainConfig, idle: float | None, measured: str = "") -> tuple[bool, str]:
+    """(whether the ladder tries CUDA graphs on top of `cfg`, why), from the share of its step the device sat idle
+    (profiling.device_idle_share): only a compiled loop in compile's default mode on a GPU, and only where it waits
+    on launches (profiling.launch_bound). `measured`: why the share is missing, where it is. A pure function."""
+    if torch.device(cfg.device).type != "cuda":
+        return False, "a CPU has no kernel launches to save"
+    if not cfg.compile or cfg.compile_mode != "default":
+        return False, "not tried: the loop is not compiled in compile's default mode"
+    if idle is None:
+        return False, f"not tried: the device's idle share was not measured ({measured or 'no profile'})"
+    share = f"the GPU sat idle {idle:.0%} of the optimised loop's step"
+    if profiling.launch_bound(idle):
+        return True, f"{share}, waiting on launches (at least {profiling.LAUNCH_BOUND_IDLE:.0%}): tried"
+    return False, f"not tried: {share}, under the {profiling.LAUNCH_BOUND_IDLE:.0%} that says it waits on launches"
+
+
+def _idle_share_of(cfg: C.TrainConfig, caps: Capabilities) -> tuple[float | None, str]:
+    """(the share of a step of `cfg` the GPU sat idle, from a short profile; "" or why it is missing). Not profiled
+    where tries_cuda_graphs would say no anyway (a CPU, a loop not compiled)."""
+    if caps.type != "cuda" or not cfg.compile or cfg.compile_mode != "default":
+        return None, ""
+    profiled, failed = unless_it_fails(lambda: profiling.profile_run(cfg, active=2, name_kernels=False))
+    if failed:
+        return None, failed
+    idle = profiling.device_idle_share(profiled)
+    del profiled  # its run's model and optimizer go before the rung builds its own
+    free_memory()
+    return idle, ""
 
 
 def refresh_peaks(caps: Capabilities) -> None:
@@ -545,13 +606,8 @@ def _measure(
     except Exception as e:  # noqa: BLE001 - a rung that fails is a row that says why; the climb goes on
         made.clear()
         free_memory()
-        result = RunResult(
-            label=label,
-            status="error",
-            config=cfg.to_dict(),
-            provenance=provenance(capabilities(cfg.device).name),
-            reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
-        )
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        result = RunResult.failed(cfg, label, "error", f"{type(e).__name__}: {first}")
     if printer and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
         sys.stderr.write("\n")
     if not result.ok:

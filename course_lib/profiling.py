@@ -185,6 +185,59 @@ def busy_s(p: Profile) -> float:
     )
 
 
+# ---- launch-bound: how long the device sat idle in a step ------------------------------------------------------
+
+# A GPU idle for more than this share of a step waits on the CPU to launch its kernels (a model too small for the
+# device): recording the step once as a CUDA graph and replaying it (compile's "reduce-overhead") is worth a try.
+LAUNCH_BOUND_IDLE = 0.2
+
+
+def idle_share(kernels: list[tuple[float, float]], span: tuple[float, float]) -> float:
+    """The share of `span` (start, end) in which no kernel ran, from the kernels' (start, end) intervals in the same
+    unit: overlapping kernels (two streams) count once, and the parts outside the span not at all."""
+    start, end = span
+    if not end > start:
+        raise ValueError(f"span={span}: the step's end must come after its start")
+    busy, reach = 0.0, start  # the union of the intervals, swept in order of their starts
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in kernels):
+        if b <= max(a, reach):  # outside the span, or inside what is already counted
+            continue
+        busy += b - max(a, reach)
+        reach = b
+    return 1 - busy / (end - start)
+
+
+def kernel_intervals(p: Profile) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every kernel and copy the device ran in the recorded steps (a GPU profile)."""
+    return [
+        (e.time_range.start, e.time_range.end)
+        for e in p.prof.events()
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+    ]
+
+
+def recorded_span(p: Profile) -> tuple[float, float] | None:
+    """(start, end) in microseconds of the recorded steps, from the profiler's ProfilerStep ranges (each step ends
+    with the device synchronised: its kernels lie inside it); None where the profile holds none."""
+    steps = [e.time_range for e in p.prof.events() if e.name.startswith("ProfilerStep")]  # "#N", or "*" in a table
+    return (min(r.start for r in steps), max(r.end for r in steps)) if steps else None
+
+
+def device_idle_share(p: Profile) -> float | None:
+    """The share of the recorded steps' wall time in which the GPU ran no kernel (idle_share); None on a CPU, whose
+    operators are the step itself."""
+    span = recorded_span(p)
+    if p.device != "cuda" or span is None:
+        return None
+    return idle_share(kernel_intervals(p), span)
+
+
+def launch_bound(idle: float | None) -> bool:
+    """Whether a device idle for this share of its step waits on kernel launches (LAUNCH_BOUND_IDLE); False where
+    nothing was measured (a CPU)."""
+    return idle is not None and idle >= LAUNCH_BOUND_IDLE
+
+
 def summary(p: Profile, rows: int = 20) -> str:
     """The profile's table (operators, and on CUDA their kernels, by the time of their own on the device that did
     the work) and how much of the recorded steps' wall time the device spent working; on a CPU, also a step's time

@@ -529,3 +529,30 @@ def test_everything_on_leaves_out_what_does_nothing_or_runs_in_software(monkeypa
     monkeypatch.setattr(L, "capabilities", lambda device=None: caps)
     top = L.everything_on(tiny())
     assert top.precision == precision and top.model.attention == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "device, compiled, mode, idle, tried",
+    [
+        ("cuda", True, "default", 0.45, True),  # the GPU waits on launches: CUDA graphs are worth a rung
+        ("cuda", True, "default", 0.2, True),
+        ("cuda", True, "default", 0.05, False),  # arithmetic sets the pace: nothing to save
+        ("cuda", True, "default", None, False),  # not measured: not tried on a guess
+        ("cuda", False, "default", 0.6, False),  # reduce-overhead is a mode of compile: a loop not compiled has none
+        ("cuda", True, "max-autotune", 0.6, False),
+        ("cpu", True, "default", 0.6, False),  # no launches on a CPU
+    ],
+)
+def test_cuda_graphs_are_tried_only_where_the_device_waits_on_launches(tiny, device, compiled, mode, idle, tried):
+    cfg = tiny(compile=compiled, compile_mode=mode)
+    cfg = dataclasses.replace(cfg, device=device) if device == "cuda" else cfg
+    decided, why = L.tries_cuda_graphs(cfg, idle, "out of memory" if idle is None else "")
+    assert decided is tried, why
+    if idle is not None and device == "cuda" and compiled and mode == "default":
+        assert f"{idle:.0%}" in why
+    if idle is None and device == "cuda" and compiled:
+        assert "out of memory" in why
+
+
+def test_a_climb_on_a_cpu_has_no_cuda_graphs_row(climb):
+    assert L.CUDA_GRAPHS not in by_label(climb("avx2 laptop", native_16bit=False))

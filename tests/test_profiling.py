@@ -279,3 +279,35 @@ def test_the_profilers_own_start_and_stop_lines_are_not_shown_and_anything_else_
         os.write(2, b"USDT:2026-11-26 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
         os.write(2, b"a warning to keep\n")
     assert capfd.readouterr().err == "a warning to keep\n"
+
+
+def test_the_idle_share_counts_the_gaps_between_kernels_once():
+    assert profiling.idle_share([(0, 10)], (0, 10)) == 0
+    assert profiling.idle_share([], (0, 10)) == 1
+    assert profiling.idle_share([(0, 2), (5, 7)], (0, 10)) == pytest.approx(0.6)
+    # overlapping kernels (two streams) count once, in any order
+    assert profiling.idle_share([(5, 8), (0, 4), (2, 6)], (0, 10)) == pytest.approx(0.2)
+    # a kernel nested in another adds nothing; what lies outside the span is left out
+    assert profiling.idle_share([(1, 9), (2, 3), (-5, 1), (9, 20)], (0, 10)) == pytest.approx(0.0)
+    assert profiling.idle_share([(12, 14)], (0, 10)) == 1
+    with pytest.raises(ValueError, match="must come after its start"):
+        profiling.idle_share([], (5, 5))
+
+
+@pytest.mark.parametrize("idle, waits", [(None, False), (0.0, False), (0.19, False), (0.2, True), (0.7, True)])
+def test_a_step_is_launch_bound_where_the_device_sat_idle_long_enough(idle, waits):
+    assert profiling.launch_bound(idle) is waits
+
+
+def test_a_cpu_profile_has_no_device_idle_share(tiny):
+    p = profiling.profile_run(tiny(), active=1)
+    assert profiling.device_idle_share(p) is None
+    start, end = profiling.recorded_span(p)
+    assert end > start and profiling.kernel_intervals(p) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the device idle share of a real step")
+def test_on_a_gpu_the_idle_share_of_a_real_step_is_a_share(tiny):
+    p = profiling.profile_run(tiny(device="cuda"), active=2)
+    idle = profiling.device_idle_share(p)
+    assert idle is not None and 0 <= idle < 1 and profiling.kernel_intervals(p)
