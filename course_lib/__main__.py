@@ -1,7 +1,7 @@
 """The course's command line.
 
-    python -m course_lib ladder [--preset cpu] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed]
-        [--json PATH]
+    python -m course_lib ladder [--preset P] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed]
+        [--rung-value TECHNIQUE=VALUE ...] [--set FIELD=VALUE ...] [--json PATH]
     python -m course_lib export [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
         [--set FIELD=VALUE ...] [--out train.py [--force]]
     python -m course_lib profile [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import sys
@@ -30,6 +31,7 @@ from . import config as C, techniques as T
 def cmd_ladder(args) -> int:
     import torch
 
+    from . import export
     from .capabilities import capabilities
     from .ladder import baseline_failure, ladder_table, prepare_climb, run_ladder, verdict
     from .results import ResultsFile, check_writable, provenance
@@ -52,7 +54,11 @@ def cmd_ladder(args) -> int:
         left_out = _rung_names(args.leave_out, "--leave-out") if args.leave_out is not None else []
         if both := [name for name in left_out if name in (rungs or [])]:
             raise C.ConfigError(f"{both[0]!r} is in --rungs and in --leave-out: name it in one of them")
-        options = {technique.name: value for _, technique, value in parsed_settings(args.set, techniques_only=True)}
+        options = {
+            technique.name: value
+            for _, technique, value in parsed_settings(args.rung_value, techniques_only=True, flag="--rung-value")
+        }
+        base = export.with_settings(base, climbed_from(args.set))
         leave_out = {name: "left out (--leave-out)" for name in left_out}
         # a --set for a rung left out, or one its technique refuses: said before the banner (run_ladder asks again)
         base, _, raised = prepare_climb(base, rungs, leave_out, options)
@@ -161,13 +167,27 @@ def _rung_names(indices: str, flag: str, one: bool = False) -> list[str]:
     return [T.LADDER[i].name for i in picked]
 
 
+def climbed_from(items: list[str] | None) -> dict[str, object]:
+    """`ladder --set FIELD=VALUE`: the fields of the preset the ladder climbs from. A technique's field is refused: the
+    climb turns each technique on at its rung (--rung-value says with which value)."""
+    settings = {}
+    for name, technique, value in parsed_settings(items):
+        if technique is not None:
+            raise ValueError(
+                f"--set {name}=...: the ladder climbs from naive fp32 and turns {technique.name} on at its rung; give "
+                f"the rung's value with --rung-value {name}=..., or leave the rung out with --leave-out"
+            )
+        settings[name] = value
+    return settings
+
+
 def parsed_settings(
-    items: list[str] | None, techniques_only: bool = False
+    items: list[str] | None, techniques_only: bool = False, flag: str = "--set"
 ) -> list[tuple[str, T.Technique | None, object]]:
-    """Each `--set NAME=VALUE`: (the name as given, the technique it names by its name or config field, else None,
-    the value parsed by the setting's declared type). A ValueError saying what to change for an item that is not
-    NAME=VALUE, a setting given twice (by either spelling), or, with `techniques_only` (the ladder's rungs), a name of
-    no technique."""
+    """Each `--set NAME=VALUE` (or, `flag`, --rung-value's): (the name as given, the technique it names by its name or
+    config field, else None, the value parsed by the setting's declared type). A ValueError saying what to change for
+    an item that is not NAME=VALUE, a setting given twice (by either spelling), or, with `techniques_only` (the
+    ladder's rung values), a name of no technique."""
     techniques = ", ".join(T.TECHNIQUE)
     out, seen = [], set()
     for item in items or []:
@@ -175,14 +195,14 @@ def parsed_settings(
         name, text = _unquoted(name.strip()), _unquoted(text.strip())  # `--set "lr = 3e-4"`, `'precision="bf16"'`
         if not all(c.isalnum() or c in "._" for c in name):  # a newline, a space, a quote or a dash inside a name
             raise ValueError(
-                f"--set {item!r}: {name!r} is no setting's name (letters, digits, '_' and '.'): write FIELD=VALUE, "
+                f"{flag} {item!r}: {name!r} is no setting's name (letters, digits, '_' and '.'): write NAME=VALUE, "
                 "e.g. --set batch_size=8"
             )
         technique = T.technique_named(name)
         if techniques_only and (technique is None or not text):
             raise ValueError(
-                f"--set takes TECHNIQUE=VALUE with a technique of {techniques} (or its config field, e.g. "
-                f"model.vocab_multiple), got {item!r}"
+                f"{flag} takes TECHNIQUE=VALUE with a technique of {techniques} (or its config field, e.g. "
+                f"model.vocab_multiple), got {item!r}" + ("; --set changes other fields" if technique is None else "")
             )
         if not name or not text:
             raise ValueError(
@@ -191,7 +211,7 @@ def parsed_settings(
             )
         key = technique.name if technique else name.removeprefix("model.")  # n_head and model.n_head: one field
         if key in seen:
-            raise ValueError(f"--set {name}: {key} is set twice; give it once")
+            raise ValueError(f"{flag} {name}: {key} is set twice; give it once")
         seen.add(key)
         out.append((name, technique, C.parse_setting(name, text)))
     return out
@@ -204,10 +224,10 @@ def _unquoted(text: str) -> str:
 
 
 def chosen_config(args) -> C.TrainConfig:
-    """The config that `export` and `profile` name: the preset, changed by --set, or the ladder's cumulative config
-    at --rung (there, --set TECHNIQUE=VALUE is what that technique's rung sets, as in `ladder --set`, and other
-    fields change the preset the ladder climbs from). Raises ConfigError, TypeError or ValueError saying what to
-    change."""
+    """The config that `export`, `profile` and `config` name: the preset, the ladder's cumulative config at --rung, or a
+    ladder file's loop, changed by --set (a field of no technique is set on the preset, before a rung, so that the
+    rung sees the shapes it runs; a technique's is set on the config named). Raises ConfigError, TypeError or
+    ValueError saying what to change."""
     from . import export, ladder
 
     if getattr(args, "ladder", None) is not None:
@@ -237,20 +257,29 @@ def chosen_config(args) -> C.TrainConfig:
         base = C.preset(args.preset or "cpu", args.device)
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
-    options, settings = {}, {}
-    after = {}  # a technique with no rung (keep_freed_memory): set on the config the rung names, not the preset's
+    settings, after = {}, {}  # after: a technique's field at --rung, set on the rung's config (the rung sets its own)
     for name, technique, value in parsed_settings(args.set):
-        if args.rung is not None and technique is not None and not technique.rungs:
-            after[name] = value
-        elif args.rung is not None and technique is not None:  # the rung would otherwise set it over the preset's
-            options[technique.name] = value
-        else:
-            settings[name] = value
+        (after if args.rung is not None and technique is not None else settings)[name] = value
     base = export.with_settings(base, settings)  # in any order: context=128 may come before model.block_size=128
-    ladder.check_options(base, options)  # a value its technique refuses: an error, not a value dropped
     by_index = args.rung is not None and args.rung.isdigit()
     rung = _rung_names(args.rung, "--rung", one=True)[0] if by_index else args.rung  # or a name rung_config checks
-    return export.with_settings(ladder.rung_config(base, rung, options), after) if rung is not None else base
+    return export.with_settings(ladder.rung_config(base, rung), after) if rung is not None else base
+
+
+def written_whole(out: Path, text: str, flag: str) -> bool:
+    """Write `text` to `out` in one step (cache.write_atomic: a failed write, a full disk, leaves no part of it and any
+    earlier file as it was); False, with one line saying why, where it could not be."""
+    from .cache import write_atomic
+
+    try:
+        write_atomic(out, lambda f: f.write_text(text), strict=True)
+        return True
+    except OSError as e:
+        print(
+            f"error: could not write {out} ({e.strerror or e}): free some space, or choose another {flag} path",
+            file=sys.stderr,
+        )
+        return False
 
 
 def _new_file(path: str, force: bool, flag: str):
@@ -308,9 +337,7 @@ def exercises_guide(path: str) -> int:
     target = Path(path) if path else guide.GUIDE
     try:
         if not target.is_file():
-            raise FileNotFoundError(
-                f"{target} is not a file: give the teacher's guide (default: docs/teachers_guide.md)"
-            )
+            raise FileNotFoundError(f"{target} is not a file: give the exercises' guide (default: docs/exercises.md)")
         changed = guide.write(target)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -346,7 +373,6 @@ def cmd_exercises(args) -> int:
 def cmd_export(args) -> int:
     """One standalone training script for a config (course_lib.export), the config `chosen_config` names."""
     from . import export
-    from .cache import write_atomic
 
     try:
         cfg = chosen_config(args)
@@ -359,9 +385,10 @@ def cmd_export(args) -> int:
         return 0
     try:
         out = _new_file(args.out, args.force, "--out")
-        write_atomic(out, lambda f: f.write_text(text), strict=True)
     except (C.ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not written_whole(out, text, "--out"):
         return 2
     how = export.run_command(cfg, str(out))
     print(f"wrote {out} ({len(text.splitlines())} lines): run it with `{how}`", file=sys.stderr)
@@ -443,7 +470,6 @@ def cmd_info(args) -> int:
     import platform
 
     from . import __version__, budget
-    from .cache import write_atomic
     from .capabilities import capabilities
 
     try:
@@ -469,10 +495,7 @@ def cmd_info(args) -> int:
     if out is None:
         sys.stdout.write(text)
         return 0
-    try:
-        write_atomic(out, lambda f: f.write_text(text), strict=True)
-    except OSError as e:
-        print(f"error: could not write {out} ({e.strerror or e}): choose another --json path", file=sys.stderr)
+    if not written_whole(out, text, "--json"):
         return 2
     print(f"wrote {out}", file=sys.stderr)
     return 0
@@ -606,7 +629,8 @@ def _rungs_and_presets() -> str:
     return f"rungs (--rungs, --leave-out take their indices):\n{rungs}\n\npresets (--preset):\n{presets}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: its commands in the order a learner uses them, maintainers' last."""
     from . import __version__
 
     parser = argparse.ArgumentParser(
@@ -616,12 +640,13 @@ def main(argv: list[str] | None = None) -> int:
         "options and an example.",
     )
     parser.add_argument("--version", action="version", version=f"course_lib {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # every command's examples and lists shown as written
+    raw = functools.partial(argparse.ArgumentParser, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=raw)
     p = sub.add_parser(
         "info",
         help="what this machine supports",
         epilog=example("python -m course_lib info", "python -m course_lib info --json info.json"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument(
@@ -633,7 +658,6 @@ def main(argv: list[str] | None = None) -> int:
         "doctor",
         help="exercise every device-specific path on this device: pass / fail / n/a",
         epilog=example("python -m course_lib doctor --quick", "python -m course_lib doctor --json doctor.json"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--quick", action="store_true", help="leave out the slow checks (compile, the 2-process all-reduce)")
@@ -649,7 +673,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         + "\n\n"
         + _rungs_and_presets(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--preset", default="auto", choices=list(C.PRESETS), help="the model and batch (default: auto: sized to it)"
@@ -664,11 +687,18 @@ def main(argv: list[str] | None = None) -> int:
         help="climb without these rungs, by index (e.g. 4: the ladder without compile); they are reported as skipped",
     )
     p.add_argument(
-        "--set",
+        "--rung-value",
         action="append",
         metavar="TECHNIQUE=VALUE",
         help="what a technique's rung sets instead of its default, by the technique's name or config field, e.g. "
-        "activation_checkpointing=selective or model.vocab_multiple=128",
+        "activation_checkpointing=selective or model.vocab_multiple=128; repeatable",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="change the preset the ladder climbs from: a TrainConfig field (batch_size=8, context=128) or "
+        "model.<field>; repeatable (a technique's value at its rung is --rung-value's)",
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     p.add_argument(
@@ -690,7 +720,6 @@ def main(argv: list[str] | None = None) -> int:
             "python -m course_lib profile --preset tiny --steps 3",
             "python -m course_lib profile --ladder ladder.json --trace trace.json",
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(
         p,
@@ -713,7 +742,6 @@ def main(argv: list[str] | None = None) -> int:
             "python -m course_lib export --ladder ladder.json --out train.py",
             "python -m course_lib export --preset cpu --set precision=bf16 --out train.py",
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.add_argument("--out", default=None, help="the script's path (default: standard output)")
@@ -723,7 +751,6 @@ def main(argv: list[str] | None = None) -> int:
         "exercises",
         help="list the notebooks' exercises; --verify checks every checker",
         epilog=example("python -m course_lib exercises --status", "python -m course_lib exercises --verify"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p = p.add_mutually_exclusive_group()  # one of them, or the list
     p.add_argument("--verify", action="store_true", help="each checker against its reference and its recorded mistakes")
@@ -741,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         const="",
         default=None,
         metavar="PATH",
-        help="rewrite the exercises' part of the teacher's guide (default: docs/teachers_guide.md)",
+        help="rewrite the exercises' guide for teachers from the checkers (default: docs/exercises.md)",
     )
     p.set_defaults(func=cmd_exercises)  # (a group's defaults are its parser's)
     p = sub.add_parser(
@@ -750,7 +777,6 @@ def main(argv: list[str] | None = None) -> int:
         epilog=example(
             "python -m course_lib config --preset cpu --set batch_size=4", "python -m course_lib config --rung 4"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_arguments(p, steps="optimizer steps (default: the preset's)")
     p.set_defaults(func=cmd_config)
@@ -761,11 +787,15 @@ def main(argv: list[str] | None = None) -> int:
             "python -m course_lib bpe --out /tmp/ranks.tiktoken",
             "python -m course_lib bpe --force   (replaces the shipped data/shakespeare_bpe.tiktoken)",
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--out", default=None, help="write the ranks here (default: the shipped file in data/)")
     p.add_argument("--force", action="store_true", help="replace the file if it exists (the shipped one included)")
     p.set_defaults(func=cmd_bpe)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:  # a bare call: what there is to do, not an error
         parser.print_help()
