@@ -267,8 +267,8 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
 
 
 def check_options(base: C.TrainConfig, options: dict[str, object] | None) -> None:
-    """A value a technique's field rejects (`--rung-value loss_chunks=0`) is a ConfigError now, not a skipped rung
-    minutes later."""
+    """A value a technique's field rejects (`--set loss_chunks=0`) is a ConfigError now, not a skipped rung minutes
+    later."""
     for name, value in (options or {}).items():
         T.TECHNIQUE[name].set(T.naive(base), value)
 
@@ -283,8 +283,8 @@ def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) 
         if T.TECHNIQUE[name].set(naive, value) == naive:
             rung = T.option_rung(name)
             raise C.ConfigError(
-                f"--rung-value {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave "
-                f"it out with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
+                f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "
+                f"with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
             )
 
 
@@ -606,8 +606,13 @@ def _measure(
     except Exception as e:  # noqa: BLE001 - a rung that fails is a row that says why; the climb goes on
         made.clear()
         free_memory()
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        result = RunResult.failed(cfg, label, "error", f"{type(e).__name__}: {first}")
+        result = RunResult(
+            label=label,
+            status="error",
+            config=cfg.to_dict(),
+            provenance=provenance(capabilities(cfg.device).name),
+            reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
+        )
     if printer and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
         sys.stderr.write("\n")
     if not result.ok:
