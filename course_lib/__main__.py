@@ -248,7 +248,10 @@ def chosen_config(args) -> C.TrainConfig:
                 f"--ladder {args.ladder}: not a ladder's results file ({e}); write one with "
                 "`python -m course_lib ladder --json PATH`"
             ) from None
-        base = ladder.final_config(results, getattr(args, "loop", None) or "optimised")
+        try:
+            base = ladder.final_config(results, getattr(args, "loop", None) or "optimised")
+        except (C.ConfigError, TypeError, ValueError) as e:  # no loop in it, or a loop's config edited out of shape
+            raise ValueError(f"--ladder {args.ladder}: {e}") from None
         if args.device:
             base = dataclasses.replace(base, device=args.device)
     else:

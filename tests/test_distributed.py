@@ -316,3 +316,17 @@ def test_a_launch_whose_launcher_dies_leaves_no_worker_behind(tmp_path):
             if L.alive(pid := int(f.read_text())):
                 os.kill(pid, signal.SIGKILL)
     assert not survivors, f"workers {survivors} outlived the process that launched them"
+
+
+def test_a_rank_file_cut_short_is_left_out_with_a_line_not_a_traceback(tmp_path):
+    (tmp_path / "rank0.json").write_text('{"rank": 0}')
+    (tmp_path / "rank1.json").write_text('{"rank": 1, "loss')  # a rank killed while writing, by a writer in place
+    ranks, damaged = L.read_ranks(tmp_path)
+    assert ranks == [{"rank": 0}] and "rank1.json is not a rank's whole result" in damaged
+
+
+def test_a_launch_into_a_folder_it_cannot_write_is_refused_before_starting(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    for where in (tmp_path / "afile" / "out", "/proc/course-launch"):
+        with pytest.raises(ValueError, match="no file can be written there"):
+            L.launch("selftest", 2, device="cpu", out_dir=where)

@@ -92,6 +92,26 @@ def test_a_truncated_ladder_file_from_a_real_process(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda cfg: cfg.update(precision="fp8"), "precision='fp8' is not one of"),
+        (lambda cfg: cfg.update(warp_drive=9), "TrainConfig has no field 'warp_drive'"),  # a newer course's file
+        (lambda cfg: cfg.update(model="gpt"), "with model a dict too"),
+    ],
+    ids=["a value edited", "a field unknown", "a section not a dict"],
+)
+def test_a_ladder_file_whose_loop_was_edited_out_of_shape_is_named(change, says, tmp_path, capsys):
+    path = a_ladder_file(tmp_path / "ladder.json", labels=("naive fp32", L.OPTIMISED))
+    payload = json.loads(path.read_text())
+    change(payload["results"][-1]["config"])
+    path.write_text(json.dumps(payload))
+    assert cli(["export", "--ladder", str(path)]) == 2
+    err = capsys.readouterr().err
+    said_once(err, says)
+    assert err.startswith(f"error: --ladder {path}: ")
+
+
 def test_load_results_raises_one_kind_of_error_for_any_damage(tmp_path):
     path = a_ladder_file(tmp_path / "l.json")
     assert [r.label for r in load_results(path)[0]] == ["naive fp32"]

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import measure
+from ..cache import write_atomic
 from ..config import ConfigError, TrainConfig, did_you_mean, tiny_preset
 from ..results import provenance
 
@@ -139,7 +140,9 @@ def write(ctx: Ctx, payload: dict) -> None:
         "provenance": provenance(measure.device_name(ctx.device)),
         "time": time.time(),
     }
-    (ctx.out / f"rank{ctx.rank}.json").write_text(json.dumps({**base, **payload}, indent=1, default=float))
+    text = json.dumps({**base, **payload}, indent=1, default=float)
+    # in one step: a rank killed while writing leaves no half file for the launcher to read
+    write_atomic(ctx.out / f"rank{ctx.rank}.json", lambda f: f.write_text(text), strict=True)
     # one line for whoever started it by hand (the series says it per run)
     if ctx.is_first and ctx.strategy != "series":
         print(

@@ -210,6 +210,18 @@ def check_strategy_options(strategy: str, options: dict) -> None:
         check_strategy_options(run["strategy"], run.get("options", {}))
 
 
+def read_ranks(out: Path) -> tuple[list[dict], str]:
+    """The ranks' results in `out` (rank<r>.json, in rank order), and a line for each file that is not whole JSON (a
+    rank killed while writing it, by an older course that wrote in place): left out, so the run is not ok."""
+    ranks, damaged = [], ""
+    for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]) if f.stem[4:].isdigit() else -1):
+        try:
+            ranks.append(json.loads(f.read_text()))
+        except (OSError, ValueError) as e:
+            damaged += f"\nerror: {f} is not a rank's whole result ({e}): left out\n"
+    return ranks, damaged
+
+
 def launch(
     strategy: str,
     nproc: int = 2,
@@ -231,7 +243,13 @@ def launch(
         raise ValueError(f"nproc={nproc!r}: a launch needs a whole number of processes >= 1 (2 for a first try)")
     check_strategy_options(strategy, options or {})  # here, before any process starts: one message, not one per rank
     out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"course_{strategy}_"))
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()  # the ranks write here: a folder they cannot write is said now
+    except OSError as e:
+        raise ValueError(
+            f"out_dir={str(out)!r}: no file can be written there ({e.strerror}); give a folder you can write"
+        ) from None
     for old in [*out.glob("rank*.json"), *out.glob("pid_rank*")]:  # an earlier launch's, not this one's
         old.unlink()
     config_file = None
@@ -265,9 +283,9 @@ def launch(
         _stop_group(proc, grace_s=1.0)  # workers that outlived torchrun, if any
         _stop_ranks(out)
     wall = time.perf_counter() - t0
-    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+    ranks, damaged = read_ranks(out)
     result = LaunchResult(
-        strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr, stdout, str(out), proc.pid
+        strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr + damaged, stdout, str(out), proc.pid
     )
     if show_errors and not result.ok:
         print(result.why(), file=sys.stderr)
@@ -309,7 +327,7 @@ def launch_series(
     results, failed = {}, None
     for i, strategy in enumerate(names):
         out = run_dir(whole.out_dir, i, strategy)
-        ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"), key=lambda f: int(f.stem[4:]))]
+        ranks, _ = read_ranks(out)
         if len(ranks) == nproc and failed is None:
             results[strategy] = LaunchResult(
                 strategy,
