@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PRESS_SOURCE = (
     "import json as _json\nfrom course_lib.widgets import pressing as _pressing\n"
-    "_presses = _pressing.press_all({times})\n"
+    "_presses = _pressing.press_all({times}, until_it_runs=False)\n"
     "print('PRESSES ' + _json.dumps([{{'title': p.title, 'seconds': round(p.seconds, 2), 'drew': p.drew, "
     "'error': p.error}} for p in _presses]))"
 )

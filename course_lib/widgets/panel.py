@@ -119,7 +119,7 @@ class Panel:
         self.run_button.add_class("course-run")  # stable hooks for the browser test
         self.clear_button.add_class("course-clear")
         self.run_button.on_click(lambda _b: self.press())
-        self.press_title, self._presses, self.last_press = title, 0, ""
+        self.press_title, self._presses, self.last_press, self.shown_again = title, 0, "", False
         self.clear_button.on_click(lambda _b: self.clear())
         header = W.HTML(
             f"<b>{title}</b> &nbsp; <small>{device_name(self.base.device)}</small>"
@@ -272,12 +272,14 @@ class Panel:
         the notebook already made (`measured_already`) as it was measured instead of training it again; any later
         press trains."""
         self._presses += 1
+        self.shown_again = False
         self.last_press = self._press()
         return self.last_press
 
     def _press(self) -> str:
         try:
             shown = self.measured_already() if self._presses == 1 else None
+            self.shown_again = shown is not None
             if shown is not None:
                 self.redraw()
                 self.status.value = (

@@ -27,7 +27,7 @@ class Rerun:
         self.figure = FigureView()  # the panel's figure widget, shown from a figure the run made
         self.button.on_click(lambda _b: self.press())
         self.box = W.VBox([W.HBox([*controls.values(), self.button]), self.status, self.figure.image])
-        self.press_title, self._presses, self._shown, self.last_press = title, 0, None, ""
+        self.press_title, self._presses, self._shown, self.last_press, self.shown_again = title, 0, None, "", False
         made(self)
 
     def show(self, result: object, fig: Figure, **values) -> "Rerun":
@@ -44,7 +44,8 @@ class Rerun:
         first press with the values of the run `show` gave shows that run as it was measured; any other press runs."""
         self._presses += 1
         values = {name: w.value for name, w in self.controls.items()}
-        if self._presses == 1 and self._shown is not None and values == self._shown:
+        self.shown_again = self._presses == 1 and self._shown is not None and values == self._shown
+        if self.shown_again:
             self.status.value = html.escape(
                 f"measured above: {values}; shown as it was, not run again (press Run again to run it anew)"
             )
