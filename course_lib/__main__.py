@@ -416,16 +416,24 @@ def cmd_profile(args) -> int:
             trace.parent.mkdir(parents=True, exist_ok=True)
         # --steps counts the recorded steps here; the warm-up steps come first
         active = args.steps if args.steps is not None else 3
-        p, oom = unless_it_fails(
-            lambda: profile_run(
-                cfg,
-                active=active,
-                trace=trace,
-                progress=lambda step, steps: print(
-                    f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""), file=sys.stderr
-                ),
+        try:
+            p, oom = unless_it_fails(
+                lambda: profile_run(
+                    cfg,
+                    active=active,
+                    trace=trace,
+                    progress=lambda step, steps: print(
+                        f"  step {step} of {steps}" + (" (warm-up)" if step <= steps - active else ""), file=sys.stderr
+                    ),
+                )
             )
-        )
+        except OSError as e:  # with a trace, most likely its write after the steps (a full disk): no part of it is left
+            if trace is None:
+                raise
+            raise OSError(
+                f"{e.strerror or e} while profiling with --trace {trace}: free some space, or choose another "
+                "--trace path"
+            ) from None
     except (C.ConfigError, TypeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

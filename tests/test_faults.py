@@ -229,6 +229,21 @@ def test_a_full_disk_mid_climb_keeps_the_results_elsewhere(tmp_path, capsys, mon
     whole_or_absent(tmp_path)
 
 
+def test_a_full_disk_while_the_trace_is_written_leaves_no_half_trace(tmp_path, capsys, monkeypatch):
+    import torch
+
+    def half_then_full(self, path):
+        Path(path).write_text('{"traceEvents": [')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", half_then_full)
+    trace = tmp_path / "trace.json"
+    assert cli(["profile", "--preset", "tiny", "--steps", "1", "--rows", "1", "--no-floor", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err.split("\nerror: ")[1]  # after the steps' progress lines
+    assert err.startswith(f"No space left on device while profiling with --trace {trace}") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_dev_full_is_refused_as_no_plain_file(capsys):
     for args in (["export", "--preset", "tiny", "--out"], ["info", "--json"], ["ladder", "--preset", "tiny", "--json"]):
         assert cli([*args, "/dev/full", "--force"]) == 2, args
