@@ -19,15 +19,13 @@ import json
 import os
 import platform
 import re
-import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from . import cpu_allocator
 from .cache import cache_dir, write_atomic
 from .config import PRECISION_DTYPES, PRECISIONS, ConfigError, TrainConfig, check_device
 from .tf32 import matmul_precision
@@ -142,6 +140,8 @@ class CpuFeatures:
 
 @dataclass(frozen=True)
 class Support:
+    """What a device says of a technique or a number format (course_lib.capabilities asks)."""
+
     ok: bool  # the course can run it on this device
     note: str = ""  # what it means here, or why it cannot run
     native: bool | None = None  # done in hardware (False: converted or emulated in software; None: not applicable)
@@ -270,30 +270,6 @@ def _precisions(dev: torch.device, cpu: CpuFeatures | None) -> dict[str, Support
     return out  # (config.check_device has refused any other device type)
 
 
-def _compile_support(dev: torch.device) -> Support:
-    if not hasattr(torch, "compile"):
-        return Support(False, "this torch has no torch.compile")
-    if dev.type == "cpu":
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-        return (
-            Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}")
-            if cxx
-            else Support(
-                False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
-            )
-        )
-    if dev.type == "cuda":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return Support(False, "torch.compile on CUDA needs Triton (pip install triton), or turn compile off")
-        major, minor = torch.cuda.get_device_capability(dev)
-        if major < 7:
-            return Support(False, f"Triton needs compute capability 7.0+; this GPU is {major}.{minor}")
-        return Support(True, "Inductor generates Triton kernels")
-    return Support(False, f"the course does not offer torch.compile on {dev.type!r}")
-
-
 _SDPA_BACKENDS = {
     "flash": "FLASH_ATTENTION",
     "memory-efficient": "EFFICIENT_ATTENTION",
@@ -322,16 +298,6 @@ def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
             why = "" if "No viable backend" in first else f" ({first[:120]})"
             out[name] = Support(False, f"no such kernel on {dev.type} in {str(dtype).removeprefix('torch.')}{why}")
     return out
-
-
-def _fused_adamw_support(dev: torch.device) -> Support:
-    p = torch.zeros(4, device=dev, requires_grad=True)
-    p.grad = torch.ones_like(p)
-    try:
-        torch.optim.AdamW([p], fused=True).step()
-    except (RuntimeError, ValueError) as e:
-        return Support(False, f"torch's fused AdamW does not run here: {str(e).splitlines()[0][:120]}")
-    return Support(True, "one fused kernel for every tensor")
 
 
 # ---- peak FLOP/s --------------------------------------------------------------------------------
@@ -470,6 +436,21 @@ def model_matmul_shapes(cfg: TrainConfig) -> dict[str, tuple[int, int, int]]:
 
 # ---- the answer ---------------------------------------------------------------------------------
 
+# The techniques (course_lib.techniques.Technique), as their registry, a layer above, hands them over when it is
+# imported: this module probes the device for each and asks each its check, and names none of them.
+_registry: Callable[[], Sequence] = tuple
+
+
+def use_registry(techniques: Callable[[], Sequence]) -> None:
+    """Called once by course_lib.techniques with what returns its TECHNIQUES (read anew at every call)."""
+    global _registry
+    _registry = techniques
+
+
+def config_problems(cfg: TrainConfig) -> list[str]:
+    """What each technique's own check says is wrong with `cfg` (what to change), in the registry's order."""
+    return [why for t in _registry() if t.check is not None and (why := t.check(cfg))]
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -478,9 +459,8 @@ class Capabilities:
     name: str
     torch_version: str
     precisions: dict[str, Support]
-    compile: Support
     sdpa: dict[str, Support]
-    fused_adamw: Support
+    techniques: dict[str, Support]  # a technique's name -> whether this device runs it switched on (its probe)
     cpu: CpuFeatures | None = None
     compute_capability: tuple[int, int] | None = None
     datasheet: dict[str, float] | None = field(default=None)
@@ -497,32 +477,22 @@ class Capabilities:
         return fast_16bit(self.precisions, self.name)
 
     def unavailable(self) -> dict[str, str]:
-        """ "field=value" -> why this device cannot run that value of a technique (course_lib.techniques):
+        """ "name=value" -> why this device cannot run that value of a technique (course_lib.techniques):
         what the panel disables and the ladder skips."""
         out = {f"precision={p}": s.note for p, s in self.precisions.items() if not s.ok}
-        if not self.compile.ok:
-            out["compile=True"] = self.compile.note
-        if not self.fused_adamw.ok:
-            out["fused_adamw=True"] = self.fused_adamw.note
-        if why := cpu_allocator.unavailable(self.type):
-            out["keep_freed_memory=True"] = why
+        for t in _registry():
+            if t.name in self.techniques and not self.techniques[t.name].ok:
+                out.update((f"{t.name}={v}", self.techniques[t.name].note) for v in t.on_values)
         return out
 
     def problems(self, cfg: TrainConfig) -> list[str]:
-        """Why this device cannot run `cfg` (empty when it can)."""
-        out = []
-        if torch.device(cfg.device).type != self.type:
-            out.append(f"device={cfg.device!r} but this check is for {self.device}")
-        for setting, why in self.unavailable().items():
-            name, _, value = setting.partition("=")
-            if str(getattr(cfg, name)) == value:  # the "field=value" keys name TrainConfig fields
-                out.append(f"{name}={getattr(cfg, name)!r} cannot run on {self.device}: {why}")
-        if cfg.compile and cfg.data_parallel != "none":
-            out.append(
-                f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "
-                "turn compile off in notebook 07's strategies"
-            )
-        return out
+        """Why this device cannot run `cfg` (empty when it can), with the techniques' own checks of it."""
+        out = [] if torch.device(cfg.device).type == self.type else [f"device={cfg.device!r} but this is {self.device}"]
+        unavailable = self.unavailable()
+        for name, value in [("precision", cfg.precision)] + [(t.name, t.value(cfg)) for t in _registry()]:
+            if why := unavailable.get(f"{name}={value}"):
+                out.append(f"{name}={value!r} cannot run on {self.device}: {why}")
+        return out + config_problems(cfg)
 
     def require(self, cfg: TrainConfig) -> TrainConfig:
         """`cfg` itself when this device can run it, else a ConfigError that says what to change."""
@@ -556,9 +526,8 @@ class Capabilities:
         if self.compute_capability:
             rows.append(("compute capability", "%d.%d" % self.compute_capability))
         rows += [(p, str(s)) for p, s in self.precisions.items() if p != "fp32"]
-        rows.append(("compile", str(self.compile)))
         rows += [(f"SDPA {name}", str(s)) for name, s in self.sdpa.items()]
-        rows.append(("fused AdamW", str(self.fused_adamw)))
+        rows += [(t.label, str(self.techniques[t.name])) for t in _registry() if t.name in self.techniques]
         if self.datasheet:
             rows.append(("peak (data sheet)", ", ".join(f"{k} {v:g} TFLOP/s" for k, v in self.datasheet.items())))
         else:
@@ -592,7 +561,7 @@ def _capabilities(device: str) -> Capabilities:
         )
         raise ConfigError(
             f"device={device!r} but CUDA is not available here: {build}. Use device='cpu', or on a machine "
-            "with an NVIDIA GPU install torch's CUDA build (see the README, 'On a GPU')"
+            "with an NVIDIA GPU install torch's CUDA build (see docs/gpu.md)"
         )
     if dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ConfigError(f"device={device!r} but MPS is not available here: use device='cpu'")
@@ -606,9 +575,8 @@ def _capabilities(device: str) -> Capabilities:
         name=name,
         torch_version=torch.__version__,
         precisions=_precisions(dev, cpu),
-        compile=_compile_support(dev),
         sdpa=_sdpa_support(dev, sdpa_dtype),
-        fused_adamw=_fused_adamw_support(dev),
+        techniques={t.name: t.probe(dev) for t in _registry() if t.probe is not None},
         cpu=cpu,
         compute_capability=cc,
         datasheet=datasheet_tflops(name) if dev.type == "cuda" else None,

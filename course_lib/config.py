@@ -438,10 +438,9 @@ class TrainConfig:
             f"got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}",
         )
         check_device(self.device)
-        # Whether *this machine* can run the config is not asked here (a config saved on a GPU must load on a
-        # laptop): course_lib.capabilities.require(cfg) asks it when a run, a ladder or a panel starts.
-        if self.fused_adamw:
-            _check(self.optimizer == "adamw", "fused_adamw applies to optimizer='adamw' only: turn it off or use AdamW")
+        # Whether *this machine* can run the config, and what each technique checks of it (course_lib.techniques),
+        # are not asked here (a config saved on a GPU must load on a laptop): course_lib.capabilities.require(cfg)
+        # asks both when a run, a ladder or a panel starts.
 
     @property
     def micro_batch_size(self) -> int:

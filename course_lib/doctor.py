@@ -137,8 +137,8 @@ def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunRe
 
 def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
     """eager(): the fp32 run of check_config without compile (check_precision's fp32 run)."""
-    if not caps.compile.ok:
-        raise _NotApplicable(caps.compile.note)
+    if not caps.techniques["compile"].ok:
+        raise _NotApplicable(caps.techniques["compile"].note)
     from torch._dynamo.utils import counters
 
     reference = eager()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import techniques as T
 from .config import PRECISION_DTYPES, ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB
 from .techniques.activation_checkpointing import kept_per_layer, selective_activation_terms
@@ -435,6 +436,8 @@ def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
         "parameters": ("parameters", st["parameters"]),
         "optimizer state": ("optimizer state", st["optimizer state"]),
         "gradients": ("gradients", grads_before),
+        # what a technique declares it holds through the step (techniques.Technique.memory), where it is on
+        **{k: v for t in T.TECHNIQUES if t.memory and t.value(cfg) != t.off for k, v in t.memory(cfg).items()},
     }
     cands: dict[str, dict[str, tuple[str, int]]] = {}
     for moment, terms in loss_terms(cfg).items():

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 
@@ -93,7 +94,7 @@ def test_this_cpu_is_described_from_its_own_flags():
         assert caps.cpu.avx512_fp16 == ("avx512_fp16" in flags)
     rows = dict(caps.rows())
     assert rows["torch"] == torch.__version__ and "CPU" in rows["device"]
-    assert caps.sdpa["math"].ok and caps.fused_adamw.ok
+    assert caps.sdpa["math"].ok and caps.techniques["fused_adamw"].ok and rows["fused AdamW"].startswith("yes")
 
 
 def test_a_config_is_data_and_loads_anywhere():
@@ -106,10 +107,11 @@ def test_a_config_is_data_and_loads_anywhere():
 
 
 def test_compile_without_a_cxx_compiler_is_refused_with_the_fix(monkeypatch, tiny):
-    monkeypatch.setattr(K.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(shutil, "which", lambda _name: None)
     monkeypatch.delenv("CXX", raising=False)
     caps = K.capabilities("cpu")
-    assert not caps.compile.ok and caps.unavailable()["compile=True"] == caps.compile.note
+    compile_ = caps.techniques["compile"]  # the torch_compile module's probe, asked through the registry
+    assert not compile_.ok and caps.unavailable()["compile=True"] == compile_.note
     with pytest.raises(C.ConfigError, match=r"needs a C\+\+ compiler"):
         caps.require(tiny(compile=True))
     rungs = dict((r.name, c) for r, c in ladder_configs(C.cpu_preset("cpu")))
@@ -127,10 +129,22 @@ def test_a_precision_the_device_cannot_run_is_refused_when_the_run_starts(monkey
         train(cfg)
 
 
-def test_compile_with_data_parallel_is_refused_with_a_reason(tiny):
-    cfg = tiny(compile=True, data_parallel="ddp")
-    with pytest.raises(C.ConfigError, match="compile with data_parallel='ddp' is not offered"):
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"compile": True, "data_parallel": "ddp"}, "compile with data_parallel='ddp' is not offered"),
+        ({"fused_adamw": True, "optimizer": "sgd"}, "fused_adamw applies to optimizer='adamw' only"),
+    ],
+)
+def test_a_techniques_own_check_refuses_a_config_with_a_reason(settings, says, tiny):
+    """A technique's check (its declaration's `check`), asked through the registry when a run starts and by the
+    ladder's rungs; the config itself is data and constructs."""
+    cfg = tiny(**settings)
+    with pytest.raises(C.ConfigError, match=says):
         K.require(cfg)
+    with pytest.raises(C.ConfigError, match=says):
+        T.check(cfg)
+    assert T.check(tiny()) == tiny()
 
 
 def test_measured_peak_is_cached_per_machine(tmp_path, monkeypatch):
@@ -223,8 +237,9 @@ def _gpu(monkeypatch, cc, name):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(K, "_sdpa_support", lambda dev, dtype: {"math": K.Support(True, "stand-in")})
-    monkeypatch.setattr(K, "_fused_adamw_support", lambda dev: K.Support(True, "stand-in"))
-    monkeypatch.setattr(K, "_compile_support", lambda dev: K.Support(True, "stand-in"))
+    stand_in = lambda dev: K.Support(True, "stand-in")  # noqa: E731
+    probed = tuple(dataclasses.replace(t, probe=stand_in) if t.probe else t for t in T.TECHNIQUES)
+    monkeypatch.setattr(T, "TECHNIQUES", probed)  # no technique's probe runs a kernel
     return K.capabilities("cuda")
 
 

@@ -29,7 +29,6 @@ def test_presets_are_valid_and_shaped_as_documented():
         (lambda: C.TrainConfig(precision="fp8"), "precision='fp8' is not one of"),
         (lambda: C.TrainConfig(grad_accum_steps=2.0), "grad_accum_steps takes an integer"),
         (lambda: C.TrainConfig(steps=0), "steps must be a positive int"),
-        (lambda: C.TrainConfig(optimizer="sgd", fused_adamw=True), "fused_adamw applies to optimizer='adamw'"),
         (lambda: C.ModelConfig(attention="flashy"), "attention='flashy' is not one of"),
         (lambda: C.ModelConfig(attention="flash", dropout=0.1), "(the course's flash attention) has no dropout"),
     ],

@@ -26,7 +26,7 @@ def test_doctor_runs_every_path_on_this_device(tmp_path):
     for p in ("fp32", "bf16", "fp16"):
         assert by[f"train step {p}"].status == (PASS if caps.supports(p).ok else NA), by[f"train step {p}"]
     assert by["train step tf32"].status == NA  # TF32 does nothing on a CPU: not passed off as tested
-    assert by["compile"].status == (PASS if caps.compile.ok else NA)
+    assert by["compile"].status == (PASS if caps.techniques["compile"].ok else NA)
     assert by["SDPA math"].status == PASS and by["SDPA flash"].status == (PASS if caps.sdpa["flash"].ok else NA)
     assert by["memory report"].status == PASS and by["all-reduce gloo"].status == PASS
     cuda_only = ("reserved vs allocated", "out of memory", "TF32", "memory snapshot")
@@ -86,7 +86,8 @@ def test_the_compile_check_compares_every_step_and_needs_a_compiled_graph(monkey
     import course_lib.doctor as D
 
     # the check runs even where compile cannot
-    caps = dataclasses.replace(K.capabilities("cpu"), compile=K.Support(True))
+    cpu = K.capabilities("cpu")
+    caps = dataclasses.replace(cpu, techniques={**cpu.techniques, "compile": K.Support(True)})
     runs = {False: [2.0, 1.5, 1.2], True: [2.0, 1.5, 1.3]}
     norms = {False: [0.9, 0.8, 0.7], True: [0.9, 0.8, 0.7]}
     captures = {"graph": True}
@@ -121,9 +122,10 @@ def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch
     import course_lib.doctor as D
 
     yes = K.Support(True, "supported here (a stand-in for the test)")
+    cpu = K.capabilities("cpu")
     caps = dataclasses.replace(
-        K.capabilities("cpu"),
-        compile=yes,
+        cpu,
+        techniques={**cpu.techniques, "compile": yes},
         precisions={"fp32": yes, "tf32": K.Support(False, "no TF32"), "bf16": yes, "fp16": yes},
     )
     trained, broken = [], {"fp32": False}

@@ -88,13 +88,14 @@ def test_a_freed_block_stays_in_the_heap_for_reuse_only_while_freed_memory_is_ke
 
 def test_a_gpu_and_a_c_library_without_the_switch_say_why_it_cannot_run(monkeypatch):
     monkeypatch.setitem(cpu_allocator._state, "keep", None)  # as in a process that never switched it
-    cpu = K.capabilities("cpu")
-    gpu = dataclasses.replace(cpu, type="cuda")
-    assert "caching allocator already keeps freed GPU memory" in gpu.unavailable()["keep_freed_memory=True"]
-    assert cpu_allocator.unavailable("cuda") == gpu.unavailable()["keep_freed_memory=True"]
+    probe = T.TECHNIQUE["keep_freed_memory"].probe  # what capabilities asks of a device, through the registry
+    gpu = probe("cuda")
+    assert not gpu.ok and "caching allocator already keeps freed GPU memory" in gpu.note
+    assert cpu_allocator.unavailable("cuda") == gpu.note
+    assert ("keep_freed_memory=True" in K.capabilities("cpu").unavailable()) == (not probe("cpu").ok)
     monkeypatch.setattr(cpu_allocator, "_libc", lambda: None)
     why = cpu_allocator.unavailable()
-    assert "glibc" in why and "jemalloc" in why and cpu.unavailable()["keep_freed_memory=True"] == why
+    assert "glibc" in why and "jemalloc" in why and probe("cpu").note == why and not probe("cpu").ok
     cpu_allocator.keep_freed(True)  # a no-op there, not an error
     assert not cpu_allocator.keeping()
 
@@ -102,7 +103,7 @@ def test_a_gpu_and_a_c_library_without_the_switch_say_why_it_cannot_run(monkeypa
 def test_the_exported_script_keeps_freed_memory_on_a_cpu_with_glibc_only():
     cpu = with_setting(TrainConfig(), "keep_freed_memory", True)
     text = export.script(cpu)
-    assert f"mallopt({cpu_allocator.M_MMAP_MAX}, 0)" in text and "CS_GNU_LIBC_VERSION" in text
+    assert "libc.mallopt(M_MMAP_MAX, 0)" in text and "CS_GNU_LIBC_VERSION" in text
     assert "mallopt" not in export.script(dataclasses.replace(cpu, device="cuda"))  # nothing to do on a GPU
 
 

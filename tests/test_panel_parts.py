@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from course_lib import techniques as T
-from course_lib.codegen import Code
 from course_lib.config import ConfigError
 from course_lib.results import RunResult, provenance
 from course_lib.widgets import controls as CT, figure, table
@@ -16,7 +15,7 @@ from course_lib.widgets.run_queue import RunQueue
 
 
 def _fake_technique(field, label, off, help, **kw):
-    return T.Technique(field, label, off, help=help, export=lambda cfg: Code(), **kw)
+    return T.Technique(field, label, off, help=help, **kw)
 
 
 # ---- the controls: made from the registry ----------------------------------------------------------------------------

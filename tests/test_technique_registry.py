@@ -1,5 +1,6 @@
-"""One home per technique: every module of course_lib/techniques/ declares its technique once, and the ladder, the
-exporter, the memory estimate and `python -m course_lib config` find it through the registry."""
+"""One home per technique: every technique module of course_lib/techniques/ declares its technique once, and the
+ladder, the panel, the device's capabilities, the config checks, the exported script and the memory estimate find it
+through the registry (techniques.TECHNIQUES) alone."""
 
 import dataclasses
 import importlib
@@ -7,52 +8,49 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import __main__ as cli, config as C, export, memory_estimate as M, techniques as T
-from course_lib.codegen import Code
+from course_lib import __main__ as cli, capabilities as K, config as C, export, memory_formula as M, techniques as T
+from course_lib.widgets.controls import Controls, technique_controls
 
 PACKAGE = Path(T.__file__).parent
 INFRASTRUCTURE = {"__init__", "declaration", "model_parts", "assemble"}  # the registry and what every technique uses
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in INFRASTRUCTURE)
+# What every run has, used by the loop and the exported template alike: no switch to declare.
+EVERY_RUN = {"optimizer", "lr_schedule", "clipping", "data_parallel"}
+MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in INFRASTRUCTURE | EVERY_RUN)
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_each_module_declares_one_technique_or_setting_and_the_registry_holds_it(name):
+def test_each_technique_module_declares_one_technique_and_the_registry_holds_it(name):
     module = importlib.import_module(f"course_lib.techniques.{name}")
-    declared = [v for v in vars(module).values() if isinstance(v, (T.Technique, T.Setting))]
-    assert len(declared) == 1, f"techniques/{name}.py must declare one TECHNIQUE or SETTING, found {declared}"
-    (d,) = declared
-    assert d in T.BUILD_ORDER, f"{d.field} is not in techniques.BUILD_ORDER: the exporter would leave it out"
-    if isinstance(d, T.Technique):
-        assert d in T.TECHNIQUES, f"{d.field} is not in techniques.TECHNIQUES: no ladder rung, no panel control"
-    # its piece of the script is written in its own module, and so is its memory term
-    assert d.export.__module__ == module.__name__
-    if isinstance(d, T.Technique) and d.memory_term is not None:
-        assert d.memory_term.__module__ == module.__name__
+    declared = [v for v in vars(module).values() if isinstance(v, T.Technique)]
+    assert len(declared) == 1, f"techniques/{name}.py must declare one TECHNIQUE, found {declared}"
+    (t,) = declared
+    assert t in T.TECHNIQUES, f"{t.field} is not in techniques.TECHNIQUES: no ladder rung, no panel control"
+    assert T.module_of(t) == module.__name__
+    for fn in (t.probe, t.check, t.memory):  # what the registry calls is written in the technique's own module
+        assert fn is None or fn.__module__ == module.__name__
 
 
-def test_the_registry_lists_every_declaration_once_and_the_exporter_takes_them_in_build_order():
-    assert len({d.field for d in T.BUILD_ORDER}) == len(T.BUILD_ORDER) == len(MODULES)
-    assert list(export.SNIPPETS)[: len(T.BUILD_ORDER)] == [d.field for d in T.BUILD_ORDER]
+def test_the_ladder_is_derived_from_the_registry():
+    assert len({t.name for t in T.TECHNIQUES}) == len(T.TECHNIQUES) == len(MODULES)
     assert [r.technique for r in T.LADDER[1:]] == [t for t in T.TECHNIQUES for _ in t.rungs]
+    assert T.RUNGS == {r.name: r for r in T.LADDER} and T.TECHNIQUE == {t.name: t for t in T.TECHNIQUES}
 
 
 @pytest.mark.parametrize("t", T.TECHNIQUES, ids=lambda t: t.name)
-def test_a_techniques_memory_term_moves_the_estimate_or_it_says_why_it_has_none(t, tiny):
-    """A technique with a memory term changes the estimate when its last rung switches it on (the term is used); one
-    without says why (the README's table of what the estimate models is this)."""
+def test_a_technique_moves_the_memory_estimate_or_says_why_not(t, tiny):
+    """Switched on by its last rung, a technique changes the estimate, or its memory_note says why it does not (the
+    README's table of what the estimate models is this)."""
     assert t.help and t.label and (t.rungs or t.no_rung), f"{t.name}: no rung and no no_rung saying why"
-    if t.memory_term is None:
-        assert t.memory_note, f"{t.name}: no memory term and no memory_note saying why"
+    if t.memory_note:
         return
-    assert not t.memory_note and t.rungs, f"{t.name}: a memory term is switched on by a rung"
     base = T.naive(tiny(batch_size=4, context=64))
     value = t.rungs[-1][1]
     on = t.set(base, "bf16" if value == T.FAST_16BIT else value)
-    assert M.estimate(on).peak_bytes != M.estimate(base).peak_bytes, f"{t.name}'s memory term changes nothing"
+    assert M.estimate(on).peak_bytes != M.estimate(base).peak_bytes, f"{t.name} changes nothing in the estimate"
 
 
-def test_the_memory_aimed_techniques_all_have_a_memory_term():
-    assert all(t.memory_term is not None for t in T.TECHNIQUES if T.MEMORY in t.aims)
+def test_the_memory_aimed_techniques_all_move_the_estimate():
+    assert all(not t.memory_note for t in T.TECHNIQUES if T.MEMORY in t.aims)
 
 
 def test_config_prints_every_section_and_names_the_module_of_each_technique_that_is_on(capsys):
@@ -73,15 +71,57 @@ def test_the_sections_hold_every_field_once_in_the_class_order(tiny):
     assert flat["batch_size"] == cfg.batch_size and flat["model.n_embd"] == cfg.model.n_embd
 
 
-def test_adding_a_technique_is_one_declaration_the_ladder_and_naive_follow(monkeypatch, tiny):
-    """A made-up technique on an existing field, registered: the ladder gets its rung (through the same ladder_of the
-    registry uses) and naive() turns it off."""
-    extra = T.Technique(
-        "eval_every", "eval", 0, help="validation loss", export=lambda cfg: Code(), rungs=(("+ eval", 5, "e"),)
-    )
-    techniques = (*T.TECHNIQUES, extra)
-    ladder = T.ladder_of(techniques)
-    assert ladder[: len(T.LADDER)] == T.LADDER and ladder[-1].name == "+ eval"
-    assert ladder[-1].apply(tiny()).eval_every == 5
-    monkeypatch.setattr(T, "TECHNIQUES", techniques)
-    assert T.naive(tiny(eval_every=3)).eval_every == 0
+# A technique declared here and nowhere else. It stands on an existing field (eval_every: a new technique's own field
+# is one line of config.TrainConfig, which a test cannot add), and declares a probe that this device fails, a check,
+# and bytes it holds through the step.
+TOY = T.Technique(
+    "eval_every",
+    "toy technique",
+    0,
+    help="a technique declared in a test",
+    rungs=(("+ toy", 5, "the toy switched on"),),
+    choices=(0, 5),
+    probe=lambda device: K.Support(False, "no toy on this device"),
+    check=lambda cfg: "the toy needs 6 steps or more: raise steps" if cfg.eval_every and cfg.steps < 6 else "",
+    memory=lambda cfg: {"the toy's buffer": ("other", 12345)},
+)
+
+
+@pytest.fixture
+def with_toy(monkeypatch):
+    """The registry with TOY added last; capabilities, cached per device, asked afresh before and after."""
+    K.capabilities.cache_clear()
+    export.script.cache_clear()
+    monkeypatch.setattr(T, "TECHNIQUES", (*T.TECHNIQUES, TOY))
+    yield
+    monkeypatch.undo()
+    K.capabilities.cache_clear()
+    export.script.cache_clear()
+
+
+def test_a_technique_declared_in_a_test_alone_is_found_everywhere(with_toy, tiny):
+    """Adding a technique is its module, its config field and its test: no other file names it. The ladder climbs it,
+    naive() turns it off, the panel offers it (without the value this device's probe refuses), the device check and
+    the config check refuse what they should, the exported script says it is on, and the estimate counts its bytes."""
+    base = T.naive(tiny(steps=6))
+    # the ladder, naive() and --set
+    assert T.LADDER[-1].name == "+ toy" and T.RUNGS["+ toy"].technique is TOY
+    on = T.RUNGS["+ toy"].apply(base)
+    assert on.eval_every == 5 and T.naive(on) == base and T.technique_named("eval_every") is TOY
+    # the panel: a control labelled as declared, the value this device cannot run left out, with the probe's reason
+    panel = Controls(base, technique_controls(T.TECHNIQUES), techniques=T.TECHNIQUES)
+    assert panel.widgets["eval_every"].description == "toy technique"
+    assert any("no toy on this device" in note for note in panel.notes)
+    # the device (its probe) and the config (its check), through the registry
+    assert K.capabilities(base.device).unavailable()["eval_every=5"] == "no toy on this device"
+    with pytest.raises(C.ConfigError, match="eval_every=5 cannot run on cpu: no toy on this device"):
+        K.require(on)
+    with pytest.raises(C.ConfigError, match="the toy needs 6 steps or more"):
+        T.check(dataclasses.replace(on, steps=5))
+    # the exported script: its docstring names what is on, and the code the field switches is there
+    text = export.script(on)
+    assert "- eval_every=5: the toy switched on" in text and "def evaluate(" in text
+    assert "eval_every" not in export.script(base)
+    # the memory estimate: the bytes it declares, at every moment of the step
+    assert M.estimate(on).peak_bytes == M.estimate(base).peak_bytes + 12345
+    assert M.estimate(on).terms["the toy's buffer"] == 12345

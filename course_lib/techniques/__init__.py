@@ -1,20 +1,23 @@
 """The techniques, one module each, and the registry the rest of the course iterates over.
 
-Each module holds everything about its technique: its declaration (config field, label, help, off value, ladder
-rungs, panel choices: a `Technique` or, for what every run has, a `Setting`), how it applies to the model and the step,
-its term in the memory estimate, and its piece of the exported script, rendered from the same runtime code.
+Each module holds everything about its technique: its declaration (a `Technique`: config field, label, help, off value,
+ladder rungs, panel choices, how a device is probed for it and how a config is checked), how it applies to the model
+and the step, and its terms in the memory estimate.
 
-    TECHNIQUES   the speed and memory techniques, in ladder order: the ladder (LADDER), naive(), the panel's
-                 controls and the device checks iterate over them
-    BUILD_ORDER  every declaration, in the order assemble.build applies them: the exporter writes the script's
-                 pieces in this order
+    TECHNIQUES   the speed and memory techniques, in ladder order: the ladder, naive(), the panel's controls, the
+                 device's capabilities, the config checks, the exported script's docstring and the memory estimate
+                 iterate over it; TECHNIQUE (by name), LADDER and RUNGS are derived from it whenever they are read
+    assemble.build  the one order in which they wrap a model (checkpointing wraps the blocks before compile)
 
-Adding a technique: one module here with its `TECHNIQUE`, listed in TECHNIQUES and BUILD_ORDER, and its test
-(CONTRIBUTING.md shows it on activation checkpointing).
+Adding a technique: one module here with its `TECHNIQUE`, listed in TECHNIQUES, its config field, and its test
+(tests/test_technique_registry.py adds one in the test alone and finds it everywhere).
 """
 
 from __future__ import annotations
 
+import functools
+
+from .. import capabilities
 from ..config import ConfigError, TrainConfig, did_you_mean
 from . import (
     activation_checkpointing,
@@ -66,18 +69,42 @@ TECHNIQUES: tuple[Technique, ...] = (
     activation_checkpointing.TECHNIQUE,
     keep_freed_memory.TECHNIQUE,  # no rung: the process's setting (its module says why)
 )
-TECHNIQUE = {t.name: t for t in TECHNIQUES}
+
+
+@functools.cache
+def _derived(techniques: tuple[Technique, ...]) -> dict:
+    ladder = ladder_of(techniques)
+    return {"TECHNIQUE": {t.name: t for t in techniques}, "LADDER": ladder, "RUNGS": {r.name: r for r in ladder}}
+
+
+def __getattr__(name: str):
+    """TECHNIQUE (a technique by its name), LADDER (naive fp32, then every rung) and RUNGS (a rung by its name), as
+    TECHNIQUES makes them now."""
+    if name in ("TECHNIQUE", "LADDER", "RUNGS"):
+        return _derived(TECHNIQUES)[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def module_of(t: Technique) -> str:
     """The module that declares `t` (what `python -m course_lib config` points a reader to)."""
-    return next(m.__name__ for m in globals().values() if getattr(m, "TECHNIQUE", None) is t)
+    found = (m.__name__ for m in globals().values() if getattr(m, "TECHNIQUE", None) is t)
+    return next(found, "declared outside course_lib.techniques")
+
+
+capabilities.use_registry(lambda: TECHNIQUES)  # it probes each device for them and asks their checks
+
+
+def check(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` when every technique's own check passes it, else a ConfigError that says what to change."""
+    if found := capabilities.config_problems(cfg):
+        raise ConfigError("; ".join(found))
+    return cfg
 
 
 def technique_named(name: str) -> Technique | None:
     """The technique that `--set NAME=...` means: by its name (`vocab_multiple`) or its config field
     (`model.vocab_multiple`); None for any other setting."""
-    t = TECHNIQUE.get(name.removeprefix("model."))
+    t = _derived(TECHNIQUES)["TECHNIQUE"].get(name.removeprefix("model."))
     return t if t is not None and name in (t.name, t.field) else None
 
 
@@ -92,10 +119,6 @@ def ladder_of(techniques: tuple[Technique, ...]) -> tuple[Rung, ...]:
     )
 
 
-LADDER: tuple[Rung, ...] = ladder_of(TECHNIQUES)
-RUNGS: dict[str, Rung] = {rung.name: rung for rung in LADDER}  # a rung by its name
-
-
 def naive(cfg: TrainConfig) -> TrainConfig:
     """The naive baseline of any config: every technique off."""
     for t in TECHNIQUES:
@@ -105,7 +128,7 @@ def naive(cfg: TrainConfig) -> TrainConfig:
 
 def check_rung_name(name) -> None:
     """A ConfigError, with "did you mean", unless `name` names a rung of the ladder ('compile' finds '+ compile')."""
-    names = [r.name for r in LADDER]
+    names = [r.name for r in _derived(TECHNIQUES)["LADDER"]]
     if name not in names:
         near = did_you_mean(name, names) or did_you_mean(f"+ {str(name).lstrip('+ ')}", names)
         raise ConfigError(f"{name!r} is not a rung of the ladder{near}; the rungs are {', '.join(map(repr, names))}")
@@ -113,6 +136,7 @@ def check_rung_name(name) -> None:
 
 def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
     """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
+    TECHNIQUE, LADDER = _derived(TECHNIQUES)["TECHNIQUE"], _derived(TECHNIQUES)["LADDER"]
     if unknown := [k for k in options or {} if k not in TECHNIQUE]:
         ladder = ", ".join(n for n, t in TECHNIQUE.items() if t.rungs)
         raise ConfigError(f"{unknown} are not techniques of the ladder; they are {ladder}")
@@ -136,7 +160,14 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
 def option_rung(technique: str) -> Rung | None:
     """The rung an option {technique: value} changes: that technique's last rung (precision=fp16: the 16-bit rung's
     format, not TF32's), or None for a technique of no rung."""
-    return next((r for r in reversed(LADDER) if r.technique is not None and r.technique.name == technique), None)
+    return next(
+        (
+            r
+            for r in reversed(_derived(TECHNIQUES)["LADDER"])
+            if r.technique is not None and r.technique.name == technique
+        ),
+        None,
+    )
 
 
 def rung_option(rung: Rung, options: dict | None):
@@ -148,14 +179,14 @@ def rung_option(rung: Rung, options: dict | None):
 
 def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
     """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities, or None for a device not on
-    this machine: applied unchecked, FAST_16BIT as bf16) resolves it: FAST_16BIT becomes
+    this machine: only the techniques' own checks, FAST_16BIT as bf16) resolves it: FAST_16BIT becomes
     the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
     `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
     value = rung_option(rung, options)
     if caps is not None and value is None and rung.value == FAST_16BIT:
         value = caps.fast_16bit()[0] or "bf16"
     try:
-        up = rung.apply(cfg, value)  # a combination no device can run raises here (fused AdamW without AdamW)
+        up = check(rung.apply(cfg, value))  # a combination no device can run (fused AdamW without AdamW)
         # caps None: a device this machine does not have (a GPU config written on a laptop), not checked further
         return up if caps is None else caps.require(up)
     except ConfigError as e:

@@ -147,5 +147,4 @@ TECHNIQUE = Technique(
     "in backward",
     rungs=(("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),),
     aims=(MEMORY,),
-    memory_term=kept_per_layer,
 )

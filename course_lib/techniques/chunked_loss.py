@@ -150,5 +150,4 @@ TECHNIQUE = Technique(
     ),
     choices=(1, 2, 4, 8, 16),
     aims=(MEMORY,),
-    memory_term=memory_terms,
 )

@@ -1,8 +1,7 @@
-"""How a technique is declared: once, in its own module of course_lib.techniques, as a `Technique` (a speed or memory
-technique: the ladder climbs it, the panel offers it, naive() turns it off) or a `Setting` (part of every training
-run: the optimizer, its schedule, clipping, accumulation, data parallelism). Each declaration names its config field,
-and the functions of its module that the rest of the course calls: the piece of the exported script it writes
-(`export`), and, for a technique, its term in the memory estimate (`memory_term`).
+"""How a technique is declared: once, in its own module of course_lib.techniques, as a `Technique`: its config field,
+its ladder rungs and panel control, and the functions of its module the rest of the course calls through the registry
+(course_lib.techniques.TECHNIQUES): how a device is probed for it (capabilities), how a config that uses it is checked,
+and, where the memory estimate has no place of its own for it, the bytes it adds to a step's peak.
 """
 
 from __future__ import annotations
@@ -10,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
+from ..capabilities import Support
 from ..config import TrainConfig, get_setting, with_setting
 
 # What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
@@ -32,13 +34,26 @@ class Technique:
     rungs: tuple[tuple[str, object, str], ...] = ()  # the ladder's rungs: (name, value, what it changes), in order
     choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
     aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
-    # Its term in the memory estimate: the function of its module that memory_estimate calls for it (by name: each term
-    # enters the estimate at its own place in the step), or None, and then `memory_note` says why it has none.
-    memory_term: Callable | None = None
-    memory_note: str = ""
+    # whether a device runs it switched on (capabilities.Capabilities.techniques; None: every device does)
+    probe: Callable[[torch.device], Support] | None = None
+    # why a config cannot use it as set, in words that say what to change, or "" (None: nothing to check)
+    check: Callable[[TrainConfig], str] | None = None
+    # the bytes it adds to every moment of a step's peak, {term: (ledger category, bytes)} (None: it has none, or the
+    # estimate counts it at its own place in the step: memory_formula imports that term from its module)
+    memory: Callable[[TrainConfig], dict[str, tuple[str, int]]] | None = None
+    memory_note: str = ""  # why switching it on does not move the estimate, where it does not
     no_rung: str = (
-        ""  # for a technique with no rung of the ladder: why (the ladder's refusal of a --rung-value for it says it)
+        ""  # for a technique with no rung of the ladder: why (the ladder's refusal of a --rung-value says it)
     )
+
+    @property
+    def on_values(self) -> tuple:
+        """The values that switch it on, as the panel offers them (True for a checkbox)."""
+        return (
+            (True,)
+            if self.off is False
+            else tuple(v for v in self.choices or [r[1] for r in self.rungs] if v != self.off)
+        )
 
     @property
     def name(self) -> str:

@@ -40,5 +40,4 @@ TECHNIQUE = Technique(
         ),
     ),
     aims=(SPEED, MEMORY),
-    memory_term=what_attention_keeps,
 )

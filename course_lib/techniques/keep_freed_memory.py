@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .. import cpu_allocator
 from ..config import TrainConfig
-from .declaration import SPEED, Technique
+from .declaration import SPEED, Support, Technique
 
 
 def apply(cfg: TrainConfig) -> None:
@@ -22,6 +22,11 @@ def apply(cfg: TrainConfig) -> None:
     builds a run)."""
     if not cpu_allocator.unavailable(cfg.device):
         cpu_allocator.keep_freed(cfg.keep_freed_memory)
+
+
+def probe(device) -> Support:
+    why = cpu_allocator.unavailable(device)
+    return Support(not why, why or "glibc's malloc keeps freed memory for reuse")
 
 
 TECHNIQUE = Technique(
@@ -33,6 +38,7 @@ TECHNIQUE = Technique(
         "whole process's setting: runs after it in this kernel no longer get glibc's own rule; notebook 02)"
     ),
     aims=(SPEED,),
+    probe=probe,
     memory_note="not in the estimate: the tensors are the same; the process holds its peak between steps",
     no_rung=(
         "it is the process's setting, and the ladder's paired steps share one process, where glibc's own rule cannot "

@@ -59,5 +59,4 @@ TECHNIQUE = Technique(
             "matmuls in 16 bits under autocast (bf16; fp16 with loss scaling where only fp16 is fast), fp32 weights",
         ),
     ),
-    memory_term=activation_format,
 )

@@ -22,5 +22,4 @@ TECHNIQUE = Technique(
     help="free the gradients between steps instead of zeroing them in place",
     rungs=(("+ set_to_none", True, "zero_grad(set_to_none=True): gradients freed between steps, not zeroed in place"),),
     aims=(MEMORY,),
-    memory_term=gradients_before_backward,
 )

@@ -5,12 +5,15 @@ the loop leaves it out of the timing.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from ..config import TrainConfig
-from .declaration import Technique
+from .declaration import Support, Technique
 
 # The modes that replay CUDA graphs on a GPU: the loop then calls begin_cuda_graph_step before each optimizer step.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -18,11 +21,44 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 # On a CPU, Inductor's C++ code computes tanh with SLEEF's vectorised tanh: exact to 1 ULP, and slow. This setting
 # writes it as 2 / (1 + exp(-2x)) - 1 instead. Its error is absolute, up to 1.8e-7 against 6e-8 (large relative to a
 # tanh near 0, where the subtraction cancels); GPT-2's tanh GELU (the model's only tanh) adds 1 to it, and is then off
-# by up to 5.2e-7 against 4.3e-7 over [-10, 10]. Its kernels take 2.1 instead of 8.1 ms a step forward and 3.9 instead
-# of 7.3 backward (the cpu preset, 2 cores held to AVX2, 2026-11-26). Inductor made the exact tanh its default in 2025,
-# for a model whose tanh near 0 fed atan2 (pytorch#148241), and kept this as a setting. Triton (a GPU's) ignores it.
+# by up to 5.2e-7 against 4.3e-7 over [-10, 10]. The course turns it on for the speed of the simpler kernels (notebook
+# 04 times compile on the learner's machine). Inductor made the exact tanh its default for a model whose tanh near 0 fed
+# atan2 (pytorch#148241), and kept this as a setting. Triton (a GPU's) ignores it.
 TANH_THROUGH_EXP = "cpp.use_decompose_tanh"
 CPU_INDUCTOR_OPTIONS = {TANH_THROUGH_EXP: True}
+
+
+def compile_support(dev: torch.device) -> Support:
+    if not hasattr(torch, "compile"):
+        return Support(False, "this torch has no torch.compile")
+    if dev.type == "cpu":
+        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+        return (
+            Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}")
+            if cxx
+            else Support(
+                False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
+            )
+        )
+    if dev.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return Support(False, "torch.compile on CUDA needs Triton (pip install triton), or turn compile off")
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major < 7:
+            return Support(False, f"Triton needs compute capability 7.0+; this GPU is {major}.{minor}")
+        return Support(True, "Inductor generates Triton kernels")
+    return Support(False, f"the course does not offer torch.compile on {dev.type!r}")
+
+
+def check(cfg: TrainConfig) -> str:
+    if cfg.compile and cfg.data_parallel != "none":
+        return (
+            f"compile with data_parallel={cfg.data_parallel!r} is not offered: the course has not run it; "
+            "turn compile off in notebook 07's strategies"
+        )
+    return ""
 
 
 def uses_cuda_graphs(cfg: TrainConfig) -> bool:
@@ -69,6 +105,8 @@ TECHNIQUE = Technique(
     "compile",
     False,
     help="torch.compile fuses the element-wise work of the model and its loss into generated kernels",
+    probe=compile_support,
+    check=check,
     rungs=(("+ compile", True, "torch.compile fuses the element-wise work into generated kernels"),),
     memory_note="not in the estimate: it counts the eager loop's tensors (the ledger measures what compile keeps)",
 )
