@@ -8,16 +8,22 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 
 def cache_dir() -> Path:
-    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache (Path.home() raises where there is no home
-    folder: callers treat that as no cache)."""
+    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache, else (no home folder: a container's user
+    with no entry in the password file) course_lib-cache/ in the temporary folder."""
     if chosen := os.environ.get("COURSE_CACHE_DIR"):
         return Path(chosen)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course_lib"
+    if xdg := os.environ.get("XDG_CACHE_HOME"):
+        return Path(xdg) / "course_lib"
+    try:
+        return Path.home() / ".cache" / "course_lib"
+    except (RuntimeError, KeyError):  # Path.home() with no $HOME and no password entry
+        return Path(tempfile.gettempdir()) / "course_lib-cache"
 
 
 def _new_partial(path: Path) -> Path:

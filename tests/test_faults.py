@@ -153,8 +153,10 @@ def test_a_climb_stopped_by_a_signal_keeps_its_finished_rungs(sig, code, tmp_pat
     whole_or_absent(tmp_path)
 
 
-def test_a_command_stopped_by_sigterm_says_one_line_and_exits_143(tmp_path):
-    """Any command, not only the ladder: a profile stopped mid-run writes no trace and says so in one line."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_command_stopped_by_sigterm_or_sighup_says_one_line(sig, tmp_path):
+    """Any command, not only the ladder: a profile stopped mid-run (a scheduler's SIGTERM, a terminal closed) writes no
+    trace and says so in one line; the exit code is 128 + the signal's number, as the shell reports a signal."""
     trace = tmp_path / "trace.json"
     proc = subprocess.Popen(
         [*COURSE, "profile", "--preset", "tiny", "--steps", "200", "--trace", str(trace), "--no-floor"],
@@ -166,11 +168,11 @@ def test_a_command_stopped_by_sigterm_says_one_line_and_exits_143(tmp_path):
         err = ""
         while "step 2 of" not in err and proc.poll() is None:  # the profile has begun
             err += proc.stderr.readline()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, rest = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 143 and "interrupted: profile stopped before it finished" in rest, rest
+    assert proc.returncode == 128 + sig and "interrupted: profile stopped before it finished" in rest, rest
     assert "Traceback" not in err + rest and not trace.exists()
     whole_or_absent(tmp_path)
 
@@ -286,6 +288,19 @@ def test_an_unwritable_cache_folder_does_not_stop_a_run(where, tmp_path, monkeyp
         data.token_stream.cache_clear()
     assert result.ok, result.reason
     assert blocked.read_text() == "a file where the cache folder should be"
+
+
+def test_no_home_folder_puts_the_cache_in_the_temporary_folder(tmp_path, monkeypatch):
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    for name in ("COURSE_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(Path, "home", no_home)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert cache.cache_dir() == tmp_path / "course_lib-cache"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache.cache_dir() == tmp_path / "xdg" / "course_lib"
 
 
 def test_write_atomic_skips_a_cache_it_cannot_write_and_raises_for_a_result(tmp_path):
