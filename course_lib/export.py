@@ -35,17 +35,8 @@ def settings(cfg: TrainConfig) -> dict[str, object]:
 
 def _check(cfg: TrainConfig) -> None:
     T.data_parallel.check(cfg)
-    if cfg.steps <= cfg.timing_warmup:
-        raise ConfigError(
-            f"steps={cfg.steps} leaves no step to time after {cfg.timing_warmup} warm-up step(s): "
-            f"raise steps to at least {cfg.timing_warmup + 1}"
-        )
-    tokens = data_mod.get_tokenizer().n_vocab  # the script trains on the course's BPE: every token needs a row
-    if cfg.model.vocab_size < tokens:
-        raise ConfigError(
-            f"model vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's {tokens} tokens: "
-            f"raise vocab_size to at least {tokens}"
-        )
+    cfg.check_steps_to_time(ledger=False)  # the script times its steps, and has no memory ledger
+    data_mod.check_vocabulary(cfg.model.vocab_size)  # the script trains on the course's BPE: every token needs a row
 
 
 def run_command(cfg: TrainConfig, path: str = "train.py", nproc: str = "N") -> str:

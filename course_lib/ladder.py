@@ -45,6 +45,7 @@ import torch
 
 from . import config as C, cpu_allocator, profiling, techniques as T
 from .capabilities import Capabilities, capabilities, efficiency, measured_tflops
+from .memory_estimate import check_cpu_memory
 from .results import RunResult, efficiency_text, fmt, provenance, text_table
 from .train import StopRun, Trainer, catching_oom, free_memory, unless_it_fails
 
@@ -598,6 +599,7 @@ def _measure(
             )
 
     def attempt() -> RunResult:
+        check_cpu_memory(cfg)  # a CPU step past the free memory: an "oom" row, not a killed process
         made["trainer"] = Trainer(cfg)
         return made["trainer"].fit(label, after_step)
 
@@ -606,13 +608,8 @@ def _measure(
     except Exception as e:  # noqa: BLE001 - a rung that fails is a row that says why; the climb goes on
         made.clear()
         free_memory()
-        result = RunResult(
-            label=label,
-            status="error",
-            config=cfg.to_dict(),
-            provenance=provenance(capabilities(cfg.device).name),
-            reason=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}",
-        )
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        result = RunResult.failed(cfg, label, "error", f"{type(e).__name__}: {first}")
     if printer and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
         sys.stderr.write("\n")
     if not result.ok:

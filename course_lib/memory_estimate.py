@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 
 import torch
 
@@ -62,14 +63,43 @@ def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[s
     return rows
 
 
+def check_cpu_memory(cfg: TrainConfig) -> None:
+    """On a CPU, a MemoryError (an out-of-memory the callers report as "oom") before anything is allocated, where the
+    formula (estimate, notebook 02) puts a step's peak above what this machine has free: past that, Linux kills the
+    process rather than fail an allocation, and the result and the notebook's kernel with it."""
+    if torch.device(cfg.device).type != "cpu" or (free := measure.available_cpu_memory()) is None:
+        return
+    free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this machine share what is free
+    try:
+        need = estimate(cfg).peak_bytes
+    except Exception:  # noqa: BLE001 - a config the formula does not model: the allocator is left to say
+        return
+    if need > free:
+        raise MemoryError(
+            f"a step needs about {need / measure.GiB:,.1f} GiB (notebook 02's formula), {free / measure.GiB:,.1f} GiB "
+            "are free here: not started (the system would kill the process); lower batch_size or context, or add "
+            "grad_accum_steps"
+        )
+
+
+def run_checked(cfg: TrainConfig, label: str = "run", **kwargs):
+    """train.run of the course's GPT, refused first (an "oom" result) where check_cpu_memory says the step would not
+    fit: the panels' runs and the ladder's, whose sizes a learner picks."""
+    from .train import catching_oom, run
+
+    def attempt():
+        check_cpu_memory(cfg)
+        return run(cfg, label, **kwargs)
+
+    return catching_oom(attempt, cfg, label)
+
+
 def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
     """A run of the course's loop (train.run) with the formula beside it: widgets.Panel's runner in notebooks 01 and 02.
     estimate's prediction of the step's peak goes in the result's details ("estimate": by_category, peak_bytes,
     when), and its note sets the predicted peak beside the measured one (plots.plot_memory_vs_estimate draws both,
     category by category). kwargs go to train.run (splits=...)."""
-    from .train import run
-
-    result = run(cfg, label, callback=callback, **kwargs)
+    result = run_checked(cfg, label, callback=callback, **kwargs)
     if not result.ok or not result.memory:
         return result
     est = estimate(cfg)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .cache import write_atomic
+from .capabilities import device_name
 from .measure import CATEGORIES, GRAPHS_METHOD, GiB
 
 RESERVED_PEAK = "reserved, CUDA graphs' pool included"  # how a reserved peak is labelled wherever it is shown
@@ -73,6 +74,14 @@ class RunResult:
     stopped_early: str = ""  # why the run ended before cfg.steps (the ladder gives up on a far slower rung), if it did
     # a ladder rung's verdict against the best loop so far (course_lib.ladder)
     ladder: dict = field(default_factory=dict)
+
+    @classmethod
+    def failed(cls, cfg, label: str, status: str, reason: str, device: str | None = None) -> "RunResult":
+        """A run that measured nothing: its `status` ("oom", "skipped", "error", "interrupted") and why, with its
+        config (a TrainConfig, or None where none could be made: then `device` says where it would have run)."""
+        config = cfg.to_dict() if cfg is not None else {}
+        where = device_name(cfg.device if cfg is not None else device)
+        return cls(label=label, status=status, config=config, provenance=provenance(where), reason=reason)
 
     def with_details(self, **details) -> "RunResult":
         """This result with more of what a notebook's runner measured (kept in panel.results and saved with it)."""

@@ -19,13 +19,12 @@ from __future__ import annotations
 import copy
 import gc
 import math
-import os
 import warnings
 from typing import Callable
 
 import torch
 
-from . import capabilities as caps_mod, cpu_allocator, data as data_mod, measure, memory_formula, techniques
+from . import capabilities as caps_mod, cpu_allocator, data as data_mod, measure, techniques
 from .config import ConfigError, TrainConfig
 from .model import GPT
 from .results import RunResult, provenance
@@ -141,8 +140,6 @@ class Trainer:
             torch._dynamo.reset()
         free_memory()
         keep_freed_memory.apply(cfg)  # the process's allocator, as cfg asks (a CPU's)
-        if model is None and parts is None and batches is None:  # the course's GPT on cfg's batches, as the formula
-            check_cpu_memory(cfg)
         torch.manual_seed(cfg.seed)
         self.cfg, self.dev = cfg, torch.device(cfg.device)
         if splits is None and (batches is None or cfg.eval_every):
@@ -291,7 +288,11 @@ def train(
     return Trainer(cfg, model, batches=batches, splits=splits, **trainer_kwargs).fit(label, callback)
 
 
+# ---- out of memory: handled here, and only here ---------------------------------------------------------------------
+
+
 def free_memory() -> None:
+    """What an earlier run left: its garbage collected, a CPU heap's free memory and CUDA's cache given back."""
     gc.collect()
     cpu_allocator.give_back()  # the heap's free memory to the kernel (all of it after a run that kept freed memory)
     if torch.cuda.is_available():
@@ -304,29 +305,11 @@ def _chain(e: BaseException):
         e = e.__cause__ or e.__context__
 
 
-def check_cpu_memory(cfg: TrainConfig) -> None:
-    """On a CPU, a MemoryError (an out-of-memory the callers report as "oom") before anything is allocated, where the
-    memory formula (memory_formula.estimate, notebook 02) puts a step's peak above what this machine has free: past
-    that, Linux kills the process rather than fail an allocation, and the result and the notebook's kernel with it."""
-    if torch.device(cfg.device).type != "cpu" or (free := measure.available_cpu_memory()) is None:
-        return
-    free //= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's processes on this machine share what is free
-    try:
-        need = memory_formula.estimate(cfg).peak_bytes
-    except Exception:  # noqa: BLE001 - a config the formula does not model: the allocator is left to say
-        return
-    if need > free:
-        raise MemoryError(
-            f"a step needs about {need / measure.GiB:,.1f} GiB (notebook 02's formula), {free / measure.GiB:,.1f} GiB "
-            "are free here: not started (the system would kill the process); lower batch_size or context, or add "
-            "grad_accum_steps"
-        )
-
-
 def out_of_memory(e: BaseException) -> BaseException | None:
     """The out-of-memory error in `e`'s chain (compile may wrap it), or None. CUDA raises torch.OutOfMemoryError; a
     CPU's allocator a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory" on Linux and macOS, "...: not
-    enough memory" on Windows, "std::bad_alloc" from C++ code), and Python its MemoryError (check_cpu_memory's too)."""
+    enough memory" on Windows, "std::bad_alloc" from C++ code), and Python its MemoryError (as
+    memory_estimate.check_cpu_memory raises it)."""
     return next(
         (
             x
@@ -339,10 +322,23 @@ def out_of_memory(e: BaseException) -> BaseException | None:
     )
 
 
-def run(cfg: TrainConfig, label: str = "run", **kwargs) -> RunResult:
+def run(
+    cfg: TrainConfig,
+    label: str = "run",
+    callback: Callable[[int, RunResult], None] | None = None,
+    model: torch.nn.Module | None = None,
+    **trainer_kwargs,
+) -> RunResult:
     """train(), but an out-of-memory error becomes a result with status "oom": the memory is freed and the
     caller (a notebook, the ladder) carries on."""
-    return catching_oom(lambda: train(cfg, label, **kwargs), cfg, label)
+    try:
+        return Trainer(cfg, model, **trainer_kwargs).fit(label, callback)
+    except Exception as e:  # noqa: BLE001 - what is not an out-of-memory is raised again
+        reason = out_of_memory_reason(e)
+        if reason is None:
+            raise
+    free_memory()  # outside the except block: the failed run's frames are gone (unless_it_fails says why)
+    return RunResult.failed(cfg, label, "oom", reason)
 
 
 def out_of_memory_reason(e: BaseException) -> str | None:
@@ -371,12 +367,4 @@ def unless_it_fails(
 def catching_oom(attempt: Callable[[], RunResult], cfg: TrainConfig, label: str) -> RunResult:
     """attempt(), or, when it runs out of memory, a result with status "oom" and the memory freed."""
     result, reason = unless_it_fails(attempt)
-    if reason is None:
-        return result
-    return RunResult(
-        label=label,
-        status="oom",
-        config=cfg.to_dict(),
-        provenance=provenance(measure.device_name(cfg.device)),
-        reason=reason,
-    )
+    return result if reason is None else RunResult.failed(cfg, label, "oom", reason)

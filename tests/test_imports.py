@@ -10,27 +10,30 @@ import course_lib
 
 PACKAGE = Path(course_lib.__file__).parent
 
-# Bottom to top. A module may import from its own layer or those below; a new module must be placed here.
+# Bottom to top, as DESIGN.md draws them. A module may import from its own layer or those below; a new module must be
+# placed here.
 LAYERS = (
-    ("base", "cache timing tf32 cpu_allocator bpe budget config codegen distributed distributed.zero_memory"),
-    ("device", "capabilities"),
-    ("model and data", "model data moe flash_attention"),
     (
-        "measurement and techniques",
-        "measure memory_formula techniques "
+        "config and capabilities",
+        "config capabilities cache timing tf32 cpu_allocator bpe budget codegen distributed distributed.zero_memory",
+    ),
+    ("model, data and measure", "model data moe flash_attention measure results"),
+    (
+        "techniques",
+        "techniques "
         + " ".join(f"techniques.{p.stem}" for p in (PACKAGE / "techniques").glob("*.py") if p.stem != "__init__"),
     ),
-    ("results", "results plots"),
+    ("train", "train"),
     (
-        "the loop and the shared helpers",
-        "train train_template ladder memory_estimate profiling training_compute export reference distributed._common "
-        "distributed.ddp "
-        "distributed.ddp_by_hand distributed.expert_parallel distributed.fsdp distributed.pipeline distributed.resume "
-        "distributed.selftest distributed.series distributed.tensor_parallel distributed.zero_stages "
-        "distributed.launch distributed.collectives distributed.zero1_by_hand",
+        "ladder, export, memory estimate, profiling, distributed",
+        "ladder export train_template memory_formula memory_estimate profiling training_compute reference plots "
+        "results_page distributed._common distributed.ddp distributed.ddp_by_hand distributed.expert_parallel "
+        "distributed.fsdp distributed.pipeline distributed.resume distributed.selftest distributed.series "
+        "distributed.tensor_parallel distributed.zero_stages distributed.launch distributed.collectives "
+        "distributed.zero1_by_hand",
     ),
     (
-        "the notebooks' own helpers",
+        "lessons",
         # distributed.ring_attention: a torchrun program only notebook 08 uses, built on lessons.attention_by_hand
         "lessons distributed.ring_attention "
         + " ".join(f"lessons.{p.stem}" for p in (PACKAGE / "lessons").glob("*.py") if p.stem != "__init__"),
@@ -41,8 +44,8 @@ LAYERS = (
         + " ".join(f"exercises.{p.stem}" for p in (PACKAGE / "exercises").glob("*.py") if p.stem != "__init__"),
     ),
     (
-        "the learner's side",
-        "widgets doctor distributed.strategy_panel __main__ course_lib hosted results_page "
+        "cli and widgets",
+        "widgets doctor distributed.strategy_panel __main__ course_lib hosted "
         + " ".join(f"widgets.{p.stem}" for p in (PACKAGE / "widgets").glob("*.py") if p.stem != "__init__"),
     ),
 )

@@ -111,29 +111,29 @@ def test_out_of_memory_becomes_a_result_and_the_caller_goes_on(monkeypatch, spli
     def boom(*a, **k):
         raise error
 
-    monkeypatch.setattr(train_mod, "train", boom)
+    monkeypatch.setattr(train_mod, "train_step", boom)
     r = train_mod.run(tiny(), "too big")
     assert r.status == "oom" and "out of memory" in r.reason and not r.ok
 
 
 def test_a_cpu_step_past_the_free_memory_is_an_oom_row_before_anything_is_allocated(monkeypatch, tiny):
     """Past the free memory Linux kills the process (the kernel's OOM killer) instead of failing an allocation: the
-    result and the notebook's kernel would be lost. The memory formula's peak is checked first."""
-    from course_lib import measure, memory_estimate
+    result and the notebook's kernel would be lost. The runs whose sizes a learner picks (a panel's, the ladder's) check
+    the memory formula's peak first (memory_estimate.run_checked); train.run itself does not run the formula."""
+    from course_lib import measure, memory_estimate, memory_formula
 
     monkeypatch.setattr(measure, "available_cpu_memory", lambda: 2 * measure.GiB)
     big = tiny(batch_size=10**6)
-    assert memory_estimate.estimate(big).peak_bytes > 2 * measure.GiB
-    r = train_mod.run(big, "too big")
+    assert memory_formula.estimate(big).peak_bytes > 2 * measure.GiB
+    r = memory_estimate.run_checked(big, "too big")
     assert r.status == "oom" and "GiB are free here: not started" in r.reason and "lower batch_size" in r.reason
     assert r.step_times == []  # refused before its first step
-    assert train_mod.run(tiny(), "fits").ok  # and the next run goes on
-    # a model of the learner's own (notebook 09), or pipeline stages' parts: the formula sizes the course's GPT only
-    from course_lib.model import GPT
-
-    train_mod.Trainer(big, model=GPT(big.model))
+    assert memory_estimate.run_checked(tiny(), "fits").ok  # and the next run goes on
+    monkeypatch.setattr(memory_formula, "estimate", lambda cfg: 1 / 0)  # the formula is not on a plain run's way
+    assert train_mod.run(tiny(), "plain").ok
+    monkeypatch.undo()
     monkeypatch.setattr(measure, "available_cpu_memory", lambda: None)  # not Linux: the allocator is left to say
-    train_mod.check_cpu_memory(big)
+    memory_estimate.check_cpu_memory(big)
 
 
 def test_the_free_memory_is_read_from_linux_and_its_container_limit(tmp_path):
@@ -163,7 +163,7 @@ def test_another_runtime_error_is_not_taken_for_out_of_memory(monkeypatch, tiny)
     def boom(*a, **k):
         raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 16x8)")
 
-    monkeypatch.setattr(train_mod, "train", boom)
+    monkeypatch.setattr(train_mod, "train_step", boom)
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         train_mod.run(tiny(), "a bug")
 

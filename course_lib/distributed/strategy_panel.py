@@ -36,7 +36,7 @@ from typing import Callable
 
 from ..config import ConfigError, TrainConfig
 from ..plots import CATEGORY_COLORS
-from ..results import RunResult, provenance
+from ..results import RunResult
 from . import launch as L, pipeline as P, zero_memory as Z
 
 DATA_PARALLEL = {
@@ -281,7 +281,6 @@ def _note(
 
 def strategy_runner(timeout_s: float = 300) -> Callable[..., RunResult]:
     """runner(cfg, label, callback, strategy, processes, microbatches) for widgets.Panel (module docstring)."""
-    from ..measure import device_name
 
     def runner(
         cfg: TrainConfig, label: str, callback, strategy: str = "ddp", processes: int = 2, microbatches: int = 2
@@ -289,22 +288,10 @@ def strategy_runner(timeout_s: float = 300) -> Callable[..., RunResult]:
         label = f"{label} ({STRATEGIES.get(strategy, strategy)} x{processes})"
         reason = why_not(cfg, strategy, processes, microbatches)
         if reason:
-            return RunResult(
-                label=label,
-                status="skipped",
-                config=cfg.to_dict(),
-                provenance=provenance(device_name(cfg.device)),
-                reason=reason,
-            )
+            return RunResult.failed(cfg, label, "skipped", reason)
         res = launch_strategy(cfg, strategy, processes, microbatches, timeout_s)
         if not res.ok:
-            return RunResult(
-                label=label,
-                status="error",
-                config=cfg.to_dict(),
-                provenance=provenance(device_name(cfg.device)),
-                reason=res.why()[:400],
-            )
+            return RunResult.failed(cfg, label, "error", res.why()[:400])
         rows = rank_rows(strategy, res.ranks, microbatches)
         rank0 = res.ranks[0]
         times = [r["step_ms"] for r in rows if r["step_ms"] is not None]

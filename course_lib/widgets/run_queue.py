@@ -17,14 +17,14 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from .. import config as C
-from ..measure import device_name
-from ..results import RunResult, provenance
-from ..train import catching_oom, free_memory, run
+from ..memory_estimate import run_checked
+from ..results import RunResult
+from ..train import catching_oom, free_memory
 
 
 def default_runner(cfg: C.TrainConfig, label: str, callback) -> RunResult:
-    """The course's loop (course_lib.train.run)."""
-    return run(cfg, label, callback=callback)
+    """The course's loop (course_lib.train.run), refused first on a CPU where the step would not fit (run_checked)."""
+    return run_checked(cfg, label, callback=callback)
 
 
 class RunQueue:
@@ -54,11 +54,7 @@ class RunQueue:
 
     def not_run(self, label: str, device: str, reason: str) -> RunResult:
         """A configuration that could not be made (invalid controls) kept as a "skipped" row with the reason."""
-        return self.keep(
-            RunResult(
-                label=label, status="skipped", config={}, provenance=provenance(device_name(device)), reason=reason
-            )
-        )
+        return self.keep(RunResult.failed(None, label, "skipped", reason, device))
 
     def run(self, cfg: C.TrainConfig, label: str, **extras) -> RunResult:
         """Run one configuration and keep its result, whatever happened to it (module docstring)."""
@@ -72,27 +68,15 @@ class RunQueue:
         try:
             result = catching_oom(lambda: self.runner(cfg, label, callback, **extras), cfg, label)
         except KeyboardInterrupt:  # Kernel > Interrupt: a row says so, its memory is freed, and the cell stops
-            self.keep(
-                RunResult(
-                    label=label,
-                    status="interrupted",
-                    config=cfg.to_dict(),
-                    provenance=provenance(device_name(cfg.device)),
-                    reason="interrupted before it finished: run it again to measure it",
-                )
-            )
+            why = "interrupted before it finished: run it again to measure it"
+            self.keep(RunResult.failed(cfg, label, "interrupted", why))
             free_memory()
             raise
         except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why; the queue goes on
             status = "skipped" if isinstance(e, C.ConfigError) else "error"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            result = RunResult(
-                label=label,
-                status=status,
-                config=cfg.to_dict(),
-                provenance=provenance(device_name(cfg.device)),
-                reason=f"{type(e).__name__}: {first}" if status == "error" else first,
-            )
+            why = f"{type(e).__name__}: {first}" if status == "error" else first
+            result = RunResult.failed(cfg, label, status, why)
         if result.status == "error":
             free_memory()  # what the failed run held (its frames went with the exception): the next run has it
         return self.keep(result)
