@@ -47,9 +47,10 @@ def test_the_readme_gives_the_learners_set_up_and_the_test_command():
 
 
 def test_the_readmes_table_is_the_generated_one():
-    """The README's "what to expect" table is the results page's, held equal to it here."""
-    table = "\n".join(P._expect_table())
-    assert table in README.read_text(encoding="utf-8"), f"copy the table from docs/results.md:\n{table}"
+    """The README's "what to expect" table is the results page's, written by the same command."""
+    text = README.read_text(encoding="utf-8")
+    assert P.readme_with_table(text) == text, f"the README's table is stale: run `{P.COMMAND}` and commit"
+    assert "\n".join(P._expect_table()) in P.PAGE.read_text(encoding="utf-8")
 
 
 def test_the_notebook_times_quoted_are_the_measured_ones():
@@ -105,9 +106,15 @@ def test_a_stale_results_page_is_named_and_rewritten(tmp_path, monkeypatch, caps
     monkeypatch.setattr(P, "PAGE", page)
     monkeypatch.setattr(P, "FIGURE", figure)
     monkeypatch.setattr(P, "ROOT", tmp_path)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# A README\n\n{P.README_BEGIN}\n| an old table |\n{P.README_END}\n\nThe rest.\n")
+    monkeypatch.setattr(P, "README", readme)
     assert P.main(["--check"]) == 1 and "results.md is out of date" in capsys.readouterr().err
     assert P.main([]) == 0 and P.main(["--check"]) == 0
     assert page.read_text() == P.page() and P.png_source(figure) == P.figure_source()
+    assert "| an old table |" not in readme.read_text() and readme.read_text().endswith("\n\nThe rest.\n")
+    with pytest.raises(ValueError, match="no block"):
+        P.readme_with_table("# a README without the markers\n")
 
 
 @pytest.mark.parametrize(
