@@ -249,6 +249,20 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     }
 
 
+def _block_sizes(cfg: TrainConfig):
+    """A block's sizes for its backward's terms: (s, b, h, a; X an sbh tensor's, S2 an a s^2 b tensor's values, T the
+    tokens; B bytes per activation value, whether under autocast; the bytes of the QKV matmul's 16-bit weight copy)."""
+    m = cfg.model
+    s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
+    autocast, B = _precision(cfg)
+    qkv_copy = (3 * h * h + (3 * h if m.bias else 0)) * 2 if autocast else 0
+    return s, b, h, a, s * b * h, a * s * s * b, s * b, B, autocast, qkv_copy
+
+
+# the residual stream (block input) and LayerNorm inputs: fp32 under autocast too
+R = 4
+
+
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """What the last block holds at the worst moments of its backward, term by term, as {moment: {term: (ledger
     category, bytes)}}: the last block's own tensors and the gradients in flight. (The other blocks, the static memory
@@ -263,19 +277,23 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     - "attention recompute" (naive attention, checkpointing): the recompute of the forward holds both the scores and
       the probabilities (the scores are still a local variable of naive_attention when softmax x V runs).
     """
-    m = cfg.model
-    s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
-    autocast, B = _precision(cfg)
-    X, S2, T = s * b * h, a * s * s * b, s * b  # an sbh tensor, an a s^2 b tensor (values), tokens
-    R = 4  # the residual stream (block input) and LayerNorm inputs: fp32 under autocast too
-    ck = cfg.activation_checkpointing
-    attention, causal_mask = _attention(cfg)
+    points = {"MLP backward": _mlp_backward(cfg)}
+    if _attention(cfg)[0] != "naive":
+        return points
+    points["attention backward"] = _attention_backward(cfg)
+    if cfg.activation_checkpointing != "none":
+        points["attention recompute"] = _attention_recompute(cfg)
+    return points
+
+
+def _mlp_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
+    """block_backward_terms' "MLP backward"."""
+    s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
+    ck, attention = cfg.activation_checkpointing, _attention(cfg)[0]
     # Everything the block saves for backward (its weights' 16-bit copies included). Without checkpointing these are the
     # forward's ("activations" for the ledger); with it they are recomputed in backward ("other"), but for what the
     # block kept through the forward ("activations").
     saved = activation_bytes(cfg)["per layer"]
-    qkv_copy = (3 * h * h + (3 * h if m.bias else 0)) * 2 if autocast else 0  # the QKV matmul's 16-bit weight copy
-
     mlp: dict[str, tuple[str, int]] = {}
     if ck == "full":
         mlp["block input, kept"] = ("activations", X * R)
@@ -302,10 +320,14 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     # a temporary added into .grad, or .grad itself where zero_grad(set_to_none=True) left none
     fresh_grads = not gradients_before_backward(cfg)
     mlp["weight gradient of the MLP's second matmul (4h^2)"] = ("gradients" if fresh_grads else "other", 4 * h * h * B)
-    points = {"MLP backward": mlp}
-    if attention != "naive":
-        return points
+    return mlp
 
+
+def _attention_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
+    """block_backward_terms' "attention backward" (naive attention)."""
+    s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
+    m, ck, causal_mask = cfg.model, cfg.activation_checkpointing, _attention(cfg)[1]
+    fresh_grads = not gradients_before_backward(cfg)
     # naive attention: what is left of the block at softmax's backward
     left = {
         "LayerNorm input (sbh)": X * R,
@@ -335,10 +357,13 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
             "gradients",
             4 * (9 * h * h + 6 * h * nb + 2 * h * (1 + nb)),
         )
-    points["attention backward"] = att
-    if ck == "none":
-        return points
+    return att
 
+
+def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
+    """block_backward_terms' "attention recompute" (naive attention, checkpointing)."""
+    s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
+    ck, attention = cfg.activation_checkpointing, _attention(cfg)[0]
     # checkpointing, naive attention: the recompute at softmax x V
     rec: dict[str, tuple[str, int]] = {}
     if ck == "selective":  # cached: the block input and every matmul output not yet taken by the recompute
@@ -361,8 +386,7 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
     rec["gradient of the block output (sbh, fp32)"] = ("other", X * 4)
     if autocast:  # cast for the MLP's second matmul before the recompute starts
         rec["its 16-bit copy for the matmul's backward (sbh)"] = ("other", X * 2)
-    points["attention recompute"] = rec
-    return points
+    return rec
 
 
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
