@@ -311,3 +311,11 @@ def test_on_a_gpu_the_idle_share_of_a_real_step_is_a_share(tiny):
     p = profiling.profile_run(tiny(device="cuda"), active=2)
     idle = profiling.device_idle_share(p)
     assert idle is not None and 0 <= idle < 1 and profiling.kernel_intervals(p)
+
+
+def test_the_timeline_draws_each_kernel_and_says_the_idle_share():
+    fig = profiling.timeline_figure([(1000, 3000), (5000, 6000), (20000, 30000)], (0, 10000), "made up")
+    (ax,) = fig.axes
+    (bars,) = ax.collections  # one broken_barh: the kernels inside the span, the last one outside it left out
+    assert len(bars.get_paths()) == 2 and "idle 70% of the time" in ax.get_title()
+    assert ax.get_xlim() == (0, 10)
