@@ -53,9 +53,9 @@ def write_atomic(path: Path, write: Callable[[Path], None], strict: bool = False
         with contextlib.suppress(OSError):  # a file replaced keeps its permissions (where the system lets us say so)
             partial.chmod(path.stat().st_mode & 0o777)
         os.replace(partial, path)
-    except Exception:  # noqa: BLE001 - OSError, or torch.save's RuntimeError: a cache is never worth a failed run
+    except BaseException as e:  # OSError, torch.save's RuntimeError, or an interrupt (Ctrl-C, SIGTERM) mid-write
         if partial is not None:
             with contextlib.suppress(OSError):
                 partial.unlink(missing_ok=True)
-        if strict:
+        if strict or not isinstance(e, Exception):  # a cache is never worth a failed run; an interrupt goes on up
             raise

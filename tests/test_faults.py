@@ -303,6 +303,20 @@ def test_no_home_folder_puts_the_cache_in_the_temporary_folder(tmp_path, monkeyp
     assert cache.cache_dir() == tmp_path / "xdg" / "course_lib"
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["a result", "a cache"])
+def test_an_interrupt_in_the_middle_of_a_write_leaves_the_earlier_file_and_no_part(strict, tmp_path):
+    path = tmp_path / "l.json"
+    path.write_text("the earlier file")
+
+    def interrupted(partial):
+        partial.write_text('{"results": [')
+        raise KeyboardInterrupt  # SIGTERM arrives while the file is written
+
+    with pytest.raises(KeyboardInterrupt):
+        cache.write_atomic(path, interrupted, strict=strict)
+    assert path.read_text() == "the earlier file" and [p.name for p in tmp_path.iterdir()] == ["l.json"]
+
+
 def test_write_atomic_skips_a_cache_it_cannot_write_and_raises_for_a_result(tmp_path):
     blocked = tmp_path / "not-a-folder"
     blocked.write_text("x")
