@@ -277,16 +277,19 @@ def test_a_worker_killed_mid_collective_ends_the_launch_with_its_cause_and_no_pr
         assert not L.alive(pid), f"process {pid} outlived the launch"
 
 
-def test_a_launch_whose_launcher_dies_leaves_no_worker_behind(tmp_path):
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"], ids=["kernel restarted", "kernel interrupted"])
+def test_a_launch_whose_launcher_dies_or_is_interrupted_leaves_no_worker_behind(how, tmp_path):
     """The notebook kernel that launched a run is killed (a restart): torchrun is told (Linux: the parent-death
-    signal), stops its workers, and ends; its own session would have kept them waiting for the hour otherwise."""
+    signal), stops its workers, and ends; its own session would have kept them waiting for the hour otherwise.
+    Interrupted instead (Kernel > Interrupt: a KeyboardInterrupt in the launch's wait), the launch stops the run's
+    processes itself before the interrupt goes on up."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
-    if not sys.platform.startswith("linux"):
+    if how == "SIGKILL" and not sys.platform.startswith("linux"):
         pytest.skip("the parent-death signal is Linux's")
     launcher = subprocess.Popen(
         [
@@ -304,8 +307,8 @@ def test_a_launch_whose_launcher_dies_leaves_no_worker_behind(tmp_path):
             time.sleep(0.2)
         pids = [int(f.read_text()) for f in tmp_path.glob("pid_rank*")]
         assert len(pids) == 2, "the ranks never started"
-        launcher.send_signal(signal.SIGKILL)
-        launcher.wait(10)
+        launcher.send_signal(getattr(signal, how))
+        launcher.wait(30)
         deadline = time.monotonic() + 30
         while any(L.alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.2)
