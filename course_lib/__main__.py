@@ -1,16 +1,19 @@
-"""The course's command line.
+"""The course's command line (also installed as `course-lib`), its commands in the order a learner uses them:
 
-    python -m course_lib ladder [--preset P] [--device cpu] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed]
+    python -m course_lib info [--device D] [--json [PATH]]
+    python -m course_lib doctor [--device D] [--quick] [--json PATH]
+    python -m course_lib ladder [--preset P] [--device D] [--steps N] [--rungs I,J] [--leave-out I,J] [--fixed]
         [--rung-value TECHNIQUE=VALUE ...] [--set FIELD=VALUE ...] [--json PATH]
-    python -m course_lib export [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
-        [--set FIELD=VALUE ...] [--out train.py [--force]]
     python -m course_lib profile [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
         [--set FIELD=VALUE ...] [--trace PATH [--force]] [--no-floor]
-    python -m course_lib info [--device D]
-    python -m course_lib doctor [--device D] [--json PATH]
-    python -m course_lib bpe [--out PATH [--force]]   (retrain the tokenizer ranks from the corpus)
+    python -m course_lib export [--preset P [--rung NAME] | --ladder PATH] [--device D] [--steps N]
+        [--set FIELD=VALUE ...] [--out train.py [--force]]
+    python -m course_lib exercises [--verify | --status [NOTEBOOKS] | --guide [PATH]]
+    python -m course_lib config [--preset P [--rung NAME] | --ladder PATH] [--set FIELD=VALUE ...]
+    python -m course_lib bpe [--out PATH] [--force]   (maintainers: retrain the tokenizer ranks from the corpus)
 
-`python -m course_lib COMMAND --help` describes each command's options.
+`python -m course_lib COMMAND --help` describes each command's options, with examples; `--version` says the version.
+SIGTERM and SIGHUP stop a command as Ctrl-C does (stopped_as_interrupted): what it finished is kept.
 """
 
 from __future__ import annotations
