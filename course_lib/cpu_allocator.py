@@ -9,8 +9,8 @@ and what its frees leave at the heap's top, go back to the kernel, and the next 
 kernel maps and zeroes at their first touch, one page fault per page (4 KiB, or 2 MiB where transparent huge pages
 back them). `keep_freed(True)` turns off both (mallopt: no block of the main heap gets a mapping of its own, the heap is
 never trimmed; a thread's arena still maps a block too large for its heap), so a step reuses the memory the steps before
-it freed. The heap settles over a few steps (what else is allocated in between splits the freed blocks): on the Zen 3
-the cpu preset's steps after the switch made 102,000, 33,000 and then 0 page faults (2026-11-27, not shipped).
+it freed. The heap settles over a few steps after the switch (what else is allocated in between splits the freed
+blocks), so its page faults fall to none only then: notebook 02 counts them on your machine.
 
 At the bottom of the package: the training loop sets it (course_lib.techniques), the notebooks and `profile` count page
 faults.

@@ -393,8 +393,8 @@ def run_ladder(
             on_result(results)
     if best is not None and not fixed:
         # A second look: a speed rung not kept on the way up is tried once more on top of the loop the climb ended
-        # with, since what came after it can change its verdict. On an H200 (the reference model) bf16 autocast lost
-        # to fp32 while attention was still naive, and SDPA came after it.
+        # with, since what came after it can change its verdict: bf16 autocast can lose to fp32 while attention is still
+        # naive, and SDPA comes after it.
         again = second_look(results)
         n += len(again)
         for rung in again:
@@ -472,8 +472,7 @@ def _idle_share_of(cfg: C.TrainConfig, caps: Capabilities) -> tuple[float | None
 
 def refresh_peaks(caps: Capabilities) -> None:
     """Every rung's efficiency is over this machine's measured matmul peak, which is cached. A peak first measured while
-    the machine was busy would make them all too high (on the 2-core Xeon held to AVX2, one cached at 196 GFLOP/s
-    measured 232-234 when asked again, 2026-11-26), so a climb measures it again first (1.5 s on that CPU), in fp32,
+    the machine was busy would make them all too high, so a climb measures it again first (a second or two), in fp32,
     TF32 where it is a mode of its own (a GPU's) and the device's fast 16-bit format; the cache keeps the higher.
     Nothing where a data sheet gives the peak."""
     if caps.datasheet is not None:
@@ -552,8 +551,7 @@ def enough_steps(cfg: C.TrainConfig) -> tuple[C.TrainConfig, str]:
 
 def steps_to_judge(cfg: C.TrainConfig) -> int:
     """The fewest steps per rung that leave MIN_PAIRS timed steps: the warm-up, and the memory ledger's on a CPU."""
-    ledger = cfg.measure_memory and str(cfg.device).startswith("cpu")
-    return cfg.timing_warmup + MIN_PAIRS + (1 if ledger else 0)
+    return cfg.fewest_steps(timed=MIN_PAIRS)
 
 
 def _progress_text(i: int, n: int, name: str, started: float) -> str:

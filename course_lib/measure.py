@@ -527,7 +527,7 @@ def cuda_memory_report(
 
     `cuda_graphs`: the steps replayed CUDA graphs, whose activations live in the graphs' private memory pool, allocated
     once when the graphs were recorded. A replay allocates nothing, so the allocated peak of a timed step misses them
-    (an H200, GPT-2 small at batch 64: 1.33 GiB against 28.4 GiB without graphs). The peak is then what the allocator
+    (a small fraction of the step's real peak). The peak is then what the allocator
     reserved over the timed steps, the pool included, less what it reserved before the run: at least the live tensors'
     peak, with the cache's slack on top, and said so (`method` starts with GRAPHS_METHOD)."""
     reserved = torch.cuda.max_memory_reserved(device) if reserved is None else reserved

@@ -1,8 +1,13 @@
 """What adding a technique must not require (an edit in a second place a reader can forget), and the global state
 the package keeps, explicit and tested (issue 32)."""
 
+import ast
+import dataclasses
+from pathlib import Path
+
 import torch
 
+import course_lib
 from course_lib import config as C, export
 
 # A technique's control and its snippet come from its declaration (tests/test_panel_parts.py builds the controls of a
@@ -51,3 +56,84 @@ def test_a_compiled_run_starts_with_a_fresh_compiler_and_an_eager_cpu_one_leaves
     if torch.cuda.is_available():
         Trainer(tiny(device="cuda", steps=2, timing_warmup=1, measure_memory=False))
         assert resets == [1, 1]
+
+
+# ---- the step a learner reads, and functions a reader can hold in view -----------------------------------------------
+
+MAX_LINES = 60
+# The functions still over MAX_LINES (file:function -> lines at most). The list may only shrink: a function brought
+# under the limit must leave it, and none may join it or grow.
+LONGER_FOR_NOW = {
+    "course_lib/__main__.py:cmd_ladder": 121,
+    "course_lib/__main__.py:cmd_profile": 75,
+    "course_lib/__main__.py:build_parser": 163,
+    "course_lib/distributed/expert_parallel.py:main": 90,
+    "course_lib/distributed/launch.py:launch": 68,
+    "course_lib/distributed/launch.py:launch_series": 71,
+    "course_lib/distributed/pipeline.py:main": 136,
+    "course_lib/distributed/tensor_parallel.py:main": 72,
+    "course_lib/ladder.py:run_ladder": 112,
+    "course_lib/ladder.py:_judged": 76,
+    "course_lib/ladder.py:final_rows": 70,
+    "course_lib/ladder.py:_confirm": 68,
+    "course_lib/lessons/flash_attention_triton.py:benchmark": 70,
+    "course_lib/plots.py:plot_ladder": 66,
+    "course_lib/train_template.py:main": 204,
+}
+
+
+def _functions():
+    """(file:function, its node) for every function of the package, nested ones and methods included."""
+    root = Path(course_lib.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield f"{path.relative_to(root.parent).as_posix()}:{node.name}", node
+
+
+def _lines(node) -> int:
+    return node.end_lineno - node.lineno + 1
+
+
+def test_no_function_is_longer_than_a_screen_but_the_listed_ones_which_only_shrink():
+    long = {}
+    for name, node in _functions():
+        if _lines(node) > MAX_LINES:
+            long[name] = max(long.get(name, 0), _lines(node))
+    assert not (joined := {n: k for n, k in long.items() if n not in LONGER_FOR_NOW}), (
+        f"over {MAX_LINES} lines: {joined}"
+    )
+    assert not (grown := {n: k for n, k in long.items() if k > LONGER_FOR_NOW[n]}), f"grew: {grown}"
+    assert not (done := set(LONGER_FOR_NOW) - set(long)), f"now {MAX_LINES} lines or fewer: remove from the list {done}"
+
+
+def _calls(node) -> set[str]:
+    """The names a function calls: f(...) as "f", x.f(...) as "f"."""
+    return {
+        c.func.id if isinstance(c.func, ast.Name) else c.func.attr
+        for c in ast.walk(node)
+        if isinstance(c, ast.Call) and isinstance(c.func, (ast.Name, ast.Attribute))
+    }
+
+
+def test_the_step_is_one_short_function_three_calls_from_a_notebooks_run():
+    """train.train_step is the function that calls backward(), in at most MAX_LINES lines; a notebook's train.run calls
+    Trainer.fit, which calls train_step: run -> fit -> train_step -> backward, all in train.py."""
+    functions = dict(_functions())
+    backward = [
+        n for n, node in functions.items() if n.startswith("course_lib/train.py:") and "backward" in _calls(node)
+    ]
+    assert backward == ["course_lib/train.py:train_step"]
+    assert _lines(functions["course_lib/train.py:train_step"]) <= MAX_LINES
+    assert "fit" in _calls(functions["course_lib/train.py:run"])
+    assert "train_step" in _calls(functions["course_lib/train.py:fit"])
+
+
+def test_the_step_calls_no_function_stored_on_the_setup():
+    """What the step calls is code a reader's editor can jump to: the only callables Setup holds are the loss (the
+    model, maybe compiled) and the autocast context; a pipeline and a hand-written DDP are objects whose methods it
+    calls."""
+    from course_lib.techniques.assemble import Setup
+
+    callables = {f.name for f in dataclasses.fields(Setup) if "Callable" in str(f.type)}
+    assert callables <= {"loss_fn", "autocast"}, callables

@@ -284,7 +284,7 @@ def check(options: dict) -> None:
 def fewest_steps(cfg) -> int:
     """The smallest "steps" option a launch of `cfg` can time: its warm-up steps and one timed step. The run adds its
     memory step after them itself (main), so the loop's own rule (warm-up, memory step, one timed) holds with this."""
-    return cfg.timing_warmup + 1
+    return cfg.fewest_steps(ledger=False)
 
 
 def check_steps(steps: int, cfg) -> None:

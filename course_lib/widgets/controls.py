@@ -41,8 +41,7 @@ MODEL_FIELDS = tuple(
 
 def fewest_steps(cfg: C.TrainConfig) -> int:
     """The fewest steps a run of cfg can time: its warm-up, one timed step, and the memory ledger's on a CPU."""
-    ledger = cfg.measure_memory and str(cfg.device).startswith("cpu")
-    return cfg.timing_warmup + 1 + (1 if ledger else 0)
+    return cfg.fewest_steps()
 
 
 # Ranges for numeric controls: (min, max, step); min and max may be functions of the base config.
