@@ -131,7 +131,20 @@ def test_a_climb_stopped_by_a_signal_keeps_its_finished_rungs(sig, code, tmp_pat
     process ends with one line saying what was kept, the file holds whole JSON, and nothing is left beside it."""
     out = tmp_path / "ladder.json"
     proc = subprocess.Popen(
-        [*COURSE, "ladder", "--preset", "tiny", "--steps", "30", "--leave-out", "4", "--json", str(out)],
+        [
+            *COURSE,
+            "ladder",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "30",
+            "--leave-out",
+            "4",
+            "--json",
+            str(out),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -159,7 +172,19 @@ def test_a_command_stopped_by_sigterm_or_sighup_says_one_line(sig, tmp_path):
     trace and says so in one line; the exit code is 128 + the signal's number, as the shell reports a signal."""
     trace = tmp_path / "trace.json"
     proc = subprocess.Popen(
-        [*COURSE, "profile", "--preset", "tiny", "--steps", "200", "--trace", str(trace), "--no-floor"],
+        [
+            *COURSE,
+            "profile",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "200",
+            "--trace",
+            str(trace),
+            "--no-floor",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
