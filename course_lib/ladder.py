@@ -268,8 +268,8 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
 
 
 def check_options(base: C.TrainConfig, options: dict[str, object] | None) -> None:
-    """A value a technique's field rejects (`--set loss_chunks=0`) is a ConfigError now, not a skipped rung minutes
-    later."""
+    """A value a technique's field rejects (`--rung-value loss_chunks=0`) is a ConfigError now, not a skipped rung
+    minutes later."""
     for name, value in (options or {}).items():
         T.TECHNIQUE[name].set(T.naive(base), value)
 
@@ -284,8 +284,8 @@ def check_climb_options(base: C.TrainConfig, options: dict[str, object] | None) 
         if T.TECHNIQUE[name].set(naive, value) == naive:
             rung = T.option_rung(name)
             raise C.ConfigError(
-                f"--set {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave it out "
-                f"with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
+                f"--rung-value {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave "
+                f"it out with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
             )
 
 
@@ -757,7 +757,7 @@ def final_rows(
     costly = [] if fixed else memory_rungs_that_cost_time(results)
     free = [r.label for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY] and r not in costly]
     free_text = "; ".join(f"{label.removeprefix('+ ')} kept: no measurable cost in time" for label in free)
-    opt, leanest_cfg = None, best.cfg
+    opt, leanest_cfg, failed = None, best.cfg, ""
     for cfg, put_back in optimised_candidates(leanest_cfg, costly) if costly else []:
         if cfg == leanest_cfg:  # nothing fits without all of them: the leanest loop is also the fastest that fits
             break
@@ -770,32 +770,30 @@ def final_rows(
         result, trainer, pairs = _measure(cfg, OPTIMISED, naive_loop, progress, give_up=False)
         if result.status == "oom":
             continue
+        if not result.ok:  # another failure: the leanest loop stands in, and its row says why
+            failed = f"the loop without them failed ({result.status}: {result.reason})"
+            break
         opt, speed = result, speed_change(pairs)
         opt.reason = "naive fp32 " + " ".join(k for k in kept if k not in {r.label for r in left})
         notes = [f"{rung_name(r).removeprefix('+ ')} left out: {_slower_text(r)}" for r in left]
         notes += [f"{rung_name(r).removeprefix('+ ')} kept: the loop does not fit without it" for r in put_back]
-        opt.ladder = {
-            "kept": True,
-            "why": (f"{speed.text()} naive fp32, timed in pairs with it" if result.ok else f"{result.status}: ")
-            + "; "
-            + "; ".join(notes + ([free_text] if free_text else [])),
-            "vs": naive_loop.result.label,
-            "speed": speed.verdict,
-            "factor": speed.factor,
-            "factor_iqr": [speed.low, speed.high],
-            "pairs": [list(p) for p in pairs],
-            "speedup": speed.factor,
-            "speedup_basis": PAIRED,
-            "kept_rungs": [k for k in kept if k not in {r.label for r in left}],
-            "left_out": {r.label: _slower_text(r) for r in left},
-            "put_back": [r.label for r in put_back],
-            "memory_vs_naive": result.peak_ratio(naive_loop.result),
-        }
+        opt.ladder = _timed_against_naive(
+            speed,
+            pairs,
+            naive_loop.result,
+            [k for k in kept if k not in {r.label for r in left}],
+            result.peak_ratio(naive_loop.result),
+            left_out={r.label: _slower_text(r) for r in left},
+            put_back=[r.label for r in put_back],
+        )
+        opt.ladder["why"] += "; " + "; ".join(notes + ([free_text] if free_text else []))
         del trainer
         break
     if opt is None:  # the leanest loop is the optimised one
         opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
-        if costly:
+        if failed:
+            why = failed
+        elif costly:
             why = "the loop does not fit without " + ", ".join(rung_name(r).removeprefix("+ ") for r in costly)
         elif fixed:
             why = "the fixed ladder keeps every rung"
@@ -870,7 +868,15 @@ def _confirm(
     row.median_step_s = statistics.median(row.step_times)
     row.tokens_per_s = top.tokens_per_step / row.median_step_s
     row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
-    row.ladder = {
+    row.ladder = _timed_against_naive(speed, pairs, naive_r, kept, top.peak_ratio(naive_r))
+    return row
+
+
+def _timed_against_naive(
+    speed: SpeedChange, pairs, naive_r: RunResult, kept: list[str], memory_vs_naive: float | None, **more
+) -> dict:
+    """A final row's `ladder` dict: its speed-up over naive fp32 from (naive_s, loop_s) pairs, and what it holds."""
+    return {
         "kept": True,
         "why": f"{speed.text()} naive fp32, timed in pairs with it",
         "vs": naive_r.label,
@@ -881,9 +887,9 @@ def _confirm(
         "speedup": speed.factor,
         "speedup_basis": PAIRED,
         "kept_rungs": kept,
-        "memory_vs_naive": top.peak_ratio(naive_r),
+        "memory_vs_naive": memory_vs_naive,
+        **more,
     }
-    return row
 
 
 def _timed_as(row: RunResult, source: RunResult) -> None:
