@@ -1,9 +1,10 @@
-"""The memory model beside measurements: `course_lib.memory_formula`'s formulas (re-exported here, the notebooks'
-`memory_estimate as M`), set beside what the ledger measured (`beside_measured`, `run_beside_estimate`), and
-`account_step`, which runs one training step of a config under the CPU ledger, optionally under FakeTensorMode, so
-that a model too big for this machine (GPT-2 small at batch 32, context 1024) is accounted without allocating.
-It is one step for accounting only (no data, no timing, no results): the training loop is course_lib.train.
-Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator (course_lib.distributed.zero_memory).
+"""The memory model beside measurements: `course_lib.memory_formula`'s formulas (import them from there) set beside
+what the ledger measured (`beside_measured`, `run_beside_estimate`), the check a learner's run gets before it starts
+on a CPU (`check_cpu_memory`, `run_checked`), and `account_step`, which runs one training step of a config under the
+CPU ledger, optionally under FakeTensorMode, so that a model too big for this machine (GPT-2 small at batch 32, context
+1024) is accounted without allocating. It is one step for accounting only (no data, no timing, no results): the
+training loop is course_lib.train. Sharding the static memory across GPUs (ZeRO) is notebook 07's calculator
+(course_lib.distributed.zero_memory).
 """
 
 from __future__ import annotations
@@ -17,29 +18,7 @@ import torch
 from . import measure, techniques
 from .config import TrainConfig
 from .measure import CATEGORIES, MemoryReport
-from .memory_formula import (  # noqa: F401 - the formulas, re-exported: the notebooks and tests read them from here
-    BYTES,
-    GB,
-    Estimate,
-    activation_bytes,
-    block_backward_terms,
-    calculator_config,
-    check_device_gib,
-    count_param_tensors,
-    count_params,
-    estimate,
-    korthikanti_bytes,
-    korthikanti_terms,
-    layer_activation_terms,
-    logits_terms,
-    loss_terms,
-    max_batch_that_fits,
-    outside_activation_terms,
-    peak_candidates,
-    static_bytes,
-    weight_copy_bytes,
-    will_it_fit,
-)
+from .memory_formula import Estimate, estimate
 from .results import RESERVED_PEAK
 
 

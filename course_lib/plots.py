@@ -358,7 +358,7 @@ def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figu
 
 
 def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
-    """A predicted peak (memory_estimate.Estimate) as one bar stacked by category, beside a device's memory (the
+    """A predicted peak (memory_formula.Estimate) as one bar stacked by category, beside a device's memory (the
     vertical line)."""
     fig = new_figure((7, 2.2))
     ax = fig.add_subplot()

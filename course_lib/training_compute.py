@@ -10,7 +10,7 @@ its paper reports (Brown et al., 2020, table D.1). The course's per-token count,
 (course_lib.measure.flops_per_token), adds attention's own work to the same rule.
 
 Activation checkpointing buys memory with compute: `checkpointing_costs` runs none / selective / full through the
-course's loop and puts beside each the memory the ledger measured, what memory_estimate.estimate predicted, the work of
+course's loop and puts beside each the memory the ledger measured, what memory_formula.estimate predicted, the work of
 one step counted from the shapes (`step_work`), and the forward and backward times measured on the device.
 """
 
@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import memory_estimate, train
+from . import memory_estimate, memory_formula, train
 from .config import TrainConfig
 from .data import Splits
 from .measure import StepTimer, _aliasing_returns, time_fn
@@ -170,7 +170,7 @@ class CheckpointingCost:
 
     mode: str
     result: RunResult  # train.run: losses, step time, memory (the CPU ledger's categories; on CUDA the peak)
-    estimate: memory_estimate.Estimate  # memory_estimate.estimate's prediction of the same step
+    estimate: memory_formula.Estimate  # memory_formula.estimate's prediction of the same step
     work: StepWork  # counted from the shapes
     seconds: dict[str, float]  # forward_backward_seconds
 
@@ -186,7 +186,7 @@ def checkpointing_costs(
             CheckpointingCost(
                 mode=mode,
                 result=train.run(cfg, f"checkpointing {mode}", splits=splits),
-                estimate=memory_estimate.estimate(cfg),
+                estimate=memory_formula.estimate(cfg),
                 work=step_work(cfg),
                 seconds=forward_backward_seconds(cfg, repeats, splits),
             )

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib import config as C, memory_estimate as M, widgets
+from course_lib import config as C, memory_formula as M, widgets
 from course_lib.__main__ import main as cli
 from course_lib.distributed import launch as L
 from course_lib.train import train

@@ -29,7 +29,7 @@ def test_at_the_cpu_preset_none_and_selective_peak_at_different_moments_and_the_
     the ledger at each mode's own peak, and so in the difference of the two, which is what the notebook checks."""
     import dataclasses
 
-    from course_lib import ladder, memory_estimate, reference, training_compute
+    from course_lib import ladder, memory_formula, reference, training_compute
 
     # the loop an AVX2 laptop ends with: the optimised loop of the shipped AVX2 climb, as notebook 09 runs it
     climbs = [r for _, r, meta in reference.measured_cpus("cpu") if "ATEN_CPU_CAPABILITY=avx2" in meta["cpu"]]
@@ -45,7 +45,7 @@ def test_at_the_cpu_preset_none_and_selective_peak_at_different_moments_and_the_
         act[c.mode], est[c.mode] = measured["by_category"]["activations"], predicted.by_category["activations"]
         when[c.mode] = predicted.when
     kept = {
-        m: memory_estimate.activation_bytes(dataclasses.replace(top, activation_checkpointing=m))["kept per layer"]
+        m: memory_formula.activation_bytes(dataclasses.replace(top, activation_checkpointing=m))["kept per layer"]
         for m in act
     }
     dropped = top.model.n_layer * (kept["none"] - kept["selective"])

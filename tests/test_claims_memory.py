@@ -23,6 +23,7 @@ from course_lib import (
     config as C,
     export,
     memory_estimate as M,
+    memory_formula as F,
     plots,
     techniques as T,
     train,
@@ -79,10 +80,10 @@ def test_the_exported_script_and_the_config_say_whose_selective_checkpointing_it
 def test_the_papers_selection_keeps_less_than_the_courses_exactly_when_as_exceeds_5h(shape):
     """Per block (fp32, naive attention) the paper's selection drops the a s^2 b values and keeps what SDPA keeps (16
     sbh and a log-sum-exp per query); the course's drops 5 sbh and keeps the scores. Notebook 02 measures one shape."""
-    cfg = M.calculator_config(**shape)
+    cfg = F.calculator_config(**shape)
     m = cfg.model
-    course = M.activation_bytes(dataclasses.replace(cfg, activation_checkpointing="selective"))["kept per layer"]
-    paper = M.activation_bytes(cfg.with_model(attention="sdpa"))["kept per layer"]
+    course = F.activation_bytes(dataclasses.replace(cfg, activation_checkpointing="selective"))["kept per layer"]
+    paper = F.activation_bytes(cfg.with_model(attention="sdpa"))["kept per layer"]
     assert (paper < course) == (m.n_head * cfg.context > 5 * m.n_embd), (paper, course)
 
 
@@ -101,10 +102,10 @@ def test_the_papers_selection_keeps_less_than_the_courses_exactly_when_as_exceed
 def test_the_logits_outweigh_the_activations_where_3v_exceeds_l_16h_plus_as(shape, logits_win):
     """The old text said the logits were the largest item; that holds for small models only. The condition the notebook
     states, 3V > L(16h + as) per token (fp32, naive attention), agrees with the memory model's full count."""
-    cfg = M.calculator_config(**shape)
+    cfg = F.calculator_config(**shape)
     m = cfg.model
-    loss_tensors = sum(M.logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size).values())
-    assert (loss_tensors > M.activation_bytes(cfg)["total"]) == logits_win
+    loss_tensors = sum(F.logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size).values())
+    assert (loss_tensors > F.activation_bytes(cfg)["total"]) == logits_win
     assert (3 * m.padded_vocab_size > m.n_layer * (16 * m.n_embd + m.n_head * cfg.context)) == logits_win
 
 
@@ -157,7 +158,7 @@ def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledge
     for c in CATEGORIES:
         assert abs(est["by_category"][c] - r.memory["by_category"][c]) <= 0.01 * r.memory["peak_bytes"], c
     assert r.reason.startswith("peak: formula ") and "measured" in r.reason and est["when"] in r.reason
-    rows = M.beside_measured(M.estimate(cfg), r.memory)
+    rows = M.beside_measured(F.estimate(cfg), r.memory)
     assert [row[""] for row in rows] == [*CATEGORIES, f"peak ({est['when']})"]
     assert rows[-1]["formula MiB"] == f"{est['peak_bytes'] / 2**20:.2f}"
 
@@ -197,7 +198,7 @@ def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
 
 
 def test_the_notebooks_other_figures_draw(tiny):
-    est = M.estimate(M.calculator_config())
+    est = F.estimate(F.calculator_config())
     fig = plots.plot_will_it_fit(est, 80, "GPT-2 small")
     assert "GiB" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(CATEGORIES)
     report = M.account_step(tiny(steps=1), fake=True)
@@ -209,7 +210,7 @@ def test_the_notebooks_other_figures_draw(tiny):
 
 
 def test_the_calculator_config_grows_the_position_table():
-    cfg = M.calculator_config("cpu", batch_size=2, context=2048, attention="sdpa", precision="bf16")
+    cfg = F.calculator_config("cpu", batch_size=2, context=2048, attention="sdpa", precision="bf16")
     assert (cfg.batch_size, cfg.context, cfg.model.block_size, cfg.model.attention, cfg.precision) == (
         2,
         2048,
@@ -217,7 +218,7 @@ def test_the_calculator_config_grows_the_position_table():
         "sdpa",
         "bf16",
     )
-    assert M.calculator_config() == dataclasses.replace(C.gpt2_small_preset("cpu"), batch_size=32, context=1024)
+    assert F.calculator_config() == dataclasses.replace(C.gpt2_small_preset("cpu"), batch_size=32, context=1024)
 
 
 def test_backward_is_timed_on_its_own_and_never_negative(tiny, monkeypatch):

@@ -1,4 +1,4 @@
-"""memory_estimate.estimate against the ledger, lever by lever.
+"""memory_formula.estimate against the ledger, lever by lever.
 
 The analytic estimate must model every lever the ledger measures. Its peak is compared with one measured step
 (memory_estimate.account_step: the loop's own step body under the CPU ledger, in FakeTensorMode, so nothing is
@@ -21,7 +21,7 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import memory_estimate as M
+from course_lib import memory_estimate as M, memory_formula as F
 from course_lib.config import cpu_preset, gpt2_small_preset
 from course_lib.measure import CATEGORIES, GiB
 
@@ -73,7 +73,7 @@ def config(shape: str, levers: str, **more):
 
 def check(cfg, fake=True):
     """The estimate against one measured step: the peak and each category within TOL of the peak, at the same moment."""
-    est, led = M.estimate(cfg), M.account_step(cfg, fake=fake)
+    est, led = F.estimate(cfg), M.account_step(cfg, fake=fake)
     err = (est.peak_bytes - led.peak_bytes) / led.peak_bytes
     assert abs(err) <= TOL, (
         f"estimate {est.peak_gib:.4f} GiB ({est.when}) vs ledger {led.peak_bytes / GiB:.4f} GiB: {100 * err:+.2f} %"
@@ -106,13 +106,13 @@ def test_the_issue_chunked_loss_with_checkpointing():
     assert est.when == "last block's backward: MLP backward"
     # the loss's worst moment: the fp32 logits of one slice (4096 tokens x 50304), turned into their gradient in place
     chunk = 32 * 1024 // 8 * cfg.model.padded_vocab_size * 4
-    slice_terms = M.peak_candidates(cfg)["forward: a loss slice"]
+    slice_terms = F.peak_candidates(cfg)["forward: a loss slice"]
     assert slice_terms["the slice's logits, then softmax - onehot in place (c V fp32)"] == ("logits", chunk)
     vh = cfg.model.padded_vocab_size * cfg.model.n_embd * 4  # the slice's (V x h) share of the weight gradient
     assert sum(b for cat, b in slice_terms.values() if cat == "logits") < chunk + 2 * vh
     assert est.phases["forward: a loss slice"] < est.peak_bytes
     # and the same lever by lever: without the chunks the logits hold the peak again
-    unchunked = M.estimate(replace(cfg, loss_chunks=1))
+    unchunked = F.estimate(replace(cfg, loss_chunks=1))
     assert unchunked.when == "start of backward" and unchunked.peak_bytes > 3.5 * est.peak_bytes
 
 

@@ -359,7 +359,7 @@ def test_adagrad_steps_shrink_like_one_over_sqrt_t():
 
 @pytest.mark.parametrize("kind", ["adagrad", "rmsprop"])
 def test_new_kinds_state_bytes_and_memory_model(kind, tiny):
-    from course_lib import memory_estimate as M
+    from course_lib import memory_formula as M
 
     m = _model()
     params = list(m.parameters())

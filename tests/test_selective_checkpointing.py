@@ -1,5 +1,5 @@
 """Activation checkpointing none / selective / full through the course's loop, on the tiny config: the memory the CPU
-ledger measures is ordered none > selective > full and agrees with memory_estimate.estimate, and the arithmetic is the
+ledger measures is ordered none > selective > full and agrees with memory_formula.estimate, and the arithmetic is the
 same (losses and gradients equal none's, bit for bit: the recompute repeats the same operations on the same values)."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from course_lib import memory_estimate as M
+from course_lib import memory_formula as M
 from course_lib.config import tiny_preset
 from course_lib.measure import CATEGORIES
 from course_lib.train import Trainer, run

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import memory_estimate as M
+from .. import memory_formula as M
 from ..config import TrainConfig, reference_preset
 from .core import Case, Exercise, Mistake
 
@@ -116,7 +116,7 @@ CHOOSE = Exercise(
 
 
 def largest_batch(cfg: TrainConfig, device_gib: float) -> int:
-    """The reference: the largest batch_size whose predicted peak (memory_estimate.will_it_fit, its 10% margin kept)
+    """The reference: the largest batch_size whose predicted peak (memory_formula.will_it_fit, its 10% margin kept)
     fits a device of `device_gib` GiB, 0 when batch 1 does not. The peak grows with the batch, so a bisection between
     a batch that fits and one that does not finds it in about log2(4096) = 12 estimates."""
     return M.max_batch_that_fits(cfg, device_gib)

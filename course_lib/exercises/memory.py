@@ -3,7 +3,7 @@ what one transformer block keeps for backward."""
 
 from __future__ import annotations
 
-from .. import memory_estimate as M
+from .. import memory_formula as M
 from .core import Case, Exercise, Mistake
 
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from ..config import TrainConfig
 
-# What each optimizer keeps per parameter (its memory term, which memory_estimate.static_bytes reads): SGD nothing,
+# What each optimizer keeps per parameter (its memory term, which memory_formula.static_bytes reads): SGD nothing,
 # momentum one buffer, Adam/AdamW two moments (m and v), AdaGrad its sum of g^2, RMSProp its average. torch's
 # Adam/AdamW, AdaGrad and RMSprop also keep a `step` counter per parameter tensor: a 4-byte fp32 scalar tensor.
 STATES_PER_PARAMETER = {"sgd": 0, "sgd_momentum": 1, "adamw": 2, "adagrad": 1, "rmsprop": 1}
