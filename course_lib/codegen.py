@@ -5,7 +5,7 @@ known becomes the file those constants make, with nothing in it that they switch
 - `fold`: every `if TEST:` and `a if TEST else b` whose TEST the constants decide is replaced by the branch it takes
   (`X or Y` with X known true is true; `X and Y` with X known true is Y), comments included: a cut on the source's own
   lines, not a rewrite of its syntax tree.
-- `drop_unused`: module-level constants and imports that nothing reads any more go.
+- `drop_unused`: module-level functions, classes, constants and imports that nothing reads any more go.
 - `inline`: each `from course_lib.M import f` becomes f's own source, and that of what f reads from course_lib,
   dependencies first; the other imports they need join the file's import block.
 """
@@ -95,21 +95,34 @@ def _evaluate(node: ast.expr, known: dict):
         return _UNKNOWN
 
 
-def _partial(node: ast.expr, known: dict):
-    """node's value, _UNKNOWN, or for `and` / `or` with some operands known the operands left (a list)."""
+class _Left(str):
+    """What is left of a test the constants decide in part: its source, shortened."""
+
+
+def _partial(node: ast.expr, known: dict, src: str):
+    """node's value, _UNKNOWN, or for `and` / `or` with some operands known, the operands left (_Left)."""
     value = _evaluate(node, known)
     if value is not _UNKNOWN or not isinstance(node, ast.BoolOp):
         return value
-    left = []
+    left, shortened = [], False
     for operand in node.values:
-        v = _partial(operand, known)
-        if v is _UNKNOWN or isinstance(v, list):
-            left.append(operand)
+        v = _partial(operand, known, src)
+        if v is _UNKNOWN or isinstance(v, _Left):
+            text = ast.get_source_segment(src, operand) if v is _UNKNOWN else v
+            left.append(text)
+            shortened |= isinstance(v, _Left)
         elif bool(v) == isinstance(node.op, ast.Or):  # True in an `or`, False in an `and`: decides the whole
             return v
+        else:
+            shortened = True
     if not left:
         return isinstance(node.op, ast.And)
-    return left if len(left) < len(node.values) else _UNKNOWN
+    if not shortened:
+        return _UNKNOWN
+    if len(left) == 1:
+        return _Left(left[0])
+    joiner = " or " if isinstance(node.op, ast.Or) else " and "
+    return _Left(joiner.join(f"({x})" if " or " in x or " and " in x else x for x in left))
 
 
 def _text(src: str, node: ast.expr) -> str:
@@ -147,13 +160,12 @@ def _fold_once(src: str, known: dict) -> str | None:
             continue
         if isinstance(node, ast.If) and lines[node.lineno - 1].lstrip().startswith("elif"):
             continue  # folded with the `if` it belongs to
-        value = _partial(node.test, known)
+        value = _partial(node.test, known, src)
         if value is _UNKNOWN:
             continue
-        if isinstance(value, list):  # the test, shortened to the operands the constants do not decide
-            joiner = " or " if isinstance(node.test.op, ast.Or) else " and "
+        if isinstance(value, _Left):  # the test, shortened to the operands the constants do not decide
             start, end = _span(src, node.test)
-            return src[:start] + joiner.join(_text(src, v) for v in value) + src[end:]
+            return src[:start] + value + src[end:]
         if isinstance(node, ast.If):
             return _fold_if(src, node, bool(value))
         start, end = _span(src, node)
@@ -174,6 +186,8 @@ def fold(src: str, known: dict[str, object]) -> str:
 
 
 def _bound(node: ast.stmt, constants) -> list[str]:
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return [node.name]
     if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
         return [node.targets[0].id] if node.targets[0].id in constants else []
     if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__":
@@ -198,12 +212,13 @@ def _drop_once(src: str, constants) -> str | None:
             kept = [ast.unparse(node) + "\n"]
         else:
             kept = []
-        return "".join(lines[: node.lineno - 1] + kept + lines[node.end_lineno :])
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        return "".join(lines[: first - 1] + kept + lines[node.end_lineno :])
     return None
 
 
 def drop_unused(src: str, constants) -> str:
-    """`src` without the module-level assignments of `constants` and the imports that nothing reads."""
+    """`src` without the module-level functions, classes, imports and assignments of `constants` that nothing reads."""
     while (dropped := _drop_once(src, constants)) is not None:
         src = dropped
     return src

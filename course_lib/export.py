@@ -34,9 +34,12 @@ def settings(cfg: TrainConfig) -> dict[str, object]:
 
 
 def _check(cfg: TrainConfig) -> None:
+    """What the script cannot run, said before it is written: data parallelism's combinations, a step to time after
+    the warm-up (the script has no memory-ledger step), a row for every token of the course's BPE. (What the course's
+    own runs refuse, compile under data parallelism, a script may still do on a machine of its own.)"""
     T.data_parallel.check(cfg)
-    cfg.check_steps_to_time(ledger=False)  # the script times its steps, and has no memory ledger
-    data_mod.check_vocabulary(cfg.model.vocab_size)  # the script trains on the course's BPE: every token needs a row
+    cfg.check_steps_to_time(ledger=False)
+    data_mod.check_vocabulary(cfg.model.vocab_size)
 
 
 def run_command(cfg: TrainConfig, path: str = "train.py", nproc: str = "N") -> str:

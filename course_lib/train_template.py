@@ -217,36 +217,28 @@ def make_batches(stream: torch.Tensor, seed: int, rank: int = 0, world: int = 1)
     return batches
 
 
-if EVAL_EVERY > 0:
-
-    @torch.no_grad()
-    def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, forward_context) -> float:
-        """Mean loss per token over EVAL_BATCHES fixed random windows of `stream` (the same windows every call)."""
-        model.eval()
-        gen = torch.Generator().manual_seed(1234)
-        total, count = 0.0, 0
-        for _ in range(EVAL_BATCHES):
-            x, y = random_windows(stream, MICRO_BATCH_SIZE, CONTEXT, gen)
-            x, y = x.to(device), y.to(device)
-            with forward_context():
-                total += loss_sum(model(x), y).item()
-            count += count_targets(y)
-        model.train()
-        return total / count
+@torch.no_grad()
+def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, forward_context) -> float:
+    """Mean loss per token over EVAL_BATCHES fixed random windows of `stream` (the same windows every call)."""
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    total, count = 0.0, 0
+    for _ in range(EVAL_BATCHES):
+        x, y = random_windows(stream, MICRO_BATCH_SIZE, CONTEXT, gen)
+        x, y = x.to(device), y.to(device)
+        with forward_context():
+            total += loss_sum(model(x), y).item()
+        count += count_targets(y)
+    model.train()
+    return total / count
 
 
 # ---- training -------------------------------------------------------------------------------------------------------
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one the course installs)")
-    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")
-    return p.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
+def start() -> tuple[torch.device, int, int]:
+    """This process's device, its rank and the number of processes (0 and 1 with no data parallelism), and the settings
+    that are the whole process's."""
     if DATA_PARALLEL != "none":
         # torchrun starts one process per device and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.
         if "RANK" not in os.environ:  # run with plain python: say how to start it
@@ -260,7 +252,7 @@ def main() -> None:
             dist.init_process_group(backend="gloo")  # gloo: collectives between CPU processes
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
-        device = torch.device(DEVICE)
+        device, rank, world = torch.device(DEVICE), 0, 1  # one process
     if KEEP_FREED_MEMORY and DEVICE_TYPE == "cpu":
         # Keep freed memory in the process (glibc's malloc): no block gets a mapping of its own and the heap is never
         # trimmed, so a step reuses the pages the steps before it freed instead of the kernel mapping and zeroing them
@@ -274,14 +266,95 @@ def main() -> None:
         # effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
+    return device, rank, world
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer, on the model's parameters (after any sharding: FSDP2's shards)."""
+    if WEIGHT_DECAY > 0 and DECAY_2D_ONLY:
+        params = param_groups(model, WEIGHT_DECAY)  # decay on the >=2-D tensors, none on biases and LayerNorm gains
+    else:
+        params = [{"params": list(model.parameters()), "weight_decay": WEIGHT_DECAY}]
+    if OPTIMIZER == "adamw" and FUSED_ADAMW:
+        # AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries).
+        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, fused=True)
+    elif OPTIMIZER == "adamw":
+        # AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.
+        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+    elif OPTIMIZER == "sgd":
+        optimizer = torch.optim.SGD(params, lr=LR)  # p -= lr * grad
+    elif OPTIMIZER == "sgd_momentum":
+        optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # a running sum of gradients
+    elif OPTIMIZER == "adagrad":
+        # AdaGrad: each coordinate's step divided by the root of its summed squared gradients.
+        optimizer = torch.optim.Adagrad(params, lr=LR, eps=EPS, foreach=False)
+    else:
+        # RMSProp: each coordinate's step divided by the root of a running average of g^2.
+        optimizer = torch.optim.RMSprop(params, lr=LR, eps=EPS, foreach=False)
+    return optimizer
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it."""
+    if SCHEDULE == "constant":
+        lr_at = functools.partial(constant_lr, lr=LR, warmup=LR_WARMUP_STEPS)
+    elif SCHEDULE == "cosine":
+        lr_at = functools.partial(
+            warmup_cosine_lr, lr=LR, warmup=LR_WARMUP_STEPS, total=STEPS, min_lr_ratio=MIN_LR_RATIO
+        )
+    elif SCHEDULE == "wsd":
+        lr_at = functools.partial(wsd_lr, lr=LR, warmup=LR_WARMUP_STEPS, total=STEPS, min_lr_ratio=MIN_LR_RATIO)
+    elif SCHEDULE == "inverse_sqrt":
+        lr_at = functools.partial(inverse_sqrt_lr, lr=LR, warmup=LR_WARMUP_STEPS)
+    else:
+        lr_at = functools.partial(exponential_lr, lr=LR, warmup=LR_WARMUP_STEPS, total=STEPS, min_lr_ratio=MIN_LR_RATIO)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / LR)
+
+
+def compile_loss():
+    """compute_loss compiled: torch.compile traces the model and the loss together and fuses their element-wise work
+    into generated kernels."""
+    if DEVICE_TYPE == "cpu":
+        # On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, a simpler kernel than its exact tanh
+        # (CPU_INDUCTOR_OPTIONS says how close).
+        from torch._inductor import list_mode_options
+
+        return torch.compile(compute_loss, options={**list_mode_options(COMPILE_MODE), **CPU_INDUCTOR_OPTIONS})
+    elif COMPILE_MODE == "default":
+        return torch.compile(compute_loss)
+    else:
+        return torch.compile(compute_loss, mode=COMPILE_MODE)
+
+
+def report(times: list[float], losses: list[float], rank: int, world: int, losses_file: Path | None) -> None:
+    """The median step's time and tokens/s (the first process's, under data parallelism), and the losses to a file."""
+    median_s = statistics.median(times[TIMING_WARMUP:])  # warm-up steps left out, the median step
+    if DATA_PARALLEL != "none":
+        tokens_per_step = world * BATCH_SIZE * CONTEXT  # all processes, padding included
+    else:
+        tokens_per_step = BATCH_SIZE * CONTEXT  # padding included
+    if DATA_PARALLEL == "none" or rank == 0:
+        timed = f"steps {TIMING_WARMUP + 1}-{STEPS}"
+        print(f"median step {median_s * 1e3:.1f} ms ({timed}), {tokens_per_step / median_s:,.0f} tokens/s")
+    if losses_file and (DATA_PARALLEL == "none" or rank == 0):
+        losses_file.write_text(json.dumps(losses))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one the course installs)")
+    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    device, rank, world = start()
 
     torch.manual_seed(SEED)  # the model's initial weights
     stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64
     n_val = int(len(stream) * VAL_FRACTION)
-    if DATA_PARALLEL != "none":
-        batches = make_batches(stream[:-n_val], SEED, rank, world)
-    else:
-        batches = make_batches(stream[:-n_val], SEED)
+    batches = make_batches(stream[:-n_val], SEED, rank, world)
     model = GPT(ModelConfig()).to(device)
     if DATA_PARALLEL == "none" or rank == 0:
         print(f"{model.num_params():,} parameters; {BATCH_SIZE * CONTEXT:,} tokens per step")
@@ -313,57 +386,14 @@ def main() -> None:
     if DATA_PARALLEL == "bucketed":
         # DDP written by hand: hooks on the parameters all-reduce the gradients in buckets while backward runs.
         ddp = BucketedDDP(model, BUCKET_BYTES)
-    loss_fn = compute_loss
-    if COMPILE:
-        # torch.compile traces model and loss together and fuses their element-wise work into generated kernels; the
-        # first step compiles (it is left out of the timing).
-        if DEVICE_TYPE == "cpu":
-            # On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, several times faster than its exact tanh.
-            from torch._inductor import list_mode_options
-
-            loss_fn = torch.compile(compute_loss, options={**list_mode_options(COMPILE_MODE), **CPU_INDUCTOR_OPTIONS})
-        elif COMPILE_MODE == "default":
-            loss_fn = torch.compile(compute_loss)
-        else:
-            loss_fn = torch.compile(compute_loss, mode=COMPILE_MODE)
-
-    if WEIGHT_DECAY > 0 and DECAY_2D_ONLY:
-        params = param_groups(model, WEIGHT_DECAY)  # decay on the >=2-D tensors, none on biases and LayerNorm gains
-    else:
-        params = [{"params": list(model.parameters()), "weight_decay": WEIGHT_DECAY}]
-    if OPTIMIZER == "adamw" and FUSED_ADAMW:
-        # AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries).
-        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, fused=True)
-    elif OPTIMIZER == "adamw":
-        # AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.
-        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
-    elif OPTIMIZER == "sgd":
-        optimizer = torch.optim.SGD(params, lr=LR)  # p -= lr * grad
-    elif OPTIMIZER == "sgd_momentum":
-        optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # a running sum of gradients
-    elif OPTIMIZER == "adagrad":
-        # AdaGrad: each coordinate's step divided by the root of its summed squared gradients.
-        optimizer = torch.optim.Adagrad(params, lr=LR, eps=EPS, foreach=False)
-    else:
-        # RMSProp: each coordinate's step divided by the root of a running average of g^2.
-        optimizer = torch.optim.RMSprop(params, lr=LR, eps=EPS, foreach=False)
+    optimizer = make_optimizer(model)
     if SCHEDULE != "constant" or LR_WARMUP_STEPS > 0:
-        # The learning rate of optimizer step `step` (0-based), set after every step; LambdaLR multiplies LR by it.
-        if SCHEDULE == "constant":
-            lr_at = functools.partial(constant_lr, lr=LR, warmup=LR_WARMUP_STEPS)
-        elif SCHEDULE == "cosine":
-            lr_at = functools.partial(
-                warmup_cosine_lr, lr=LR, warmup=LR_WARMUP_STEPS, total=STEPS, min_lr_ratio=MIN_LR_RATIO
-            )
-        elif SCHEDULE == "wsd":
-            lr_at = functools.partial(wsd_lr, lr=LR, warmup=LR_WARMUP_STEPS, total=STEPS, min_lr_ratio=MIN_LR_RATIO)
-        elif SCHEDULE == "inverse_sqrt":
-            lr_at = functools.partial(inverse_sqrt_lr, lr=LR, warmup=LR_WARMUP_STEPS)
-        else:
-            lr_at = functools.partial(
-                exponential_lr, lr=LR, warmup=LR_WARMUP_STEPS, total=STEPS, min_lr_ratio=MIN_LR_RATIO
-            )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step) / LR)
+        scheduler = make_scheduler(optimizer)
+    if COMPILE:
+        loss_fn = compile_loss()  # the first step compiles: it is left out of the timing
+    else:
+        loss_fn = compute_loss
+
     if PRECISION in ("bf16", "fp16"):
         # Autocast: the matmuls in 16 bits; the weights, their gradients and the optimizer's state stay fp32.
         dtype = torch.bfloat16 if PRECISION == "bf16" else torch.float16
@@ -437,16 +467,7 @@ def main() -> None:
             if DATA_PARALLEL == "none" or rank == 0:
                 print(f"step {step + 1}: validation loss {val_loss:.4f}")
 
-    median_s = statistics.median(times[TIMING_WARMUP:])  # warm-up steps left out, the median step
-    if DATA_PARALLEL != "none":
-        tokens_per_step = world * BATCH_SIZE * CONTEXT  # all processes, padding included
-    else:
-        tokens_per_step = BATCH_SIZE * CONTEXT  # padding included
-    if DATA_PARALLEL == "none" or rank == 0:
-        timed = f"steps {TIMING_WARMUP + 1}-{STEPS}"
-        print(f"median step {median_s * 1e3:.1f} ms ({timed}), {tokens_per_step / median_s:,.0f} tokens/s")
-    if args.losses and (DATA_PARALLEL == "none" or rank == 0):
-        args.losses.write_text(json.dumps(losses))
+    report(times, losses, rank, world, args.losses)
     if DATA_PARALLEL != "none":
         dist.destroy_process_group()
 

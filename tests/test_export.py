@@ -325,7 +325,8 @@ def test_every_config_field_is_a_setting_of_the_template():
 
 def test_the_cut_drops_every_branch_the_settings_decide():
     """What the cut does, on a small source: if/elif/else, `and`/`or` with a setting in them, `a if S else b`, a
-    setting that decides nothing left as written, and the settings and imports nothing reads any more dropped."""
+    setting that decides nothing left as written, and the settings, imports and functions nothing reads any more
+    dropped."""
     src = textwrap.dedent("""
         import os
         import sys
@@ -348,6 +349,9 @@ def test_the_cut_drops_every_branch_the_settings_decide():
             if A == 3 or n > 3:
                 n -= 1
             return n if B == "x" else os.sep
+
+
+        RESULT = [f(n) for n in range(6)]
     """)
     known = codegen.known_constants(src, {"A": 2, "B": "x"})
     assert known["DOUBLE"] == 4
@@ -358,7 +362,7 @@ def test_the_cut_drops_every_branch_the_settings_decide():
     namespace = {}
     exec(out, namespace)
     exec(src, reference := {})
-    assert [namespace["f"](n) for n in range(6)] == [reference["f"](n) for n in range(6)]
+    assert namespace["RESULT"] == reference["RESULT"] and "def f(n):" in out
 
 
 # What each technique's rung puts into the script; none of these is in the naive script.
@@ -596,11 +600,13 @@ def test_the_fsdp_script_shards_every_block_then_the_root(tmp_path, pyflakes):
         clip_norm=1.0,
     )
     text = export.script(cfg)
+    main = text[text.index("def main()") :]
     assert (
-        text.index("fully_shard(block, mesh=mesh)")
-        < text.index("fully_shard(model, mesh=mesh)")
-        < text.index("torch.optim.AdamW(")
+        main.index("fully_shard(block, mesh=mesh)")
+        < main.index("fully_shard(model, mesh=mesh)")
+        < main.index("optimizer = make_optimizer(model)")
     )
+    assert "torch.optim.AdamW(" in text
     assert (
         "init_device_mesh(DEVICE_TYPE, (world,))" in text
         and 'DEVICE = "cuda"' in text
