@@ -5,7 +5,9 @@ and `python -m course_lib info` (`rows`), and MFU (`peak_tflops`) all read from 
 "bf16 needs compute capability 8.0" is written once.
 
 A config is plain data and loads anywhere; whether *this* device can run it is asked here, when a run, a
-ladder or a panel starts.
+ladder or a panel starts. The number formats are this module's own facts (peak FLOP/s needs them too); what a technique
+needs of a device, and what it checks of a config, are its own module's `probe` and `check` (course_lib.techniques),
+asked of every technique in the registry, which this module iterates without naming one.
 
 Speed: a known GPU's peak comes from its data sheet. Any other device (every CPU, an unknown GPU) gets its
 peak *measured* with a matmul benchmark per precision, cached per machine, and efficiency is then labelled
