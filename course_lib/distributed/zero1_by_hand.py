@@ -2,7 +2,7 @@
 one loop beside the same loop with unsharded torch.optim.AdamW on every rank, on the same batches.
 
 Each step, each rank
-1. runs forward and backward on its slice of the global batch (the loop's own `accumulate_micro_batches`);
+1. runs forward and backward on its slice of the global batch (the loop's own step, train.train_step);
 2. averages the gradients with the other ranks through the loop's own hand-written DDP (data_parallel="bucketed":
    gradients all-reduced in flat buckets, then / world; one bucket for the course's small models). Every rank then
    holds the whole averaged gradient, so the loop's global-norm clipping needs nothing more;

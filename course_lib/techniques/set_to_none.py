@@ -1,5 +1,5 @@
 """zero_grad(set_to_none=True): the gradients are freed between steps instead of zeroed in place, so they do not
-exist before backward makes them again. The loop's step calls it (course_lib.techniques.assemble.optimizer_step). Its
+exist before backward makes them again. The loop's step calls it (course_lib.train.train_step). Its
 memory term (`gradients_before_backward`): whether the gradients are there when a step's peak comes.
 """
 
