@@ -26,6 +26,11 @@ from ..cache import write_atomic
 from ..config import ConfigError, TrainConfig, did_you_mean, tiny_preset
 from ..results import provenance
 
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (the old names now warn) to *_single;
+# torch 2.11 has only the old names
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class Ctx:

@@ -82,8 +82,8 @@ def _operation(op: str, n_bytes: int, world: int, device: torch.device):
     out = torch.empty_like(whole)
     calls = {
         "all-reduce": lambda: dist.all_reduce(whole),
-        "all-gather": lambda: dist.all_gather_into_tensor(whole, part),
-        "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+        "all-gather": lambda: _common.all_gather_single(whole, part),
+        "reduce-scatter": lambda: _common.reduce_scatter_single(part, whole),
         "all-to-all": lambda: dist.all_to_all_single(out, whole),
     }
     return calls[op], elements * 4

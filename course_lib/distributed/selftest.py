@@ -28,8 +28,8 @@ def measure_sends(ctx: _common.Ctx, nbytes: int) -> dict:
     whole, part = torch.ones(n, device=ctx.device), torch.ones(n // ctx.world, device=ctx.device)
     runs = {
         "all-reduce": lambda: dist.all_reduce(whole),
-        "all-gather": lambda: dist.all_gather_into_tensor(whole, part),
-        "reduce-scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+        "all-gather": lambda: _common.all_gather_single(whole, part),
+        "reduce-scatter": lambda: _common.reduce_scatter_single(part, whole),
         "broadcast": lambda: dist.broadcast(whole, 0),
     }
     out = {}

@@ -55,10 +55,6 @@ def shard_bounds(n: int, world: int, rank: int) -> tuple[int, int]:
     return rank * size, (rank + 1) * size
 
 
-# torch 2.13 renamed all_gather_into_tensor (which now warns) to all_gather_single; torch 2.11 has only the old name
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class Zero1AdamW(torch.optim.Optimizer):
     """AdamW with its state sharded over the ranks of `group` (ZeRO stage 1): `step()` updates this rank's shard of the
     flat parameters and all-gathers the rest. Give it the gradients averaged over the ranks (every rank the same). A
@@ -143,7 +139,7 @@ class Zero1AdamW(torch.optim.Optimizer):
             denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
             param.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
         if self.world > 1:  # every rank's updated shard to every rank: the whole model again
-            all_gather_single(self.flat, self.flat[self.lo : self.hi].clone(), group=self.group)
+            _common.all_gather_single(self.flat, self.flat[self.lo : self.hi].clone(), group=self.group)
         return loss
 
 
