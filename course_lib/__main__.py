@@ -28,7 +28,7 @@ import sys
 import threading
 from pathlib import Path
 
-from . import config as C, techniques as T
+from . import config as C, presets, techniques as T
 
 
 def cmd_ladder(args) -> int:
@@ -48,7 +48,7 @@ def cmd_ladder(args) -> int:
                     f"{args.threads}"
                 )
             torch.set_num_threads(args.threads)
-        base = C.preset(args.preset, args.device)
+        base = presets.preset(args.preset, args.device)
         if args.steps is not None:
             base = dataclasses.replace(base, steps=args.steps)
         # before anything runs: a device this machine lacks is a message, not a traceback
@@ -73,7 +73,7 @@ def cmd_ladder(args) -> int:
         return 2
     raised = f", {raised}" if raised else ""  # said in the banner (run_ladder then finds nothing to raise)
     if args.preset == "auto":
-        print(C.auto_reason(base.device), file=sys.stderr)
+        print(presets.auto_reason(base.device), file=sys.stderr)
     print(
         f"Ladder on {caps.name}, torch {torch.__version__}, preset {args.preset}: "
         f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
@@ -260,7 +260,7 @@ def chosen_config(args) -> C.TrainConfig:
     else:
         if getattr(args, "loop", None) is not None:
             raise ValueError("--loop picks one of a ladder file's two loops: give --ladder PATH too")
-        base = C.preset(args.preset or "cpu", args.device)
+        base = presets.preset(args.preset or "cpu", args.device)
     if args.steps is not None:
         base = dataclasses.replace(base, steps=args.steps)
     settings, after = {}, {}  # after: a technique's field at --rung, set on the rung's config (the rung sets its own)
@@ -595,7 +595,7 @@ def cmd_bpe(args) -> int:
 
 def add_config_arguments(p: argparse.ArgumentParser, steps: str) -> None:
     """The arguments `chosen_config` reads."""
-    p.add_argument("--preset", default=None, choices=list(C.PRESETS), help="the model and batch (default: cpu)")
+    p.add_argument("--preset", default=None, choices=presets.PRESET_NAMES, help="the model and batch (default: cpu)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help=steps)
     p.add_argument(
@@ -635,12 +635,13 @@ def _rungs_and_presets() -> str:
     rungs = "\n".join(
         f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(T.LADDER)
     )
-    presets = "\n".join(
+    named = "\n".join(
         f"  {name:<11} {c.model.n_layer} blocks, width {c.model.n_embd}, {c.model.n_head} heads, vocabulary "
         f"{c.model.vocab_size}, context {c.context}, batch {c.batch_size}"
         for name, c in ((name, C.preset(name, "cpu")) for name in C.PRESETS)
     )
-    return f"rungs (--rungs, --leave-out take their indices):\n{rungs}\n\npresets (--preset):\n{presets}"
+    auto = "  auto        sized to the device: the cpu preset on a CPU, GPT-2 small's shape on a GPU where it fits"
+    return f"rungs (--rungs, --leave-out take their indices):\n{rungs}\n\npresets (--preset):\n{auto}\n{named}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -689,7 +690,10 @@ def build_parser() -> argparse.ArgumentParser:
         + _rungs_and_presets(),
     )
     p.add_argument(
-        "--preset", default="auto", choices=list(C.PRESETS), help="the model and batch (default: auto: sized to it)"
+        "--preset",
+        default="auto",
+        choices=presets.PRESET_NAMES,
+        help="the model and batch (default: auto: sized to it)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")

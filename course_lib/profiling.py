@@ -26,6 +26,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from . import cpu_allocator
+from .cache import write_atomic
 from .config import ConfigError, TrainConfig
 from .results import RunResult, gflops_text
 from .timing import time_fn
@@ -90,8 +91,8 @@ def profile_run(
                 progress(step + 1, cfg.steps)
 
         result = trainer.fit("profiled", callback=after)
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
+    if trace is not None:  # in one step: a full disk leaves no half trace
+        write_atomic(Path(trace), lambda f: prof.export_chrome_trace(str(f)), strict=True)
     recorded = list(range(warmup, warmup + active))
     per_step = [faults[i] for i in recorded if faults.get(i) is not None] or None  # (a run stopped early: fewer)
     return Profile(result, prof, recorded, "cuda" if on_cuda else "cpu", per_step)

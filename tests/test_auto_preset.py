@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import config as C
+from course_lib import config as C, presets as P
 from course_lib.memory_formula import count_params, estimate
 
 GiB = 1024**3
@@ -23,13 +23,13 @@ DEVICES = {  # name: (nominal memory in GiB, compute capability, bf16 tensor cor
 GPT2_SMALL = C.gpt2_small_preset("cpu").model
 
 
-def gpu(name: str, gib: float | None = None) -> C.DeviceDescription:
+def gpu(name: str, gib: float | None = None) -> P.DeviceDescription:
     nominal, cc, bf16 = DEVICES[name]
-    return C.DeviceDescription("cuda", name, int((gib or nominal) * GiB), cc, bf16)
+    return P.DeviceDescription("cuda", name, int((gib or nominal) * GiB), cc, bf16)
 
 
-def choice(name: str, gib: float | None = None) -> C.AutoChoice:
-    return C.auto_choice(gpu(name, gib), "cuda")
+def choice(name: str, gib: float | None = None) -> P.AutoChoice:
+    return P.auto_choice(gpu(name, gib), "cuda")
 
 
 def flops_per_step(cfg: C.TrainConfig) -> float:
@@ -43,16 +43,16 @@ def test_naive_fp32_fits_with_headroom_by_the_estimate(name):
     c = choice(name)
     cfg = c.config
     assert cfg.device == "cuda" and cfg.precision == "fp32" and cfg.model.attention == "naive"
-    assert estimate(cfg).peak_gib <= DEVICES[name][0] * (1 - C.AUTO_HEADROOM)
+    assert estimate(cfg).peak_gib <= DEVICES[name][0] * (1 - P.AUTO_HEADROOM)
     # the batch is the largest of its shape's that fits: the next one up would not
-    bigger = [b for b in C.AUTO_BATCHES[_shape(cfg)] if b > cfg.batch_size]
+    bigger = [b for b in P.AUTO_BATCHES[_shape(cfg)] if b > cfg.batch_size]
     if bigger:
-        assert estimate(C.replace(cfg, batch_size=min(bigger))).peak_gib > DEVICES[name][0] * (1 - C.AUTO_HEADROOM)
+        assert estimate(C.replace(cfg, batch_size=min(bigger))).peak_gib > DEVICES[name][0] * (1 - P.AUTO_HEADROOM)
 
 
 def _shape(cfg: C.TrainConfig) -> str:
     m = cfg.model
-    return next(s for s, ch in C.AUTO_SHAPES.items() if all(getattr(m, k) == v for k, v in ch.items()))
+    return next(s for s, ch in P.AUTO_SHAPES.items() if all(getattr(m, k) == v for k, v in ch.items()))
 
 
 @pytest.mark.parametrize("name", ["NVIDIA GeForce RTX 4090", "NVIDIA A100-SXM4-40GB", "NVIDIA H100 80GB HBM3"])
@@ -67,8 +67,8 @@ def test_smaller_on_a_small_gpu(name):
     assert count_params(cfg.model) < count_params(GPT2_SMALL)
     assert cfg.model.n_layer * cfg.model.n_embd < GPT2_SMALL.n_layer * GPT2_SMALL.n_embd
     # GPT-2 small at the smallest batch auto accepts for it would not leave the headroom
-    smallest = C.replace(C.gpt2_small_preset("cuda"), batch_size=min(C.AUTO_BATCHES["GPT-2 small"]))
-    assert estimate(smallest).peak_gib > DEVICES[name][0] * (1 - C.AUTO_HEADROOM)
+    smallest = C.replace(C.gpt2_small_preset("cuda"), batch_size=min(P.AUTO_BATCHES["GPT-2 small"]))
+    assert estimate(smallest).peak_gib > DEVICES[name][0] * (1 - P.AUTO_HEADROOM)
 
 
 def test_the_h200_gets_the_shipped_shape_and_the_estimate_agrees_with_its_measured_peak():
@@ -90,7 +90,7 @@ def test_monotone_in_memory():
         assert work >= last, f"{gib} GiB chose less work per step than {gib - 1} GiB"
         last = work
         if cfg.model != C.cpu_preset("cuda").model:
-            assert estimate(cfg).peak_gib <= gib * (1 - C.AUTO_HEADROOM)
+            assert estimate(cfg).peak_gib <= gib * (1 - P.AUTO_HEADROOM)
 
 
 @pytest.mark.parametrize("name", DEVICES)
@@ -110,10 +110,10 @@ def test_the_reason_names_the_device_the_memory_and_the_choice(name):
 
 
 def test_a_cpu_keeps_the_cpu_preset():
-    c = C.auto_choice(C.DeviceDescription("cpu", "cpu"), "cpu")
+    c = P.auto_choice(P.DeviceDescription("cpu", "cpu"), "cpu")
     assert c.config == C.cpu_preset("cpu") and "cpu" in c.reason
-    assert C.preset("auto", "cpu") == C.cpu_preset("cpu")
-    assert "cpu" in C.auto_reason("cpu")
+    assert P.preset("auto", "cpu") == C.cpu_preset("cpu")
+    assert "cpu" in P.auto_reason("cpu")
 
 
 def test_a_gpu_too_small_for_any_candidate_gets_the_cpu_model():
@@ -124,4 +124,4 @@ def test_a_gpu_too_small_for_any_candidate_gets_the_cpu_model():
 
 def test_the_choice_is_a_pure_function_of_the_description():
     desc = gpu("NVIDIA GeForce RTX 4090")
-    assert C.auto_choice(desc, "cuda") == C.auto_choice(dataclasses.replace(desc), "cuda")
+    assert P.auto_choice(desc, "cuda") == P.auto_choice(dataclasses.replace(desc), "cuda")

@@ -1,6 +1,6 @@
 import pytest
 
-from course_lib import config as C
+from course_lib import config as C, presets
 from course_lib.capabilities import capabilities
 from course_lib.ladder import ladder_configs
 
@@ -16,8 +16,8 @@ def test_presets_are_valid_and_shaped_as_documented():
         1024,
         50257,
     )
-    for name in C.PRESETS:
-        assert C.preset(name, "cpu").device == "cpu"
+    for name in presets.PRESET_NAMES:
+        assert presets.preset(name, "cpu").device == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""The package's imports form layers (CONTRIBUTING.md draws them): every import points down or stays in its layer, and
-no module reaches, directly or through others, back to itself. Read from the source (ast), so an import inside a
-function counts as much as one at the top: hiding a cycle inside a function is how the lowest layer (config) once came
-to reach the top (issue 32)."""
+"""The package's imports form layers (docs/architecture.md draws them): every import points down or stays in its layer,
+and no module reaches, directly or through others, back to itself. Read from the source (ast), so an import inside a
+function counts as much as one at the top: hiding a cycle inside a function is how the lowest layer (config) once
+came to reach the top."""
 
 import ast
 from pathlib import Path
@@ -26,8 +26,8 @@ LAYERS = (
     ("train", "train"),
     (
         "ladder, export, memory estimate, profiling, distributed",
-        "ladder export train_template memory_formula memory_estimate profiling training_compute reference plots "
-        "results_page distributed._common distributed.ddp distributed.ddp_by_hand distributed.expert_parallel "
+        "ladder export train_template memory_formula memory_estimate presets profiling training_compute reference "
+        "plots results_page distributed._common distributed.ddp distributed.ddp_by_hand distributed.expert_parallel "
         "distributed.fsdp distributed.pipeline distributed.resume distributed.selftest distributed.series "
         "distributed.tensor_parallel distributed.zero_stages distributed.launch distributed.collectives "
         "distributed.zero1_by_hand",

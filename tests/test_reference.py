@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import config as C, reference
+from course_lib import presets, reference
 from course_lib.results import RunResult, save_results
 
 
@@ -45,7 +45,7 @@ def test_missing_results_name_a_command_that_writes_where_they_are_read(monkeypa
     seen = {}
     monkeypatch.setattr(cli, "cmd_ladder", lambda args: seen.update(vars(args)) or 0)  # parse, do not train
     assert cli.main(argv) == 0 and seen["command"] == "ladder"
-    assert seen["preset"] in C.PRESETS and seen["json"].endswith(".json")
+    assert seen["preset"] in presets.PRESET_NAMES and seen["json"].endswith(".json")
     assert Path(seen["json"]).parent.parts[-2:] == reference.REFERENCE_DIR.parts[-2:]
 
 

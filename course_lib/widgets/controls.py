@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import ipywidgets as W
 import traitlets
 
-from .. import config as C, techniques as T
+from .. import config as C, presets, techniques as T
 from ..capabilities import capabilities
 
 # A setting shown right after a technique's control: compile's mode beside compile.
@@ -138,7 +138,7 @@ class Controls:
     def _make(self, name: str) -> W.Widget:
         if name == "preset":
             return W.Dropdown(
-                options=list(C.PRESETS),
+                options=list(presets.PRESET_NAMES),
                 value=self.matching_preset(),
                 description="preset",
                 style=_STYLE,
@@ -232,8 +232,8 @@ class Controls:
         def arch(m):
             return (m.n_layer, m.n_head, m.n_embd, m.vocab_size, m.block_size)
 
-        for name, fn in sorted(C.PRESETS.items(), key=lambda item: item[0] == "auto"):  # a named preset before auto
-            if arch(fn(self.base.device).model) == arch(self.base.model):
+        for name in (*C.PRESETS, "auto"):  # a named preset before auto
+            if arch(presets.preset(name, self.base.device).model) == arch(self.base.model):
                 return name
         return "cpu"
 
@@ -246,7 +246,7 @@ class Controls:
         if "preset" in values:
             chosen = values.pop("preset")
             if chosen != self.matching_preset():
-                base = C.preset(chosen, device)
+                base = presets.preset(chosen, device)
         if device != base.device:
             base = dataclasses.replace(base, device=device)
         model_changes = {k: values.pop(k) for k in MODEL_FIELDS if k in values}

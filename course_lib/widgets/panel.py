@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 import ipywidgets as W
 from IPython.display import display
 
-from .. import config as C, techniques as T
+from .. import config as C, presets, techniques as T
 from ..measure import device_name
 from ..plots import PlotSpec
 from ..results import ResultsFile, RunResult, check_writable
@@ -96,7 +96,7 @@ class Panel:
         """base: the starting config; controls: TrainConfig/ModelConfig field names, one control each; runner, extras
         and plots: the notebook's own Run, controls and plots (module docstring); save_to: a JSON file kept current."""
         _check_extras(dict(extras or {}), runner)
-        self.inputs = Controls(base or C.auto_preset(), controls, extras=extras)
+        self.inputs = Controls(base or presets.auto_preset(), controls, extras=extras)
         self.controls, self.extras, self.reasons = self.inputs.widgets, self.inputs.extras, self.inputs.reasons
         self.save_to, self.save_note = _file_of_its_own(save_to) if save_to else (None, "")
         self._file = ResultsFile(self.save_to) if self.save_to else None
