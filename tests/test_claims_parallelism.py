@@ -1,4 +1,4 @@
-"""Notebooks 07 and 08: the bookkeeping behind their claims, moved out of their "Check yourself" cells (issue 31), and
+"""Notebooks 07 and 08: the bookkeeping behind their claims, moved out of their "Check yourself" cells, and
 the accounting their corrected traffic figures use. Unit tests calling course_lib directly: CPU, in this process (a gloo
 group of one process where a collective must run), a second or two in all. What needs real ranks is checked in the
 notebooks and in test_distributed.py / test_zero_stages.py / test_tensor_parallel.py / test_moe.py / test_resume.py."""

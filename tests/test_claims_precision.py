@@ -1,5 +1,5 @@
 """Bookkeeping behind notebooks 03 (mixed precision) and 05 (algorithmic hyperparameters): the identities and constants
-their "Check yourself" cells used to assert in front of the learner (issue 31). Those cells keep only what this
+their "Check yourself" cells used to assert in front of the learner. Those cells keep only what this
 machine's measurements could refute; what is arithmetic, a restated constant or the course's own bookkeeping is checked
 here.
 

@@ -1,5 +1,5 @@
 """What adding a technique must not require (an edit in a second place a reader can forget), and the global state
-the package keeps, explicit and tested (issue 32)."""
+the package keeps, explicit and tested."""
 
 import ast
 import dataclasses
