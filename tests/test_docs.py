@@ -132,10 +132,6 @@ def test_the_documents_speak_only_of_the_course(pattern, what):
         assert not found, f"{path.relative_to(ROOT)} has {what}: {found.group(0)!r}"
 
 
-OVER = [p.name for p in sorted((ROOT / "notebooks").glob("*.ipynb")) if notebook_chars(p) > MAX_NOTEBOOK]
-
-
-@pytest.mark.xfail(strict=False, reason=f"still over {MAX_NOTEBOOK:,} characters: {', '.join(OVER) or 'none'}")
 @pytest.mark.parametrize("notebook", sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")))
 def test_every_notebook_is_short_enough_to_read(notebook):
     chars = notebook_chars(ROOT / "notebooks" / notebook)
