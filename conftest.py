@@ -11,6 +11,7 @@ JupyterLab in Chromium), cuda (needs a GPU; skipped elsewhere with the reason).
 
 import dataclasses
 import os
+import signal
 
 import pytest
 
@@ -208,3 +209,16 @@ def tiny_model():
         )
 
     return make
+
+
+@pytest.fixture
+def as_from_a_terminal():
+    """A child's preexec_fn for a test that stops it as a terminal would (Ctrl-C, a closed terminal, a scheduler's
+    SIGTERM): a test run started in the background ignores SIGINT, one under nohup SIGHUP, and a child would inherit
+    that, where a learner's command has each signal's default."""
+
+    def default_signals():
+        for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+
+    return default_signals

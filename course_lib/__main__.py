@@ -689,12 +689,7 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n\n"
         + _rungs_and_presets(),
     )
-    p.add_argument(
-        "--preset",
-        default="auto",
-        choices=presets.PRESET_NAMES,
-        help="the model and batch (default: auto: sized to it)",
-    )
+    p.add_argument("--preset", default="auto", choices=presets.PRESET_NAMES, help="model and batch (default: auto)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: cuda when available)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per rung (default: the preset's)")
     p.add_argument("--rungs", default=None, help="only these rungs, by index (0 = naive fp32), e.g. 0,2,3")

@@ -278,7 +278,7 @@ def test_a_worker_killed_mid_collective_ends_the_launch_with_its_cause_and_no_pr
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGINT"], ids=["kernel restarted", "kernel interrupted"])
-def test_a_launch_whose_launcher_dies_or_is_interrupted_leaves_no_worker_behind(how, tmp_path):
+def test_a_launch_whose_launcher_dies_or_is_interrupted_leaves_no_worker_behind(how, tmp_path, as_from_a_terminal):
     """The notebook kernel that launched a run is killed (a restart): torchrun is told (Linux: the parent-death
     signal), stops its workers, and ends; its own session would have kept them waiting for the hour otherwise.
     Interrupted instead (Kernel > Interrupt: a KeyboardInterrupt in the launch's wait), the launch stops the run's
@@ -300,6 +300,7 @@ def test_a_launch_whose_launcher_dies_or_is_interrupted_leaves_no_worker_behind(
             str(tmp_path),
         ],
         stderr=subprocess.DEVNULL,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         deadline = time.monotonic() + 90

@@ -126,7 +126,7 @@ def test_load_results_raises_one_kind_of_error_for_any_damage(tmp_path):
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
-def test_a_climb_stopped_by_a_signal_keeps_its_finished_rungs(sig, code, tmp_path):
+def test_a_climb_stopped_by_a_signal_keeps_its_finished_rungs(sig, code, tmp_path, as_from_a_terminal):
     """The signal arrives once the first rung is written (a file of its own, then renamed: never half of one); the
     process ends with one line saying what was kept, the file holds whole JSON, and nothing is left beside it."""
     out = tmp_path / "ladder.json"
@@ -148,6 +148,7 @@ def test_a_climb_stopped_by_a_signal_keeps_its_finished_rungs(sig, code, tmp_pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         deadline = time.monotonic() + 120
@@ -167,7 +168,7 @@ def test_a_climb_stopped_by_a_signal_keeps_its_finished_rungs(sig, code, tmp_pat
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_a_command_stopped_by_sigterm_or_sighup_says_one_line(sig, tmp_path):
+def test_a_command_stopped_by_sigterm_or_sighup_says_one_line(sig, tmp_path, as_from_a_terminal):
     """Any command, not only the ladder: a profile stopped mid-run (a scheduler's SIGTERM, a terminal closed) writes no
     trace and says so in one line; the exit code is 128 + the signal's number, as the shell reports a signal."""
     trace = tmp_path / "trace.json"
@@ -188,6 +189,7 @@ def test_a_command_stopped_by_sigterm_or_sighup_says_one_line(sig, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=as_from_a_terminal,
     )
     try:
         err = ""

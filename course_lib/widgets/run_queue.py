@@ -75,8 +75,9 @@ class RunQueue:
         except Exception as e:  # noqa: BLE001 - a run that fails is a row that says why; the queue goes on
             status = "skipped" if isinstance(e, C.ConfigError) else "error"
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            why = f"{type(e).__name__}: {first}" if status == "error" else first
-            result = RunResult.failed(cfg, label, status, why)
+            result = RunResult.failed(
+                cfg, label, status, f"{type(e).__name__}: {first}" if status == "error" else first
+            )
         if result.status == "error":
             free_memory()  # what the failed run held (its frames went with the exception): the next run has it
         return self.keep(result)
