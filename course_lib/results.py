@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
+import re
 import subprocess
 import tempfile
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -244,8 +245,10 @@ def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
     try:
         payload = json.loads(text)
     except json.JSONDecodeError as e:
-        # the text stops where more was expected (or inside a string): cut short, not mistyped
-        ends = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+        # the text stops where more was expected, inside a string, or inside its last number or word (`0.`, `tru`):
+        # cut short, not mistyped
+        rest = text[e.pos :].strip()
+        ends = not rest or re.fullmatch(r"[\w.+-]+", rest) is not None or e.msg.startswith("Unterminated string")
         raise ResultsFileError(
             "it ends in the middle of its JSON (cut short: a copy or a download that did not finish?)"
             if ends

@@ -82,6 +82,17 @@ def test_a_damaged_or_missing_ladder_file_is_named_for_what_it_is(case, command,
     assert "step 1 of" not in err  # nothing was profiled
 
 
+def test_a_ladder_file_cut_anywhere_is_named_cut_short(tmp_path):
+    """Wherever a copy stops (inside a number such as `0.`, a word, a string, between two rows), the file is named
+    cut short, not mistyped: the file's own numbers decide where a cut falls, so every cut is tried."""
+    whole = a_ladder_file(tmp_path / "whole.json").read_text().rstrip()
+    cut = tmp_path / "cut.json"
+    for end in range(1, len(whole)):
+        cut.write_text(whole[:end])
+        with pytest.raises(ResultsFileError, match="ends in the middle of its JSON"):
+            load_results(cut)
+
+
 def test_a_truncated_ladder_file_from_a_real_process(tmp_path):
     """The same as a learner meets it: one line on stderr, exit 2, nothing on stdout."""
     path = a_ladder_file(tmp_path / "ladder.json")
