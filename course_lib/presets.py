@@ -38,8 +38,6 @@ class DeviceDescription:
     type: str  # "cpu", "cuda" or "mps"
     name: str
     total_memory: int = 0  # bytes (a GPU's; 0 where the course does not size by it)
-    capability: tuple[int, int] | None = None  # a CUDA GPU's compute capability
-    bf16: bool = False  # bf16 runs in hardware (tensor cores)
 
     @property
     def memory_gib(self) -> float:
@@ -58,8 +56,6 @@ def describe_device(device: str | None = None) -> DeviceDescription:
         type="cuda",
         name=props.name,
         total_memory=props.total_memory,
-        capability=(props.major, props.minor),
-        bf16=props.major >= 8,  # bf16 tensor cores start with Ampere (capabilities.gpu_precisions says why)
     )
 
 

@@ -11,21 +11,20 @@ from course_lib import config as C, presets as P
 from course_lib.memory_formula import count_params, estimate
 
 GiB = 1024**3
-DEVICES = {  # name: (nominal memory in GiB, compute capability, bf16 tensor cores)
-    "Tesla T4": (16, (7, 5), False),
-    "NVIDIA GeForce RTX 3060": (12, (8, 6), True),
-    "NVIDIA GeForce RTX 4090": (24, (8, 9), True),
-    "NVIDIA A100-SXM4-40GB": (40, (8, 0), True),
-    "NVIDIA A100-SXM4-80GB": (80, (8, 0), True),
-    "NVIDIA H100 80GB HBM3": (80, (9, 0), True),
-    "NVIDIA H200": (141, (9, 0), True),
+DEVICES = {  # name: nominal memory in GiB
+    "Tesla T4": 16,
+    "NVIDIA GeForce RTX 3060": 12,
+    "NVIDIA GeForce RTX 4090": 24,
+    "NVIDIA A100-SXM4-40GB": 40,
+    "NVIDIA A100-SXM4-80GB": 80,
+    "NVIDIA H100 80GB HBM3": 80,
+    "NVIDIA H200": 141,
 }
 GPT2_SMALL = C.gpt2_small_preset("cpu").model
 
 
 def gpu(name: str, gib: float | None = None) -> P.DeviceDescription:
-    nominal, cc, bf16 = DEVICES[name]
-    return P.DeviceDescription("cuda", name, int((gib or nominal) * GiB), cc, bf16)
+    return P.DeviceDescription("cuda", name, int((gib or DEVICES[name]) * GiB))
 
 
 def choice(name: str, gib: float | None = None) -> P.AutoChoice:
@@ -43,11 +42,11 @@ def test_naive_fp32_fits_with_headroom_by_the_estimate(name):
     c = choice(name)
     cfg = c.config
     assert cfg.device == "cuda" and cfg.precision == "fp32" and cfg.model.attention == "naive"
-    assert estimate(cfg).peak_gib <= DEVICES[name][0] * (1 - P.AUTO_HEADROOM)
+    assert estimate(cfg).peak_gib <= DEVICES[name] * (1 - P.AUTO_HEADROOM)
     # the batch is the largest of its shape's that fits: the next one up would not
     bigger = [b for b in P.AUTO_BATCHES[_shape(cfg)] if b > cfg.batch_size]
     if bigger:
-        assert estimate(C.replace(cfg, batch_size=min(bigger))).peak_gib > DEVICES[name][0] * (1 - P.AUTO_HEADROOM)
+        assert estimate(C.replace(cfg, batch_size=min(bigger))).peak_gib > DEVICES[name] * (1 - P.AUTO_HEADROOM)
 
 
 def _shape(cfg: C.TrainConfig) -> str:
@@ -68,7 +67,7 @@ def test_smaller_on_a_small_gpu(name):
     assert cfg.model.n_layer * cfg.model.n_embd < GPT2_SMALL.n_layer * GPT2_SMALL.n_embd
     # GPT-2 small at the smallest batch auto accepts for it would not leave the headroom
     smallest = C.replace(C.gpt2_small_preset("cuda"), batch_size=min(P.AUTO_BATCHES["GPT-2 small"]))
-    assert estimate(smallest).peak_gib > DEVICES[name][0] * (1 - P.AUTO_HEADROOM)
+    assert estimate(smallest).peak_gib > DEVICES[name] * (1 - P.AUTO_HEADROOM)
 
 
 def test_the_h200_gets_the_shipped_shape_and_the_estimate_agrees_with_its_measured_peak():
@@ -97,7 +96,7 @@ def test_monotone_in_memory():
 def test_a_little_less_than_nominal_picks_the_same_or_the_next_smaller(name):
     """torch reports a GPU's memory after its own reserve (a T4 with ECC shows about 15 of 16): the pick holds or
     steps down, never up."""
-    full, less = choice(name).config, choice(name, DEVICES[name][0] * 0.92).config
+    full, less = choice(name).config, choice(name, DEVICES[name] * 0.92).config
     assert flops_per_step(less) <= flops_per_step(full)
 
 
@@ -105,7 +104,7 @@ def test_a_little_less_than_nominal_picks_the_same_or_the_next_smaller(name):
 def test_the_reason_names_the_device_the_memory_and_the_choice(name):
     c = choice(name)
     assert "\n" not in c.reason
-    assert name in c.reason and f"{DEVICES[name][0]:.1f} GiB" in c.reason
+    assert name in c.reason and f"{DEVICES[name]:.1f} GiB" in c.reason
     assert f"batch {c.config.batch_size}" in c.reason
 
 
