@@ -20,6 +20,7 @@ import json
 import time
 from pathlib import Path
 
+from ..cache import write_atomic
 from . import _common
 
 
@@ -41,7 +42,8 @@ def main(argv=None) -> None:
             out.mkdir(parents=True, exist_ok=True)
             args = ["--out", str(out), "--device", ctx.device.type, "--options", json.dumps(run.get("options", {}))]
             if "config" in run:
-                (out / "config.json").write_text(json.dumps(run["config"]))
+                # every rank writes it, in one step: a rank reading it meanwhile never sees half a file
+                write_atomic(out / "config.json", lambda f: f.write_text(json.dumps(run["config"])), strict=True)
                 args += ["--config", str(out / "config.json")]
             importlib.import_module(f"{__package__}.{run['strategy']}").main(args)
             done.append({"strategy": run["strategy"], "wall_s": time.perf_counter() - t0})
