@@ -313,7 +313,6 @@ def benchmark(
     Needs CUDA (SDPA's flash kernel)."""
     from ..capabilities import device_name
     from ..results import provenance
-    from ..timing import time_fn
 
     if torch.device(device).type != "cuda":
         raise RuntimeError("the benchmark compares against SDPA's flash kernel, which needs a CUDA GPU")
@@ -324,35 +323,8 @@ def benchmark(
     points = []
     for d in head_dims:
         for s in lengths:
-            batch = max(1, tokens // s)
-            gen = torch.Generator(device=device).manual_seed(s + d)
-            q, k, v = (
-                torch.randn(batch, heads, s, d, device=device, dtype=dtype, generator=gen).requires_grad_()
-                for _ in range(3)
-            )
-            grad = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
-            answers = {}
-            for name, fn in impls.items():
-
-                def call(fn=fn, q=q, k=k, v=v, grad=grad):
-                    out = fn(q, k, v)
-                    return (out, *torch.autograd.grad(out, (q, k, v), grad))
-
-                answers[name] = call()  # also the warm-up that compiles the kernels for this shape
-                ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
-                flops = attention_flops(batch, heads, s, d, causal)
-                points.append(
-                    {"impl": name, "s": s, "head_dim": d, "batch": batch, "heads": heads, "ms": ms,
-                     "tflops": flops / (ms * 1e-3) / 1e12}
-                )  # fmt: skip
-            ours, ref = answers["triton (ours)"], answers["sdpa flash"]
-            # largest difference over the largest value, per tensor: bf16 keeps ~3 significant digits
-            points[-2]["max_rel_diff_from_sdpa"] = {
-                n: float((a.float() - b.float()).abs().max() / b.float().abs().max())
-                for n, a, b in zip(("out", "dq", "dk", "dv"), ours, ref)
-            }
-            del q, k, v, grad, answers, ours, ref
-            torch.cuda.empty_cache()
+            points += _benchmark_shape(impls, max(1, tokens // s), heads, s, d, causal, dtype, device, repeats)
+            torch.cuda.empty_cache()  # the shape's tensors are freed: hand their memory back before the next
     return {
         "what": "flash attention forward+backward: Triton kernels (course_lib.lessons.flash_attention_triton) "
         "against SDPA's flash kernel",
@@ -365,6 +337,37 @@ def benchmark(
         "provenance": provenance(device_name(device)),
         "points": points,
     }
+
+
+def _benchmark_shape(impls: dict, batch, heads, s, d, causal, dtype, device, repeats) -> list[dict]:
+    """One point per implementation at one shape; ours also records its largest difference from SDPA."""
+    from ..timing import time_fn
+
+    gen = torch.Generator(device=device).manual_seed(s + d)
+    q, k, v = (
+        torch.randn(batch, heads, s, d, device=device, dtype=dtype, generator=gen).requires_grad_() for _ in range(3)
+    )
+    grad = torch.randn(q.shape, device=device, dtype=dtype, generator=gen)
+    answers, points = {}, []
+    for name, fn in impls.items():
+
+        def call(fn=fn):
+            out = fn(q, k, v)
+            return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+        answers[name] = call()  # also the warm-up that compiles the kernels for this shape
+        ms = time_fn(call, device=device, repeats=repeats, warmup=1) * 1e3
+        flops = attention_flops(batch, heads, s, d, causal)
+        points.append(
+            {"impl": name, "s": s, "head_dim": d, "batch": batch, "heads": heads, "ms": ms,
+             "tflops": flops / (ms * 1e-3) / 1e12}
+        )  # fmt: skip
+    # largest difference over the largest value, per tensor: bf16 keeps ~3 significant digits
+    points[0]["max_rel_diff_from_sdpa"] = {
+        n: float((a.float() - b.float()).abs().max() / b.float().abs().max())
+        for n, a, b in zip(("out", "dq", "dk", "dv"), answers["triton (ours)"], answers["sdpa flash"])
+    }
+    return points
 
 
 def plot_benchmark(result: dict):
