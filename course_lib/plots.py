@@ -1,10 +1,7 @@
 """Plots of results: speed, memory by category, loss curves, step times. Each names its units and device.
 
-Every figure here is a `matplotlib.figure.Figure` built with the object API, never through pyplot: nothing is
-registered with pyplot's global figure manager, so nothing accumulates there (no plt.close needed) and a figure
-built in a widget's callback (widgets.Panel) is never shown a second time by the inline backend. In a cell,
-show one with `display(fig)` or by leaving `fig` as the cell's last expression (`plt.show()` shows only pyplot's
-own figures, not these)."""
+Figures are built with matplotlib's object API, never pyplot: nothing accumulates in pyplot's figure manager, and a
+figure drawn in a widget's callback is not shown twice. Show one with `display(fig)` (not `plt.show()`)."""
 
 from __future__ import annotations
 
@@ -44,11 +41,10 @@ def figure_png(fig: Figure) -> bytes:
 
 
 def _displayable_in_ipython() -> None:
-    """Make `display(fig)` show a PNG in a notebook even before pyplot has made a figure there: IPython only
-    knows how to render a Figure once pyplot's inline backend has been activated (which registers the same kind
-    of PNG formatter, and replaces this one when it does)."""
+    """Let `display(fig)` show a PNG before pyplot's inline backend (which registers the same formatter) is active."""
     try:
         from IPython import get_ipython
+        from IPython.core.pylabtools import print_figure
     except ImportError:
         return
     ip = get_ipython()
@@ -58,8 +54,6 @@ def _displayable_in_ipython() -> None:
     try:
         png.lookup_by_type(Figure)
     except KeyError:
-        from IPython.core.pylabtools import print_figure
-
         png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
 
 
@@ -98,14 +92,8 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     for i, r in enumerate(results):
         if not r.ok or not r.memory:
-            ax.annotate(
-                r.status.upper() if not r.ok else "not measured",
-                (i, 0),
-                ha="center",
-                va="bottom",
-                fontsize=8,
-                color="#c44e52",
-            )
+            text = r.status.upper() if not r.ok else "not measured"
+            ax.annotate(text, (i, 0), ha="center", va="bottom", fontsize=8, color="#c44e52")
         elif r.peak_is_reserved:  # beside live peaks: say which bar is the allocator's reserved memory
             ax.annotate("reserved", (i, bottoms[i]), ha="center", va="bottom", fontsize=7, color="#555555")
     ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
@@ -131,8 +119,7 @@ def tick(label: str) -> str:
 
 
 def _legend(ax) -> None:
-    """A legend beside the axes once there are several lines (inside, it would cover them), with at most MAX_LEGEND
-    entries (the latest), labels shortened as on an axis."""
+    """A legend of the latest MAX_LEGEND lines, beside the axes once there are several (inside, it would cover them)."""
     handles, labels = ax.get_legend_handles_labels()
     if not handles:
         return
@@ -172,21 +159,14 @@ def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> F
 def plot_step_times(results: list[RunResult], ax=None) -> Figure:
     """Time of every step in ms, log scale; steps left out of the median (warm-up/compile, ledger) hollow."""
     fig, ax = _new_axes(ax)
-    for r in results:
-        if not r.step_times:
-            continue
+    for r in (r for r in results if r.step_times):
         ms = [t * 1e3 for t in r.step_times]
         (line,) = ax.plot(range(len(ms)), ms, "-", lw=1, label=r.label)
         ex = [i for i in r.excluded_steps if i < len(ms)]
         ax.plot(ex, [ms[i] for i in ex], "o", mfc="none", color=line.get_color(), ms=6)
     ax.set_yscale("log")
-    _label(
-        ax,
-        "step (hollow: warm-up / compile or memory-ledger steps, left out of the median)",
-        "step time (ms)",
-        "Step times",
-        results,
-    )
+    hollow = "step (hollow: warm-up / compile or memory-ledger steps, left out of the median)"
+    _label(ax, hollow, "step time (ms)", "Step times", results)
     return fig
 
 
@@ -194,25 +174,17 @@ def plot_grad_norms(results: list[RunResult], ax=None) -> Figure:
     """The global gradient norm of every step (logged before clipping), log scale, one line per run; a run's
     clipping threshold as a dashed line of its colour, a step whose norm was not finite (fp16 overflow) as an x."""
     fig, ax = _new_axes(ax)
-    for r in results:
-        if not r.grad_norms:
-            continue
+    for r in (r for r in results if r.grad_norms):
         finite = [(i, g) for i, g in enumerate(r.grad_norms) if math.isfinite(g) and g > 0]
         (line,) = ax.plot(*zip(*finite), lw=1.2, label=r.label) if finite else ax.plot([], [], label=r.label)
         bad = [i for i, g in enumerate(r.grad_norms) if not math.isfinite(g)]
         if bad:
             ax.plot(bad, [max((g for _, g in finite), default=1.0)] * len(bad), "x", color=line.get_color(), ms=7)
-        clip = (r.config or {}).get("clip_norm")
-        if clip:
-            ax.axhline(clip, ls="--", lw=0.9, color=line.get_color())
+        if (r.config or {}).get("clip_norm"):
+            ax.axhline(r.config["clip_norm"], ls="--", lw=0.9, color=line.get_color())
     ax.set_yscale("log")
-    _label(
-        ax,
-        "optimizer step (dashed: clipping threshold)",
-        "global gradient norm, before clipping",
-        "Gradient norm",
-        results,
-    )
+    norm = "global gradient norm, before clipping"
+    _label(ax, "optimizer step (dashed: clipping threshold)", norm, "Gradient norm", results)
     return fig
 
 
@@ -227,26 +199,20 @@ def plot_lrs(results: list[RunResult], ax=None) -> Figure:
 
 
 def _pair_ticks(ax, names: list[str]) -> None:
-    ax.set_xticks(
-        [3 * i + j for i in range(len(names)) for j in range(2)],
-        [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")],
-        rotation=35,
-        ha="right",
-        fontsize=7,
-    )
+    ticks = [3 * i + j for i in range(len(names)) for j in range(2)]
+    labels = [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")]
+    ax.set_xticks(ticks, labels, rotation=35, ha="right", fontsize=7)
 
 
 def plot_formula_beside_measured(
     pairs: dict[str, tuple[dict, dict | None]], ax=None, title: str = "Memory by category"
 ) -> Figure:
-    """Formula beside measurement, category by category: for each name a pair of stacked bars, the formula's bytes
-    (hatched) and the measured bytes (solid; a category the device could not measure, None, has no bar), the measured
-    bar labelled with its total's difference from the formula's. MiB, or GiB where a total passes 1 GiB."""
+    """For each name, the formula's bytes by category (hatched) beside the measured bytes (solid; a category measured
+    as None has no bar), labelled with the totals' difference. MiB, or GiB where a total passes 1 GiB."""
     fig, ax = _new_axes(ax)
     total = lambda d: sum(v or 0 for v in d.values())  # noqa: E731
-    unit, size = (
-        ("GiB", 2**30) if max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30 else ("MiB", 2**20)
-    )
+    big = max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30
+    unit, size = ("GiB", 2**30) if big else ("MiB", 2**20)
     # the course's categories, then any a caller merged (plot_memory_vs_estimate on CUDA), in their order
     keys = [*CATEGORIES, *dict.fromkeys(k for p in pairs.values() for d in p for k in (d or {}) if k not in CATEGORIES)]
     present = [c for c in keys if any((d or {}).get(c) for p in pairs.values() for d in p)]
@@ -255,24 +221,14 @@ def plot_formula_beside_measured(
             bottom = 0.0
             for cat in present:
                 v = ((d or {}).get(cat) or 0) / size
-                ax.bar(
-                    3 * i + j,
-                    v,
-                    bottom=bottom,
-                    color=CATEGORY_COLORS.get(cat, "#d0d0d0"),
-                    hatch="//" if j == 0 else None,
-                    edgecolor="white",
-                    label=cat if (i, j) == (0, 1) else None,
-                )
+                label = cat if (i, j) == (0, 1) else None
+                hatch = "//" if j == 0 else None
+                color = CATEGORY_COLORS.get(cat, "#d0d0d0")
+                ax.bar(3 * i + j, v, bottom=bottom, color=color, hatch=hatch, edgecolor="white", label=label)
                 bottom += v
         if measured:
-            ax.annotate(
-                f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}",
-                (3 * i + 1, total(measured) / size),
-                ha="center",
-                va="bottom",
-                fontsize=7,
-            )
+            diff = f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}"
+            ax.annotate(diff, (3 * i + 1, total(measured) / size), ha="center", va="bottom", fontsize=7)
     _pair_ticks(ax, list(pairs))
     ax.set_ylabel(f"bytes ({unit})")
     ax.set_title(f"{title}: formula (hatched) beside measured", fontsize=9)
@@ -282,30 +238,23 @@ def plot_formula_beside_measured(
 
 
 def _measured_apart(predicted: dict, measured: dict) -> tuple[dict, dict, str]:
-    """The formula and the measurement over only the categories the device measured apart. The CUDA allocator gives
-    one peak: the tensors' own sizes give parameters, optimizer state (and gradients when they live all step), and
-    the rest of the peak, activations and logits among it, is one number ("other"). The categories measured as None
-    are merged with "other" on both sides into one bar, so that no bar claims a split nobody measured. Returns
-    (predicted, measured, the merged bar's name, or "" when every category was measured)."""
+    """(predicted, measured, the merged bar's name or "") with the categories measured as None merged into "other" on
+    both sides: the CUDA allocator gives one peak, so no bar may claim a split nobody measured."""
     merged = [c for c in CATEGORIES if c != "other" and measured.get(c) is None]
     if not merged:
         return predicted, measured, ""
     name = f"{' + '.join(merged)} + other (one total)"
 
     def fold(d: dict) -> dict:
-        return {
-            **{c: v for c, v in d.items() if c not in merged and c != "other"},
-            name: sum(d.get(c) or 0 for c in (*merged, "other")),
-        }
+        kept = {c: v for c, v in d.items() if c not in merged and c != "other"}
+        return {**kept, name: sum(d.get(c) or 0 for c in (*merged, "other"))}
 
     return fold(predicted), fold(measured), name
 
 
 def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) -> Figure:
-    """The last `last` runs that carry the formula's prediction (memory_estimate.run_beside_estimate:
-    details["estimate"]), each as the estimate's peak beside the measured peak, category by category
-    (plot_formula_beside_measured). On CUDA only the categories the allocator's peak lets apart are compared
-    (_measured_apart), and the title says so."""
+    """The last `last` runs with the formula's prediction (details["estimate"]): its peak by category beside the
+    measured one (plot_formula_beside_measured), on CUDA only the categories the allocator lets apart."""
     shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
     pairs, merged = {}, set()
     for r in shown:
@@ -314,37 +263,24 @@ def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) ->
         merged.update([name] if name else [])
     fig = plot_formula_beside_measured(pairs, ax, "Peak by category")
     ax = ax or fig.axes[0]
-    methods = sorted({r.memory.get("method", "").split(":")[0] for r in shown})
-    note = "; ".join(methods) or "no run with an estimate"
+    note = "; ".join(sorted({r.memory.get("method", "").split(":")[0] for r in shown})) or "no run with an estimate"
     if merged:
-        note += (
-            " (the allocator gives only the peak, not its split: "
-            + "; ".join(n.removesuffix(" (one total)") for n in sorted(merged))
-            + " drawn as one bar)"
-        )
+        one_bar = "; ".join(n.removesuffix(" (one total)") for n in sorted(merged))
+        note += f" (the allocator gives only the peak, not its split: {one_bar} drawn as one bar)"
     ax.set_title(f"{ax.get_title()}\n{note}\n{_devices(shown or results)}", fontsize=9)
     return fig
 
 
 def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figure:
-    """Time, formula beside measurement: for the last `last` ok runs with an MFU, the time the model's FLOPs (6N +
-    12·L·h·s per token, measure.flops_per_token) take at the device's peak (hatched: a data sheet's, or the matmul peak
-    measured on this machine), which is the measured step time x MFU, beside the measured median step (solid), labelled
-    with the MFU (a data sheet's peak) or the efficiency (a measured one). Log scale: on a CPU the two are orders of
-    magnitude apart."""
+    """For the last `last` runs with an MFU: the time the model's FLOPs (measure.flops_per_token) take at the peak
+    (hatched: step time x MFU) beside the measured median step (solid). Log scale: on a CPU they are far apart."""
     fig, ax = _new_axes(ax)
     shown = [r for r in results if r.ok and r.median_step_s and r.mfu][-last:]
     for i, r in enumerate(shown):
-        ms = r.median_step_s * 1e3
-        ax.bar(
-            3 * i,
-            ms * r.mfu,
-            color="white",
-            edgecolor="#4c72b0",
-            hatch="//",
-            label="6N + 12Lhs FLOPs at the peak" if i == 0 else None,
-        )
-        ax.bar(3 * i + 1, ms, color="#4c72b0", label="measured median step" if i == 0 else None)
+        ms, first = r.median_step_s * 1e3, i == 0
+        at_peak = "6N + 12Lhs FLOPs at the peak" if first else None
+        ax.bar(3 * i, ms * r.mfu, color="white", edgecolor="#4c72b0", hatch="//", label=at_peak)
+        ax.bar(3 * i + 1, ms, color="#4c72b0", label="measured median step" if first else None)
         # MFU proper against a data sheet; elsewhere the efficiency against this machine's measured matmul peak
         kind = "MFU" if r.mfu_basis == "data-sheet peak" else "efficiency"
         ax.annotate(f"{kind} {r.mfu:.1%}", (3 * i + 1, ms), ha="center", va="bottom", fontsize=7)
@@ -375,13 +311,7 @@ def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
     return fig
 
 
-PHASE_COLORS = {
-    "forward": "#4c72b0",
-    "loss": "#8172b3",
-    "backward": "#c44e52",
-    "optimizer": "#55a868",
-    "other": "#a0a0a0",
-}
+PHASE_COLORS = {"forward": "#4c72b0", "loss": "#8172b3", "backward": "#c44e52", "optimizer": "#55a868"}  # else grey
 
 
 def plot_step_timelines(reports: dict, title: str = "") -> Figure:
@@ -395,7 +325,7 @@ def plot_step_timelines(reports: dict, title: str = "") -> Figure:
         for i, (phase, live) in enumerate(rep.timeline):
             by_phase.setdefault(phase, []).append((i, live / 2**20))
         for phase, points in by_phase.items():
-            ax.plot(*zip(*points), ".", ms=2, color=PHASE_COLORS.get(phase, "k"), label=phase)
+            ax.plot(*zip(*points), ".", ms=2, color=PHASE_COLORS.get(phase, "#a0a0a0"), label=phase)
         ax.axhline(rep.peak_bytes / 2**20, color="k", lw=0.6, ls=":")
         ax.set_title(f"{name}: peak {rep.peak_bytes / 2**20:.2f} MiB", fontsize=9)
         ax.set_xlabel("operation number")
@@ -433,87 +363,65 @@ def plot_results(results: list[RunResult], which: tuple[PlotSpec, ...] = ("speed
 
 
 def ladder_speedups(results: list[RunResult]) -> dict[int, float]:
-    """{index: speed-up over naive fp32} of a climb's ok rows: what the ladder measured in pairs (its `speedup`), or for
-    results without it (a plain list of runs, an older file) tokens/s over the first ok run's."""
+    """{index: speed-up over naive fp32} of a climb's ok rows: the ladder's paired `speedup`, or for results without
+    it (a plain list of runs, an older file) tokens/s over the first ok run's."""
     base = next((r for r in results if r.ok and r.tokens_per_s), None)
     out = {}
     for i, r in enumerate(results):
-        if not r.ok:
-            continue
-        paired = (r.ladder or {}).get("speedup")
-        if paired:
-            out[i] = paired
-        elif base and r.tokens_per_s and not r.ladder:
+        if r.ok and (r.ladder or {}).get("speedup"):
+            out[i] = r.ladder["speedup"]
+        elif r.ok and base and r.tokens_per_s and not r.ladder:
             out[i] = r.tokens_per_s / base.tokens_per_s
     return out
 
 
 def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = None, target: float = 10.0) -> Figure:
-    """The ladder climbed: speed-up over naive fp32 (left) and peak memory by category with the factor saved (right).
-    The line joins the rungs that were kept (the best loop so far at each height); a rung that was not kept is a grey
-    cross at the speed-up it measured; a skipped or failed rung keeps its place, marked with its status. `reference`
-    (e.g. shipped GPU results, matched by rung label) adds its own speed-up line; `target` draws the course's promise
-    (about 10x) as a dashed line."""
+    """The ladder climbed: speed-up over naive fp32 (left; the line joins the kept rungs, a rung not kept is a grey
+    cross, a skipped or failed one is marked with its status) and peak memory by category with the factor saved
+    (right). `reference` (shipped results, matched by rung label) adds its own line; `target` the course's promise."""
     fig = new_figure((12, 4.4))
     ax_speed, ax_mem = fig.subplots(1, 2)
-    labels = [r.label for r in results]
-    xs = range(len(results))
-    mine = ladder_speedups(results)
-    kept = {i: v for i, v in mine.items() if (results[i].ladder or {}).get("kept", True)}
-    if kept:
-        ax_speed.plot(
-            list(kept), list(kept.values()), "o-", color="#4c72b0", label=f"this machine, kept: {_devices(results)}"
-        )
-    dropped = {i: v for i, v in mine.items() if i not in kept}
-    if dropped:
-        ax_speed.plot(
-            list(dropped), list(dropped.values()), "x", color="#999999", ms=8, mew=2, label="measured, not kept"
-        )
-    for i, v in mine.items():
-        ax_speed.annotate(
-            f"{v:.2f}x",
-            (i, v),
-            textcoords="offset points",
-            xytext=(0, 6),
-            ha="center",
-            fontsize=8,
-            color="#4c72b0" if i in kept else "#777777",
-        )
-    for i, r in zip(xs, results):
-        if not r.ok:
-            ax_speed.annotate(
-                r.status.upper(), (i, 1.0), ha="center", va="bottom", fontsize=8, color="#c44e52", rotation=90
-            )
-    if reference:
-        ref = {r.label: v for r, v in ((reference[i], v) for i, v in ladder_speedups(reference).items())}
-        rpts = [(i, ref[lab]) for i, lab in zip(xs, labels) if lab in ref]
-        if rpts:
-            ax_speed.plot(*zip(*rpts), "s--", color="#dd8452", label=f"reference: {_devices(reference)}")
-    if target:
-        ax_speed.axhline(target, ls=":", color="#888888", label=f"the course's promise (~{target:g}x)")
-    ax_speed.axhline(1.0, lw=0.8, color="#cccccc")
-    ax_speed.set_yscale("log")
-    ax_speed.set_xticks(list(xs), [tick(lab) for lab in labels], rotation=30, ha="right", fontsize=8)
-    ax_speed.set_ylabel("speed-up over naive fp32 (x, log scale)")
-    ax_speed.set_title("Speed, rung by rung", fontsize=9)
-    ax_speed.legend(fontsize=7, loc="upper left")
-
+    _ladder_speed(ax_speed, results, reference, target)
     plot_memory(results, ax=ax_mem)
     base = next((r for r in results if r.ok and r.peak_gib), None)
-    for i, r in zip(xs, results):  # short labels: eleven bars side by side
+    for i, r in enumerate(results):  # short labels: eleven bars side by side
         if r.ok and base and r.peak_ratio(base):
-            ax_mem.annotate(
-                f"{r.peak_ratio(base):.2f}x",
-                (i, r.peak_gib),
-                textcoords="offset points",
-                xytext=(0, 3),
-                ha="center",
-                fontsize=7,
-            )
+            ratio = f"{r.peak_ratio(base):.2f}x"
+            ax_mem.annotate(ratio, (i, r.peak_gib), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
     if base:
         ax_mem.set_title(ax_mem.get_title().replace("\n", f"; labels: peak over {base.label}'s\n", 1), fontsize=9)
     ax_mem.margins(y=0.15)
     return fig
+
+
+def _ladder_speed(ax, results: list[RunResult], reference: list[RunResult] | None, target: float) -> None:
+    """plot_ladder's left panel: the speed-up of each rung, the kept ones joined."""
+    mine = ladder_speedups(results)
+    kept = {i: v for i, v in mine.items() if (results[i].ladder or {}).get("kept", True)}
+    dropped = {i: v for i, v in mine.items() if i not in kept}
+    if kept:
+        ax.plot(*zip(*kept.items()), "o-", color="#4c72b0", label=f"this machine, kept: {_devices(results)}")
+    if dropped:
+        ax.plot(*zip(*dropped.items()), "x", color="#999999", ms=8, mew=2, label="measured, not kept")
+    for i, v in mine.items():
+        color = "#4c72b0" if i in kept else "#777777"
+        ax.annotate(f"{v:.2f}x", (i, v), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8, c=color)
+    for i, r in enumerate(results):
+        if not r.ok:
+            ax.annotate(r.status.upper(), (i, 1.0), ha="center", va="bottom", fontsize=8, color="#c44e52", rotation=90)
+    labels = [r.label for r in results]
+    ref = {reference[i].label: v for i, v in ladder_speedups(reference).items()} if reference else {}
+    points = [(i, ref[lab]) for i, lab in enumerate(labels) if lab in ref]
+    if points:
+        ax.plot(*zip(*points), "s--", color="#dd8452", label=f"reference: {_devices(reference)}")
+    if target:
+        ax.axhline(target, ls=":", color="#888888", label=f"the course's promise (~{target:g}x)")
+    ax.axhline(1.0, lw=0.8, color="#cccccc")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(labels)), [tick(lab) for lab in labels], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speed-up over naive fp32 (x, log scale)")
+    ax.set_title("Speed, rung by rung", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
 
 
 def plot_climbs(climbs: list[tuple[str, list[RunResult]]], promise: float = 10.0) -> Figure:
