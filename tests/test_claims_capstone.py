@@ -29,7 +29,8 @@ def test_at_the_cpu_preset_none_and_selective_peak_at_different_moments_and_the_
     the ledger at each mode's own peak, and so in the difference of the two, which is what the notebook checks."""
     import dataclasses
 
-    from course_lib import ladder, memory_formula, reference, training_compute
+    from course_lib import ladder, memory_formula, reference
+    from course_lib.lessons import training_compute
 
     # the loop an AVX2 laptop ends with: the optimised loop of the shipped AVX2 climb, as notebook 09 runs it
     climbs = [r for _, r, meta in reference.measured_cpus("cpu") if "ATEN_CPU_CAPABILITY=avx2" in meta["cpu"]]

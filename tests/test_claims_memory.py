@@ -27,8 +27,8 @@ from course_lib import (
     plots,
     techniques as T,
     train,
-    training_compute as CB,
 )
+from course_lib.lessons import training_compute as CB
 from course_lib.measure import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ LAYERS = (
         "config and capabilities",
         "config capabilities cache timing tf32 cpu_allocator bpe budget codegen distributed distributed.zero_memory",
     ),
-    ("model, data and measure", "model data moe flash_attention measure results"),
+    ("model, data and measure", "model data distributed.moe flash_attention measure results"),
     (
         "techniques",
         "techniques "
@@ -26,7 +26,7 @@ LAYERS = (
     ("train", "train"),
     (
         "ladder, export, memory estimate, profiling, distributed",
-        "ladder export train_template memory_formula memory_estimate presets profiling training_compute reference "
+        "ladder export train_template memory_formula memory_estimate presets profiling reference "
         "plots results_page distributed._common distributed.ddp distributed.ddp_by_hand distributed.expert_parallel "
         "distributed.fsdp distributed.pipeline distributed.resume distributed.selftest distributed.series "
         "distributed.tensor_parallel distributed.zero_stages distributed.launch distributed.collectives "

@@ -1,5 +1,5 @@
-"""course_lib.moe (top-k routing, capacity, load-balancing loss) and expert parallelism under torchrun (2 gloo
-processes)."""
+"""Mixture of experts (course_lib.distributed.moe: top-k routing, capacity, load-balancing loss) and expert parallelism
+under torchrun (2 gloo processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from course_lib import moe
+from course_lib.distributed import moe
 from course_lib.model import GPT
 
 

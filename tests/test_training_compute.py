@@ -1,13 +1,13 @@
-"""course_lib.training_compute: C = 6ND, PF-days, time to train, on known values; and the work a step's recompute adds,
-counted from the shapes (exact on any machine)."""
+"""course_lib.lessons.training_compute: C = 6ND, PF-days, time to train, on known values; and the work a step's
+recompute adds, counted from the shapes (exact on any machine)."""
 
 import dataclasses
 import math
 
 import pytest
 
-from course_lib import training_compute as CB
 from course_lib.capabilities import DATASHEET_TFLOPS
+from course_lib.lessons import training_compute as CB
 
 
 def test_gpt3_is_3640_pf_days():

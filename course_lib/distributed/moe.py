@@ -29,8 +29,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .model import GPT, MLP
+from ..config import ModelConfig
+from ..model import GPT, MLP
 
 
 @dataclass

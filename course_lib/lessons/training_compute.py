@@ -24,12 +24,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from . import memory_estimate, memory_formula, train
-from .config import TrainConfig
-from .data import Splits
-from .measure import StepTimer, _aliasing_returns, time_fn
-from .results import RunResult
-from .techniques import matmul_precision
+from .. import memory_estimate, memory_formula, train
+from ..config import TrainConfig
+from ..data import Splits
+from ..measure import StepTimer, _aliasing_returns, time_fn
+from ..results import RunResult
+from ..techniques import matmul_precision
 
 PF_DAY_FLOPS = 10**15 * 86_400  # 1 PF-day: 10^15 FLOP/s for 86,400 s = 8.64e19 FLOPs
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. (2022): about 20 training tokens per parameter is compute-optimal
