@@ -1,12 +1,9 @@
 """Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing, re-exported here).
 
 - Memory on CUDA: the allocator's peak (`max_memory_allocated`) and what it reserved.
-- Memory on a CPU: an exact ledger. Every tensor storage an operation creates is followed from birth to
-  death (a TorchDispatchMode sees every op, forward and backward), so the live total and its peak are
-  exact for tensor memory. Each storage is put in a category: parameters, gradients, optimizer state,
-  activations (created in the forward pass and still alive), logits (the output layer and the loss), and
-  other (temporaries, mostly in backward). Saved-for-backward bytes are also counted on their own, once
-  per storage, with saved_tensors_hooks.
+- Memory on a CPU: an exact ledger. A TorchDispatchMode sees every op, forward and backward, so every tensor storage
+  is followed from birth to death and put in a category: parameters, gradients, optimizer state, activations (made in
+  forward, still alive), logits (the output layer and the loss), other (temporaries, mostly in backward).
 - FLOPs: 6N + 12·L·h·s per token (PaLM, appendix B), checkable against FlopCounterMode.
 """
 
@@ -16,7 +13,7 @@ import contextlib
 import itertools
 import re
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -33,9 +30,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logi
 
 
 def available_cpu_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes this machine can still give a process before the kernel's out-of-memory killer ends it (Linux's
-    MemAvailable, or less under a container's limit, cgroup v2's memory.max); None where it cannot be read (not Linux).
-    A CPU allocation past it is not an error Python could catch: the process is killed, the notebook's kernel dies."""
+    """Bytes a process can still take before Linux's out-of-memory killer ends it (MemAvailable, or less under a
+    container's cgroup v2 limit); None off Linux. Past it the kernel dies, with no error Python could catch."""
     try:
         meminfo = (proc / "meminfo").read_text()
         available = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
@@ -53,19 +49,15 @@ def available_cpu_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/f
 
 
 def mib_text(n_bytes: int | None, digits: int = 2) -> str:
-    """A memory category for printing: '1.25 MiB', or 'not measured' where the device cannot tell it apart (on CUDA
-    activations and logits are None: the allocator knows only the total, so they are inside 'other')."""
+    """'1.25 MiB', or 'not measured' for None (on CUDA activations and logits are inside 'other')."""
     return "not measured" if n_bytes is None else f"{n_bytes / 2**20:.{digits}f} MiB"
 
-
-# ---- time: course_lib.timing (below the device's capabilities, which time a matmul with it) -------------------
 
 # ---- memory ------------------------------------------------------------------------------------
 
 
 def cuda_index(device: str | torch.device) -> int:
-    """The GPU's index ("cuda" alone means the current one): torch.cuda's memory-limit calls reject a device without
-    one."""
+    """The GPU's index ("cuda" alone: the current one); torch.cuda's memory-limit calls need one."""
     device = torch.device(device)
     return device.index if device.index is not None else torch.cuda.current_device()
 
@@ -74,39 +66,36 @@ _WARMED_GPUS: set[int] = set()
 
 
 def warm_up_cuda_libraries(device: str | torch.device) -> None:
-    """Once per process and GPU, before a run takes its memory baseline: a small matmul and a linear layer with a
-    bias, forward and backward, in fp32 (and bf16 where the GPU has it), so that cuBLAS and cuBLASLt (addmm with a
-    bias goes there) allocate their workspaces now (on Hopper 32 MiB per cuBLAS handle; forward and autograd's
-    backward thread use different handles). They are the libraries', kept for the whole process: without this the
-    first run of a process would count them in its "other" memory and later runs not."""
+    """Once per process and GPU: a matmul and a linear layer with a bias, forward and backward, in fp32 (and bf16), so
+    that cuBLAS and cuBLASLt allocate their workspaces (kept for the process) before a run's baseline, not inside the
+    first run's "other" memory."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or cuda_index(device) in _WARMED_GPUS:
         return
-    index = cuda_index(device)
-    if index in _WARMED_GPUS:
-        return
-    dtypes = [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else [])
-    for dtype in dtypes:
+    for dtype in [torch.float32] + ([torch.bfloat16] if torch.cuda.is_bf16_supported() else []):
         a = torch.ones(64, 64, device=device, dtype=dtype, requires_grad=True)
         bias = torch.ones(64, device=device, dtype=dtype, requires_grad=True)
         ((a @ a).sum() + torch.nn.functional.linear(a, a, bias).sum()).backward()
     torch.cuda.synchronize(device)
-    _WARMED_GPUS.add(index)
+    _WARMED_GPUS.add(cuda_index(device))
+
+
+def _storages(tensors):
+    """The storages that hold the bytes of the tensors among `tensors`; a wrapper subclass (a DTensor's local shard)
+    by its inner tensors, since its own storage is a placeholder that raises."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            yield from _storages(getattr(t, a) for a in t.__tensor_flatten__()[0])
+        else:
+            yield t.untyped_storage()
 
 
 def tensor_bytes(tensors) -> int:
     """Bytes of distinct storages among `tensors` (a view or a tied weight is counted once)."""
-    seen, total = set(), 0
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
-            continue
-        for t in plain_tensors(tensor):  # a DTensor (FSDP2, tensor parallel): the local shard this process holds
-            st = t.untyped_storage()
-            key = (st.data_ptr(), t.device) if t.device.type != "meta" else id(st)
-            if key not in seen:
-                seen.add(key)
-                total += st.nbytes()
-    return total
+    distinct = {(st.data_ptr(), st.device) if st.device.type != "meta" else id(st): st for st in _storages(tensors)}
+    return sum(st.nbytes() for st in distinct.values())
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -125,34 +114,12 @@ class MemoryReport:
     method: str = ""
     timeline: list[tuple[str, int]] = field(default_factory=list)  # (phase, live bytes) after each op
 
-    def gib(self) -> dict[str, float]:
-        return {k: v / GiB for k, v in self.by_category.items()}
-
-    def to_dict(self) -> dict:
-        return {
-            "peak_bytes": self.peak_bytes,
-            "by_category": self.by_category,
-            "saved_for_backward_bytes": self.saved_for_backward_bytes,
-            "reserved_bytes": self.reserved_bytes,
-            "method": self.method,
-        }
+    def to_dict(self) -> dict:  # what a results file keeps: all but the timeline
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "timeline"}
 
 
 # one sequence for every ledger: an id an earlier ledger left on a storage never matches
 _LEDGER_IDS = itertools.count()
-
-
-def plain_tensors(t: torch.Tensor):
-    """The plain tensors that hold `t`'s bytes: `t` itself, or the inner tensors of a wrapper subclass (a DTensor's
-    local shard), whose own storage is a placeholder that raises when asked for."""
-    if is_traceable_wrapper_subclass(t):
-        attrs, _ = t.__tensor_flatten__()
-        for a in attrs:
-            inner = getattr(t, a)
-            if isinstance(inner, torch.Tensor):
-                yield from plain_tensors(inner)
-    else:
-        yield t
 
 
 def _aliasing_returns(func, out) -> list[bool]:
@@ -170,33 +137,22 @@ def _aliasing_returns(func, out) -> list[bool]:
 class MemoryLedger(TorchDispatchMode):
     """Follows every tensor storage created while active; knows the live total, its peak and what it holds.
 
-    Use `phase("forward" | "loss" | "backward" | "optimizer")` around the parts of a step so that new storages
-    get a category; call `register(...)` first for what exists before the step (parameters, gradients,
-    optimizer state). A storage's size is read again whenever an operation touches it (resize_, and FSDP2's
-    resize to 0 and back), a view of a storage made before the ledger allocates nothing, and a tensor subclass
-    (DTensor) is counted by its local tensors. Storages still alive when the ledger closes are re-examined, so a
-    gradient made in backward is counted as a gradient, not as a temporary.
+    Wrap the parts of a step in `phase("forward" | "loss" | "backward" | "optimizer")` so that new storages get a
+    category; `register(...)` first what exists before the step. A storage's size is read again whenever an op touches
+    it (resize_, FSDP2's resize to 0 and back); a view of a storage made before the ledger allocates nothing.
     """
 
-    PHASE_CATEGORY = {
-        "forward": "activations",
-        "loss": "logits",
-        "backward": "other",
-        "optimizer": "other",
-        "other": "other",
-    }
+    PHASE_CATEGORY = {"forward": "activations", "loss": "logits"}  # any other phase makes "other"
 
     def __init__(self, keep_timeline: bool = True):
         super().__init__()
         self._info: dict[int, list] = {}  # storage id -> [nbytes, category]
         self._refs: dict[int, weakref.ref] = {}
-        self.live = 0
-        self.peak = 0
-        self._peak_members: dict[int, list] = {}
+        self.live = self.peak = self.saved_bytes = 0
+        self._peak_members: dict[int, list] = {}  # _info at the peak
         self._phase = "other"
         self.keep_timeline = keep_timeline
         self.timeline: list[tuple[str, int]] = []
-        self.saved_bytes = 0
 
     # A storage is identified by an id stored on its Python object, which PyTorch keeps alive (and the same
     # object) as long as the storage lives; a weak reference tells the ledger when it dies.
@@ -204,21 +160,20 @@ class MemoryLedger(TorchDispatchMode):
         sid = getattr(st, "_course_ledger_id", None)
         return sid if sid in self._info else None
 
-    def _track(self, t: torch.Tensor, category: str) -> None:
-        for plain in plain_tensors(t):
-            st = plain.untyped_storage()
+    def _track(self, tensors, category: str | None = None) -> None:
+        """Read again the sizes of the followed storages among `tensors`; with a category, follow the others too."""
+        for st in _storages(tensors):
             sid = self._sid(st)
+            if sid is None and category is not None:
+                sid = next(_LEDGER_IDS)
+                try:
+                    st._course_ledger_id = sid
+                except AttributeError:
+                    continue
+                self._info[sid] = [0, category]
+                self._refs[sid] = weakref.ref(st, lambda _r, sid=sid: self._free(sid))
             if sid is not None:
                 self._resize(sid, st.nbytes())
-                continue
-            sid = next(_LEDGER_IDS)
-            try:
-                st._course_ledger_id = sid
-            except AttributeError:
-                continue
-            self._info[sid] = [0, category]
-            self._refs[sid] = weakref.ref(st, lambda _r, sid=sid: self._free(sid))
-            self._resize(sid, st.nbytes())
 
     def _resize(self, sid: int, nbytes: int) -> None:
         info = self._info[sid]
@@ -230,16 +185,6 @@ class MemoryLedger(TorchDispatchMode):
             self.peak = self.live
             self._peak_members = {k: v[:] for k, v in self._info.items()}
 
-    def _refresh(self, tensors) -> None:
-        """Read again the sizes of tracked storages among `tensors` (they may have been resized)."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                for plain in plain_tensors(t):
-                    st = plain.untyped_storage()
-                    sid = self._sid(st)
-                    if sid is not None:
-                        self._resize(sid, st.nbytes())
-
     def _free(self, sid: int) -> None:
         info = self._info.pop(sid, None)
         self._refs.pop(sid, None)
@@ -248,18 +193,23 @@ class MemoryLedger(TorchDispatchMode):
 
     def register(self, tensors, category: str) -> None:
         """Count tensors that already exist (parameters, gradients, optimizer state) under `category`."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                self._track(t, category)
-                self.reclassify([t], category)
+        tensors = list(tensors)
+        self._track(tensors, category)
+        self.reclassify(tensors, category)
 
     def category_of(self, t: torch.Tensor) -> str | None:
         """The category a tensor's bytes are counted in, or None when the ledger does not follow them."""
-        for plain in plain_tensors(t):
-            sid = self._sid(plain.untyped_storage())
-            if sid is not None:
-                return self._info[sid][1]
-        return None
+        sids = (self._sid(st) for st in _storages([t]))
+        return next((self._info[sid][1] for sid in sids if sid is not None), None)
+
+    def reclassify(self, tensors, category: str) -> None:
+        """Storages in `tensors` belong to `category`, now and in the peak's snapshot (a gradient is made in
+        backward, where it first counts as "other")."""
+        for st in _storages(tensors):
+            sid = self._sid(st)
+            for members in (self._info, self._peak_members):
+                if sid in members:
+                    members[sid][1] = category
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -271,42 +221,29 @@ class MemoryLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self._track(tree_flatten((args, kwargs))[0])  # resize_ and friends change an input's storage
         category = self.PHASE_CATEGORY.get(self._phase, "other")
-        self._refresh(tree_flatten((args, kwargs))[0])  # resize_ and friends change an input's storage
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         for t, aliases in zip(outs, _aliasing_returns(func, out)):
-            if aliases:
-                self._refresh([t])
-            else:
-                self._track(t, category)
+            self._track([t], None if aliases else category)
         if self.keep_timeline:
             self.timeline.append((self._phase, self.live))
         return out
 
     @contextlib.contextmanager
     def watch(self, output_layer: torch.nn.Module | None = None):
-        """Follow one training step. Inside `phase("forward")`, new storages are "activations" until
-        `output_layer` runs (the module that makes the logits); its result and everything after it (the loss) are
-        "logits". The bytes autograd saves for backward during the forward are counted too, once per storage and
-        without the parameters themselves (a matmul saves its weight, which is no activation). Usage:
-
-            with ledger.watch(model.lm_head):
-                with ledger.phase("forward"): loss = loss_fn(x, y)
-                with ledger.phase("backward"): loss.backward()
-                with ledger.phase("optimizer"): opt.step()
-        """
+        """Follow one training step. In `phase("forward")` new storages are "activations" until `output_layer` (the
+        module that makes the logits) runs; from its result on (the loss) they are "logits". Autograd's saved tensors
+        are counted too (`saved_bytes`), once per storage, the parameters left out (a matmul saves its weight)."""
+        saved_token = object()  # this watch's mark on the storages it has counted
 
         def pack(t: torch.Tensor):
             if self._phase in ("forward", "loss") and self.category_of(t) != "parameters":
-                for plain in plain_tensors(t):
-                    st = plain.untyped_storage()
-                    # Mark the storage itself (its Python object lives as long as it does) rather than holding it:
-                    # holding it would keep every micro-batch's activations alive until the step ends.
+                for st in _storages([t]):
+                    # a mark on the storage, not a reference, which would keep every micro-batch's activations alive
                     if getattr(st, "_course_saved_by", None) is not saved_token:
-                        try:
+                        with contextlib.suppress(AttributeError):
                             st._course_saved_by = saved_token
-                        except AttributeError:
-                            pass
                         self.saved_bytes += st.nbytes()
             return t
 
@@ -314,15 +251,10 @@ class MemoryLedger(TorchDispatchMode):
             if self._phase == "forward":
                 self._phase = "loss"
 
-        def logits_out(_module, _inputs, output):
-            self.register([output], "logits")
-
-        saved_token = object()  # this watch's mark on the storages it has counted
-        handles = (
-            [output_layer.register_forward_pre_hook(into_loss), output_layer.register_forward_hook(logits_out)]
-            if output_layer is not None
-            else []
-        )
+        handles = []
+        if output_layer is not None:
+            handles.append(output_layer.register_forward_pre_hook(into_loss))
+            handles.append(output_layer.register_forward_hook(lambda _m, _i, out: self.register([out], "logits")))
         try:
             with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
@@ -331,17 +263,6 @@ class MemoryLedger(TorchDispatchMode):
                 h.remove()
             if self.keep_timeline:  # what is still live when the step ends (after zero_grad freed what it frees)
                 self.timeline.append(("optimizer", self.live))
-
-    def reclassify(self, tensors, category: str) -> None:
-        """Storages in `tensors` belong to `category`, now and in the peak's snapshot (a gradient is made in
-        backward, where it first counts as "other")."""
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                for plain in plain_tensors(t):
-                    sid = self._sid(plain.untyped_storage())
-                    for members in (self._info, self._peak_members):
-                        if sid is not None and sid in members:
-                            members[sid][1] = category
 
     def report(self) -> MemoryReport:
         by = dict.fromkeys(CATEGORIES, 0)
@@ -360,8 +281,7 @@ class MemoryLedger(TorchDispatchMode):
 
 
 class NotMeasured:
-    """The step runs as it is: every hook of the step body is a no-op. The ledger's twin below has the same
-    methods, so the loop (and memory_estimate.account_step) has no measurement branch."""
+    """The step runs as it is; the ledger's twin below has the same methods, so the loop has no measurement branch."""
 
     def watching(self, setup):
         return contextlib.nullcontext()
@@ -392,9 +312,8 @@ def static_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
 def static_bytes(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, gradients_at_parameter_size: bool = False
 ) -> dict[str, int]:
-    """Bytes this process holds in parameters, gradients and optimizer state (each storage once, a DTensor's local
-    shard). gradients_at_parameter_size: count the gradients as they are at the end of backward, whether or not
-    zero_grad(set_to_none=True) has freed them since."""
+    """Bytes this process holds in parameters, gradients and optimizer state (a DTensor's local shard).
+    gradients_at_parameter_size: the gradients as at the end of backward, even if zero_grad has freed them since."""
     tensors = static_tensors(model, optimizer)
     if gradients_at_parameter_size:
         tensors["gradients"] = tensors["parameters"]
@@ -402,9 +321,8 @@ def static_bytes(
 
 
 class LedgerMeasurement(NotMeasured):
-    """The step under the CPU memory ledger: what exists before it is registered by category, every storage the
-    step makes is followed, the gradients are named as such when the optimizer sees them, and afterwards what
-    remains is classified again. The step runs the eager loss module: a compiled graph would hide its inside."""
+    """The step under the CPU memory ledger: what exists before it registered by category, the gradients named when
+    the optimizer sees them, what remains classified again after. The loss runs eagerly: a compiled graph hides it."""
 
     def __init__(self, output_layer: torch.nn.Module | None = None, ledger: MemoryLedger | None = None):
         self.ledger = ledger or MemoryLedger()
@@ -433,15 +351,10 @@ class LedgerMeasurement(NotMeasured):
 
 
 class StepRecorder:
-    """What a run measures around each training step, from outside it (course_lib.train.train_step measures nothing):
-    - the step's wall time (timing.StepTimer: the device synchronised before the clock is read);
-    - the page faults it made (a CPU's memory handed back and fetched again: techniques.keep_freed_memory);
-    - on CUDA, the allocator's peaks over the run's own timed steps, each step read on its own, so that another loop's
-      steps taken in between (the ladder's pairs) never count;
-    - on a CPU, the memory ledger over its one step (cfg.ledger_step), through the `meter` the step is given.
-    Built before the run's model, so that what CUDA already holds (an earlier run's leftovers, the notebook's tensors,
-    cuBLAS's workspaces) is its baseline, not this run's memory. Between `start` and `stop` it records; outside, a
-    step is only timed (the ladder's extra paired steps)."""
+    """What a run measures around each step, from outside it: wall time (timing.StepTimer), page faults
+    (techniques.keep_freed_memory), on CUDA the allocator's peaks over the run's own timed steps (another loop's steps
+    in between never count), on a CPU the ledger over cfg.ledger_step. Built before the model, so that what CUDA
+    already holds is its baseline. It records between `start` and `stop`; outside, a step is only timed."""
 
     def __init__(self, cfg: TrainConfig, cuda_graphs: bool = False):
         self.dev, self.cfg, self.cuda_graphs = torch.device(cfg.device), cfg, cuda_graphs
@@ -467,8 +380,7 @@ class StepRecorder:
 
     @contextlib.contextmanager
     def step(self, step: int, setup):
-        """Around step `step` of the loop built as `setup` (techniques.Setup): its clock, its page faults, its peaks,
-        and on its step the ledger, which registers what exists before it and follows what it makes."""
+        """Around step `step` of the loop built as `setup` (techniques.Setup): its clock, page faults and peaks."""
         first_timed = min(self.cfg.timing_warmup, self.cfg.steps - 1)
         cuda_peak = self.recording and self.dev.type == "cuda" and step >= first_timed
         if cuda_peak:
@@ -489,21 +401,12 @@ class StepRecorder:
             return self.ledger.report().to_dict()
         if self.dev.type != "cuda" or self.cuda_peak is None:
             return None
-        # With set_to_none=False the gradients live through the whole step, so they are at the peak at full size.
-        # With set_to_none=True they exist only from backward on, and the allocator cannot say whether the peak fell
-        # before or after: they are "not measured" (inside "other") rather than guessed.
+        # With set_to_none=True the gradients exist only from backward on, and the allocator cannot say whether the
+        # peak fell before or after: "not measured" (inside "other") rather than guessed.
         static: dict = static_bytes(model, optimizer, gradients_at_parameter_size=True)
         static["gradients"] = None if self.cfg.set_to_none else static["gradients"]
-        report = cuda_memory_report(
-            self.dev,
-            static,
-            peak=self.cuda_peak,
-            baseline=self.baseline,
-            reserved=self.cuda_reserved,
-            cuda_graphs=self.cuda_graphs,
-            reserved_baseline=self.reserved_baseline,
-        )
-        return report.to_dict()
+        peaks = (self.cuda_peak, self.baseline, self.cuda_reserved, self.cuda_graphs, self.reserved_baseline)
+        return cuda_memory_report(self.dev, static, *peaks).to_dict()
 
 
 GRAPHS_METHOD = "CUDA graphs"  # how a reserved peak's method begins (results.peak_text labels it)
@@ -518,28 +421,19 @@ def cuda_memory_report(
     cuda_graphs: bool = False,
     reserved_baseline: int = 0,
 ) -> MemoryReport:
-    """CUDA: the allocator's peak (`peak`, else max_memory_allocated since the last reset), less `baseline` (what was
-    allocated before the run: an earlier run's leftovers must not inflate this one). Parameters, gradients and optimizer
-    state come from the tensors themselves (None where they cannot be known at the peak); activations and logits are
-    None, "not measured", since the allocator does not know what a block was for: they are inside "other", the rest of
-    the peak. Reserved is the caching allocator's peak (`reserved`, read over the run's own steps, else since the last
-    reset): what it held from the driver, this process's other tensors included.
-
-    `cuda_graphs`: the steps replayed CUDA graphs, whose activations live in the graphs' private memory pool, allocated
-    once when the graphs were recorded. A replay allocates nothing, so the allocated peak of a timed step misses them
-    (a small fraction of the step's real peak). The peak is then what the allocator
-    reserved over the timed steps, the pool included, less what it reserved before the run: at least the live tensors'
-    peak, with the cache's slack on top, and said so (`method` starts with GRAPHS_METHOD)."""
+    """CUDA: the allocator's peak (else max_memory_allocated since the last reset) less `baseline`, what was allocated
+    before the run. Parameters, gradients and optimizer state come from the tensors (`static`); activations and logits
+    are None, inside "other", the rest of the peak: the allocator does not know what a block was for.
+    `cuda_graphs`: a replay allocates nothing (the activations live in the graphs' pool), so the peak is what was
+    reserved over the run's steps less what was reserved before it, the cache's slack included."""
     reserved = torch.cuda.max_memory_reserved(device) if reserved is None else reserved
     if cuda_graphs:
         peak, baseline = reserved, reserved_baseline
     peak = torch.cuda.max_memory_allocated(device) if peak is None else peak
-    # An allocator that returned cached blocks mid-run (or a process that freed older tensors) can hold less than
-    # before the run: then nothing is subtracted, and the method says so, rather than a peak of 0 or less.
+    # A run that holds less than before it (cached blocks returned mid-run) has nothing subtracted, and says so.
     unsubtracted = peak < baseline
     peak -= 0 if unsubtracted else baseline
-    by: dict[str, int | None] = dict.fromkeys(CATEGORIES, None)
-    by.update(static)
+    by: dict[str, int | None] = {**dict.fromkeys(CATEGORIES, None), **static}
     by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
     method = (
         f"{GRAPHS_METHOD}: torch.cuda.max_memory_reserved over the run's timed steps (the graphs' private memory pool "
@@ -549,14 +443,10 @@ def cuda_memory_report(
         else "CUDA: torch.cuda.max_memory_allocated over the run's timed steps (the peak reset before each), "
         "less what was allocated before the run"
     )
-    return MemoryReport(
-        peak_bytes=peak,
-        by_category=by,
-        reserved_bytes=reserved,
-        method=method
-        + ("; here nothing was subtracted: the run held less than before it, at its peak" if unsubtracted else "")
-        + "; activations and logits are not measured separately (inside 'other')",
-    )
+    if unsubtracted:
+        method += "; here nothing was subtracted: the run held less than before it, at its peak"
+    method += "; activations and logits are not measured separately (inside 'other')"
+    return MemoryReport(peak_bytes=peak, by_category=by, reserved_bytes=reserved, method=method)
 
 
 # ---- FLOPs and MFU ------------------------------------------------------------------------------
@@ -569,8 +459,8 @@ def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, cont
 
 
 def counted_flops_per_token(model: torch.nn.Module, idx: torch.Tensor, loss_fn, tokens: int | None = None) -> int:
-    """The same quantity counted by torch's FlopCounterMode over one forward and backward, per token (per
-    element of `idx`, or per `tokens` when an input is not one token per element, e.g. a sample of features)."""
+    """The same quantity counted by FlopCounterMode over one forward and backward, per element of `idx` (or per
+    `tokens`, where an input is not one token per element)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)

@@ -1,20 +1,11 @@
-"""The analytic memory model of a training step: the formulas, with no run of the loop (course_lib.train builds on
-them to refuse, on a CPU, a step that cannot fit; course_lib.memory_estimate sets them beside measurements).
+"""The analytic memory model of a training step, with no run of the loop (notebook 02's formula; course_lib.train uses
+it to refuse a CPU step that cannot fit, course_lib.memory_estimate sets it beside measurements).
 
-Where the bytes of one training step go, by category (the same categories as measure.MemoryLedger):
-
-- static: parameters, gradients and optimizer state, num_params x bytes x count;
-- activations: what autograd keeps from the forward pass for the backward pass. Korthikanti et al.,
-  "Reducing Activation Recomputation in Large Transformer Models" (2022), count sbh(34 + 5as/h) bytes per
-  transformer layer with 16-bit values and 1-byte dropout masks; `layer_activation_terms` itemises what
-  this course's own GPT block saves, term by term, so the two can be set side by side;
-- logits: the (tokens x vocab) output layer and cross-entropy, which the paper's formula leaves out and which
-  dominate small models;
-- and the peak of a step, estimated from these: the largest of the moments that can hold it (`peak_candidates`:
-  the loss in forward and in backward, the last block's backward, the end of backward), each term by term, for every
-  lever the ledger measures (precision, attention, checkpointing none/selective/full, loss chunks, set_to_none,
-  accumulation, optimizer, vocabulary padding); tests/test_memory_estimate.py holds it to the ledger, lever by
-  lever. With a verdict for a device ("will it fit?").
+Bytes by category (measure.MemoryLedger's): static (parameters, gradients, optimizer state: num_params x bytes x
+count); activations (what autograd keeps for backward: Korthikanti et al. 2022 count sbh(34 + 5as/h) per layer,
+`layer_activation_terms` itemises this course's block); logits (the output layer and the loss, which the paper leaves
+out and which dominate small models). The peak is the largest of the moments that can hold it (`peak_candidates`),
+term by term, for every lever the ledger measures: tests/test_memory_estimate.py holds it to the ledger.
 """
 
 from __future__ import annotations
@@ -26,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import techniques as T
-from .config import PRECISION_DTYPES, ConfigError, ModelConfig, TrainConfig
+from .config import ConfigError, ModelConfig, TrainConfig
 from .measure import CATEGORIES, GiB
 from .techniques.activation_checkpointing import kept_per_layer, selective_activation_terms
 from .techniques.chunked_loss import memory_terms as chunked_loss_terms
@@ -35,21 +26,13 @@ from .techniques.mixed_precision import activation_format as _precision
 from .techniques.optimizer import state_bytes as optimizer_state_bytes
 from .techniques.set_to_none import gradients_before_backward
 
-# Bytes per value of each precision (tf32 is stored as fp32; it only changes how matmuls multiply).
-BYTES = {p: dtype.itemsize for p, dtype in PRECISION_DTYPES.items()}  # bytes per value
-GB = 10**9  # decimal gigabyte, as papers and blog posts often quote
-
-
 # ---- counting parameters -------------------------------------------------------------------------
 
 
 def count_params(m: ModelConfig) -> int:
-    """Parameters of the course's GPT from its shape (the tied embedding once).
-
-    V h (token table, also the output layer) + block_size h (positions)
-    + L (12 h^2 + 13 h) (per block: QKV 3h^2+3h, projection h^2+h, MLP 8h^2+5h, two LayerNorms 4h)
-    + 2 h (final LayerNorm); without biases, the biases' terms go.
-    """
+    """Parameters of the course's GPT from its shape (the tied embedding once): V h (token table = output layer)
+    + block_size h (positions) + L (12 h^2 + 13 h) (QKV 3h^2+3h, projection h^2+h, MLP 8h^2+5h, two LayerNorms 4h)
+    + 2 h (final LayerNorm); without biases, the biases' terms go."""
     h, L = m.n_embd, m.n_layer
     per_block = 12 * h * h + (13 * h if m.bias else 2 * h)
     return m.padded_vocab_size * h + m.block_size * h + L * per_block + (2 * h if m.bias else h)
@@ -64,12 +47,8 @@ def count_param_tensors(m: ModelConfig) -> int:
 def static_bytes(
     n_params: int, optimizer: str = "adamw", bytes_per_value: int = 4, n_param_tensors: int = 0
 ) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state: num_params x bytes x count.
-
-    count is 1 for parameters, 1 for gradients, and the optimizer's state is its own term
-    (techniques.optimizer.state_bytes: AdamW's two moments, and its per-tensor step counters when n_param_tensors
-    is given).
-    """
+    """Parameters and gradients, num_params x bytes each; the optimizer's state (techniques.optimizer.state_bytes:
+    AdamW's two moments, and its step counters when n_param_tensors is given)."""
     return {
         "parameters": n_params * bytes_per_value,
         "gradients": n_params * bytes_per_value,
@@ -124,13 +103,10 @@ def layer_activation_terms(
 ) -> dict[str, int]:
     """Bytes one block of the course's GPT (course_lib.model.Block) keeps for backward, term by term.
 
-    Sixteen sbh-sized values, as in the paper: two LayerNorm inputs, the QKV input, Q, K and V, the attention
-    output, the MLP input, GELU's input and the second matmul's input (4h wide each). Differences from the paper:
-    no dropout masks when dropout is 0 (PyTorch saves a 1-byte bool mask when it is on); LayerNorm also keeps a
-    mean and 1/std per token (fp32); naive attention keeps the softmax output (a s^2 b values) and its s x s bool
-    causal mask; SDPA keeps neither, only a logsumexp per query (b a s fp32). norm_bytes: bytes of the LayerNorm
-    inputs (fp32 under autocast; defaults to value_bytes). mask_bytes: bytes per dropout-mask value: 1 on CUDA
-    (a bool mask, as in the paper), but PyTorch's CPU dropout keeps its mask in the values' dtype (use value_bytes).
+    The paper's sixteen sbh-sized values, and where it differs: dropout masks only with dropout on; LayerNorm's fp32
+    mean and 1/std per token; naive attention's softmax output and s x s bool causal mask, or SDPA's logsumexp per
+    query instead. norm_bytes: of the LayerNorm inputs (fp32 under autocast; default value_bytes). mask_bytes: per
+    dropout-mask value: 1 on CUDA (a bool mask), the values' dtype on a CPU (PyTorch's CPU dropout).
     """
     B, sbh, as2b = value_bytes, s * b * h, a * s * s * b
     nb = B if norm_bytes is None else norm_bytes
@@ -160,45 +136,14 @@ def layer_activation_terms(
 
 
 def weight_copy_bytes(m: ModelConfig) -> int:
-    """Under autocast a matmul multiplies 16-bit copies of its fp32 weight and bias, and keeps them for backward:
-    one block's four Linear layers have 12h^2 weights and 9h biases, 2 bytes each. (The fp32 weights themselves are
-    the parameters.)"""
+    """The 16-bit copies of one block's weights (12h^2) and biases (9h) that its matmuls keep under autocast."""
     h = m.n_embd
     return 2 * (12 * h * h + (9 * h if m.bias else 0))
 
 
-def outside_activation_terms(
-    s: int,
-    b: int,
-    h: int,
-    value_bytes: int = 4,
-    dropout: bool = False,
-    mask_bytes: int = 1,
-    output_input_bytes: int | None = None,
-) -> dict[str, int]:
-    """What the model keeps outside its blocks: position ids, the final LayerNorm's input and statistics, and the
-    output layer's input. (The token ids are the batch itself: they exist before the forward pass.)
-    output_input_bytes: bytes per value of the output layer's input (default value_bytes); 0 where the output layer
-    keeps a copy of its own instead (under autocast: a 16-bit copy made inside it, counted with the logits)."""
-    sbh = s * b * h
-    out_bytes = value_bytes if output_input_bytes is None else output_input_bytes
-    terms = {
-        "position ids (int64)": s * 8,
-        "final LayerNorm input (sbh)": sbh * value_bytes,
-        "final LayerNorm mean and 1/std": 2 * b * s * 4,
-    }
-    if out_bytes:
-        terms["output layer input (sbh)"] = sbh * out_bytes
-    if dropout:
-        terms["embedding dropout mask (sbh)"] = sbh * mask_bytes
-    return terms
-
-
 def logits_terms(b: int, s: int, vocab: int) -> dict[str, int]:
-    """The output layer and the loss (F.cross_entropy = log_softmax + nll_loss), which the paper leaves out.
-    Cross-entropy runs in fp32 (also under autocast). At the start of backward three (tokens x vocab) fp32 tensors
-    are alive: the saved log-softmax, the gradient arriving at it, and the gradient of the logits.
-    (With the chunked loss the tokens are one chunk's: see loss_terms.)"""
+    """The output layer and the loss, which the paper leaves out: at the start of backward three (tokens x vocab)
+    fp32 tensors are alive (cross-entropy runs in fp32, also under autocast)."""
     tv = b * s * vocab * 4
     return {
         "log-softmax output, saved (b s V fp32)": tv,
@@ -212,33 +157,27 @@ def _mask_bytes(cfg: TrainConfig) -> int:
     return _precision(cfg)[1] if torch.device(cfg.device).type == "cpu" else 1
 
 
+# LayerNorm inputs and the residual stream (a block's input) stay fp32 under autocast: fp32 + 16-bit adds to fp32
+R = 4
+
+
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     """Activations of the whole model for one micro-batch: what one block saves for backward ("per layer"), what it
-    keeps through the forward pass ("kept per layer": all of it without checkpointing, its input with full
-    checkpointing, its input and matmul outputs with selective), all layers, outside the layers, total; and
-    "recompute": what one block's backward recomputes (0 without checkpointing)."""
+    keeps through the forward ("kept per layer": with checkpointing less), all layers, outside them, the total, and
+    what one block's backward recomputes."""
     m = cfg.model
     s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
+    sbh = s * b * h
     autocast, vb = _precision(cfg)
-    mask = _mask_bytes(cfg)
+    mask = _mask_bytes(cfg) if m.dropout > 0 else 0
     attention, causal_mask = _attention(cfg)
-    # LayerNorm runs in fp32 under autocast, and the residual stream stays fp32 (fp32 + 16-bit adds to fp32)
-    terms = layer_activation_terms(
-        s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=4 if autocast else None, mask_bytes=mask
-    )
+    terms = layer_activation_terms(s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=R, mask_bytes=mask)
     layer = sum(terms.values()) - (0 if causal_mask else terms.get("causal mask (s x s bool)", 0))
-    if autocast:  # the 16-bit copies of the block's weights, which its matmuls keep
-        layer += weight_copy_bytes(m)
-    # The output layer's input: the final LayerNorm's output (fp32), kept by the output layer's matmul. Under autocast
-    # that keeps only its 16-bit copy (a logit term); the chunked loss keeps none (it makes its gradients in forward).
-    out_input = 4 if (not autocast and cfg.loss_chunks == 1) else 0
-    outside = sum(
-        outside_activation_terms(
-            s, b, h, 4 if autocast else vb, m.dropout > 0, mask_bytes=mask, output_input_bytes=out_input
-        ).values()
-    )
-    # the block's input, the residual stream, is fp32 under autocast too
-    kept, recompute = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=4)
+    layer += weight_copy_bytes(m) if autocast else 0
+    # outside the blocks: position ids, the final LayerNorm's input and statistics, the embedding's dropout mask, and
+    # the output layer's input, kept only in fp32 (autocast keeps a 16-bit copy, a logit term; the chunked loss none)
+    outside = s * 8 + sbh * R + 2 * b * s * 4 + sbh * mask + (sbh * 4 if not autocast and cfg.loss_chunks == 1 else 0)
+    kept, recompute = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=R)
     return {
         "per layer": layer,
         "kept per layer": kept,
@@ -250,8 +189,7 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
 
 
 def _block_sizes(cfg: TrainConfig):
-    """A block's sizes for its backward's terms: (s, b, h, a; X an sbh tensor's, S2 an a s^2 b tensor's values, T the
-    tokens; B bytes per activation value, whether under autocast; the bytes of the QKV matmul's 16-bit weight copy)."""
+    """(s, b, h, a, X = sbh, S2 = a s^2 b, T = tokens, B = bytes per activation, autocast?, QKV weight copy bytes)."""
     m = cfg.model
     s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
     autocast, B = _precision(cfg)
@@ -259,24 +197,10 @@ def _block_sizes(cfg: TrainConfig):
     return s, b, h, a, s * b * h, a * s * s * b, s * b, B, autocast, qkv_copy
 
 
-# the residual stream (block input) and LayerNorm inputs: fp32 under autocast too
-R = 4
-
-
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """What the last block holds at the worst moments of its backward, term by term, as {moment: {term: (ledger
-    category, bytes)}}: the last block's own tensors and the gradients in flight. (The other blocks, the static memory
-    and the tied embedding's gradient are added by peak_candidates.) The last block is the worst: its backward comes
-    first, while every other block still holds what it kept.
-
-    - "MLP backward": the first matmul of the block's backward. All the block's saved tensors are alive (recomputed
-      first under checkpointing), with the gradient of the block's output and the gradient of the GELU output (4 sbh).
-    - "attention backward" (naive attention): softmax's backward. The MLP's tensors are gone, but three a s^2 b
-      tensors are alive: the saved probabilities, their gradient and the gradient of the scores. (SDPA's backward
-      holds 4 sbh of gradients where the MLP's backward has already freed 10: never the worst.)
-    - "attention recompute" (naive attention, checkpointing): the recompute of the forward holds both the scores and
-      the probabilities (the scores are still a local variable of naive_attention when softmax x V runs).
-    """
+    """The last block's own tensors and gradients in flight at the worst moments of its backward, as {moment: {term:
+    (ledger category, bytes)}}. The last block is the worst: its backward comes first, every other block still full.
+    SDPA's backward holds 4 sbh of gradients where the MLP's has freed 10: with SDPA only the MLP's can be the peak."""
     points = {"MLP backward": _mlp_backward(cfg)}
     if _attention(cfg)[0] != "naive":
         return points
@@ -287,28 +211,24 @@ def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int
 
 
 def _mlp_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
-    """block_backward_terms' "MLP backward"."""
+    """The block's first backward matmul: all its saved tensors (recomputed first under checkpointing), the gradient
+    of its output and of the GELU output."""
     s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
     ck, attention = cfg.activation_checkpointing, _attention(cfg)[0]
-    # Everything the block saves for backward (its weights' 16-bit copies included). Without checkpointing these are the
-    # forward's ("activations" for the ledger); with it they are recomputed in backward ("other"), but for what the
-    # block kept through the forward ("activations").
+    # what the block saves (its 16-bit weight copies included): "activations", or "other" where recomputed
     saved = activation_bytes(cfg)["per layer"]
     mlp: dict[str, tuple[str, int]] = {}
     if ck == "full":
         mlp["block input, kept"] = ("activations", X * R)
         mlp["the block's saved tensors, recomputed"] = ("other", saved - X * R)
     elif ck == "selective":
-        # still cached from the forward: the block input, the MLP's first matmul output (= GELU's saved input) and, with
-        # SDPA, the QKV output and attention output (= what SDPA saves); the recompute stops before the MLP's second
-        # matmul runs, so its cached output is never taken and stays too
+        # still cached: the block input, the MLP's first matmul output (GELU's saved input), with SDPA what it saves,
+        # and the MLP's second matmul output (X * B), which the recompute, stopping before it, never takes
         kept = selective_activation_terms(s, b, h, a, B, attention, residual_bytes=R)
-        sdpa_kept = ("QKV matmul output (3 x sbh)", "attention output (sbh)", "softmax logsumexp (b a s, fp32)")
-        cached = sum(
-            kept[t]
-            for t in ("block input (sbh)", "MLP first matmul output (4 x sbh)", *sdpa_kept)
-            if t in kept and (attention == "sdpa" or t not in sdpa_kept)
-        )
+        cached_terms = ["block input (sbh)", "MLP first matmul output (4 x sbh)"]
+        if attention == "sdpa":
+            cached_terms += ["QKV matmul output (3 x sbh)", "attention output (sbh)", "softmax logsumexp (b a s, fp32)"]
+        cached = sum(kept[t] for t in cached_terms)
         mlp["kept by selective checkpointing, still cached"] = ("activations", cached + X * B)
         mlp["the block's other saved tensors, recomputed"] = ("other", saved - cached)
     else:
@@ -324,11 +244,11 @@ def _mlp_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 
 def _attention_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
-    """block_backward_terms' "attention backward" (naive attention)."""
+    """Naive attention's softmax backward: the MLP's tensors are gone, but three a s^2 b tensors are alive (the saved
+    probabilities, their gradient, the gradient of the scores)."""
     s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
     m, ck, causal_mask = cfg.model, cfg.activation_checkpointing, _attention(cfg)[1]
     fresh_grads = not gradients_before_backward(cfg)
-    # naive attention: what is left of the block at softmax's backward
     left = {
         "LayerNorm input (sbh)": X * R,
         "LayerNorm mean and 1/std": T * 8,
@@ -351,27 +271,22 @@ def _attention_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
     att["gradient of the softmax output (a s^2 b)"] = ("other", S2 * B)
     att["gradient of the scores (a s^2 b)"] = ("other", S2 * B)
     if fresh_grads:  # no .grad before: the gradients made so far stay, as .grad
-        # the MLP's and the projection's weights (9h^2) and biases (6h), two LayerNorms (2h each)
-        nb = 1 if m.bias else 0
-        att["gradients made so far (MLP, projection, LayerNorms)"] = (
-            "gradients",
-            4 * (9 * h * h + 6 * h * nb + 2 * h * (1 + nb)),
-        )
+        nb = 1 if m.bias else 0  # MLP and projection weights (9h^2) and biases (6h), two LayerNorms (2h each)
+        made = 4 * (9 * h * h + 6 * h * nb + 2 * h * (1 + nb))
+        att["gradients made so far (MLP, projection, LayerNorms)"] = ("gradients", made)
     return att
 
 
 def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
-    """block_backward_terms' "attention recompute" (naive attention, checkpointing)."""
+    """Checkpointing's recompute of naive attention at softmax x V: the scores (still a local variable) and the
+    probabilities are both alive."""
     s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
     ck, attention = cfg.activation_checkpointing, _attention(cfg)[0]
-    # checkpointing, naive attention: the recompute at softmax x V
     rec: dict[str, tuple[str, int]] = {}
     if ck == "selective":  # cached: the block input and every matmul output not yet taken by the recompute
         kept = selective_activation_terms(s, b, h, a, B, attention, residual_bytes=R)
-        rec["kept by selective checkpointing, still cached"] = (
-            "activations",
-            sum(kept.values()) - kept["QK^T matmul output (a s^2 b)"],  # the scores, which the recompute has taken
-        )
+        taken = kept["QK^T matmul output (a s^2 b)"]  # the scores, which the recompute has taken
+        rec["kept by selective checkpointing, still cached"] = ("activations", sum(kept.values()) - taken)
     else:
         rec["block input, kept"] = ("activations", X * R)
         rec["QKV matmul output, recomputed (3 sbh)"] = ("other", 3 * X * B)  # alive while q, k, v are local variables
@@ -390,29 +305,16 @@ def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """The output layer and the loss at their worst moments, as {moment: {term: (category, bytes)}}.
-
-    loss_chunks=1. In forward, the loss: the logits and the saved log-softmax; under autocast also the 16-bit logits
-    (their fp32 copy is what the loss reads), the output layer's 16-bit copies of its input and weight, and autocast's
-    cache of the blocks' 16-bit weights, which lives until the forward ends even where checkpointing keeps none of them.
-    In backward, "start of backward", the log-softmax backward: three (tokens x V) fp32 tensors (logits_terms), and
-    under autocast the output layer's 16-bit copies of its input and weight.
-
-    loss_chunks=k (techniques.HeadLossInSlices): in forward, slices of c = ceil(tokens / k) tokens one at a time, each
-    slice's gradients made at once. From the first slice on, the whole input gradient (tokens x h) and weight gradient
-    (V x h) exist, kept for backward (made in the forward pass: "activations" to the ledger), beside the output layer's
-    input, the final LayerNorm's output (tokens x h fp32, not kept after the forward). The worst moment of a slice is
-    its share of the weight gradient: the slice's logits (in fp32 turned into softmax - onehot in place; under autocast
-    the 16-bit logits, an fp32 copy turned into softmax - onehot, and that in 16 bits) and the (V x h) product being
-    added. In backward, "start of backward": the two kept gradients and the two
-    scaled by the loss's gradient.
+    """The output layer and the loss at their worst moments, as {moment: {term: (category, bytes)}}: in forward the
+    loss (or, with loss_chunks, one slice: techniques.chunked_loss.memory_terms), and the start of backward (the
+    log-softmax backward: logits_terms). Under autocast the output layer's 16-bit copies of its input and weight too,
+    and autocast's cache of the blocks' 16-bit weights, which lives until the forward ends even under checkpointing.
     """
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast, B = _precision(cfg)
 
     fwd: dict[str, tuple[str, int]] = {}
-    # without checkpointing the blocks keep these copies: activations
     if autocast and cfg.activation_checkpointing != "none":
         fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
     if k == 1:
@@ -427,9 +329,8 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
         if autocast:  # the output layer's matmul keeps the 16-bit copies it multiplied
             terms["16-bit copy of the output layer's input (b s h)"] = ("logits", T * h * 2)
             terms["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
-        lt = logits_terms(cfg.micro_batch_size, cfg.context, V)
-        for i, (name, nbytes) in enumerate(lt.items()):
-            # the saved output is made in the loss, its gradients in backward
+        # the saved log-softmax is made in the loss, its gradients in backward
+        for i, (name, nbytes) in enumerate(logits_terms(cfg.micro_batch_size, cfg.context, V).items()):
             terms[name] = ("logits" if i == 0 else "other", nbytes)
         return {"forward: the loss": fwd, "start of backward": terms}
 
@@ -439,18 +340,11 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
 
 
 def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """Every moment of a steady-state step that can hold its peak, each as {term: (ledger category, bytes)}.
-
-    - the output layer and the loss, in forward and in backward (loss_terms), with all the forward's activations;
-    - the last block's backward (block_backward_terms), with the other blocks' kept activations, the position ids
-      and the tied embedding's gradient from the output layer, which waits for the embedding's (V x h fp32);
-    - the end of backward: parameters + gradients + state + the tied embedding's gradient temporaries: the output
-      layer and the embedding each produce a (V x h) gradient, which are summed into .grad: three V x h fp32 tensors
-      when .grad already exists (set_to_none=False), two when it is None. (AdamW's own temporaries, one or two
-      tensors the size of a parameter, are smaller.)
-    Gradients exist before backward unless zero_grad(set_to_none=True) freed them and this is the first micro-batch;
-    with accumulation the last micro-batch is the worst. Autocast keeps the parameters, gradients and state in fp32.
-    """
+    """Every moment of a steady-state step that can hold its peak, each as {term: (ledger category, bytes)}: the loss
+    in forward and backward (loss_terms) with all the forward's activations; the last block's backward
+    (block_backward_terms) with the other blocks' and the output layer's (V x h) weight gradient, waiting for the
+    tied embedding's; the end of backward, where those two are summed into .grad (AdamW's temporaries are smaller).
+    Parameters, gradients and state stay fp32 under autocast; with accumulation the last micro-batch is the worst."""
     m = cfg.model
     L, h, V = m.n_layer, m.n_embd, m.padded_vocab_size
     st = static_bytes(count_params(m), cfg.optimizer, 4, count_param_tensors(m))
@@ -501,9 +395,6 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     terms: dict[str, int] = field(default_factory=dict)  # the peak, term by term
 
-    def gib(self) -> dict[str, float]:
-        return {k: v / GiB for k, v in self.by_category.items()}
-
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GiB
@@ -520,14 +411,8 @@ class Estimate:
 
 
 def estimate(cfg: TrainConfig) -> Estimate:
-    """Predict the steady-state peak of one optimizer step of `cfg` (a later step: the optimizer state exists).
-
-    The largest of peak_candidates wins. Every lever the ledger measures moves a term: precision (16-bit activations
-    and weight copies under autocast, fp32 LayerNorm inputs and logits), attention (the a s^2 b terms of naive
-    attention), activation checkpointing (what each block keeps, and the recompute of one block in backward),
-    loss_chunks (one chunk of logits at a time), set_to_none and accumulation (whether gradients exist before backward),
-    the micro-batch size, the optimizer (its state) and vocabulary padding (V is the padded vocabulary).
-    """
+    """The steady-state peak of one optimizer step of `cfg` (the optimizer state exists): the largest of
+    peak_candidates, by category."""
     cands = peak_candidates(cfg)
     phases = {name: sum(nbytes for _, nbytes in terms.values()) for name, terms in cands.items()}
     when = max(phases, key=phases.get)
@@ -537,20 +422,13 @@ def estimate(cfg: TrainConfig) -> Estimate:
     notes = ["activations and logits are for one micro-batch of %d sequences" % cfg.micro_batch_size]
     if cfg.model.dropout > 0:
         notes.append("with dropout the gradients in flight inside a block's backward are approximate")
-    return Estimate(
-        by_category=by,
-        peak_bytes=phases[when],
-        when=when,
-        phases=phases,
-        notes=notes,
-        terms={name: nbytes for name, (_, nbytes) in cands[when].items()},
-    )
+    terms = {name: nbytes for name, (_, nbytes) in cands[when].items()}
+    return Estimate(by, phases[when], when, phases, notes, terms)
 
 
 def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tuple[Estimate, str]:
-    """The calculator: a config and a device's memory in GiB in; the predicted peak by category and a verdict out.
-    Not included: the CUDA context (a few hundred MiB), the caching allocator's fragmentation, library workspaces;
-    the margin is kept for them."""
+    """The calculator: the predicted peak and a verdict for a device of `device_gib`. The margin is kept for what the
+    formula leaves out: the CUDA context, the allocator's fragmentation, library workspaces."""
     est = estimate(cfg)
     return est, est.verdict(device_gib, margin)
 
@@ -566,9 +444,8 @@ def check_device_gib(device_gib, margin: float = 0.1) -> None:
 def calculator_config(
     preset: str = "gpt2-small", batch_size: int = 32, context: int = 1024, attention: str = "naive", **changes
 ) -> TrainConfig:
-    """The calculator's config (notebook 02): a preset's network at any batch and context (its position table grown to
-    the context where needed), with its attention and any TrainConfig fields changed (precision, optimizer,
-    activation_checkpointing, loss_chunks, set_to_none...). On the CPU: the formula and FakeTensorMode need no GPU."""
+    """The calculator's config (notebook 02): a preset's network at any batch and context (its position table grown
+    where needed) and attention, with any TrainConfig fields changed; on the CPU: the formula needs no GPU."""
     from .config import preset as make_preset
 
     cfg = make_preset(preset, "cpu")
@@ -577,14 +454,11 @@ def calculator_config(
 
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
-    """The largest batch_size (no accumulation) whose predicted peak fits; 0 when even batch 1 does not. The search goes
-    up to `limit`: when that fits too, a ConfigError says so (the answer is "more than limit", not limit). A device
-    size or margin that is not one is refused by the first verdict (Estimate.verdict)."""
+    """The largest batch_size (no accumulation) whose predicted peak fits, by bisection; 0 when even 1 does not, a
+    ConfigError when `limit` fits too (the answer is "more than limit", not limit)."""
 
     def fits(bs: int) -> bool:
-        return (
-            estimate(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1)).verdict(device_gib, margin) == "fits"
-        )
+        return will_it_fit(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1), device_gib, margin)[1] == "fits"
 
     if not fits(1):
         return 0

@@ -21,8 +21,7 @@ RESERVED_PEAK = "reserved, CUDA graphs' pool included"  # how a reserved peak is
 
 
 def git_commit() -> str | None:
-    """The course's commit, with "-dirty" when its tracked files differ from it (a number measured with code that no
-    commit holds says so); None outside a git checkout."""
+    """The course's commit, "-dirty" where its tracked files differ (code no commit holds); None outside a checkout."""
 
     def git(*args: str) -> str:
         here = Path(__file__).resolve().parent
@@ -73,19 +72,17 @@ class RunResult:
     loss_scales: list[float] = field(default_factory=list)
     details: dict = field(default_factory=dict)  # what a notebook's own runner measured for its plots (JSON-able)
     stopped_early: str = ""  # why the run ended before cfg.steps (the ladder gives up on a far slower rung), if it did
-    # a ladder rung's verdict against the best loop so far (course_lib.ladder)
-    ladder: dict = field(default_factory=dict)
+    ladder: dict = field(default_factory=dict)  # a ladder rung's verdict against the best loop so far
 
     @classmethod
     def failed(cls, cfg, label: str, status: str, reason: str, device: str | None = None) -> "RunResult":
-        """A run that measured nothing: its `status` ("oom", "skipped", "error", "interrupted") and why, with its
-        config (a TrainConfig, or None where none could be made: then `device` says where it would have run)."""
+        """A run that measured nothing: its `status` and why, with its config (a TrainConfig, or None where none could
+        be made: then `device` says where it would have run)."""
         config = cfg.to_dict() if cfg is not None else {}
         where = device_name(cfg.device if cfg is not None else device)
         return cls(label=label, status=status, config=config, provenance=provenance(where), reason=reason)
 
     def with_details(self, **details) -> "RunResult":
-        """This result with more of what a notebook's runner measured (kept in panel.results and saved with it)."""
         self.details = {**self.details, **details}
         return self
 
@@ -99,8 +96,7 @@ class RunResult:
 
     @property
     def note(self) -> str:
-        """What a table says beside a run: its reason, else how this process's allocator differed from the C library's
-        own rule (details["allocator"]: cpu_allocator.not_glibcs_own_rule)."""
+        """What a table says beside a run: its reason, else how its allocator differed (cpu_allocator's)."""
         return self.reason or self.details.get("allocator", "")
 
     @property
@@ -109,34 +105,28 @@ class RunResult:
         return bool(self.memory) and self.memory.get("method", "").startswith(GRAPHS_METHOD)
 
     def peak_text(self, spec: str = ".4f", unit: str = "") -> str:
-        """The peak in GiB (`unit` after the number), labelled where it is the reserved one; "" where memory was not
-        measured."""
-        if self.peak_gib is None:
-            return ""
+        """The peak in GiB (`unit` after it), labelled where it is the reserved one; "" where not measured."""
         label = f" ({RESERVED_PEAK})" if self.peak_is_reserved else ""
-        return format(self.peak_gib, spec) + unit + label
+        return "" if self.peak_gib is None else format(self.peak_gib, spec) + unit + label
 
     def peak_ratio(self, base: RunResult) -> float | None:
-        """This peak over `base`'s, where both were measured and are of one kind (both the live tensors', or both
-        reserved under CUDA graphs: a reserved peak over a live one is no ratio of memories); else None."""
+        """This peak over `base`'s, where both were measured and are of one kind (a reserved peak over a live one is no
+        ratio of memories); else None."""
         if not (self.peak_gib is not None and base.peak_gib) or self.peak_is_reserved != base.peak_is_reserved:
             return None
         return self.peak_gib / base.peak_gib
 
     def memory_gib(self) -> dict[str, float | None]:
         """GiB by category; None for a category this device could not measure (CUDA: activations, logits)."""
-        if not self.memory:
-            return dict.fromkeys(CATEGORIES, None)
-        return {k: None if v is None else v / GiB for k, v in self.memory["by_category"].items()}
+        by = self.memory["by_category"] if self.memory else dict.fromkeys(CATEGORIES)
+        return {k: None if v is None else v / GiB for k, v in by.items()}
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RunResult":
-        d = dict(d)
-        d["val_losses"] = [tuple(v) for v in d.get("val_losses", [])]
-        return cls(**d)
+        return cls(**{**d, "val_losses": [tuple(v) for v in d.get("val_losses", [])]})  # JSON made the pairs lists
 
 
 def check_writable(path: str | Path) -> Path:
@@ -149,9 +139,7 @@ def check_writable(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder: give a file name in it")
-    if path.is_symlink() or (path.exists() and not path.is_file()):
-        # the file is written beside it and moved over it: a device (/dev/stdout, /dev/null) or a link would be replaced
-        # by a plain file, even with --force
+    if path.is_symlink() or (path.exists() and not path.is_file()):  # the move over it would replace it by a file
         raise ValueError(f"{path} is not a plain file (a link, a device or a pipe): give the name of a file to write")
     folder = next((p for p in [path.parent, *path.parent.parents] if p.exists()), Path("."))
     if path.exists() and not os.access(path, os.W_OK):
@@ -167,19 +155,16 @@ def check_writable(path: str | Path) -> Path:
 
 
 def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
-    """Write the results as JSON in one step (course_lib.cache.write_atomic): a failed write (a full disk) raises and
-    leaves any earlier file whole."""
-    path = Path(path)
+    """Write the results as JSON in one step (cache.write_atomic): a failed write raises, any earlier file whole."""
     text = json.dumps({**extra, "results": [r.to_dict() for r in results]}, indent=1)
-    write_atomic(path, lambda f: f.write_text(text), strict=True)
-    return path
+    write_atomic(Path(path), lambda f: f.write_text(text), strict=True)
+    return Path(path)
 
 
 class ResultsFile:
-    """A results file kept current while runs are measured (a climb's --json, a panel's save_to). `save` writes every
-    result so far in one step (save_results); a write that fails is kept in `error`, not raised, so the runs go on and
-    the caller can say so. With `replace`, an existing file is not touched until `finish`: the results go to a file
-    beside it, so an unfinished set never takes the place of a whole one."""
+    """A results file kept current while runs are measured (a climb's --json, a panel's save_to). A failed `save` is
+    kept in `error`, not raised, so the runs go on. With `replace`, the results go to a file beside an existing one
+    until `finish`, so an unfinished set never takes the place of a whole one."""
 
     def __init__(self, path: Path, replace: bool = False, fallback_name: str = "results", **meta):
         self.path, self.meta, self.fallback_name = Path(path), meta, fallback_name
@@ -200,10 +185,9 @@ class ResultsFile:
             self.error = e
 
     def finish(self, complete: bool) -> Path | None:
-        """Where the results are now that the runs have ended: the file, which a complete set now replaces an earlier
-        one with, or, where it could not be written, a new file in the temporary folder. None where there were no
-        results, or where not even that folder could be written (`note` says so: the caller still holds them). No
-        OSError escapes it, so that runs already measured are never lost to a full disk or a folder gone."""
+        """Where the results are now that the runs have ended: the file (a complete set now replacing the earlier one),
+        else a new file in the temporary folder, else None (`note` says why). No OSError escapes: measured runs are
+        never lost to a full disk."""
         self.note = ""
         if not self.results:
             return None
@@ -227,8 +211,8 @@ class ResultsFile:
 
 
 def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
-    """The results and the rest of a file save_results wrote. A file that is missing, a folder, empty, cut short,
-    not text, or of another kind raises a ResultsFileError that says which, in words a learner can act on."""
+    """The results and the rest of a file save_results wrote; a ResultsFileError says, in words a learner can act on,
+    why a file is not one (missing, a folder, empty, cut short, not text, of another kind)."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -245,8 +229,7 @@ def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
     try:
         payload = json.loads(text)
     except json.JSONDecodeError as e:
-        # the text stops where more was expected, inside a string, or inside its last number or word (`0.`, `tru`):
-        # cut short, not mistyped
+        # cut short, not mistyped: it stops where more was expected, in a string, or in its last number or word (`tru`)
         rest = text[e.pos :].strip()
         ends = not rest or re.fullmatch(r"[\w.+-]+", rest) is not None or e.msg.startswith("Unterminated string")
         raise ResultsFileError(
@@ -264,20 +247,17 @@ def _run_record(i: int, row) -> RunResult:
     """Result number i of a file as a RunResult, or a ResultsFileError naming what it lacks or has too many of."""
     known = {f.name for f in fields(RunResult)}
     needed = {f.name for f in fields(RunResult) if f.default is MISSING and f.default_factory is MISSING}
-    what = (
-        f"a {type(row).__name__}, not an object"
-        if not isinstance(row, dict)
-        else f"no {sorted(needed - set(row))}"
-        if needed - set(row)
-        else f"fields no run has: {sorted(set(row) - known)}"
-        if set(row) - known
-        else ""
-    )
-    try:
-        if not what:
+    if not isinstance(row, dict):
+        what = f"a {type(row).__name__}, not an object"
+    elif needed - set(row):
+        what = f"no {sorted(needed - set(row))}"
+    elif set(row) - known:
+        what = f"fields no run has: {sorted(set(row) - known)}"
+    else:
+        try:
             return RunResult.from_dict(row)
-    except (TypeError, ValueError) as e:  # a field of the wrong kind (val_losses not pairs)
-        what = str(e)
+        except (TypeError, ValueError) as e:  # a field of the wrong kind (val_losses not pairs)
+            what = str(e)
     raise ResultsFileError(f"its result {i + 1} is not a run's record ({what})")
 
 
@@ -300,73 +280,39 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
     base = baseline or next((r for r in results if r.ok), None)
     rows = []
     for r in results:
-        # another network: a ratio to this baseline means nothing
-        if r.ok and base is not None and not same_model(r, base):
-            rows.append(
-                {
-                    "run": r.label,
-                    "status": "ok",
-                    "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
-                    "tokens/s": fmt(r.tokens_per_s, ",.0f"),
-                    "speed-up": "other model",
-                    "peak GiB": r.peak_text() or "n/a",
-                    "memory vs base": "other model",
-                    "MFU": efficiency_text(r),
-                    "compile s": fmt(r.compile_s, ".1f", missing=""),
-                    "note": r.note,
-                }
-            )
-            continue
-        if not r.ok:
-            rows.append(
-                {
-                    "run": r.label,
-                    "status": r.status.upper(),
-                    "ms/step": "",
-                    "tokens/s": "",
-                    "speed-up": "",
-                    "peak GiB": "",
-                    "memory vs base": "",
-                    "MFU": "",
-                    "compile s": "",
-                    "note": r.reason,
-                }
-            )
-            continue
-        speed = r.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s else None
-        # a run stopped early: none
-        mem = r.peak_ratio(base) if base else None
-        rows.append(
-            {
-                "run": r.label,
+        row = dict.fromkeys(COLUMNS, "") | {"run": r.label, "status": r.status.upper(), "note": r.reason}
+        if r.ok:
+            # another network: a ratio to this baseline means nothing
+            other = base is not None and not same_model(r, base)
+            speed = r.tokens_per_s / base.tokens_per_s if not other and base and base.tokens_per_s else None
+            mem = r.peak_ratio(base) if not other and base else None
+            row |= {
                 "status": "ok",
                 "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
                 "tokens/s": fmt(r.tokens_per_s, ",.0f"),
-                "speed-up": fmt(speed, ".2f") + "x" if speed else "",
+                "speed-up": "other model" if other else (fmt(speed, ".2f") + "x" if speed else ""),
                 "peak GiB": r.peak_text() or "n/a",
-                "memory vs base": fmt(mem, ".2f") + "x" if mem else "",
+                "memory vs base": "other model" if other else (fmt(mem, ".2f") + "x" if mem else ""),
                 "MFU": efficiency_text(r),
                 "compile s": fmt(r.compile_s, ".1f", missing=""),
                 "note": r.note,
             }
-        )
+        rows.append(row)
     return rows
 
 
-# what makes two runs the same network (not its techniques)
-ARCHITECTURE = ("n_layer", "n_head", "n_embd", "vocab_size")
+COLUMNS = ("run", "status", "ms/step", "tokens/s", "speed-up", "peak GiB", "memory vs base", "MFU", "compile s", "note")
 
 
 def same_model(a: RunResult, b: RunResult) -> bool:
     """Whether two runs trained the same network (layers, heads, width, vocabulary), whatever their techniques."""
     ma, mb = (a.config or {}).get("model", {}), (b.config or {}).get("model", {})
-    return all(ma.get(k) == mb.get(k) for k in ARCHITECTURE)
+    return all(ma.get(k) == mb.get(k) for k in ("n_layer", "n_head", "n_embd", "vocab_size"))
 
 
 def efficiency_text(r: RunResult) -> str:
-    """MFU against a data sheet, or efficiency against this machine's measured matmul peak, labelled as such. A data
-    sheet's peak is the run's precision's (a GPU's tf32 or bf16 peak is many times its fp32 one), so the label names it:
-    a rung that turns TF32 on can run faster and still show a smaller share."""
+    """MFU against a data sheet's peak for the run's precision (named: a rung that turns TF32 on can run faster and
+    show a smaller share), or efficiency against this machine's measured matmul peak."""
     if r.mfu is None:
         return "n/a"
     if r.mfu_basis == "measured matmul peak":
