@@ -1,7 +1,5 @@
-"""The course's results page and the README's figure, generated from the files in data/ so that no number is copied by
-hand: docs/results.md (what to expect on each kind of device, the notebooks' run times, every shipped climb rung by
-rung), docs/climbs.png (speed and memory by rung on an AVX2 CPU, a CPU with bf16 instructions and a GPU) and the
-README's "what to expect" table. tests/test_docs.py regenerates them in memory and fails when a committed one differs.
+"""docs/results.md, docs/climbs.png and the README's "what to expect" table, generated from the files in data/ so that
+no number is copied by hand. tests/test_docs.py fails when a committed one differs from what the data gives.
 
     python -m course_lib.results_page            # rewrite docs/results.md, docs/climbs.png and the README's table
     python -m course_lib.results_page --check    # exit 1, naming the stale file, where one is out of date
@@ -44,39 +42,25 @@ class Climb:
     results: list[RunResult]
     meta: dict
 
-    @property
-    def kept(self) -> list[RunResult]:
-        return [r for r in self.results if r.ok and (r.ladder or {}).get("kept", True)]
 
-    @property
-    def naive(self) -> RunResult | None:
-        return next((r for r in self.results if r.ok and r.peak_gib), None)
-
-    def optimised_factor(self) -> float | None:
-        row = next((r for r in self.results if r.label == OPTIMISED and r.ok), None)
-        return (row.ladder or {}).get("factor") if row else None
-
-    def fastest_kept(self) -> float | None:
-        kept = {r.label for r in self.kept}
-        speed = [v for i, v in ladder_speedups(self.results).items() if self.results[i].label in kept]
-        return max(speed, default=None)
-
-    def memory_saved(self, row: RunResult | None) -> float | None:
-        """naive fp32's peak over `row`'s: how many times less memory `row` needs."""
-        base = self.naive
-        return base.peak_gib / row.peak_gib if base and row and row.ok and row.peak_gib else None
-
-    def leanest(self) -> RunResult | None:
-        """The `= leanest here` row, or in a climb shipped before it had one, its kept rung with the smallest peak."""
-        row = next((r for r in self.results if r.label == LEANEST and r.ok), None)
-        return row or min((r for r in self.kept if r.peak_gib), key=lambda r: r.peak_gib, default=None)
-
-    def optimised(self) -> RunResult | None:
-        return next((r for r in self.results if r.label == OPTIMISED and r.ok), None)
+def _expected(climb: Climb) -> list[float | None]:
+    """A climb's numbers in the table: `= optimised here`'s speed factor, the fastest kept rung's speed-up, and how many
+    times less memory than naive fp32's the optimised and the leanest loops need."""
+    results = climb.results
+    row = lambda label: next((r for r in results if r.label == label and r.ok), None)  # noqa: E731
+    kept = [r for r in results if r.ok and (r.ladder or {}).get("kept", True)]
+    kept_labels = {r.label for r in kept}
+    fastest = max((v for i, v in ladder_speedups(results).items() if results[i].label in kept_labels), default=None)
+    base = next((r for r in results if r.ok and r.peak_gib), None)
+    saved = lambda r: base.peak_gib / r.peak_gib if base and r and r.peak_gib else None  # noqa: E731
+    # the `= leanest here` row, or in a climb shipped before it had one, its kept rung with the smallest peak
+    leanest = row(LEANEST) or min((r for r in kept if r.peak_gib), key=lambda r: r.peak_gib, default=None)
+    optimised = row(OPTIMISED)
+    return [(optimised.ladder or {}).get("factor") if optimised else None, fastest, saved(optimised), saved(leanest)]
 
 
 def _read(entries) -> list[Climb]:
-    return [Climb(path, results, meta) for path, results, meta in entries]
+    return [Climb(*entry) for entry in entries]
 
 
 def device_classes() -> list[tuple[str, list[Climb]]]:
@@ -93,9 +77,10 @@ def device_classes() -> list[tuple[str, list[Climb]]]:
 
 
 def _model(meta: dict) -> str:
-    m = meta["base_config"]["model"]
-    batch, context = meta["base_config"]["batch_size"], meta["base_config"]["context"]
-    return f"`{meta['preset']}` ({m['n_layer']} blocks, width {m['n_embd']}, batch {batch} x {context})"
+    m, cfg = meta["base_config"]["model"], meta["base_config"]
+    return (
+        f"`{meta['preset']}` ({m['n_layer']} blocks, width {m['n_embd']}, batch {cfg['batch_size']} x {cfg['context']})"
+    )
 
 
 def _span(values: list[float | None], fmt: str = "{:.2f}x") -> str:
@@ -108,12 +93,9 @@ def _span(values: list[float | None], fmt: str = "{:.2f}x") -> str:
 
 def figure_climbs() -> list[tuple[str, list[RunResult]]]:
     """One climb per device class for the figure: the largest model's latest climb (the model sized to the device)."""
-    out = []
-    for name, climbs in device_classes():
-        size = lambda c: c.meta["base_config"]["model"]["n_embd"] * c.meta["base_config"]["model"]["n_layer"]  # noqa: E731
-        best = max(climbs, key=lambda c: (size(c), c.meta["date"]))
-        out.append((f"{name.split(' (')[0]}, preset {best.meta['preset']}", best.results))
-    return out
+    size = lambda m: m["base_config"]["model"]["n_embd"] * m["base_config"]["model"]["n_layer"]  # noqa: E731
+    best = [(name, max(climbs, key=lambda c: (size(c.meta), c.meta["date"]))) for name, climbs in device_classes()]
+    return [(f"{name.split(' (')[0]}, preset {c.meta['preset']}", c.results) for name, c in best]
 
 
 def _expect_table() -> list[str]:
@@ -125,23 +107,16 @@ def _expect_table() -> list[str]:
     for name, climbs in device_classes():
         for preset in dict.fromkeys(c.meta["preset"] for c in climbs):
             same = [c for c in climbs if c.meta["preset"] == preset]
-            rows.append(
-                f"| {name} | {_model(same[0].meta)} | {len(same)} "
-                f"| {_span([c.optimised_factor() for c in same])} | {_span([c.fastest_kept() for c in same])} "
-                f"| {_span([c.memory_saved(c.optimised()) for c in same])} "
-                f"| {_span([c.memory_saved(c.leanest()) for c in same])} |"
-            )
-    rows.append(
-        f"| **the course's promise** (made for a GPU) | | | ~{PROMISE:g}x | ~{PROMISE:g}x | ~{PROMISE:g}x | "
-        f"~{PROMISE:g}x |"
-    )
+            cells = zip(*map(_expected, same))
+            rows.append(f"| {name} | {_model(same[0].meta)} | {len(same)} | " + " | ".join(map(_span, cells)) + " |")
+    promise = f"~{PROMISE:g}x"
+    rows.append(f"| **the course's promise** (made for a GPU) | | | {promise} | {promise} | {promise} | {promise} |")
     return rows
 
 
 def notebook_times() -> list[dict]:
     """The shipped notebook run times (`.ci/learner-budget`), one dict per run, oldest first."""
-    files = sorted(NOTEBOOK_TIMES.glob("*.json")) if NOTEBOOK_TIMES.exists() else []
-    return [dict(json.loads(f.read_text()), file=f) for f in files]
+    return [dict(json.loads(f.read_text()), file=f) for f in sorted(NOTEBOOK_TIMES.glob("*.json"))]
 
 
 def _times_section() -> list[str]:
@@ -162,23 +137,25 @@ def _times_section() -> list[str]:
         out.append(f"| {nb} | " + " | ".join(cells) + " |")
     out.append("")
     for f in notebook_times():
-        rel = f["file"].relative_to(DATA_DIR).as_posix()
         details = "; ".join(
             f"{r['device']} [{r['cpu']}]: torch {r['torch']}, {r['date']}, commit {r['commit']}" for r in f["runs"]
         )
-        out += [f"From `data/{rel}` ({details}). {f['note']}", ""]
+        out += [f"From `{_rel(f['file'])}` ({details}). {f['note']}", ""]
     return out
+
+
+def _rel(path: Path) -> str:
+    return f"data/{path.relative_to(DATA_DIR).as_posix()}"
 
 
 def _climb_section(climb: Climb) -> list[str]:
     meta = climb.meta
-    rel = climb.path.relative_to(DATA_DIR).as_posix()
     where = f"; CUDA {meta['cuda']}" if meta.get("cuda") else ""
     cpu = f" [{meta['cpu']}]" if meta.get("cpu") else ""
     out = [
         f"#### {meta['device']}, `{meta['preset']}`, {meta['date'][:10]} ({climb.path.stem})",
         "",
-        f"`data/{rel}`: {meta['device']}{cpu}, torch {meta['torch']}{where}, {meta['date']}, commit "
+        f"`{_rel(climb.path)}`: {meta['device']}{cpu}, torch {meta['torch']}{where}, {meta['date']}, commit "
         f"{meta.get('commit') or 'n/a'}; model {_model(meta)}; made by `python -m course_lib ladder --preset "
         f"{meta['preset']}{' --fixed' if meta.get('fixed') else ''} --json FILE`.",
         "",
@@ -195,31 +172,14 @@ def _climb_section(climb: Climb) -> list[str]:
     return out + [""]
 
 
-NOTEBOOKS_RUN = sorted(REFERENCE_DIR.glob("*.ipynb")) if REFERENCE_DIR.exists() else []  # executed, outputs kept
-
-
 def _where(path: Path) -> str:
-    """ ": device, torch, date" of a shipped JSON file that says them (at its top, in its provenance or its first
-    run's), else ""."""
-    try:
-        meta = json.loads(path.read_text()) if path.suffix == ".json" else {}
-    except ValueError:
-        meta = {}
-    if not isinstance(meta, dict):
-        return ""
-    runs = meta.get("results") if isinstance(meta.get("results"), list) else []
-    first_run = runs[0].get("provenance", {}) if runs and isinstance(runs[0], dict) else {}
-    where = {**first_run, **meta.get("provenance", {}), **{k: v for k, v in meta.items() if k != "provenance"}}
+    """ ": device, torch, date" of a shipped JSON file, from its top, its provenance or its first run's; else ""."""
+    meta = json.loads(path.read_text()) if path.suffix == ".json" else {}
+    runs = meta.get("results") or [{}]
+    where = {**runs[0].get("provenance", {}), **meta.get("provenance", {}), **meta}
     if not where.get("device"):
         return ""
     return f": {where['device']}, torch {where.get('torch', 'n/a')}, {str(where.get('date', ''))[:10]}"
-
-
-def _checks_section() -> list[str]:
-    out = [f"- `data/{f.relative_to(DATA_DIR).as_posix()}`: executed, its outputs kept" for f in NOTEBOOKS_RUN]
-    for f in sorted(CHECKS_DIR.iterdir()) if CHECKS_DIR.exists() else []:
-        out.append(f"- `data/{f.relative_to(DATA_DIR).as_posix()}`{_where(f)}")
-    return out
 
 
 def page() -> str:
@@ -248,28 +208,26 @@ def page() -> str:
         "## Every shipped climb",
         "",
     ]
-    for name, climbs in device_classes():
-        lines += [f"### {name}", ""]
-        for climb in climbs:
-            lines += _climb_section(climb)
-    others = [c for c in _read(measured_cpus()) if c.path not in {x.path for _, cs in device_classes() for x in cs}]
+    classes = device_classes()
+    others = [c for c in _read(measured_cpus()) if c.path not in {x.path for _, cs in classes for x in cs}]
     if others:
-        lines += ["### CPUs with their kernels held to another instruction set", ""]
-        for climb in others:
-            lines += _climb_section(climb)
-    lines += ["## Other shipped measurements", "", *_checks_section(), ""]
+        classes.append(("CPUs with their kernels held to another instruction set", others))
+    for name, climbs in classes:
+        lines += [f"### {name}", "", *(line for climb in climbs for line in _climb_section(climb))]
+    shipped = [f"- `{_rel(f)}`: executed, its outputs kept" for f in sorted(REFERENCE_DIR.glob("*.ipynb"))]
+    shipped += [f"- `{_rel(f)}`{_where(f)}" for f in sorted(CHECKS_DIR.glob("*"))]
+    lines += ["## Other shipped measurements", "", *shipped, ""]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def figure_source() -> str:
-    """What the figure was drawn from, stored in the PNG (its "Source" text): the drawing code's hash and each climb's
-    file with its content's, so that a test can tell a figure drawn from other data or code without comparing pixels
-    (which differ between matplotlib versions)."""
-    parts = []
-    for name, climbs in device_classes():
-        for climb in climbs:
-            digest = hashlib.sha256(climb.path.read_bytes()).hexdigest()[:16]
-            parts.append(f"data/{climb.path.relative_to(DATA_DIR).as_posix()} sha256:{digest}")
+    """The drawing code's hash and each climb file's, stored in the PNG's "Source" text: a test tells a figure drawn
+    from other data or code without comparing pixels (which differ between matplotlib versions)."""
+    parts = [
+        f"{_rel(climb.path)} sha256:{hashlib.sha256(climb.path.read_bytes()).hexdigest()[:16]}"
+        for _, climbs in device_classes()
+        for climb in climbs
+    ]
     drawing = hashlib.sha256((inspect.getsource(plot_climbs) + inspect.getsource(figure_png)).encode()).hexdigest()
     return f"{COMMAND} (drawing code sha256:{drawing[:16]}); " + "; ".join(parts)
 
@@ -303,7 +261,7 @@ def stale() -> list[Path]:
     out = []
     if not PAGE.exists() or PAGE.read_text(encoding="utf-8") != page():
         out.append(PAGE)
-    if not FIGURE.exists() or png_source() != figure_source():
+    if not FIGURE.exists() or png_source(FIGURE) != figure_source():
         out.append(FIGURE)
     readme = README.read_text(encoding="utf-8")
     if readme_with_table(readme) != readme:
