@@ -52,6 +52,10 @@ class Ctx:
     def is_last(self) -> bool:
         return self.rank == self.world - 1
 
+    def socket_bytes(self, counter: CollectiveCounter) -> int | None:
+        """What this rank wrote to its sockets while `counter` counted: gloo's traffic (NCCL's does not pass there)."""
+        return counter.written if self.backend == "gloo" else None
+
 
 def choose_backend(device_pref: str, local_world: int) -> tuple[str, str]:
     """(backend, device type): NCCL when every local process can have its own GPU, else gloo on CPU."""
@@ -171,7 +175,14 @@ def keep_group():
         _group_kept = False
 
 
-def finish() -> None:
+def finish(ctx: Ctx, payload: dict) -> None:
+    """The end of a strategy's run: write this rank's results, then leave the process group."""
+    write(ctx, payload)
+    leave()
+
+
+def leave() -> None:
+    """Wait for every rank, then leave the process group (unless a series keeps it for its next run)."""
     if dist.is_initialized():
         dist.barrier()
         if not _group_kept:

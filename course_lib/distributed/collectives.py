@@ -163,16 +163,8 @@ def main(argv=None) -> None:
         for op in o["ops"]
         for n in sizes(o["min_bytes"], o["max_bytes"], o["factor"])
     ]
-    _common.write(
-        ctx,
-        {
-            "strategy": "collectives",
-            "options": o,
-            "bus_factor": {op: bus_factor(op, ctx.world) for op in o["ops"]},
-            "rows": rows,
-        },
-    )
-    _common.finish()
+    bus = {op: bus_factor(op, ctx.world) for op in o["ops"]}
+    _common.finish(ctx, {"strategy": "collectives", "options": o, "bus_factor": bus, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -70,8 +70,8 @@ OPTIONS = {"steps": 4, "accum": 2, "reference": True}
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "ddp")
-    steps = int(ctx.options.get("steps", 4))
-    accum = int(ctx.options.get("accum", 2))
+    steps = ctx.options["steps"]
+    accum = ctx.options["accum"]
     base = ctx.cfg
     mb = base.micro_batch_size
     cfg = replace(
@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     }
     payload["run_without_no_sync"]["median_step_s"] = without["result"]["median_step_s"]
 
-    if ctx.is_first and ctx.options.get("reference", True):
+    if ctx.is_first and ctx.options["reference"]:
         # One process, the whole global batch (all ranks' micro-batches together), the same steps.
         ref_cfg = replace(cfg, data_parallel="none", grad_accum_steps=1, batch_size=ctx.world * mb * accum)
         one = Trainer(
@@ -112,8 +112,7 @@ def main(argv=None) -> None:
             "max_abs_param": scale,
             "worst_param": max(diffs, key=diffs.get),
         }
-    _common.write(ctx, payload)
-    _common.finish()
+    _common.finish(ctx, payload)
 
 
 if __name__ == "__main__":

@@ -126,17 +126,16 @@ OPTIONS = {"steps": 6, "bucket_kb": [64, 1024]}
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "ddp_by_hand")
-    steps = int(ctx.options.get("steps", 6))
+    steps = ctx.options["steps"]
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, measure_memory=False)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
     runs = [run_variant(ctx, cfg, at, v) for v in ("torch", "naive", "overlapped")]
-    runs += [run_variant(ctx, cfg, at, "bucketed", kb * 1024) for kb in ctx.options.get("bucket_kb", [64, 1024])]
+    runs += [run_variant(ctx, cfg, at, "bucketed", kb * 1024) for kb in ctx.options["bucket_kb"]]
     reference = runs[0]["params"]
     for r in runs:
         params = r.pop("params")
         r["max_abs_param_diff_vs_torch_ddp"] = max((params[n] - reference[n]).abs().max().item() for n in params)
-    _common.write(ctx, {"strategy": "ddp_by_hand", "steps": steps, "runs": runs})
-    _common.finish()
+    _common.finish(ctx, {"strategy": "ddp_by_hand", "steps": steps, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -108,7 +108,7 @@ def run(ctx: _common.Ctx, cfg, at, label: str, model=None) -> dict:
         "result": result.to_dict(),
         "memory": measure.static_bytes(setup.model, setup.optimizer),
         "collectives_last_step": dict(counter.counts),
-        "written_last_step": counter.written if ctx.backend == "gloo" else None,
+        "written_last_step": ctx.socket_bytes(counter),
         "n_params": sum(p.numel() for p in params),
         **_common.cuda_peak(ctx.device),
     }
@@ -168,8 +168,8 @@ def replicated_norms_check(ctx: _common.Ctx, cfg, at, precision: str, steps: int
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "fsdp")
-    steps = int(ctx.options.get("steps", 3))
-    precisions = ctx.options.get("precisions", PRECISIONS)
+    steps = ctx.options["steps"]
+    precisions = ctx.options["precisions"]
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, batch_size=ctx.cfg.micro_batch_size)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
     payload = {"strategy": "fsdp", "steps": steps}
@@ -181,8 +181,7 @@ def main(argv=None) -> None:
         payload[key] = run(ctx, replace(cfg, data_parallel="none"), at, label, model=model) | {"precision": precision}
     if ctx.options.get("replicate_norms"):
         payload["replicated_norms"] = replicated_norms_check(ctx, cfg, at, precisions[-1])
-    _common.write(ctx, payload)
-    _common.finish()
+    _common.finish(ctx, payload)
 
 
 if __name__ == "__main__":

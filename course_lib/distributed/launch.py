@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 STRATEGIES = (
@@ -242,16 +242,7 @@ def launch(
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r}: a launch needs a whole number of processes >= 1 (2 for a first try)")
     check_strategy_options(strategy, options or {})  # here, before any process starts: one message, not one per rank
-    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"course_{strategy}_"))
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()  # the ranks write here: a folder they cannot write is said now
-    except OSError as e:
-        raise ValueError(
-            f"out_dir={str(out)!r}: no file can be written there ({e.strerror}); give a folder you can write"
-        ) from None
-    for old in [*out.glob("rank*.json"), *out.glob("pid_rank*")]:  # an earlier launch's, not this one's
-        old.unlink()
+    out = _results_dir(out_dir, strategy)
     config_file = None
     if cfg is not None:
         config_file = out / "config.json"
@@ -263,6 +254,36 @@ def launch(
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["TORCHELASTIC_ERROR_FILE"] = str(out / "error.json")
     t0 = time.perf_counter()
+    proc, stdout, stderr, timed_out = _run_to_the_end(cmd, env, timeout_s, out)
+    wall = time.perf_counter() - t0
+    ranks, damaged = read_ranks(out)
+    result = LaunchResult(
+        strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr + damaged, stdout, str(out), proc.pid
+    )
+    if show_errors and not result.ok:
+        print(result.why(), file=sys.stderr)
+    return result
+
+
+def _results_dir(out_dir: str | Path | None, strategy: str) -> Path:
+    """The folder the ranks write to (a new temporary one by default), checked writable and cleared of an earlier
+    launch's results."""
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix=f"course_{strategy}_"))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()  # the ranks write here: a folder they cannot write is said now
+    except OSError as e:
+        raise ValueError(
+            f"out_dir={str(out)!r}: no file can be written there ({e.strerror}); give a folder you can write"
+        ) from None
+    for old in [*out.glob("rank*.json"), *out.glob("pid_rank*")]:
+        old.unlink()
+    return out
+
+
+def _run_to_the_end(cmd: list[str], env: dict, timeout_s: float, out: Path):
+    """Run torchrun in a process group of its own until it ends or outlives `timeout_s`; then stop whatever of it is
+    left. Returns (the process, its stdout, its stderr, whether it timed out)."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,
@@ -282,14 +303,7 @@ def launch(
     finally:
         _stop_group(proc, grace_s=1.0)  # workers that outlived torchrun, if any
         _stop_ranks(out)
-    wall = time.perf_counter() - t0
-    ranks, damaged = read_ranks(out)
-    result = LaunchResult(
-        strategy, nproc, cmd, proc.returncode, timed_out, wall, ranks, stderr + damaged, stdout, str(out), proc.pid
-    )
-    if show_errors and not result.ok:
-        print(result.why(), file=sys.stderr)
-    return result
+    return proc, stdout, stderr, timed_out
 
 
 def launch_series(
@@ -328,38 +342,14 @@ def launch_series(
     for i, strategy in enumerate(names):
         out = run_dir(whole.out_dir, i, strategy)
         ranks, _ = read_ranks(out)
+        one = replace(whole, strategy=strategy, ranks=ranks, out_dir=str(out))
         if len(ranks) == nproc and failed is None:
-            results[strategy] = LaunchResult(
-                strategy,
-                nproc,
-                whole.command,
-                0,
-                False,
-                walls[i] if i < len(walls) else whole.wall_s,
-                ranks,
-                "",
-                whole.stdout,
-                str(out),
-                whole.pid,
-            )
+            wall = walls[i] if i < len(walls) else whole.wall_s
+            results[strategy] = replace(one, returncode=0, timed_out=False, wall_s=wall, stderr="")
             continue
         failed = failed or strategy
-        which = (
-            f"\nin a series: {failed} failed" + ("" if failed == strategy else f", so {strategy} did not run") + "\n"
-        )
-        results[strategy] = LaunchResult(
-            strategy,
-            nproc,
-            whole.command,
-            whole.returncode,
-            whole.timed_out,
-            whole.wall_s,
-            ranks,
-            whole.stderr + which,
-            whole.stdout,
-            str(out),
-            whole.pid,
-        )
+        which = "" if failed == strategy else f", so {strategy} did not run"
+        results[strategy] = replace(one, stderr=f"{whole.stderr}\nin a series: {failed} failed{which}\n")
     if not whole.ok:
         print(whole.why(), file=sys.stderr)
     return results

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import measure, techniques
-from ..config import ConfigError, did_you_mean
+from ..config import ConfigError, TrainConfig, did_you_mean
 from ..model import GPT
 from . import _common
 
@@ -579,6 +579,18 @@ class PipelineStep:
         )
         self.after_backward: Callable | None = None
         self._n_targets, self._scaler = 1, None
+        self.timelines: list = []  # each timed step's: the rank's, and one per stage (split_timeline)
+        self.stage_timelines: list = []
+
+    def after_step(self, step: int, timed_steps: int) -> None:
+        """A fit() callback: keep each timed step's timelines; from the step after them (the memory step), count the
+        bytes saved for backward."""
+        if step < timed_steps:
+            rank_tl, by_stage = split_timeline(self.events, [st.index for st in self.stages.stages])
+            self.timelines.append(rank_tl)
+            self.stage_timelines.append(by_stage)
+        if step == timed_steps - 1:
+            self.saved.on = True
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with self.saved.hooks(self.n_stages - 1):  # the loss is the last stage's: what it saves, that stage keeps
@@ -743,141 +755,123 @@ OPTIONS = {
 
 
 def main(argv=None) -> None:
-    from ..train import Trainer
-
     ctx = _common.start(argv, OPTIONS, "pipeline")
-    o = ctx.options
-    check(o)
-    ms = [int(m) for m in o["microbatches"]]
-    schedules = list(o["schedules"])
-    steps = int(o["steps"])
-    check_steps(steps, ctx.cfg)
-    v = int(o["stages_per_rank"])
-    batch = int(o["batch_size"] or max(ms))
-    if ctx.cfg.compile:
-        raise ConfigError("the pipeline's stages run eager: set compile=False")
-    mcfg = replace(ctx.cfg.model, n_layer=int(o["n_layer"]))
-    if ctx.cfg.activation_checkpointing != "none" and any(stages_per_rank(s, v) > 1 for s in schedules):
-        raise ConfigError("activation checkpointing wraps one stage's blocks: turn it off for several stages per rank")
-    # One extra step at the end is the memory step (the CPU ledger watches it; on CUDA the run's peak is read; the
-    # bytes saved for backward are counted in it): the timed steps are the first `steps`.
-    cfg = replace(
-        ctx.cfg,
-        model=mcfg,
-        batch_size=batch,
-        grad_accum_steps=1,
-        steps=steps + 1,
-        eval_every=0,
-        measure_memory=ctx.device.type == "cpu",
-    )
+    cfg, ms, schedules, v = _configure(ctx)
     torch.manual_seed(cfg.seed)
-    full = GPT(mcfg).to(ctx.device)
-    d, s, vocab = mcfg.n_embd, cfg.context, mcfg.padded_vocab_size
-    block_cost, head_cost = 12 * d * d + 2 * s * d, d * vocab
+    full = GPT(cfg.model).to(ctx.device)
     _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
-
     payload = {
         "strategy": "pipeline",
         "stages": ctx.world,
-        "ranges": split_points(mcfg.n_layer, ctx.world, block_cost, head_cost),
-        "batch_size": batch,
+        "ranges": split_points(cfg.model.n_layer, ctx.world, *_work(cfg)),
+        "batch_size": cfg.batch_size,
         "context": cfg.context,
-        "n_layer": mcfg.n_layer,
+        "n_layer": cfg.model.n_layer,
         "config": cfg.to_dict(),
         "runs": {},
         "skipped": {},
     }
     tied = tie_group(ctx.world)  # the loop placement's ends; ZB-V's are both on rank 0 (no group)
-    check_at = max(ms)
-    for sched_name in schedules:
-        k = stages_per_rank(sched_name, v)
-        n_stages = ctx.world * k
-        placement = stage_ranks(sched_name, ctx.world, v)
-        ranges = split_points(mcfg.n_layer, n_stages, block_cost, head_cost) if mcfg.n_layer >= n_stages else []
+    for schedule in schedules:
         for m in ms:
-            key = f"{sched_name}/m={m}"
-            reason = why_not(sched_name, ctx.world, m, batch, mcfg.n_layer, v)
-            if reason:
+            key = f"{schedule}/m={m}"
+            if reason := why_not(schedule, ctx.world, m, cfg.batch_size, cfg.model.n_layer, v):
                 payload["skipped"][key] = reason
-                continue
-            stages = build_rank_stages(full, ranges, placement, ctx.rank).to(ctx.device)  # same start each run
-            # The course's one loop, with the pipeline's forward-backward and the norm over all stages plugged in.
-            trainer = Trainer(
-                cfg,
-                stages,
-                parts=techniques.ModelParts(
-                    blocks=stages.stages[0].blocks if k == 1 else None,
-                    head=stages.last_stage.gpt.lm_head if stages.last_stage is not None else None,
-                ),
-                batches=at,
-                flops_per_token=stage_flops_per_token(stages, cfg.context),
-            )
-            step_fn = PipelineStep(
-                stages, ctx, sched_name, m, tied if placement[0] != placement[-1] else None, n_stages=n_stages
-            )
-            trainer.setup.pipeline = step_fn
-            against_unsplit: dict = {}
-            if m == check_at:
-
-                def compare_once(x, y, n_targets, step_loss, out=against_unsplit, stages=stages):
-                    if not out:  # the first step, from the same weights as `full`
-                        out.update(_compare_with_unsplit(full, stages, x, y, n_targets, step_loss))
-
-                step_fn.after_backward = compare_once
-            timelines: list = []
-            stage_timelines: list = []
-
-            def keep_timeline(step, _result, timelines=timelines, stage_timelines=stage_timelines, step_fn=step_fn):
-                if step < steps:
-                    rank_tl, by_stage = split_timeline(step_fn.events, [st.index for st in stages.stages])
-                    timelines.append(rank_tl)
-                    stage_timelines.append(by_stage)
-                if step == steps - 1:  # the next step is the memory step: count what it saves for backward
-                    step_fn.saved.on = True
-
-            counter = _common.CollectiveCounter()  # the last step's sends, receives and all-reduces (the memory step)
-            with counter.last_step_of(cfg.steps) as count:
-
-                def callback(step, result, keep_timeline=keep_timeline, count=count):
-                    keep_timeline(step, result)
-                    count(step, result)
-
-                result = trainer.fit(key, callback=callback)
-            held_before = sum(measure.static_bytes(stages, trainer.setup.optimizer).values())
-            payload["runs"][key] = {
-                "schedule": sched_name,
-                "microbatches": m,
-                "stages_per_rank": k,
-                "stage_ranges": ranges,
-                "stage_ranks": placement,
-                "rank_stages": [st.index for st in stages.stages],
-                "step_times": result.step_times[:steps],
-                "timelines": timelines,
-                "stage_timelines": stage_timelines,
-                "losses": result.losses[:steps] if stages.last_stage is not None else [],
-                "grad_norms": result.grad_norms[:steps],
-                "step_peak_bytes": result.memory["peak_bytes"] - held_before,
-                "peak_method": (
-                    "CPU ledger: the memory step's peak less what the stage held before it (parameters, optimizer state"
-                    + (")" if cfg.set_to_none else ", gradients)")
-                    if ctx.device.type == "cpu"
-                    else (
-                        "CUDA max_memory_allocated over the run less the stage's parameters, gradients "
-                        "and optimizer state"
-                    )
-                ),
-                "saved_peak_bytes_by_stage": {str(i): step_fn.saved.peak[i] for i in sorted(step_fn.saved.peak)},
-                "saved_peak_bytes": step_fn.saved.rank_peak,
-                "saved_method": "saved_tensors_hooks over the memory step: bytes autograd held for backward at once, "
-                "each storage once per stage, parameters excluded",
-                "parameter_bytes": measure.tensor_bytes(stages.parameters()),
-                "collectives_last_step": dict(counter.counts),
-                "written_last_step": counter.written if ctx.backend == "gloo" else None,
-                **({"check": against_unsplit} if against_unsplit else {}),
-            }
+            else:
+                payload["runs"][key] = _run(ctx, cfg, full, at, key, schedule, m, v, tied, check=m == max(ms))
     payload["full_model_parameter_bytes"] = measure.tensor_bytes(full.parameters())
-    _common.write(ctx, payload)
-    _common.finish()
+    _common.finish(ctx, payload)
+
+
+def _configure(ctx: _common.Ctx) -> tuple[TrainConfig, list[int], list[str], int]:
+    """The launch's config from its options, then its micro-batch counts, schedules and stages per rank. The timed
+    steps are the first `steps`; one more at the end is the memory step (the CPU ledger watches it; on CUDA the run's
+    peak is read; the bytes saved for backward are counted in it)."""
+    o = ctx.options
+    check(o)
+    ms, schedules, steps, v = [int(m) for m in o["microbatches"]], o["schedules"], o["steps"], o["stages_per_rank"]
+    check_steps(steps, ctx.cfg)
+    if ctx.cfg.compile:
+        raise ConfigError("the pipeline's stages run eager: set compile=False")
+    if ctx.cfg.activation_checkpointing != "none" and any(stages_per_rank(s, v) > 1 for s in schedules):
+        raise ConfigError("activation checkpointing wraps one stage's blocks: turn it off for several stages per rank")
+    cfg = replace(
+        ctx.cfg,
+        model=replace(ctx.cfg.model, n_layer=o["n_layer"]),
+        batch_size=o["batch_size"] or max(ms),
+        grad_accum_steps=1,
+        steps=steps + 1,
+        eval_every=0,
+        measure_memory=ctx.device.type == "cpu",
+    )
+    return cfg, ms, schedules, v
+
+
+def _work(cfg: TrainConfig) -> tuple[int, int]:
+    """The estimated work of a block and of the output layer, which the stage cut points balance."""
+    d, vocab = cfg.model.n_embd, cfg.model.padded_vocab_size
+    return 12 * d * d + 2 * cfg.context * d, d * vocab
+
+
+def _run(ctx, cfg: TrainConfig, full: GPT, at, key: str, schedule: str, m: int, v: int, tied, check: bool) -> dict:
+    """One schedule at m micro-batches through the course's one loop, with the pipeline's forward-backward and the norm
+    over all stages plugged in; `check`: compare its first step with the unsplit model."""
+    from ..train import Trainer
+
+    k = stages_per_rank(schedule, v)
+    placement = stage_ranks(schedule, ctx.world, v)
+    ranges = split_points(cfg.model.n_layer, ctx.world * k, *_work(cfg))
+    stages = build_rank_stages(full, ranges, placement, ctx.rank).to(ctx.device)  # same start each run
+    last = stages.last_stage
+    parts = techniques.ModelParts(
+        blocks=stages.stages[0].blocks if k == 1 else None, head=last.gpt.lm_head if last is not None else None
+    )
+    trainer = Trainer(cfg, stages, parts=parts, batches=at, flops_per_token=stage_flops_per_token(stages, cfg.context))
+    step_fn = PipelineStep(stages, ctx, schedule, m, tied if placement[0] != placement[-1] else None, len(placement))
+    trainer.setup.pipeline = step_fn
+    against_unsplit: dict = {}
+    if check:
+
+        def compare_once(x, y, n_targets, step_loss):
+            if not against_unsplit:  # the first step, from the same weights as `full`
+                against_unsplit.update(_compare_with_unsplit(full, stages, x, y, n_targets, step_loss))
+
+        step_fn.after_backward = compare_once
+    steps = cfg.steps - 1  # the timed ones; the memory step follows
+    counter = _common.CollectiveCounter()  # the last step's sends, receives and all-reduces (the memory step)
+    with counter.last_step_of(cfg.steps) as count:
+        result = trainer.fit(key, callback=lambda step, r: (step_fn.after_step(step, steps), count(step, r)))
+    held_before = sum(measure.static_bytes(stages, trainer.setup.optimizer).values())
+    return {
+        "schedule": schedule,
+        "microbatches": m,
+        "stages_per_rank": k,
+        "stage_ranges": ranges,
+        "stage_ranks": placement,
+        "rank_stages": [st.index for st in stages.stages],
+        "step_times": result.step_times[:steps],
+        "timelines": step_fn.timelines,
+        "stage_timelines": step_fn.stage_timelines,
+        "losses": result.losses[:steps] if last is not None else [],
+        "grad_norms": result.grad_norms[:steps],
+        "step_peak_bytes": result.memory["peak_bytes"] - held_before,
+        "peak_method": _peak_method(ctx.device, cfg.set_to_none),
+        "saved_peak_bytes_by_stage": {str(i): step_fn.saved.peak[i] for i in sorted(step_fn.saved.peak)},
+        "saved_peak_bytes": step_fn.saved.rank_peak,
+        "saved_method": "saved_tensors_hooks over the memory step: bytes autograd held for backward at once, "
+        "each storage once per stage, parameters excluded",
+        "parameter_bytes": measure.tensor_bytes(stages.parameters()),
+        "collectives_last_step": dict(counter.counts),
+        "written_last_step": ctx.socket_bytes(counter),
+        **({"check": against_unsplit} if against_unsplit else {}),
+    }
+
+
+def _peak_method(device: torch.device, set_to_none: bool) -> str:
+    if device.type == "cpu":
+        held = "parameters, optimizer state" + (")" if set_to_none else ", gradients)")
+        return f"CPU ledger: the memory step's peak less what the stage held before it ({held}"
+    return "CUDA max_memory_allocated over the run less the stage's parameters, gradients and optimizer state"
 
 
 def _compare_with_unsplit(full: GPT, stages: RankStages, x, y, n_targets: int, step_loss: torch.Tensor) -> dict:

@@ -194,7 +194,7 @@ def main(argv=None) -> None:
         raise ValueError(f"global_batch={global_batch} does not split over {ctx.world} processes")
     cfg = replace(
         ctx.cfg,
-        steps=int(o.get("steps", 6)),
+        steps=o["steps"],
         timing_warmup=1,
         grad_accum_steps=1,
         batch_size=global_batch // ctx.world,
@@ -233,7 +233,7 @@ def main(argv=None) -> None:
     if o.get("die_in_final_save"):
         # The results are written; now a save that never completes: the last rank dies after writing its shard.
         save(setup, root, cfg.steps, ctx.rank, writer=DyingWriter if ctx.is_last else FileSystemWriter)
-    _common.finish()
+    _common.leave()
 
 
 if __name__ == "__main__":

@@ -332,8 +332,7 @@ def main(argv=None) -> None:
     runs = [check_layout(ctx, layout, opts) for layout in opts["layouts"]]
     memory = [memory_at(ctx, s, opts) for s in opts["memory_lengths"]]
     shape = {n: opts[n] for n in ("length", "batch", "heads", "head_dim", "block", "causal")}
-    _common.write(ctx, {"strategy": "ring_attention", **shape, "runs": runs, "memory": memory})
-    _common.finish()
+    _common.finish(ctx, {"strategy": "ring_attention", **shape, "runs": runs, "memory": memory})
 
 
 if __name__ == "__main__":

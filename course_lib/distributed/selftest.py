@@ -40,14 +40,14 @@ def measure_sends(ctx: _common.Ctx, nbytes: int) -> dict:
             with counter:
                 run()
             if not warm_up:
-                written = counter.written if ctx.backend == "gloo" else None
+                written = ctx.socket_bytes(counter)
                 out[kind] = {"counted": counter.counts[kind]["bytes"], "written": written}
     return out
 
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "selftest")
-    mode = ctx.options.get("mode", "ok")
+    mode = ctx.options["mode"]
     if mode == "fail" and ctx.is_last:
         raise RuntimeError(f"rank {ctx.rank} fails on purpose (selftest mode 'fail')")
     if mode == "hang" and ctx.is_last:
@@ -60,8 +60,7 @@ def main(argv=None) -> None:
     dist.all_reduce(t)
     elapsed = time.perf_counter() - t0
     sends = measure_sends(ctx, int(ctx.options["measure_bytes"])) if ctx.options.get("measure_bytes") else {}
-    _common.write(ctx, {"sum_of_ranks": t.item(), "all_reduce_s": elapsed, "sends": sends})
-    _common.finish()
+    _common.finish(ctx, {"sum_of_ranks": t.item(), "all_reduce_s": elapsed, "sends": sends})
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def main(argv=None) -> None:
             done.append({"strategy": run["strategy"], "wall_s": time.perf_counter() - t0})
             # after each run: what finished, should a later one fail
             _common.write(ctx, {"strategy": "series", "runs": done})
-    _common.finish()
+    _common.leave()
 
 
 if __name__ == "__main__":

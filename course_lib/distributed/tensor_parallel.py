@@ -37,10 +37,12 @@ Options: {"repeats": int, "sequence_parallel": bool, "memory_dropout": float (dr
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .. import measure
 from ..data import IGNORE_INDEX
@@ -48,10 +50,15 @@ from ..model import GPT
 from . import _common
 
 
+def _qkv_order(rows: int, world: int) -> torch.Tensor:
+    """The row order [q_0; k_0; v_0; q_1; k_1; v_1; ...] of a fused [q; k; v] weight of `rows` rows."""
+    d = rows // 3
+    return torch.arange(rows).view(3, world, d // world).transpose(0, 1).reshape(-1)
+
+
 def reorder_qkv(linear: nn.Linear, world: int) -> None:
     """Rows [q; k; v] to [q_0; k_0; v_0; q_1; k_1; v_1; ...] so that shard r of a column split holds whole heads."""
-    d = linear.out_features // 3
-    idx = torch.arange(3 * d).view(3, world, d // world).transpose(0, 1).reshape(-1)
+    idx = _qkv_order(linear.out_features, world)
     with torch.no_grad():
         linear.weight.copy_(linear.weight[idx])
         if linear.bias is not None:
@@ -119,8 +126,7 @@ def _expected_grad(name: str, g_full: torch.Tensor, p_tp: torch.Tensor, world: i
     if not any(isinstance(pl, Shard) for pl in placements):
         return g_full  # replicated: the whole gradient
     if ".attn.c_attn." in name:  # its rows were reordered so that a shard holds whole heads
-        d = g_full.size(0) // 3
-        g_full = g_full[torch.arange(3 * d).view(3, world, d // world).transpose(0, 1).reshape(-1)]
+        g_full = g_full[_qkv_order(g_full.size(0), world)]
     return g_full.chunk(world, dim=placements[0].dim)[rank]
 
 
@@ -183,7 +189,7 @@ def compare(ctx, full: GPT, tp: GPT, loss_of, logits_full, loss_full) -> dict:
         "forward_collectives": _counts(fwd_mode),
         "backward_collectives": _counts(bwd_mode),
         "collectives_fwd_bwd": dict(counter.counts),
-        "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None,
+        "written_fwd_bwd": ctx.socket_bytes(counter),
         "parameter_bytes_sharded_local": measure.tensor_bytes(sharded),
         "parameter_bytes_replicated": measure.tensor_bytes(replicated),
     }
@@ -194,13 +200,10 @@ OPTIONS = {"repeats": 3, "sequence_parallel": False, "memory_dropout": 0.1}
 
 
 def main(argv=None) -> None:
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     ctx = _common.start(argv, OPTIONS, "tensor_parallel")
-    repeats = int(ctx.options.get("repeats", 3))
-    sequence_parallel = bool(ctx.options.get("sequence_parallel", False))
-    cfg = ctx.cfg
+    cfg, sequence_parallel = ctx.cfg, ctx.options["sequence_parallel"]
     if sequence_parallel and cfg.context % ctx.world:
         raise ValueError(
             f"sequence parallelism splits the sequence: context {cfg.context} must be divisible by {ctx.world} ranks"
@@ -213,23 +216,10 @@ def main(argv=None) -> None:
         variants["tp_sp"] = parallelize(copy.deepcopy(full), mesh, sequence_parallel=True)
     _splits, at = _common.global_batches(cfg, 1, seed=cfg.seed)
     x, y = (t.to(ctx.device) for t in at(0)[0])  # every rank sees the same batch: TP splits the layers, not the data
-
-    def loss_of(model):
-        logits = model(x)
-        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX)
-
+    loss_of = functools.partial(_loss_of, x=x, y=y)
     logits_full, loss_full = loss_of(full)
     loss_full.backward()
     checks = {name: compare(ctx, full, model, loss_of, logits_full, loss_full) for name, model in variants.items()}
-
-    def timed(model):
-        timer = measure.StepTimer(ctx.device)
-        for _ in range(repeats + 1):
-            model.zero_grad()
-            with timer.step():
-                loss_of(model)[1].backward()
-        return timer.times[1:]  # the first is warm-up
-
     payload = {
         "strategy": "tensor_parallel",
         "n_layer": cfg.model.n_layer,
@@ -244,27 +234,46 @@ def main(argv=None) -> None:
         * cfg.model.n_embd
         * logits_full.element_size(),
         "parameter_bytes_full": measure.tensor_bytes(full.parameters()),
-        "fwd_bwd_s_full": timed(full),
-        "fwd_bwd_s_tp": timed(variants["tp"]),
+        "fwd_bwd_s_full": _timed(ctx, full, loss_of),
+        "fwd_bwd_s_tp": _timed(ctx, variants["tp"], loss_of),
     }
     if sequence_parallel:
-        # Memory with dropout on (its masks are activations too) and in training mode: each variant a fresh copy.
-        p_drop = float(ctx.options.get("memory_dropout", 0.1))
-        torch.manual_seed(cfg.seed)
-        dropped = GPT(replace(cfg.model, dropout=p_drop)).to(ctx.device)
-        memory = {
-            "full": activation_memory(copy.deepcopy(dropped), x, y),
-            "tp": activation_memory(parallelize(copy.deepcopy(dropped), mesh), x, y),
-            "tp_sp": activation_memory(parallelize(copy.deepcopy(dropped), mesh, sequence_parallel=True), x, y),
-        }
+        p_drop = float(ctx.options["memory_dropout"])
         payload["sequence_parallel"] = {
             **checks["tp_sp"],
-            "memory": memory,
+            "memory": _memory_by_variant(ctx, mesh, x, y, p_drop),
             "memory_dropout": p_drop,
-            "fwd_bwd_s_tp_sp": timed(variants["tp_sp"]),
+            "fwd_bwd_s_tp_sp": _timed(ctx, variants["tp_sp"], loss_of),
         }
-    _common.write(ctx, payload)
-    _common.finish()
+    _common.finish(ctx, payload)
+
+
+def _memory_by_variant(ctx: _common.Ctx, mesh, x, y, p_drop: float) -> dict:
+    """activation_memory of the unsharded model, TP and TP + SP, each a fresh copy of one model in training mode with
+    dropout on (its masks are activations too)."""
+    torch.manual_seed(ctx.cfg.seed)
+    dropped = GPT(replace(ctx.cfg.model, dropout=p_drop)).to(ctx.device)
+    return {
+        "full": activation_memory(copy.deepcopy(dropped), x, y),
+        "tp": activation_memory(parallelize(copy.deepcopy(dropped), mesh), x, y),
+        "tp_sp": activation_memory(parallelize(copy.deepcopy(dropped), mesh, sequence_parallel=True), x, y),
+    }
+
+
+def _loss_of(model, x, y):
+    """The model's logits, and its mean cross-entropy on the batch."""
+    logits = model(x)
+    return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=IGNORE_INDEX)
+
+
+def _timed(ctx: _common.Ctx, model, loss_of) -> list[float]:
+    """Seconds of each of `repeats` forward and backward passes, after one warm-up pass."""
+    timer = measure.StepTimer(ctx.device)
+    for _ in range(ctx.options["repeats"] + 1):
+        model.zero_grad()
+        with timer.step():
+            loss_of(model)[1].backward()
+    return timer.times[1:]
 
 
 if __name__ == "__main__":

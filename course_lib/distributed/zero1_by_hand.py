@@ -247,7 +247,7 @@ def run_variant(ctx: _common.Ctx, cfg, at, variant: str) -> dict:
         "optimizer_state_bytes": held["optimizer state"],
         "parameters_in_shard": len(setup.optimizer.pieces) if variant == "zero1" else None,
         "collectives_last_step": dict(counter.counts),
-        "written_last_step": counter.written if ctx.backend == "gloo" else None,
+        "written_last_step": ctx.socket_bytes(counter),
         "params": {n: p.detach().clone() for n, p in setup.model.named_parameters()},
     }
 
@@ -320,8 +320,7 @@ def main(argv=None) -> None:
         "runs": runs,
         "frozen_and_tied": compare_with_torch_adamw(device=ctx.device),
     }
-    _common.write(ctx, payload)
-    _common.finish()
+    _common.finish(ctx, payload)
 
 
 if __name__ == "__main__":

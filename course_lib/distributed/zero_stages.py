@@ -111,7 +111,7 @@ def run_stage(ctx: _common.Ctx, cfg, at, stage: int, offload: bool = False) -> t
             "optimizer state": at_step["optimizer state"],
         },
         "collectives_last_step": dict(counter.counts),
-        "written_last_step": counter.written if ctx.backend == "gloo" else None,
+        "written_last_step": ctx.socket_bytes(counter),
         **_common.cuda_peak(ctx.device),
     }
     return out, full_parameters(setup.model)
@@ -136,8 +136,8 @@ OPTIONS = {"steps": 3, "stages": list(zero_memory.STAGES), "offload": False, "re
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "zero_stages")
-    steps = int(ctx.options.get("steps", 3))
-    stages = [int(s) for s in ctx.options.get("stages", zero_memory.STAGES)]
+    steps = ctx.options["steps"]
+    stages = [int(s) for s in ctx.options["stages"]]
     cfg = replace(ctx.cfg, steps=steps, timing_warmup=1, grad_accum_steps=1, batch_size=ctx.cfg.micro_batch_size)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
     runs, finals = {}, {}
@@ -155,7 +155,7 @@ def main(argv=None) -> None:
             s: zero_memory.zero_parts(n_params, ctx.world, s, **zero_memory.FP32_ADAMW) for s in zero_memory.STAGES
         },
     }
-    if ctx.is_first and ctx.options.get("reference", True):
+    if ctx.is_first and ctx.options["reference"]:
         ref_result, ref = one_process_params(cfg, at, ctx.world)
         scale = max(p.abs().max().item() for p in ref.values())
         payload["reference"] = {
@@ -165,8 +165,7 @@ def main(argv=None) -> None:
                 s: max((p - ref[n]).abs().max().item() for n, p in final.items()) for s, final in finals.items()
             },
         }
-    _common.write(ctx, payload)
-    _common.finish()
+    _common.finish(ctx, payload)
 
 
 if __name__ == "__main__":
