@@ -1,5 +1,5 @@
-"""Expert parallelism: the experts of every MoE layer (course_lib.moe) split across the ranks, tokens sent to them
-with all-to-all and back.
+"""Expert parallelism: the experts of every MoE layer (distributed/moe.py) split across the ranks, tokens sent to
+them with all-to-all and back.
 
 Each of the N ranks holds E/N experts of every MoE layer and a full copy of everything else (attention,
 embeddings, LayerNorms, routers), and takes its own slice of the global batch, as under data parallelism. In each
@@ -34,10 +34,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import measure, moe
+from .. import measure
 from ..data import count_targets
 from ..techniques import loss_sum
-from . import _common
+from . import _common, moe
 
 
 def _log_exchange(log: dict, phase: str, rows: list[int], row_bytes: int, rank: int) -> None:
@@ -121,94 +121,99 @@ OPTIONS = {"n_experts": 4, "top_k": 2, "capacity_factor": 1.25, "aux_coef": 0.01
 
 def main(argv=None) -> None:
     ctx = _common.start(argv, OPTIONS, "expert_parallel")
-    o = ctx.options
-    n_experts, top_k = int(o.get("n_experts", 4)), int(o.get("top_k", 2))
-    cf, aux_coef = float(o.get("capacity_factor", 1.25)), float(o.get("aux_coef", 0.01))
-    cfg = ctx.cfg
+    o, cfg = ctx.options, ctx.cfg
     torch.manual_seed(cfg.seed)  # the same seed on every rank: the same weights everywhere
-    full = moe.moe_gpt(cfg.model, n_experts, top_k, cf, aux_coef).to(ctx.device)
+    full = moe.moe_gpt(cfg.model, o["n_experts"], o["top_k"], float(o["capacity_factor"]), float(o["aux_coef"]))
+    full = full.to(ctx.device)
     log: dict = {}
     ep = parallelize(copy.deepcopy(full), ctx.rank, ctx.world, log)
     _splits, at = _common.global_batches(cfg, ctx.world, seed=cfg.seed)
     batch = tuple(t.to(ctx.device) for t in at(0)[0])  # the global batch: world x micro_batch_size sequences
-    # each rank's loss is divided by the global count: the ranks' losses sum to the mean
-    n_targets = count_targets(batch[1])
-
+    n_targets = count_targets(batch[1])  # each rank's loss over the global count: the ranks' losses sum to the mean
     x, y = _common.shard(batch, ctx.rank, ctx.world)
-    # a warm-up (the first exchange sets up gloo's connections): not measured
+    logits_ep, loss_ep, fwd_bwd_s, counter = _timed_forward_backward(ep, x, y, n_targets, log)
+    loss_full, logits_ref = _single_process(full, batch, n_targets, ctx)
+    loss_sum_ranks = loss_ep.detach().clone()
+    dist.all_reduce(loss_sum_ranks)
+    local_experts = [p for layer in moe.moe_blocks(ep) for p in layer.experts.parameters()]
+    all_experts = [p for layer in moe.moe_blocks(full) for p in layer.experts.parameters()]
+    payload = {
+        "strategy": "expert_parallel",
+        "n_layer": cfg.model.n_layer,
+        "n_embd": cfg.model.n_embd,
+        "n_experts": o["n_experts"],
+        "top_k": o["top_k"],
+        "capacity_factor": float(o["capacity_factor"]),
+        "experts_per_rank": o["n_experts"] // ctx.world,
+        "tokens_per_rank": x.numel(),
+        "batch_size_per_rank": x.size(0),
+        "context": cfg.context,
+        "max_abs_logit_diff": (logits_ep.detach() - logits_ref).abs().max().item(),
+        "max_abs_logit": logits_ref.abs().max().item(),
+        "loss_sum_of_ranks": loss_sum_ranks.item(),
+        "loss_single_process": loss_full.item(),
+        "max_abs_grad_diff": _grad_diffs(ep, full),
+        "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
+        "all_to_all": log,
+        "written_fwd_bwd": ctx.socket_bytes(counter),
+        "fwd_bwd_s": fwd_bwd_s,
+        "bytes_per_token_row": cfg.model.n_embd * logits_ep.element_size(),
+        "expert_load": [
+            {"chosen": ld.chosen.tolist(), "kept": ld.kept.tolist(), "capacity": ld.capacity}
+            for ld in (layer.last_load for layer in moe.moe_blocks(ep))
+        ],
+        "parameter_bytes_expert_parallel": measure.tensor_bytes(ep.parameters()),
+        "parameter_bytes_replicated_model": measure.tensor_bytes(full.parameters()),
+        "expert_bytes_local": measure.tensor_bytes(local_experts),
+        "expert_bytes_all": measure.tensor_bytes(all_experts),
+    }
+    _common.finish(ctx, payload)
+
+
+def _timed_forward_backward(ep, x, y, n_targets: int, log: dict):
+    """The expert-parallel model's forward and backward on this rank's slice, timed and counted after a warm-up pass
+    (the first exchange sets up gloo's connections): (logits, loss, seconds, CollectiveCounter)."""
     (loss_sum(ep(x), y) / n_targets).backward()
     ep.zero_grad(set_to_none=True)
     log.clear()
     counter = _common.CollectiveCounter()  # what this rank wrote to its sockets in forward and backward (gloo)
     t0 = time.perf_counter()
     with counter:
-        logits_ep = ep(x)
-        loss_ep = loss_sum(logits_ep, y) / n_targets
-        loss_ep.backward()
-    fwd_bwd_s = time.perf_counter() - t0
-    loads = [layer.last_load for layer in moe.moe_blocks(ep)]
+        logits = ep(x)
+        loss = loss_sum(logits, y) / n_targets
+        loss.backward()
+    return logits, loss, time.perf_counter() - t0, counter
 
-    # The single process: all experts, every rank's slice routed as its own group, one loss over the global batch.
-    loss_full = 0.0
+
+def _single_process(full, batch, n_targets: int, ctx: _common.Ctx):
+    """The single process equal to expert parallelism: all experts, every rank's slice routed as its own group, one
+    loss over the global batch, backward done. Returns (that loss, the logits of this rank's slice)."""
+    loss = 0.0
     for r in range(ctx.world):
         xr, yr = _common.shard(batch, r, ctx.world)
-        logits_r = full(xr)
-        loss_full = loss_full + loss_sum(logits_r, yr) / n_targets
+        logits = full(xr)
+        loss = loss + loss_sum(logits, yr) / n_targets
         if r == ctx.rank:
-            logits_ref = logits_r.detach()
-    loss_full.backward()
+            mine = logits.detach()
+    loss.backward()
+    return loss, mine
 
-    # Replicated parameters: each rank's gradient covers its own tokens; data parallelism sums them (all-reduce).
+
+def _grad_diffs(ep, full) -> dict[str, float]:
+    """The largest gradient differences from the single process: the replicated parameters' after the all-reduce data
+    parallelism would do (each rank's gradient covers its own tokens), this rank's experts' against the same experts."""
     expert_params = {id(p) for layer in moe.moe_blocks(ep) for p in layer.experts.parameters()}
-    ep_params, full_params = dict(ep.named_parameters()), dict(full.named_parameters())
+    full_params = dict(full.named_parameters())
     diffs = {"replicated": 0.0, "experts": 0.0}
-    for name, p in ep_params.items():
-        if id(p) in expert_params:
-            continue
-        dist.all_reduce(p.grad)
-        diffs["replicated"] = max(diffs["replicated"], (p.grad - full_params[name].grad).abs().max().item())
-    for i, (layer, ref) in enumerate(zip(moe.moe_blocks(ep), moe.moe_blocks(full))):
+    for name, p in ep.named_parameters():
+        if id(p) not in expert_params:
+            dist.all_reduce(p.grad)
+            diffs["replicated"] = max(diffs["replicated"], (p.grad - full_params[name].grad).abs().max().item())
+    for layer, ref in zip(moe.moe_blocks(ep), moe.moe_blocks(full)):
         for j, expert in enumerate(layer.experts):
             for p, q in zip(expert.parameters(), ref.experts[layer.first_expert + j].parameters()):
                 diffs["experts"] = max(diffs["experts"], (p.grad - q.grad).abs().max().item())
-    loss_sum_ranks = loss_ep.detach().clone()
-    dist.all_reduce(loss_sum_ranks)
-
-    local_experts = [p for layer in moe.moe_blocks(ep) for p in layer.experts.parameters()]
-    all_experts = [p for layer in moe.moe_blocks(full) for p in layer.experts.parameters()]
-    _common.write(
-        ctx,
-        {
-            "strategy": "expert_parallel",
-            "n_layer": cfg.model.n_layer,
-            "n_embd": cfg.model.n_embd,
-            "n_experts": n_experts,
-            "top_k": top_k,
-            "capacity_factor": cf,
-            "experts_per_rank": n_experts // ctx.world,
-            "tokens_per_rank": x.numel(),
-            "batch_size_per_rank": x.size(0),
-            "context": cfg.context,
-            "max_abs_logit_diff": (logits_ep.detach() - logits_ref).abs().max().item(),
-            "max_abs_logit": logits_ref.abs().max().item(),
-            "loss_sum_of_ranks": loss_sum_ranks.item(),
-            "loss_single_process": loss_full.item(),
-            "max_abs_grad_diff": diffs,
-            "max_abs_grad": max(p.grad.abs().max().item() for p in full.parameters()),
-            "all_to_all": log,
-            "written_fwd_bwd": counter.written if ctx.backend == "gloo" else None,
-            "fwd_bwd_s": fwd_bwd_s,
-            "bytes_per_token_row": cfg.model.n_embd * logits_ep.element_size(),
-            "expert_load": [
-                {"chosen": ld.chosen.tolist(), "kept": ld.kept.tolist(), "capacity": ld.capacity} for ld in loads
-            ],
-            "parameter_bytes_expert_parallel": measure.tensor_bytes(ep.parameters()),
-            "parameter_bytes_replicated_model": measure.tensor_bytes(full.parameters()),
-            "expert_bytes_local": measure.tensor_bytes(local_experts),
-            "expert_bytes_all": measure.tensor_bytes(all_experts),
-        },
-    )
-    _common.finish()
+    return diffs
 
 
 if __name__ == "__main__":
