@@ -1,22 +1,13 @@
 """Climb the ladder of techniques from naive fp32, and keep what helps on this device.
 
-Each rung adds one technique to the best loop so far and is one run of the course's loop (course_lib.train). Each of
-its timed steps is followed by a step of the best loop so far, so a machine that speeds up or slows down over the
-minutes (a laptop warming up, a shared VM) moves both alike: the rung's factor is the median of the paired ratios, its
-spread their interquartile range.
-
-What is kept (`judge`): a speed technique (TF32, 16-bit autocast, compile, vocabulary padding, fused AdamW) that made
-the step faster by more than the noise (a factor within twice the noise this machine measured of a step against itself,
-`same_step_noise`, is timed again and stands only if both windows agree); a memory technique (set_to_none,
-checkpointing, the chunked loss) that made the peak smaller, whatever it cost in time; SDPA, which aims at both, where
-it helped one without hurting the other. A rung not kept stays in the table with why, and the next climbs from the best
-loop so far. A speed rung far slower in each of its first timed steps is stopped there; one not kept for a reason other
-than missing hardware gets a second look ("<rung>, again") on top of the loop the climb reached. On a GPU that waits on
-the CPU's launches, one more rung tries CUDA graphs (`tries_cuda_graphs`).
-
-Two rows end the table, each timed in pairs against naive fp32 (`final_rows`): `= optimised here`, the fastest loop that
-fits (the climb's loop without the memory techniques that cost time, put back one at a time until it fits), and
-`= leanest here`, the climb's loop itself. `fixed=True` keeps every rung the device can run, for comparison.
+Each rung adds one technique to the best loop so far and runs it (course_lib.train), each timed step followed by one of
+the best loop's: a machine that drifts over the minutes moves both alike. The rung's factor is the median of the paired
+ratios. `judge` keeps a speed technique that made the step faster (by more than this machine's own noise: a factor
+within it is timed again), a memory technique that made the peak smaller whatever it cost in time, and SDPA where it
+helped one aim without hurting the other. A speed rung not kept gets a second look ("<rung>, again") on top of the loop
+the climb reached; on a GPU that waits on launches, one more rung tries CUDA graphs. Two rows end the table, each timed
+in pairs against naive fp32 (`final_rows`): `= optimised here`, the fastest loop that fits (without the memory
+techniques that cost time), and `= leanest here`, the climb's loop itself. `fixed=True` keeps every rung that can run.
 """
 
 from __future__ import annotations
@@ -130,11 +121,7 @@ def memory_change(factor: float | None) -> tuple[float | None, str]:
 
 
 def judge(
-    aims: tuple[str, ...],
-    speed: SpeedChange,
-    memory: tuple[float | None, str],
-    device_note: str = "",
-    fixed: bool = False,
+    aims: tuple[str, ...], speed: SpeedChange, memory: tuple[float | None, str], device_note: str = "", fixed=False
 ) -> tuple[bool, str]:
     """(kept, why) for a rung that aims at `aims` (techniques.SPEED, MEMORY), measured against the best loop so far.
     `device_note` (no bf16 instructions) is added where it was not kept; `fixed` keeps it whatever it measured."""
@@ -160,22 +147,8 @@ def judge(
 # ---- the climb ---------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Loop:
-    """A loop that has run: its config, trainer (kept to take more steps), result, and speed-up over naive fp32 (the
-    product of the paired factors of the rungs kept on the way up; 1 for naive)."""
-
-    cfg: C.TrainConfig
-    trainer: Trainer | None
-    result: RunResult
-    speedup: float | None
-
-
 def ladder_configs(
-    base: C.TrainConfig,
-    options: dict[str, object] | None = None,
-    leave_out: dict[str, str] | None = None,
-    on_this_machine: bool = True,
+    base: C.TrainConfig, options: dict | None = None, leave_out: dict[str, str] | None = None, on_this_machine=True
 ) -> list[tuple[T.Rung, C.TrainConfig | C.ConfigError]]:
     """The fixed ladder: each rung's config, cumulative from naive, every rung the device can run switched on. A rung it
     cannot run, or one left out (`leave_out` {rung: why}), gives its ConfigError and the next climbs from the one below.
@@ -206,10 +179,7 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
 
 
 def prepare_climb(
-    base: C.TrainConfig,
-    rungs: list[str] | None = None,
-    leave_out: dict[str, str] | None = None,
-    options: dict[str, object] | None = None,
+    base: C.TrainConfig, rungs: list[str] | None = None, leave_out: dict | None = None, options: dict | None = None
 ) -> tuple[C.TrainConfig, dict[str, str], str]:
     """What a climb checks before its first rung (the command line asks first, to refuse before its banner), and what it
     climbs with: (base with enough steps to judge a rung, every rung left out {name: why}, how steps were raised or "").
@@ -222,9 +192,7 @@ def prepare_climb(
             leave_out.setdefault(rung.name, "left out: not among the rungs asked for")
     T.check_ladder_arguments(options, leave_out)
     naive = T.naive(base)  # every value is set first (a refused one raises), so the error is not the options' order's
-    unchanged = [
-        (name, value) for name, value in (options or {}).items() if T.TECHNIQUE[name].set(naive, value) == naive
-    ]
+    unchanged = [(n, value) for n, value in (options or {}).items() if T.TECHNIQUE[n].set(naive, value) == naive]
     if unchanged:  # compile=False would measure naive against itself
         name, value = unchanged[0]
         rung = T.option_rung(name)
@@ -249,13 +217,11 @@ def run_ladder(
     fixed: bool = False,
     on_result: Callable[[list[RunResult]], None] | None = None,
 ) -> list[RunResult]:
-    """Climb techniques.LADDER from naive fp32 (the module docstring says how): one result per rung, its verdict in its
-    `ladder` dict, then any second looks and CUDA graphs, then OPTIMISED and LEANEST.
-
-    A rung the device cannot run, or one left out (`leave_out` {rung: why}; `rungs`: measure only these), is 'skipped'
-    with the reason; one out of memory is 'oom', any other failure 'error'; the climb goes on. `options` {technique:
-    value} changes what a rung sets. `progress(text)` hears "rung i of n" and draws the steps on stderr; `on_result(
-    results so far)` is called after every rung (the command line saves there: an interrupted climb keeps its rows)."""
+    """Climb techniques.LADDER from naive fp32: one row per rung (its verdict in its `ladder` dict), then any second
+    looks and CUDA graphs, then OPTIMISED and LEANEST. A rung the device cannot run, or left out (`leave_out` {rung:
+    why}; `rungs`: measure only these), is 'skipped' with why; one out of memory is 'oom', another failure 'error'.
+    `options` {technique: value} changes what a rung sets. `progress(text)` hears "rung i of n" and draws the steps on
+    stderr; `on_result(rows so far)` is called after every rung (the command line saves there)."""
     base = dataclasses.replace(base, steps=steps) if steps is not None else base
     base, leave_out, raised = prepare_climb(base, rungs, leave_out, options)
     if raised and progress:
@@ -264,8 +230,7 @@ def run_ladder(
         progress(f"note: {note}")  # each result's details["allocator"] holds it too
     caps = capabilities(base.device)
     refresh_peaks(caps)
-    # "rung i of n" counts the rungs not left out (one the device refuses passes at once), then second looks and the
-    # final rows (one count)
+    # "rung i of n" counts the rungs not left out (one the device refuses passes at once) and the final rows as one
     n = sum(r.name not in leave_out for r in T.LADDER) + 1
     climb = _Climb(caps, provenance(caps.name), options, fixed, progress, on_result, n)
     if not climb.baseline(base):
@@ -279,9 +244,20 @@ def run_ladder(
         climb.second_looks()
         climb.cuda_graphs()
     climb.announce(f"{OPTIMISED} and {LEANEST}")
-    climb.results += final_rows(climb.naive_loop, climb.best, climb.results, caps, fixed, progress)
+    climb.results += climb.final_rows()
     climb.saved()
     return climb.results
+
+
+@dataclass
+class _Loop:
+    """A loop that has run: its trainer (kept to take more steps), result, and speed-up over naive fp32 (the product of
+    the paired factors of the rungs kept on the way up)."""
+
+    cfg: C.TrainConfig
+    trainer: Trainer | None
+    result: RunResult
+    speedup: float | None
 
 
 @dataclass
@@ -289,7 +265,7 @@ class _Climb:
     """A climb under way: what it was asked, its rows so far, naive's loop and the best so far, its progress count."""
 
     caps: Capabilities
-    prov: dict  # provenance(caps.name), which every row holds
+    prov: dict  # provenance(caps.name): where every row the climb did not run came from
     options: dict | None
     fixed: bool
     progress: Callable[[str], None] | None
@@ -318,26 +294,21 @@ class _Climb:
         naive = T.LADDER[0]  # (check_ladder_arguments refuses to leave it out)
         self.announce(naive.name)
         result, trainer, _ = _measure(T.naive(base), naive.name, None, self.progress, give_up=False)
-        result.reason = result.reason or naive.what_changed
-        result.ladder = {
-            "kept": result.ok,
-            "why": "the baseline" if result.ok else f"the baseline failed: {result.reason}",
-            "speedup": 1.0 if result.ok else None,
-            "speedup_basis": BASELINE,
-            "memory_vs_naive": 1.0 if result.ok else None,
-        }
+        result.reason, ok = result.reason or naive.what_changed, result.ok
+        why = "the baseline" if ok else f"the baseline failed: {result.reason}"
+        result.ladder = {"kept": ok, "why": why, "speedup": 1.0 if ok else None, "speedup_basis": BASELINE}
+        result.ladder["memory_vs_naive"] = 1.0 if ok else None
         self.results.append(result)
-        if result.ok:
+        if ok:
             self.naive_loop = self.best = _Loop(trainer.cfg, trainer, result, 1.0)
         else:  # nothing to climb from: the file says this climb failed, not what an earlier one found
             why = "no baseline to climb from: naive fp32 did not finish"
             self.results += [self.not_run(r.name, why, {"kept": False}) for r in T.LADDER[1:]]
         self.saved()
-        return result.ok
+        return ok
 
     def rung(self, label: str, rung: T.Rung, why_not: str | None = None, cfg: C.TrainConfig | None = None) -> RunResult:
-        """One rung (or a second look) on top of the best loop so far: its row, measured and judged, or why not. The
-        loop that loses goes, before the next rung builds its own."""
+        """One rung (or a second look) on top of the best loop so far: its row, measured and judged, or why not."""
         if cfg is None:
             cfg = C.ConfigError(why_not) if why_not else T.rung_up(self.best.cfg, rung, self.caps, self.options)
         if isinstance(cfg, C.ConfigError):
@@ -346,16 +317,47 @@ class _Climb:
         give_up = not self.fixed and rung.aims == (T.SPEED,)
         result, trainer, pairs = _measure(cfg, label, self.best, self.progress, give_up)
         result.reason = result.reason or rung.what_changed
-        noise = same_step_noise(self.results)
-        loop = _judged(
-            result, trainer, pairs, rung, self.best, self.naive_loop, self.caps, self.fixed, noise, self.progress
-        )
+        loop = self.judged(result, trainer, pairs, rung)
         if loop is not None:
             if self.best is not self.naive_loop:
-                self.best.trainer = None  # the superseded loop's model and optimizer can go
+                self.best.trainer = None  # the loop that lost goes, before the next rung builds its own
             self.best = loop
         self.results.append(result)
         return result
+
+    def judged(self, result: RunResult, trainer: Trainer | None, pairs, rung: T.Rung) -> _Loop | None:
+        """Fill in `result.ladder`, its verdict against the best loop so far; the rung's loop where it is kept."""
+        best, fixed = self.best, self.fixed
+        if not result.ok:
+            why = f"not kept: {result.status} ({result.reason})"
+            result.ladder = {"kept": False, "why": why, "vs": best.result.label}
+            return None
+        note, no_effect = _device_says(trainer.cfg, rung, self.caps)
+        speed, more, window = speed_change(pairs), [], ""
+        noise = same_step_noise(self.results)
+        if T.SPEED in rung.aims and not fixed and not no_effect and within_noise(speed, noise):
+            speed, more, window = _timed_again(speed, pairs, best.trainer, trainer, noise, self.progress)
+        memory = memory_change(result.peak_ratio(best.result))
+        speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
+        kept, why = judge(rung.aims, speed, memory, note, fixed)
+        why += f" ({window})" if window else ""
+        same_step = no_effect and speed.factor
+        if same_step:  # what the pairs say is this machine's noise, and the speed-up over naive stays what it was
+            kept, speed, speedup = fixed, dataclasses.replace(speed, verdict=NO_CHANGE), best.speedup
+            why = (
+                f"{'kept (fixed ladder)' if fixed else 'not kept'}: {note}; the same step measured {speed.factor:.2f}x "
+                f"({speed.low:.2f}-{speed.high:.2f}) against itself: the noise of this machine"
+            )
+        why += f" ({result.stopped_early})" if result.stopped_early else ""
+        lad = {"kept": kept, "why": why, "vs": best.result.label, "aims": list(rung.aims)}
+        lad |= _speed_fields(speed, [list(p) for p in pairs])
+        lad |= {"memory": memory[1], "memory_factor": memory[0], "speedup": speedup, "speedup_basis": PRODUCT}
+        lad |= {"memory_vs_naive": result.peak_ratio(self.naive_loop.result), "device_note": note}
+        # a second window of (best_s, rung_s) where the first was within noise; a step against itself, from which later
+        # rungs read this machine's noise (same_step_noise)
+        lad |= {"pairs_again": [list(p) for p in more], "same_step_factor": speed.factor if same_step else None}
+        result.ladder = lad
+        return _Loop(trainer.cfg, trainer, result, speedup) if kept else None
 
     def second_looks(self) -> None:
         """Speed rungs not kept, tried again on top of the loop the climb reached: what came after can change their
@@ -379,6 +381,106 @@ class _Climb:
             cfg = dataclasses.replace(self.best.cfg, compile_mode="reduce-overhead")
             self.rung(CUDA_GRAPHS, CUDA_GRAPHS_RUNG, cfg=cfg).details["device_idle_share"] = why
             self.saved()
+
+    def final_rows(self) -> list[RunResult]:
+        """[OPTIMISED, LEANEST]: the climb's loop is the leanest; the optimised loop leaves out the memory rungs that
+        cost time (optimised_row). Where they are one loop, both rows say so."""
+        results, fixed = self.results, self.fixed
+        kept = [r.label for r in results[1:] if r.ladder.get("kept")]
+        lean = self.confirm(LEANEST, kept, any(r.status != "skipped" for r in results[1:]))
+        costly = [] if fixed else memory_rungs_that_cost_time(results)
+        free = [r for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY] and r not in costly]
+        free_notes = [f"{_short(r.label)} kept: no measurable cost in time" for r in free]
+        opt, failed = self.optimised_row(kept, costly, free_notes)
+        if opt is None:  # the leanest loop is the optimised one
+            opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
+            if failed or costly:
+                why = failed or "the loop does not fit without " + ", ".join(_short(rung_name(r)) for r in costly)
+            elif fixed:
+                why = "the fixed ladder keeps every rung"
+            else:
+                why = "every memory technique kept costs no measurable time" if free else "no memory technique was kept"
+            opt.ladder["why"] += f"; the same loop as {LEANEST}: {why}"
+            lean.ladder["why"] += f"; the same loop as {OPTIMISED}"
+            lean.ladder["vs_optimised"] = 1.0
+        elif lean.ladder.get("speedup") and opt.ladder.get("speedup"):
+            cost = opt.ladder["speedup"] / lean.ladder["speedup"]
+            lean.ladder["vs_optimised"] = 1 / cost
+            lean.ladder["why"] += (
+                f"; {cost:.2f}x slower than {OPTIMISED} (the ratio of their factors over naive)"
+                if cost >= 1
+                else f"; {1 / cost:.2f}x faster than {OPTIMISED} (the ratio of their factors over naive): timing noise"
+            )
+        return [opt, lean]
+
+    def optimised_row(self, kept: list[str], costly: list[RunResult], notes: list[str]) -> tuple[RunResult | None, str]:
+        """(the OPTIMISED row: the first of optimised_candidates that fits, timed in pairs with naive, ""), or (None,
+        why not): only the leanest loop fits (""), or one failed otherwise (run on its own, the leanest loop freed)."""
+        best, naive = self.best, self.naive_loop
+        for cfg, put_back in optimised_candidates(best.cfg, costly):
+            if cfg == best.cfg:  # nothing fits without all of them: the leanest loop is also the fastest that fits
+                return None, ""
+            left = [r for r in costly if r not in put_back]
+            if self.progress:
+                self.progress(f"{OPTIMISED}: the loop without {', '.join(rung_name(r) for r in left)}")
+            if best.trainer is not None and best is not naive:
+                best.trainer = None  # the leanest loop is timed: its model and optimizer make room for this one
+                free_memory()
+            result, _, pairs = _measure(cfg, OPTIMISED, naive, self.progress, give_up=False)
+            if result.status == "oom":
+                continue
+            if not result.ok:  # another failure: the leanest loop stands in, and its row says why
+                return None, f"the loop without them failed ({result.status}: {result.reason})"
+            opt_kept = [k for k in kept if k not in {r.label for r in left}]
+            result.reason = "naive fp32 " + " ".join(opt_kept)
+            result.ladder = _timed_against_naive(pairs, naive.result, opt_kept)
+            result.ladder["memory_vs_naive"] = result.peak_ratio(naive.result)
+            result.ladder["left_out"] = {r.label: _slower_text(r) for r in left}
+            result.ladder["put_back"] = [r.label for r in put_back]
+            why = [f"{_short(rung_name(r))} left out: {_slower_text(r)}" for r in left]
+            why += [f"{_short(rung_name(r))} kept: the loop does not fit without it" for r in put_back]
+            result.ladder["why"] += "; " + "; ".join(why + notes)
+            return result, ""
+        return None, ""
+
+    def confirm(self, label: str, kept: list[str], measured: bool) -> RunResult:
+        """A final row: the best loop timed once more in pairs against naive fp32 (as many pairs as a rung has timed
+        steps); its memory is the one measured at the rung that made it the best (the same config)."""
+        naive, best, top = self.naive_loop, self.best, self.best.result
+        row = RunResult(
+            label=label,
+            status="ok",
+            config=dict(top.config),
+            provenance=provenance(self.caps.name),
+            reason="naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here",
+            tokens_per_step=top.tokens_per_step,
+            n_params=top.n_params,
+            flops_per_token=top.flops_per_token,
+            memory=top.memory,
+            details={"memory_measured_at": top.label},
+        )
+        if best is naive:
+            why = "nothing was kept: naive fp32 is the best of the loops measured here"
+            why = why if measured else "no rung was measured: the loop is naive fp32 by default"
+            row.ladder = {"kept": True, "why": why, "speedup": 1.0, "speedup_basis": BASELINE, "memory_vs_naive": 1.0}
+            return _timed_as(row, top, factor=1.0, kept_rungs=[])
+        n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
+        # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
+        pairs, failed = _paired(naive.trainer, best.trainer, n + 1)
+        pairs = pairs[1:]
+        if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
+            why = f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, the product of "
+            row.ladder = {"kept": True, "why": why + "the kept rungs' factors", "vs": naive.result.label}
+            row.ladder |= {"speedup": best.speedup, "speedup_basis": PRODUCT, "kept_rungs": kept}
+            row.ladder["memory_vs_naive"] = top.peak_ratio(naive.result)
+            return _timed_as(row, top)
+        row.step_times = [b for _, b in pairs]
+        row.median_step_s = statistics.median(row.step_times)
+        row.tokens_per_s = top.tokens_per_step / row.median_step_s
+        row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
+        row.ladder = _timed_against_naive(pairs, naive.result, kept)
+        row.ladder["memory_vs_naive"] = top.peak_ratio(naive.result)
+        return row
 
 
 CUDA_GRAPHS = "+ CUDA graphs"  # a rung of its own, after the climb: only where the device waits on launches
@@ -516,62 +618,17 @@ def _measure(
     return result, made.get("trainer"), pairs
 
 
-def _judged(
-    result: RunResult,
-    trainer: Trainer | None,
-    pairs,
-    rung: T.Rung,
-    best: _Loop,
-    naive_loop: _Loop,
-    caps: Capabilities,
-    fixed: bool,
-    noise: float | None = None,
-    progress=None,
-) -> _Loop | None:
-    """Fill in `result.ladder` (the verdict against `best`); the rung's loop when it is kept, else None. A speed factor
-    within `noise` (same_step_noise) is timed again in a second window of pairs (_timed_again)."""
-    if not result.ok:
-        result.ladder = {"kept": False, "why": f"not kept: {result.status} ({result.reason})", "vs": best.result.label}
-        return None
-    # what the device says of the precision a precision rung sets: "<precision> here:" is what
-    # reference.other_cpu_lines rewords as "there"; one with no effect (TF32 on a CPU) times a step against itself
-    support = caps.supports(trainer.cfg.precision) if rung.technique and rung.technique.name == "precision" else None
-    note = f"{trainer.cfg.precision} here: {support.note}" if support is not None and support.native is False else ""
-    no_effect = support is not None and support.no_effect
-    speed, more, window = speed_change(pairs), [], ""
-    if T.SPEED in rung.aims and not fixed and not no_effect and within_noise(speed, noise):
-        speed, more, window = _timed_again(speed, pairs, best.trainer, trainer, noise, progress)
-    memory = memory_change(result.peak_ratio(best.result))
-    speedup = best.speedup * speed.factor if best.speedup and speed.factor else None
-    kept, why = judge(rung.aims, speed, memory, note, fixed)
-    why += f" ({window})" if window else ""
-    same_step = no_effect and speed.factor
-    if same_step:  # whatever the pairs say is this machine's noise, and the speed-up over naive stays what it was
-        kept, speed, speedup = fixed, dataclasses.replace(speed, verdict=NO_CHANGE), best.speedup
-        why = (
-            f"{'kept (fixed ladder)' if fixed else 'not kept'}: {note}; the same step measured {speed.factor:.2f}x "
-            f"({speed.low:.2f}-{speed.high:.2f}) against itself: the noise of this machine"
-        )
-    why += f" ({result.stopped_early})" if result.stopped_early else ""
-    result.ladder = {
-        "kept": kept,
-        "why": why,
-        "vs": best.result.label,
-        "aims": list(rung.aims),
-        "speed": speed.verdict,
-        "factor": speed.factor,
-        "factor_iqr": [speed.low, speed.high],
-        "pairs": [list(p) for p in pairs],
-        "memory": memory[1],
-        "memory_factor": memory[0],
-        "speedup": speedup,
-        "speedup_basis": PRODUCT,
-        "memory_vs_naive": result.peak_ratio(naive_loop.result),
-        "device_note": note,
-        "pairs_again": [list(p) for p in more],  # a second window of (best_s, rung_s), where the first was within noise
-        "same_step_factor": speed.factor if same_step else None,  # a step against itself: later rungs read the noise
-    }
-    return _Loop(trainer.cfg, trainer, result, speedup) if kept else None
+def _device_says(cfg: C.TrainConfig, rung: T.Rung, caps: Capabilities) -> tuple[str, bool]:
+    """(what the device says of the precision a precision rung sets where it has no hardware for it, or ""; whether it
+    runs it as the same computation as without it, TF32 on a CPU). reference.other_cpu_lines rewords "here:"."""
+    if rung.technique is None or rung.technique.name != "precision":
+        return "", False
+    support = caps.supports(cfg.precision)
+    return (f"{cfg.precision} here: {support.note}" if support.native is False else ""), support.no_effect
+
+
+def _short(label: str) -> str:
+    return label.removeprefix("+ ")
 
 
 def _timed_again(first: SpeedChange, pairs, best: Trainer, trainer: Trainer, noise: float, progress):
@@ -638,146 +695,17 @@ def _slower_text(r: RunResult) -> str:
     return f"{1 / f:.2f}x slower at its rung" if f and r.ladder.get("speed") == SLOWER else r.ladder.get("speed", "")
 
 
-def final_rows(
-    naive_loop: _Loop, best: _Loop, results: list[RunResult], caps: Capabilities, fixed: bool = False, progress=None
-) -> list[RunResult]:
-    """[OPTIMISED, LEANEST]: the climb's loop (`best`) is the leanest; the optimised loop leaves out the memory rungs
-    that cost time (put back one at a time where it runs out of memory), and runs on its own (the leanest loop's model
-    freed first). Each is timed in pairs against naive fp32; where they are one loop, both rows say so."""
-    kept = [r.label for r in results[1:] if r.ladder.get("kept")]
-    lean = _confirm(naive_loop, best, LEANEST, kept, caps, any(r.status != "skipped" for r in results[1:]))
-    costly = [] if fixed else memory_rungs_that_cost_time(results)
-    free = [r.label for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY] and r not in costly]
-    free_notes = [f"{label.removeprefix('+ ')} kept: no measurable cost in time" for label in free]
-    opt, failed = _optimised_row(naive_loop, best, kept, costly, free_notes, progress)
-    if opt is None:  # the leanest loop is the optimised one
-        opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
-        if failed or costly:
-            why = failed or "the loop does not fit without " + ", ".join(
-                rung_name(r).removeprefix("+ ") for r in costly
-            )
-        elif fixed:
-            why = "the fixed ladder keeps every rung"
-        else:
-            why = "every memory technique kept costs no measurable time" if free else "no memory technique was kept"
-        opt.ladder["why"] += f"; the same loop as {LEANEST}: {why}"
-        lean.ladder["why"] += f"; the same loop as {OPTIMISED}"
-        lean.ladder["vs_optimised"] = 1.0
-    elif lean.ladder.get("speedup") and opt.ladder.get("speedup"):
-        cost = opt.ladder["speedup"] / lean.ladder["speedup"]
-        lean.ladder["vs_optimised"] = 1 / cost
-        lean.ladder["why"] += (
-            f"; {cost:.2f}x slower than {OPTIMISED} (the ratio of their factors over naive)"
-            if cost >= 1
-            else f"; {1 / cost:.2f}x faster than {OPTIMISED} (the ratio of their factors over naive): timing noise"
-        )
-    return [opt, lean]
+def _speed_fields(speed: SpeedChange, pairs) -> dict:
+    """What a row's `ladder` dict holds of its paired steps and their verdict."""
+    return {"speed": speed.verdict, "factor": speed.factor, "factor_iqr": [speed.low, speed.high], "pairs": pairs}
 
 
-def _optimised_row(
-    naive_loop: _Loop, best: _Loop, kept: list[str], costly: list[RunResult], free_notes: list[str], progress
-) -> tuple[RunResult | None, str]:
-    """(the OPTIMISED row: the first of optimised_candidates that fits, timed in pairs with naive, ""), or (None, why
-    not) where only the leanest loop itself fits ("") or one failed otherwise."""
-    for cfg, put_back in optimised_candidates(best.cfg, costly):
-        if cfg == best.cfg:  # nothing fits without all of them: the leanest loop is also the fastest that fits
-            return None, ""
-        left = [r for r in costly if r not in put_back]
-        if progress:
-            progress(f"{OPTIMISED}: the loop without {', '.join(rung_name(r) for r in left)}")
-        if best.trainer is not None and best is not naive_loop:
-            best.trainer = None  # the leanest loop is timed: its model and optimizer make room for this one
-            free_memory()
-        result, _, pairs = _measure(cfg, OPTIMISED, naive_loop, progress, give_up=False)
-        if result.status == "oom":
-            continue
-        if not result.ok:  # another failure: the leanest loop stands in, and its row says why
-            return None, f"the loop without them failed ({result.status}: {result.reason})"
-        opt_kept = [k for k in kept if k not in {r.label for r in left}]
-        result.reason = "naive fp32 " + " ".join(opt_kept)
-        left_out = {r.label: _slower_text(r) for r in left}
-        memory_vs_naive = result.peak_ratio(naive_loop.result)
-        result.ladder = _timed_against_naive(
-            speed_change(pairs),
-            pairs,
-            naive_loop.result,
-            opt_kept,
-            memory_vs_naive,
-            left_out=left_out,
-            put_back=[r.label for r in put_back],
-        )
-        notes = [f"{rung_name(r).removeprefix('+ ')} left out: {_slower_text(r)}" for r in left]
-        notes += [f"{rung_name(r).removeprefix('+ ')} kept: the loop does not fit without it" for r in put_back]
-        result.ladder["why"] += "; " + "; ".join(notes + free_notes)
-        return result, ""
-    return None, ""
-
-
-def _confirm(
-    naive_loop: _Loop, best: _Loop, label: str, kept: list[str], caps: Capabilities, measured: bool = True
-) -> RunResult:
-    """A final row: `best`'s loop timed once more in pairs against naive fp32 (as many pairs as a rung has timed steps),
-    its memory the one measured at the rung that made it the best (the same config)."""
-    naive_r, top = naive_loop.result, best.result
-    row = RunResult(
-        label=label,
-        status="ok",
-        config=dict(top.config),
-        provenance=provenance(caps.name),
-        reason="naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here",
-        tokens_per_step=top.tokens_per_step,
-        n_params=top.n_params,
-        flops_per_token=top.flops_per_token,
-        memory=top.memory,
-        details={"memory_measured_at": top.label},
-    )
-    if best is naive_loop:
-        why = "nothing was kept: naive fp32 is the best of the loops measured here"
-        why = why if measured else "no rung was measured: the loop is naive fp32 by default"
-        row.ladder = {"kept": True, "why": why, "speedup": 1.0, "speedup_basis": BASELINE, "memory_vs_naive": 1.0}
-        return _timed_as(row, top, factor=1.0, kept_rungs=[])
-    n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
-    # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
-    pairs, failed = _paired(naive_loop.trainer, best.trainer, n + 1)
-    pairs = pairs[1:]
-    if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
-        row.ladder = {
-            "kept": True,
-            "why": f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, the product "
-            "of the kept rungs' factors",
-            "vs": naive_r.label,
-            "speedup": best.speedup,
-            "speedup_basis": PRODUCT,
-            "kept_rungs": kept,
-            "memory_vs_naive": top.peak_ratio(naive_r),
-        }
-        return _timed_as(row, top)
-    row.step_times = [b for _, b in pairs]
-    row.median_step_s = statistics.median(row.step_times)
-    row.tokens_per_s = top.tokens_per_step / row.median_step_s
-    row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
-    row.ladder = _timed_against_naive(speed_change(pairs), pairs, naive_r, kept, top.peak_ratio(naive_r))
-    return row
-
-
-def _timed_against_naive(
-    speed: SpeedChange, pairs, naive_r: RunResult, kept: list[str], memory_vs_naive: float | None, **more
-) -> dict:
-    """A final row's `ladder` dict: its speed-up over naive fp32 from (naive_s, loop_s) pairs, and what it holds."""
-    return {
-        "kept": True,
-        "why": f"{speed.text()} naive fp32, timed in pairs with it",
-        "vs": naive_r.label,
-        "speed": speed.verdict,
-        "factor": speed.factor,
-        "factor_iqr": [speed.low, speed.high],
-        "pairs": [list(p) for p in pairs],
-        "speedup": speed.factor,
-        "speedup_basis": PAIRED,
-        "kept_rungs": kept,
-        "memory_vs_naive": memory_vs_naive,
-        **more,
-    }
+def _timed_against_naive(pairs, naive: RunResult, kept: list[str]) -> dict:
+    """A final row's `ladder` dict: its speed-up over naive fp32 from (naive_s, loop_s) pairs, and its rungs."""
+    speed = speed_change(pairs)
+    lad = {"kept": True, "why": f"{speed.text()} naive fp32, timed in pairs with it", "vs": naive.label}
+    lad |= _speed_fields(speed, [list(p) for p in pairs])
+    return lad | {"speedup": speed.factor, "speedup_basis": PAIRED, "kept_rungs": kept}
 
 
 def _timed_as(row: RunResult, source: RunResult, **ladder) -> RunResult:
@@ -952,14 +880,14 @@ def verdict(results: list[RunResult]) -> str:
         first += ", and it is also the leanest."
     else:
         first += "; " + _loop_line(lean, "the leanest loop") + "." if lean is not None else "."
-    kept = [r.label.removeprefix("+ ") for r in rungs if r.ladder.get("kept")]
+    kept = [_short(r.label) for r in rungs if r.ladder.get("kept")]
     lines = [first, "kept: " + (", ".join(kept) if kept else "nothing")]
     for label, why in (row.ladder.get("left_out") or {}).items():
-        lines.append(f"left out of the optimised loop, kept in the leanest: {label.removeprefix('+ ')} ({why})")
+        lines.append(f"left out of the optimised loop, kept in the leanest: {_short(label)} ({why})")
     for r in rungs:
         if r.status != "skipped" and not r.ladder.get("kept"):
             why = r.ladder.get("why", r.reason).removeprefix("not kept: ")
-            lines.append(f"not kept: {r.label.removeprefix('+ ')}: {why}")
+            lines.append(f"not kept: {_short(r.label)}: {why}")
     if skipped := [r for r in rungs if r.status == "skipped"]:
-        lines.append("not run: " + "; ".join(f"{r.label.removeprefix('+ ')} ({r.reason})" for r in skipped))
+        lines.append("not run: " + "; ".join(f"{_short(r.label)} ({r.reason})" for r in skipped))
     return "\n".join(lines)
