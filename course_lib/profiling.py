@@ -1,13 +1,8 @@
-"""Where a step's time goes: torch.profiler around the course's one loop.
+"""Where a step's time goes: torch.profiler around the course's one loop (`python -m course_lib profile`).
 
-`profile_run(cfg)` trains cfg with `Trainer.fit` (the same loop every measurement uses) and steps the profiler from
-its per-step callback, so the warm-up steps (compiling, the allocator's first requests) are left out and only the
-`active` steps after them are recorded. `summary(...)` turns the record into the operators that took the most time of
-their own, on the device that did the work: the GPU's kernels on CUDA, the CPU's operators otherwise. The notebook 01
-section "Where the time goes" reads a profile by hand; this is the same reading for any config, from the command line
-(`python -m course_lib profile`). `kernel_floor(...)` times the recorded step's matmuls and fused-attention calls
-again, one by one and alone (on a GPU also reads their kernels' own time in the recorded steps, and takes the lower):
-how fast a step can be while it calls them, the limit a training loop (not a kernel library) can reach."""
+`profile_run(cfg)` trains cfg with `Trainer.fit` and records only the `active` steps after the warm-up; `summary(...)`
+lists the operators by their own time on the device that did the work (notebook 01 reads one by hand).
+`kernel_floor(...)` times the step's matmuls and fused attention again, alone: how fast a step calling them can be."""
 
 from __future__ import annotations
 
@@ -38,8 +33,7 @@ class Profile:
     prof: torch.profiler.profile
     active: list[int]  # the steps recorded
     device: str  # "cuda" or "cpu": whose time the summary counts
-    # the process's minor page faults in each recorded step (cpu_allocator.page_faults), where the system counts them
-    page_faults: list[int] | None = None
+    page_faults: list[int] | None = None  # minor page faults in each recorded step, where the system counts them
 
     @property
     def active_wall_s(self) -> float:
@@ -58,17 +52,13 @@ def profile_run(
     progress: Callable[[int, int], None] | None = None,
     name_kernels: bool = True,
 ) -> Profile:
-    """Train cfg for its warm-up steps and then `active` recorded steps. With `trace`, also write the record as a
-    Chrome trace (open it in chrome://tracing or https://ui.perfetto.dev). `progress(step, steps)` hears each step.
-    `name_kernels=False` leaves compile's generated CPU kernels unnamed (one row per compiled graph), and so reuses
-    code compiled earlier: the kernel floor does not need their names, and naming them costs a fresh compile."""
+    """Train cfg for its warm-up steps, then `active` recorded ones; `trace`: also a Chrome trace (ui.perfetto.dev).
+    `name_kernels=False` reuses code compiled earlier, leaving compile's CPU kernels unnamed (one row per graph)."""
     if active < 1:
         raise ConfigError(f"active={active}: profile at least 1 step")
-    # At least two warm-up steps: the first compiles and fills the caches, and the profiler warms up on the last
-    # one (it starts recording there and throws that step away: starting is slow, and would be in the first step).
+    # the first warm-up step compiles; the profiler starts on the last one and throws it away (starting is slow)
     warmup = max(2, cfg.timing_warmup)
-    # No memory ledger: on a CPU it would watch one of the steps, and its bookkeeping would be in the profile. No
-    # validation: its forwards would be recorded with the last step's work, though no step time includes them.
+    # no ledger, no validation: their work would be recorded, though no step time includes it
     cfg = dataclasses.replace(cfg, steps=warmup + active, measure_memory=False, eval_every=0)
     on_cuda = torch.device(cfg.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
@@ -76,12 +66,12 @@ def profile_run(
     from .train import Trainer  # train imports much; this module is imported by the CLI's parser
 
     trainer = Trainer(cfg)
+    faults: dict[int, int | None] = {}  # each step's page faults (Trainer.last_step_faults)
     # record_shapes: kernel_floor times each matmul and attention call again at its shape (and is_causal)
     with (
         profile(activities=activities, schedule=when, record_shapes=True) as prof,
         _named_cpu_kernels(cfg) if name_kernels else contextlib.nullcontext(),
     ):
-        faults: dict[int, int | None] = {}  # each step's page faults (Trainer.last_step_faults)
 
         def after(step: int, _r) -> None:
             faults[step] = trainer.last_step_faults
@@ -103,9 +93,8 @@ PROFILER_CHATTER = ("USDT:", "STAGE:")  # how the lines Kineto writes when recor
 
 @contextlib.contextmanager
 def _without_profiler_chatter():
-    """Kineto (torch 2.13) writes lines such as 'USDT:... profiler_start' to the process's stderr, beneath Python,
-    when the profiler starts and stops recording (inside `prof.step()`): a learner's terminal needs neither. Around
-    that call only, the process's stderr goes to a file; what else was written there (a warning) is passed on."""
+    """Hide the lines Kineto writes to the process's stderr (beneath Python) as recording starts and stops; pass on
+    anything else written there meanwhile."""
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as caught:
@@ -118,19 +107,14 @@ def _without_profiler_chatter():
             os.close(saved)
             caught.seek(0)
             lines = caught.read().decode(errors="replace").splitlines(keepends=True)
-            kept = "".join(line for line in lines if not line.startswith(PROFILER_CHATTER))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
+            sys.stderr.write("".join(line for line in lines if not line.startswith(PROFILER_CHATTER)))
+            sys.stderr.flush()
 
 
 @contextlib.contextmanager
 def _named_cpu_kernels(cfg: TrainConfig):
-    """On a CPU with compile: Inductor's generated C++ kernels each record their own profiler event (cpp's
-    enable_kernel_profile, on Linux and Windows: Inductor adds the events nowhere else), named after what they fuse
-    (graph_0_cpp_fused_gelu_...); without it their time is the self time of the compiled graph's call, one opaque
-    row. Compiled code from earlier in the process would lack the events, and code compiled here would keep them
-    after: both are forgotten (torch._dynamo.reset(), before and after)."""
+    """Compiled on a CPU: each Inductor C++ kernel records its own event, named after what it fuses (else one opaque
+    row per graph). Code compiled before or here differs in that, so dynamo forgets it before and after."""
     if not (cfg.compile and torch.device(cfg.device).type == "cpu"):
         yield
         return
@@ -144,8 +128,7 @@ def _named_cpu_kernels(cfg: TrainConfig):
         torch._dynamo.reset()
 
 
-# What `by_kind` sorts a CPU profile's operators into: (kind, does this event belong to it?), first match wins.
-# `name` is the event's, `within` the names of the events it ran inside.
+# What `by_kind` sorts a CPU profile's operators into: (kind, does an event of this name, inside these, belong?)
 KINDS: tuple[tuple[str, Callable[[str, list[str]], bool]], ...] = (
     ("optimizer (AdamW's update, zero_grad)", lambda name, within: any(w.startswith("Optimizer.") for w in within)),
     ("matmuls", lambda name, within: name in MATMUL_OPERANDS),
@@ -158,12 +141,9 @@ KINDS: tuple[tuple[str, Callable[[str, list[str]], bool]], ...] = (
 
 
 def by_kind(p: Profile) -> dict[str, float]:
-    """{kind: seconds per recorded step} for a CPU profile: the operators' own time (busy_s's, all threads) sorted
-    into KINDS, the largest first."""
+    """{kind: seconds per recorded step} of a CPU profile's operators' own time, by KINDS, the largest first."""
     out: dict[str, float] = {}
-    for e in p.prof.events():
-        if e.device_type != DeviceType.CPU or e.is_user_annotation:
-            continue
+    for e in _device_events(p, DeviceType.CPU):
         within, parent = [], e.cpu_parent
         while parent is not None:
             within.append(parent.name)
@@ -173,17 +153,16 @@ def by_kind(p: Profile) -> dict[str, float]:
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
+def _device_events(p: Profile, kind: DeviceType) -> list:
+    """The events that ran on a device of this kind, named ranges left out (their own time is the gaps)."""
+    return [e for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation]
+
+
 def busy_s(p: Profile) -> float:
-    """Seconds of work the device did in the recorded steps. On CUDA: the GPU's kernels and copies, each counted
-    once, as torch's own "Self CUDA time total" counts them (summing the table's rows would count a kernel again in
-    the operator that launched it, and again in the device-side span of a named range such as
-    `Optimizer.step#AdamW.step`). On a CPU: the operators' own time, on all threads (named ranges and ProfilerStep#N
-    are left out: their own time is the gaps between operators)."""
-    kind = DeviceType.CUDA if p.device == "cuda" else DeviceType.CPU
-    return (
-        sum(getattr(e, p.self_time) for e in p.prof.events() if e.device_type == kind and not e.is_user_annotation)
-        / 1e6
-    )
+    """Seconds of work the device did in the recorded steps, each kernel counted once (as torch's "Self CUDA time
+    total"); on a CPU the operators' own time, all threads."""
+    events = _device_events(p, DeviceType.CUDA if p.device == "cuda" else DeviceType.CPU)
+    return sum(getattr(e, p.self_time) for e in events) / 1e6
 
 
 # ---- launch-bound: how long the device sat idle in a step ------------------------------------------------------
@@ -194,54 +173,43 @@ LAUNCH_BOUND_IDLE = 0.2
 
 
 def idle_share(kernels: list[tuple[float, float]], span: tuple[float, float]) -> float:
-    """The share of `span` (start, end) in which no kernel ran, from the kernels' (start, end) intervals in the same
-    unit: overlapping kernels (two streams) count once, and the parts outside the span not at all."""
+    """The share of `span` (start, end) in which no kernel (start, end) ran: overlaps count once, outside not at all."""
     start, end = span
     if not end > start:
         raise ValueError(f"span={span}: the step's end must come after its start")
     busy, reach = 0.0, start  # the union of the intervals, swept in order of their starts
     for a, b in sorted((max(a, start), min(b, end)) for a, b in kernels):
-        if b <= max(a, reach):  # outside the span, or inside what is already counted
-            continue
-        busy += b - max(a, reach)
-        reach = b
+        if b > max(a, reach):  # inside the span, and past what is already counted
+            busy += b - max(a, reach)
+            reach = b
     return 1 - busy / (end - start)
 
 
 def kernel_intervals(p: Profile) -> list[tuple[float, float]]:
     """(start, end) in microseconds of every kernel and copy the device ran in the recorded steps (a GPU profile)."""
-    return [
-        (e.time_range.start, e.time_range.end)
-        for e in p.prof.events()
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation
-    ]
+    return [(e.time_range.start, e.time_range.end) for e in _device_events(p, DeviceType.CUDA)]
 
 
 def recorded_span(p: Profile) -> tuple[float, float] | None:
-    """(start, end) in microseconds of the recorded steps, from the profiler's ProfilerStep ranges (each step ends
-    with the device synchronised: its kernels lie inside it); None where the profile holds none."""
+    """(start, end) in microseconds of the recorded steps' ProfilerStep ranges (the device is synchronised at each
+    step's end: its kernels lie inside); None where the profile holds none."""
     steps = [e.time_range for e in p.prof.events() if e.name.startswith("ProfilerStep")]  # "#N", or "*" in a table
     return (min(r.start for r in steps), max(r.end for r in steps)) if steps else None
 
 
 def device_idle_share(p: Profile) -> float | None:
-    """The share of the recorded steps' wall time in which the GPU ran no kernel (idle_share); None on a CPU, whose
-    operators are the step itself."""
+    """The share of the recorded steps in which the GPU ran no kernel; None on a CPU (its operators are the step)."""
     span = recorded_span(p)
-    if p.device != "cuda" or span is None:
-        return None
-    return idle_share(kernel_intervals(p), span)
+    return idle_share(kernel_intervals(p), span) if p.device == "cuda" and span is not None else None
 
 
 def launch_bound(idle: float | None) -> bool:
-    """Whether a device idle for this share of its step waits on kernel launches (LAUNCH_BOUND_IDLE); False where
-    nothing was measured (a CPU)."""
+    """Whether a device idle for this share of its step waits on kernel launches; False where unmeasured (a CPU)."""
     return idle is not None and idle >= LAUNCH_BOUND_IDLE
 
 
 def timeline_figure(kernels: list[tuple[float, float]], span: tuple[float, float], title: str):
-    """The device's timeline over `span`: each kernel a bar at its (start, end) in microseconds, drawn in ms from the
-    span's start, and the idle share in the title: the gaps are where the device waited."""
+    """The device's timeline over `span`: a bar per kernel, in ms from the span's start; the gaps: the device idle."""
     from .plots import new_figure  # matplotlib only where a figure is drawn
 
     start, end = span
@@ -257,23 +225,21 @@ def timeline_figure(kernels: list[tuple[float, float]], span: tuple[float, float
 
 
 def summary(p: Profile, rows: int = 20) -> str:
-    """The profile's table (operators, and on CUDA their kernels, by the time of their own on the device that did
-    the work) and how much of the recorded steps' wall time the device spent working; on a CPU, also a step's time
-    by kind (by_kind)."""
+    """The profiler's table (by each operator's own time on the device that did the work) and the share of the wall
+    time the device worked; on a CPU also a step's time by kind (by_kind) and its page faults."""
     table = p.prof.key_averages().table(sort_by=p.self_time, row_limit=rows, max_name_column_width=60)
     wall_s, work_s = p.active_wall_s, busy_s(p)
+    head = f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; "
     if p.device == "cuda":
-        busy = (
+        return head + (
             f"the GPU's kernels and copies: {work_s * 1e3:.1f} ms = {work_s / wall_s:.0%} of it (the rest: the GPU "
             f"idle, waiting for the CPU to launch work or for a synchronisation)"
         )
-        return f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}"
-    busy = f"the operators' own CPU time, all threads: {work_s * 1e3:.1f} ms"
     kinds = "\n".join(
         f"  {kind:<82} {s * 1e3:8.1f} ms  {s * len(p.active) / work_s:4.0%}" for kind, s in by_kind(p).items()
     )
     return (
-        f"{table}\n{len(p.active)} recorded steps, {wall_s * 1e3:.1f} ms of wall time; {busy}\n"
+        head + f"the operators' own CPU time, all threads: {work_s * 1e3:.1f} ms\n"
         f"Where a step's time goes (the operators' own time per step, by kind):\n{kinds}" + _page_fault_text(p)
     )
 
@@ -282,24 +248,21 @@ def _page_fault_text(p: Profile) -> str:
     """A CPU step's page faults: memory the kernel mapped and zeroed at first touch, time no operator's row shows."""
     if not p.page_faults:
         return ""
+    why = ""
     if p.result.config.get("keep_freed_memory"):
         why = " (freed memory is kept: what is left is new memory, the profiler's among it)"
     elif not cpu_allocator.unavailable(p.device):  # where the switch exists
         why = (
             " (freed memory goes back to the kernel and each step maps it again: --set keep_freed_memory=true keeps it)"
         )
-    else:
-        why = ""
     return f"\nPage faults: {statistics.median(p.page_faults):,.0f} a step, the profiler on{why}"
 
 
 # ---- the kernel floor ----------------------------------------------------------------------------------------------
 
-# The step's big kernels: matrix multiplies (the operands' positions among the op's inputs) and SDPA's fused attention
-# (SDPA_OPS, its forward ops; each backward is the same name + "_backward"). A loop can only call these; their speed
-# at a shape is the kernel library's.
+# The step's big kernels, which a loop can only call: matrix multiplies (the operands' positions among the op's inputs)
+# and SDPA's fused attention (its forward ops, without "aten::", and their backends; each backward: + "_backward").
 MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2)}
-# SDPA's fused forward ops (as the dispatcher names them, without "aten::") and the backend each one is
 SDPA_OPS = {
     "_scaled_dot_product_flash_attention_for_cpu": "flash (CPU kernel)",
     "_scaled_dot_product_flash_attention": "flash",
@@ -312,8 +275,7 @@ _DTYPES = {"float": torch.float32, "c10::BFloat16": torch.bfloat16, "c10::Half":
 
 @functools.cache
 def _input_position(op: str, name: str) -> int:
-    """Where the input `name` sits among an aten op's inputs, read from its schema (the profiler records the inputs
-    in that order)."""
+    """Where the input `name` sits among an aten op's inputs (the profiler records them in its schema's order)."""
     schema = getattr(torch.ops.aten, op.removeprefix("aten::")).default._schema
     return [a.name for a in schema.arguments].index(name)
 
@@ -329,14 +291,8 @@ def _sdpa_backend(op: str):
     """The torch.nn.attention.SDPBackend that runs SDPA op `op`, to time the same kernel alone."""
     from torch.nn.attention import SDPBackend
 
-    for word, backend in (
-        ("flash", "FLASH_ATTENTION"),
-        ("efficient", "EFFICIENT_ATTENTION"),
-        ("cudnn", "CUDNN_ATTENTION"),
-    ):
-        if word in op:
-            return getattr(SDPBackend, backend)
-    return SDPBackend.OVERRIDEABLE
+    backends = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+    return next((getattr(SDPBackend, b) for word, b in backends.items() if word in op), SDPBackend.OVERRIDEABLE)
 
 
 @dataclasses.dataclass
@@ -368,28 +324,23 @@ class KernelCall:
     def step_s(self) -> float:
         return self.calls * self.seconds + self.backward_calls * self.backward_seconds
 
-    def _transposed(self, i: int) -> bool:
-        """Whether operand i is stored transposed (its last two dimensions column-major), as autograd's views are."""
-        return bool(self.strides) and self.strides[i][-1] != 1 and self.strides[i][-2] == 1
+    def _operand(self, i: int) -> str:
+        """Operand i's shape, with ᵀ where it is stored transposed (column-major, as autograd's views are)."""
+        transposed = bool(self.strides) and self.strides[i][-1] != 1 and self.strides[i][-2] == 1
+        return "x".join(map(str, self.shapes[i])) + ("ᵀ" if transposed else "")
 
     def text(self) -> str:
         dt = str(self.dtype).removeprefix("torch.")
         if self.kind == "matmul":
-            a, b = (
-                "x".join(map(str, shape)) + ("ᵀ" if self._transposed(i) else "") for i, shape in enumerate(self.shapes)
-            )
-            return f"{self.calls:4g} x matmul {a} @ {b} {dt}: {self.seconds * 1e3:.2f} ms each, " + gflops_text(
-                self.flops / self.seconds
-            )
+            each = f"{self.seconds * 1e3:.2f} ms each, {gflops_text(self.flops / self.seconds)}"
+            return f"{self.calls:4g} x matmul {self._operand(0)} @ {self._operand(1)} {dt}: {each}"
         q = "x".join(map(str, self.shapes[0]))
+        backward = (
+            f", {self.backward_calls:g} x {self.backward_seconds * 1e3:.2f} ms backward" if self.backward_calls else ""
+        )
         return (
             f"{self.calls:4g} x attention, {SDPA_OPS[self.op.removeprefix('aten::')]}, query {q} {dt}"
-            f"{', causal' if self.causal else ''}: {self.seconds * 1e3:.2f} ms forward"
-            + (
-                f", {self.backward_calls:g} x {self.backward_seconds * 1e3:.2f} ms backward"
-                if self.backward_calls
-                else ""
-            )
+            f"{', causal' if self.causal else ''}: {self.seconds * 1e3:.2f} ms forward{backward}"
         )
 
 
@@ -402,26 +353,16 @@ class KernelFloor:
     profiled_step_s: float  # a recorded step's wall time, the profiler on (it adds a little to every operator)
     profiled_mfu: float | None  # the profiled run's efficiency, over its steps' median time below
     profiled_median_s: float
-    # On a GPU: the same calls' kernels as they ran in the recorded steps, per step (the GPU's own time of each kernel,
-    # read from the profile, launches and gaps excluded); None on a CPU, where an operator's time includes its overhead
+    # On a GPU: the same calls' kernels per step as they ran in the recorded steps (their own device time, launches and
+    # gaps excluded); None on a CPU, where an operator's time includes its overhead
     in_step_s: float | None = None
 
-    @property
-    def layout_known(self) -> bool:
-        """Whether this torch's profiler recorded the operands' strides (2.13's does, 2.11's does not)."""
-        return any(c.strides for c in self.calls)
-
-    @property
-    def matmul_s(self) -> float:
-        return sum(c.step_s for c in self.calls if c.kind == "matmul")
-
-    @property
-    def attention_s(self) -> float:
-        return sum(c.step_s for c in self.calls if c.kind == "attention")
+    def _s(self, kind: str) -> float:
+        return sum(c.step_s for c in self.calls if c.kind == kind)
 
     @property
     def timed_alone_s(self) -> float:
-        return self.matmul_s + self.attention_s
+        return self._s("matmul") + self._s("attention")
 
     @property
     def in_step_is_lower(self) -> bool:
@@ -429,9 +370,49 @@ class KernelFloor:
 
     @property
     def total_s(self) -> float:
-        """The floor: the calls timed alone, or, on a GPU, their kernels as they ran in the step where that was less
-        (an H200 with torch 2.11, whose profiler records no layout, read 23.4 ms alone and 20.8 in the step)."""
+        """The floor: the calls timed alone, or on a GPU their kernels as they ran in the step where that was less
+        (timed alone, a torch whose profiler records no layout may take another kernel)."""
         return self.in_step_s if self.in_step_is_lower else self.timed_alone_s
+
+    @property
+    def matmul_flops(self) -> float:
+        """A step's matmul FLOPs, summed over its calls."""
+        return sum(c.calls * c.flops for c in self.calls)
+
+    @property
+    def mfu_at_floor(self) -> float | None:
+        """The efficiency of a step that took only its kernels' time: the same model FLOPs in total_s."""
+        if not (self.profiled_mfu and self.total_s):
+            return None
+        return self.profiled_mfu * self.profiled_median_s / self.total_s
+
+    def text(self) -> str:
+        if not self._s("matmul"):
+            return (
+                "The recorded steps called no matmul the profiler could see: no kernel floor. (Under CUDA graphs, "
+                "compile_mode reduce-overhead or max-autotune, a step replays its kernels without the operators the "
+                "floor reads.)"
+            )
+        layout_known = any(c.strides for c in self.calls)  # torch 2.13's profiler records strides, 2.11's does not
+        layout = "layout (ᵀ: an operand stored transposed) " if layout_known else "(this torch records no layout) "
+        matmul_s, attention = self._s("matmul"), [c for c in self.calls if c.kind == "attention"]
+        lines = [
+            "The kernel floor: each matmul and fused-attention call of a recorded step timed again by itself, at its "
+            f"shape, {layout}and dtype, the median of repeats, counted as often as a step makes it:",
+            f"  matmuls: {sum(c.calls for c in self.calls if c.kind == 'matmul'):g} calls per step, "
+            f"{matmul_s * 1e3:.1f} ms ({self.matmul_flops / 1e9:.2f} GFLOP at "
+            f"{gflops_text(self.matmul_flops / matmul_s)})",
+        ]
+        if attention:
+            fwd, bwd = sum(c.calls for c in attention), sum(c.backward_calls for c in attention)
+            lines.append(
+                f"  fused attention: {fwd:g} forward and {bwd:g} backward calls per step, "
+                f"{self._s('attention') * 1e3:.1f} ms"
+            )
+        if self.in_step_s:
+            lines.append(self._in_step_text())
+        lines += self._rest_text() + ["  by call:"]
+        return "\n".join(lines + [f"    {c.text()}" for c in sorted(self.calls, key=lambda c: -c.step_s)])
 
     def _in_step_text(self) -> str:
         """The two readings of a GPU's kernels, alone and in the step, and which one the floor takes."""
@@ -449,44 +430,10 @@ class KernelFloor:
             f"{self.in_step_s * 1e3:.1f} ms a step (the GPU's own time of each kernel): {which}"
         )
 
-    @property
-    def matmul_flops(self) -> float:
-        """A step's matmul FLOPs, summed over its calls."""
-        return sum(c.calls * c.flops for c in self.calls)
-
-    @property
-    def mfu_at_floor(self) -> float | None:
-        """The efficiency of a step that took only its kernels' time: the same model FLOPs in total_s."""
-        if not (self.profiled_mfu and self.total_s):
-            return None
-        return self.profiled_mfu * self.profiled_median_s / self.total_s
-
-    def text(self) -> str:
-        if not self.matmul_s:
-            return (
-                "The recorded steps called no matmul the profiler could see: no kernel floor. (Under CUDA graphs, "
-                "compile_mode reduce-overhead or max-autotune, a step replays its kernels without the operators the "
-                "floor reads.)"
-            )
-        layout = "layout (ᵀ: an operand stored transposed) " if self.layout_known else "(this torch records no layout) "
-        lines = [
-            "The kernel floor: each matmul and fused-attention call of a recorded step timed again by itself, at its "
-            f"shape, {layout}and dtype, the median of repeats, counted as often as a step makes it:",
-            f"  matmuls: {sum(c.calls for c in self.calls if c.kind == 'matmul'):g} calls per step, "
-            f"{self.matmul_s * 1e3:.1f} ms ({self.matmul_flops / 1e9:.2f} GFLOP at "
-            f"{gflops_text(self.matmul_flops / self.matmul_s)})",
-        ]
-        attention = [c for c in self.calls if c.kind == "attention"]
-        if attention:
-            fwd, bwd = sum(c.calls for c in attention), sum(c.backward_calls for c in attention)
-            lines.append(
-                f"  fused attention: {fwd:g} forward and {bwd:g} backward calls per step, "
-                f"{self.attention_s * 1e3:.1f} ms"
-            )
-        if self.in_step_s:
-            lines.append(self._in_step_text())
+    def _rest_text(self) -> list[str]:
+        """The floor against the profiled step: what is left to the loop, and the efficiency a step at the floor has."""
         step, rest = self.profiled_step_s, self.profiled_step_s - self.total_s
-        lines.append(
+        lines = [
             f"  together {self.total_s * 1e3:.1f} ms: about what a step of these kernels alone would take. A recorded "
             f"step took {step * 1e3:.1f} ms (the profiler on, which adds a little to every operator), so "
             + (
@@ -496,26 +443,23 @@ class KernelFloor:
                 else "these kernels' time is longer than the whole step (they ran faster inside it, on warm caches "
                 "or with another kernel chosen): no floor to read."
             )
-        )
+        ]
         if self.mfu_at_floor and rest > 0:
             lines.append(
                 f"  A step that took only the kernels' time would reach {self.mfu_at_floor:.0%} of the peak the "
                 f"efficiency is measured against ({self.profiled_mfu:.0%} in the profiled run): the rest of the gap to "
                 "the peak is the kernels' own, at these shapes."
             )
-        lines += ["  by call:"] + [f"    {c.text()}" for c in sorted(self.calls, key=lambda c: -c.step_s)]
-        return "\n".join(lines)
+        return lines
 
 
 def _recorded_ops(p: Profile):
-    """(name, input shapes, input dtypes, input strides, concrete inputs) of each operator the CPU ran in the recorded
-    steps, read from the profiler's own events: the public FunctionEvent has no dtypes before torch 2.13, these do.
-    Strides where this torch records them (2.13 does, 2.11 does not: [] then)."""
+    """(name, input shapes, dtypes, strides or [] where this torch records none, concrete inputs) of each CPU operator
+    in the recorded steps, from the profiler's own events (the public FunctionEvent has no dtypes before torch 2.13)."""
     for ev in p.prof.profiler.kineto_results.events():
-        if ev.device_type() != DeviceType.CPU or not ev.shapes():
-            continue
-        strides = ev.structured_input_strides() if hasattr(ev, "structured_input_strides") else []
-        yield ev.name(), ev.shapes(), ev.dtypes(), strides, ev.concrete_inputs()
+        if ev.device_type() == DeviceType.CPU and ev.shapes():
+            strides = ev.structured_input_strides() if hasattr(ev, "structured_input_strides") else []
+            yield ev.name(), ev.shapes(), ev.dtypes(), strides, ev.concrete_inputs()
 
 
 def _operands(shapes: list, dtypes: list, strides: list, positions) -> tuple[tuple, tuple, torch.dtype | None]:
@@ -527,6 +471,20 @@ def _operands(shapes: list, dtypes: list, strides: list, positions) -> tuple[tup
     return picked, layout, _DTYPES.get(dtypes[positions[0]])
 
 
+def _call_key(name: str, shapes: list, dtypes: list, strides: list, concrete: list) -> tuple | None:
+    """A forward matmul or SDPA call's KernelCall fields (kind, op, shapes, strides, dtype, causal), else None."""
+    if name in MATMUL_OPERANDS:
+        picked, layout, dtype = _operands(shapes, dtypes, strides, MATMUL_OPERANDS[name])
+        if dtype is None or len(picked[0]) not in (2, 3):
+            return None
+        # an addmm is timed as its product (the floor is the multiply): grouped with the mm of its operands
+        return ("matmul", "aten::bmm" if len(picked[0]) == 3 else "aten::mm", picked, layout, dtype, False)
+    picked, layout, dtype = _operands(shapes, dtypes, strides, (0, 1, 2))
+    if dtype is None:
+        return None
+    return ("attention", name, picked, layout, dtype, concrete[_input_position(name, "is_causal")] is True)
+
+
 def _kernel_calls(p: Profile) -> list[KernelCall]:
     """The recorded steps' matmul and SDPA calls, grouped by op, shapes, strides, dtype (and is_causal), counted per
     step; not yet timed."""
@@ -534,25 +492,14 @@ def _kernel_calls(p: Profile) -> list[KernelCall]:
     backwards: dict[tuple, int] = {}  # (forward op, query shape, dtype): calls
     for name, shapes, dtypes, strides, concrete in _recorded_ops(p):
         sdpa = _sdpa_op(name)
-        if name in MATMUL_OPERANDS:
-            picked, layout, dtype = _operands(shapes, dtypes, strides, MATMUL_OPERANDS[name])
-            if dtype is None or len(picked[0]) not in (2, 3):
-                continue
-            # an addmm is timed as its product (the floor is the multiply): grouped with the mm of its operands
-            key = ("matmul", "aten::bmm" if len(picked[0]) == 3 else "aten::mm", picked, layout, dtype, False)
-        elif sdpa is not None and not sdpa[1]:
-            picked, layout, dtype = _operands(shapes, dtypes, strides, (0, 1, 2))
-            if dtype is None:
-                continue
-            key = ("attention", name, picked, layout, dtype, concrete[_input_position(name, "is_causal")] is True)
-        elif sdpa is not None:  # a backward
+        if sdpa is not None and sdpa[1]:  # a backward
             q = _input_position(name, "query")
             query = (name.removesuffix("_backward"), tuple(shapes[q]), _DTYPES.get(dtypes[q]))
             backwards[query] = backwards.get(query, 0) + 1
-            continue
-        else:
-            continue
-        found.setdefault(key, KernelCall(*key)).calls += 1 / len(p.active)
+        elif name in MATMUL_OPERANDS or sdpa is not None:
+            key = _call_key(name, shapes, dtypes, strides, concrete)
+            if key is not None:
+                found.setdefault(key, KernelCall(*key)).calls += 1 / len(p.active)
     for (forward, query, dtype), n in backwards.items():  # each backward to its forward: same op, query and dtype
         match = [c for c in found.values() if (c.op, c.shapes[0], c.dtype) == (forward, query, dtype)]
         for c in match:  # forwards that differ only in key, value or is_causal share the backwards by their calls
@@ -561,8 +508,8 @@ def _kernel_calls(p: Profile) -> list[KernelCall]:
 
 
 def _random(shape: tuple, strides: tuple, dtype: torch.dtype, device: str) -> torch.Tensor:
-    """Random numbers laid out with `strides` (contiguous where unknown); a stride of 0 (an expanded operand) shares
-    one value along that dimension, as the recorded tensor did."""
+    """Random numbers laid out with `strides` (contiguous where unknown; a stride of 0 shares one value, as the
+    recorded expanded tensor did)."""
     if not strides:
         return torch.randn(shape, device=device, dtype=dtype)
     extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))  # elements the strided view reaches
@@ -570,9 +517,9 @@ def _random(shape: tuple, strides: tuple, dtype: torch.dtype, device: str) -> to
 
 
 def _time_alone(c: KernelCall, device: str, precision: str, min_time_s: float) -> tuple[float, float]:
-    """(seconds of one call, of one backward or 0) for c by itself, on random inputs of its shapes, strides and dtype,
-    under the run's matmul precision (TF32 where the run used it), through the same SDPA backend. On a GPU each timing
-    covers 10 calls in a row (a synchronisation per call would add its own microseconds to small kernels)."""
+    """(seconds of one call, of one backward or 0) for c alone, on random inputs of its shapes, strides and dtype,
+    under the run's matmul precision and SDPA backend. On a GPU each timing covers 10 calls in a row (a
+    synchronisation per call would add its own microseconds to small kernels)."""
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
@@ -596,37 +543,28 @@ def _time_alone(c: KernelCall, device: str, precision: str, min_time_s: float) -
                 return timed(lambda: multiply(a, b)), 0.0
         q, k, v = (x.requires_grad_() for x in operands)
         grad_out = torch.randn(q.shape, device=device, dtype=c.dtype)
+        attend = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c.causal)  # noqa: E731
         with sdpa_kernel(_sdpa_backend(c.op)):
-            forward = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=c.causal))
-            if not c.backward_calls:
-                return forward, 0.0
-            both = timed(
-                lambda: torch.autograd.grad(
-                    F.scaled_dot_product_attention(q, k, v, is_causal=c.causal), (q, k, v), grad_out
-                )
-            )
+            forward = timed(attend)
+            both = timed(lambda: torch.autograd.grad(attend(), (q, k, v), grad_out)) if c.backward_calls else forward
         return forward, max(0.0, both - forward)
 
 
 def kernel_floor(p: Profile, min_time_s: float = 0.1) -> KernelFloor:
-    """How fast a recorded step could be while it calls its matmuls and fused attention: each kind of call (op,
-    shapes, layout, dtype, is_causal) timed again by itself, under the run's precision and SDPA backend, and counted
-    as often as a step makes it. What a step spends beyond that is what the loop can still remove; the kernels' own
-    speed at these shapes is the library's. (Random inputs: neither a matmul's speed nor attention's depends on the
-    values.)"""
+    """How fast a recorded step could be while it calls its matmuls and fused attention: each kind of call timed again
+    by itself (random inputs: neither kernel's speed depends on the values), counted as often as a step makes it.
+    What a step spends beyond that is the loop's to remove; the kernels' own speed is the library's."""
     calls = _kernel_calls(p)
-    precision = p.result.config["precision"]
     for c in calls:
-        c.seconds, c.backward_seconds = _time_alone(c, p.device, precision, min_time_s)
+        c.seconds, c.backward_seconds = _time_alone(c, p.device, p.result.config["precision"], min_time_s)
     r = p.result
     return KernelFloor(calls, p.active_wall_s / len(p.active), r.mfu, r.median_step_s, in_step_kernel_s(p))
 
 
 def in_step_kernel_s(p: Profile) -> float | None:
-    """On a GPU, seconds per recorded step of the same calls' kernels as they ran in the step: each matmul operator's
-    own device time, and each fused-attention operator's (SDPA_OPS, forward and backward) device time with the
-    operators beneath it, where its kernels are launched. A kernel counts once. None on a CPU (an operator's time
-    there is its overhead too), or where the profile holds no such device time."""
+    """On a GPU, seconds per recorded step of the same calls' kernels in the step: each matmul's own device time, each
+    fused attention's (SDPA_OPS, forward and backward) with the operators beneath it that launch its kernels. None
+    on a CPU (an operator's time there is its overhead too), or where the profile holds no such device time."""
     if p.device != "cuda":
         return None
     seconds = sum(
