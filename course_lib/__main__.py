@@ -696,7 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
         group = p.add_mutually_exclusive_group() if name == "exercises" else p
         for flag, text in options.items():
             text, kind = (text, {}) if isinstance(text, str) else text
-            group.add_argument(flag, help=text, **{**KINDS.get(flag, {}), **kind})
+            group.add_argument(flag, help=text, **KINDS.get(flag, {}) | kind)
     return parser
 
 
