@@ -1,8 +1,5 @@
-"""Configs as dataclasses and presets as functions (the techniques declare themselves in course_lib.techniques).
-
-`ModelConfig` says what the network is; `TrainConfig` says how it is trained, with one typed field per
-technique. Both check themselves at construction and say what to change when a combination is invalid.
-"""
+"""Configs as frozen dataclasses, checked at construction, and the named presets (each technique's field is explained
+in its module of course_lib.techniques). `ModelConfig` says what the network is; `TrainConfig` how it is trained."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ import numbers
 import types
 import typing
 from dataclasses import dataclass, field, replace
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -28,11 +25,10 @@ Checkpointing = Literal["none", "selective", "full"]
 ClipKind = Literal["global", "per_tensor"]
 
 PRECISIONS = typing.get_args(Precision)
-# The dtype each precision stores values in (TF32 is a matmul mode of fp32 values): every map from a precision's name
-# to a dtype or its bytes is read from here.
+# The dtype each precision stores values in (TF32 is a matmul mode of fp32 values): the one map from name to dtype.
 PRECISION_DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CLIP_KINDS = typing.get_args(ClipKind)
-ATTENTIONS = typing.get_args(Attention)
+_UNION = (typing.Union, types.UnionType)
 
 
 class ConfigError(ValueError):
@@ -51,9 +47,8 @@ def did_you_mean(name, names) -> str:
 
 
 # ---- every field's type, checked and parsed in one place ---------------------------------------------------------
-# The dataclasses' annotations are the declaration: __post_init__ checks each value against its field's type (a bool
-# is not an int here, a float is finite, a Literal one of its values), and parse_setting reads a field's value from
-# text by the same type (the command line's --set, a launch's options). The ranges are checked in __post_init__.
+# The annotations are the declaration: __post_init__ checks each value against its field's type (a bool is not an int,
+# a float is finite, a Literal one of its values) and parse_setting reads a value from text by the same type.
 
 
 @functools.cache
@@ -73,61 +68,43 @@ def _check_fields(names, cls) -> None:
 
 def _conforms(value, hint) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (int, float) and isinstance(value, bool):
+        return False
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if hint is str:
-        return isinstance(value, str)
+        return isinstance(value, (int, float)) and math.isfinite(value)
     if hint is type(None):
         return value is None
     if origin is Literal:
         return isinstance(value, str) and value in args
-    if origin in (typing.Union, types.UnionType):
+    if origin in _UNION:
         return any(_conforms(value, a) for a in args)
     if origin is tuple:
-        return (
-            isinstance(value, tuple) and len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
-        )
-    return isinstance(value, hint) if isinstance(hint, type) else True
+        return isinstance(value, tuple) and len(value) == len(args) and all(map(_conforms, value, args))
+    return isinstance(value, hint)
 
 
 def _describe(hint) -> str:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is bool:
-        return "True or False"
-    if hint is int:
-        return "an integer"
-    if hint is float:
-        return "a finite number"
     if origin is Literal:
         return "one of " + ", ".join(map(repr, args))
-    if origin in (typing.Union, types.UnionType):
+    if origin in _UNION:
         return " or ".join("None (off)" if a is type(None) else _describe(a) for a in args)
     if origin is tuple:
         return f"{len(args)} numbers, e.g. (0.9, 0.95)"
-    return getattr(hint, "__name__", str(hint))
+    return {bool: "True or False", int: "an integer", float: "a finite number"}.get(hint, hint.__name__)
 
 
 def _check_types(obj) -> None:
     for name, hint in _field_types(type(obj)).items():
         value = getattr(obj, name)
-        if not _conforms(value, hint):
-            close = did_you_mean(value, typing.get_args(hint)) if typing.get_origin(hint) is Literal else ""
-            # a number of another library's type (numpy.int64 from an array) is not the Python number the field holds
-            kind = type(value)
-            foreign = (
-                f" (this one is a {kind.__module__}.{kind.__name__}: convert it with int() or float())"
-                if isinstance(value, numbers.Number) and kind.__module__ != "builtins"
-                else ""
-            )
-            raise ConfigError(
-                f"{name}={value!r} is not {_describe(hint)}{close}"
-                if typing.get_origin(hint) is Literal
-                else f"{name}={value!r}: {name} takes {_describe(hint)}{foreign}"
-            )
+        if _conforms(value, hint):
+            continue
+        if typing.get_origin(hint) is Literal:
+            raise ConfigError(f"{name}={value!r} is not {_describe(hint)}{did_you_mean(value, typing.get_args(hint))}")
+        kind = type(value)  # a number of another library's type (numpy.int64 from an array) is not a Python number
+        foreign = isinstance(value, numbers.Number) and kind.__module__ != "builtins"
+        convert = f" (this one is a {kind.__module__}.{kind.__name__}: convert it with int() or float())"
+        raise ConfigError(f"{name}={value!r}: {name} takes {_describe(hint)}{convert if foreign else ''}")
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -138,7 +115,7 @@ def parse_value(name: str, hint, text: str):
     t = text.strip()
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     bad = ConfigError(f"{name}={text!r}: {name} takes {_describe(hint)}")
-    if origin in (typing.Union, types.UnionType):
+    if origin in _UNION:
         if type(None) in args and t.lower() in ("none", "off", "null"):
             return None
         for a in (a for a in args if a is not type(None)):
@@ -148,46 +125,31 @@ def parse_value(name: str, hint, text: str):
                 pass
         raise bad
     if hint is bool:
-        if t.lower() in _TRUE + _FALSE:
-            return t.lower() in _TRUE
-        raise ConfigError(f"{name}={text!r}: {name} takes true or false (also on/off, yes/no, 1/0)")
-    if hint is int:
-        try:
-            return int(t)
-        except ValueError:
-            raise bad from None
-    if hint is float:
-        try:
-            value = float(t)
-        except ValueError:
-            raise bad from None
-        if not math.isfinite(value):
-            raise bad
-        return value
+        _check(t.lower() in _TRUE + _FALSE, f"{name}={text!r}: {name} takes true or false (also on/off, yes/no, 1/0)")
+        return t.lower() in _TRUE
     if origin is Literal:
-        if t in args:
-            return t
-        raise ConfigError(f"{name}={text!r} is not one of {', '.join(map(repr, args))}{did_you_mean(t, args)}")
-    if origin is tuple:
-        try:
+        _check(t in args, f"{name}={text!r} is not one of {', '.join(map(repr, args))}{did_you_mean(t, args)}")
+        return t
+    try:
+        if origin is tuple:
             value = ast.literal_eval(t if t.startswith("(") else f"({t},)")
-        except (ValueError, SyntaxError):
-            raise bad from None
-        if not _conforms(tuple(value) if isinstance(value, (tuple, list)) else None, hint):
-            raise bad
-        return tuple(value)
-    return t
+            value = tuple(value) if isinstance(value, (tuple, list)) else None
+        else:
+            value = hint(t)  # int or float (str: the text itself)
+    except (ValueError, SyntaxError):
+        raise bad from None
+    _check(_conforms(value, hint), str(bad))
+    return value
 
 
-def setting_type(name: str):
-    """The declared type of a setting: a TrainConfig field, or a ModelConfig field as "model.<field>" or by its own
-    name where no TrainConfig field has it (as the techniques name theirs: attention, vocab_multiple)."""
+def _owner(name: str) -> tuple[str, str, object]:
+    """("train" or "model", the field's own name, its type) for a setting: a TrainConfig field, or a ModelConfig field
+    as "model.<field>" or by its own name where no TrainConfig field has it (as the techniques name theirs)."""
     train, model = _field_types(TrainConfig), _field_types(ModelConfig)
     if name in train and name != "model":
-        return train[name]
-    bare = name.removeprefix("model.")
-    if bare in model:
-        return model[bare]
+        return "train", name, train[name]
+    if (bare := name.removeprefix("model.")) in model:
+        return "model", bare, model[bare]
     known = [*(k for k in train if k != "model"), *model, *(f"model.{k}" for k in model)]
     raise ConfigError(
         f"{name!r} is not a setting: use a TrainConfig field or a ModelConfig field (model.<field>, or its name)"
@@ -195,43 +157,40 @@ def setting_type(name: str):
     )
 
 
-def _owner(name: str) -> tuple[str, str]:
-    """("train" or "model", the field's own name) for a setting's name, or a ConfigError (setting_type says why)."""
-    setting_type(name)
-    train = {f.name for f in dataclasses.fields(TrainConfig)}
-    return ("train", name) if name in train and name != "model" else ("model", name.removeprefix("model."))
-
-
-def get_setting(cfg: "TrainConfig", name: str):
-    """The value of a setting: a TrainConfig field, or a ModelConfig field as "model.<field>" or by its own name."""
-    where, field_name = _owner(name)
+def get_setting(cfg: TrainConfig, name: str):
+    """The value of a setting (a TrainConfig field, or a ModelConfig field as "model.<field>" or by its own name)."""
+    where, field_name, _ = _owner(name)
     return getattr(cfg if where == "train" else cfg.model, field_name)
 
 
-def with_setting(cfg: "TrainConfig", name: str, value) -> "TrainConfig":
+def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
     """cfg with one setting (get_setting's names) changed."""
     return with_settings(cfg, {name: value})
 
 
-def with_settings(cfg: "TrainConfig", settings: dict) -> "TrainConfig":
-    """cfg with every one of `settings` {name: value} (get_setting's names) changed in one step: only the whole new
-    config is checked, so settings that hold only together are taken in any order (context=128 before
-    model.block_size=128, grad_accum_steps=3 before batch_size=6)."""
-    train, model, named = {}, {}, {}
+def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
+    """cfg with every one of `settings` {name: value} changed in one step: only the whole new config is checked, so
+    settings that hold only together are taken in any order (context=128 before model.block_size=128)."""
+    changes, named = {"train": {}, "model": {}}, {}
     for name, value in settings.items():
-        where, field_name = _owner(name)
+        where, field_name, _ = _owner(name)
         if (where, field_name) in named:  # n_head and model.n_head: which one was meant?
             raise ConfigError(f"{named[where, field_name]} and {name} set the same field: give one of them")
         named[where, field_name] = name
-        (train if where == "train" else model)[field_name] = value
-    if model:
-        train["model"] = replace(cfg.model, **model)
-    return replace(cfg, **train) if train else cfg
+        changes[where][field_name] = value
+    if changes["model"]:
+        changes["train"]["model"] = replace(cfg.model, **changes["model"])
+    return replace(cfg, **changes["train"]) if changes["train"] else cfg
 
 
 def parse_setting(name: str, text: str):
     """A setting's value from text (the command line's --set FIELD=VALUE), by its declared type."""
-    return parse_value(name, setting_type(name), text)
+    return parse_value(name, _owner(name)[2], text)
+
+
+def _check_positive(obj, *names: str) -> None:
+    for name in names:
+        _check(getattr(obj, name) >= 1, f"{name} must be a positive int, got {getattr(obj, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -248,16 +207,9 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_types(self)
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple"):
-            _check(
-                isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
-                f"{name} must be a positive int, got {getattr(self, name)!r}",
-            )
-        _check(
-            self.n_embd % self.n_head == 0,
-            f"n_head={self.n_head} must divide n_embd={self.n_embd}: "
-            "change one so that n_embd/n_head is a whole head size",
-        )
+        _check_positive(self, "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple")
+        whole = "change one so that n_embd/n_head is a whole head size"
+        _check(self.n_embd % self.n_head == 0, f"n_head={self.n_head} must divide n_embd={self.n_embd}: {whole}")
         _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
         _check(
             self.attention != "flash" or self.dropout == 0,
@@ -266,8 +218,7 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.vocab_multiple
-        return (self.vocab_size + m - 1) // m * m
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple  # rounded up
 
     @property
     def head_dim(self) -> int:
@@ -282,60 +233,43 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")  # where the course's loop, timing and mem
 
 
 def check_device(device) -> str:
-    """`device` as torch names it ('cuda:0'), or a ConfigError saying what to use: a name torch does not know, and
-    a device torch knows but the course has no path for (xpu, hpu: their timers and memory statistics differ)."""
+    """`device` as torch names it ('cuda:0'), or a ConfigError saying what to use: for a name torch does not know, and
+    for a device the course has no path for (xpu, hpu: their timers and memory statistics differ)."""
+    use = "use 'cpu', or 'cuda' on a machine with an NVIDIA GPU"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ConfigError(
-            f"device={device!r} is not a torch device: use 'cpu', or 'cuda' on a machine with an NVIDIA GPU"
-        ) from None
-    if dev.type not in DEVICE_TYPES:
-        raise ConfigError(
-            f"device={device!r}: the course runs on {', '.join(DEVICE_TYPES)} only, not on {dev.type!r}; use 'cpu', "
-            "or 'cuda' on a machine with an NVIDIA GPU"
-        )
+        raise ConfigError(f"device={device!r} is not a torch device: {use}") from None
+    _check(
+        dev.type in DEVICE_TYPES,
+        f"device={device!r}: the course runs on {', '.join(DEVICE_TYPES)} only, not on {dev.type!r}; {use}",
+    )
     return str(dev)
 
 
-# TrainConfig's fields by section, in the class's order: what a reader takes in at once. A field's name is unique
-# across sections, so dataclasses.replace, the panels and `--set field=value` name it directly.
+# TrainConfig's fields by section, in the class's order. A field's name is unique across sections, so replace(), the
+# panels and `--set field=value` name it directly.
 SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model",),
-    "run": ("device", "steps", "timing_warmup", "seed", "eval_every", "eval_batches", "measure_memory"),
-    "batch": ("batch_size", "grad_accum_steps", "context"),
-    "precision": ("precision", "loss_scale_init", "loss_scale_growth_interval"),
-    "speed and memory": (
-        "keep_freed_memory",
-        "compile",
-        "compile_mode",
-        "fused_adamw",
-        "activation_checkpointing",
-        "loss_chunks",
+    section: tuple(names.split())
+    for section, names in {
+        "model": "model",
+        "run": "device steps timing_warmup seed eval_every eval_batches measure_memory",
+        "batch": "batch_size grad_accum_steps context",
+        "precision": "precision loss_scale_init loss_scale_growth_interval",
+        "speed and memory": "keep_freed_memory compile compile_mode fused_adamw activation_checkpointing loss_chunks "
         "set_to_none",
-    ),
-    "optimisation": (
-        "optimizer",
-        "lr",
-        "betas",
-        "eps",
-        "momentum",
-        "weight_decay",
-        "decay_2d_only",
-        "schedule",
-        "lr_warmup_steps",
-        "min_lr_ratio",
-        "clip_norm",
-        "clip_kind",
-    ),
-    "parallelism": ("data_parallel",),
+        "optimisation": "optimizer lr betas eps momentum weight_decay decay_2d_only schedule lr_warmup_steps "
+        "min_lr_ratio clip_norm clip_kind",
+        "parallelism": "data_parallel",
+    }.items()
 }
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """How a model is trained, in the sections of SECTIONS. Each technique's field is explained in its own module of
-    course_lib.techniques (named after it)."""
+    course_lib.techniques (named after it). Whether *this machine* can run it is not asked here (a config saved on a
+    GPU must load on a laptop): course_lib.capabilities.require(cfg) asks when a run, a ladder or a panel starts."""
 
     # -- model: the network's shape (ModelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -352,19 +286,19 @@ class TrainConfig:
     grad_accum_steps: int = 1
     context: int = 512
     # -- precision (techniques.mixed_precision): fp16's GradScaler starts at loss_scale_init and doubles after
-    # loss_scale_growth_interval clean steps (torch's own defaults, so they change nothing unless set)
+    # loss_scale_growth_interval clean steps (torch's own defaults)
     precision: Precision = "fp32"
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 2000
-    # -- speed and memory: the other techniques, each off in the naive loop
-    keep_freed_memory: bool = False  # techniques.keep_freed_memory: a CPU step reuses freed memory (glibc)
+    # -- speed and memory: the other techniques (each in techniques.<field>), each off in the naive loop
+    keep_freed_memory: bool = False  # a CPU step reuses freed memory (glibc)
     compile: bool = False  # techniques.torch_compile
     compile_mode: CompileMode = "default"
-    fused_adamw: bool = False  # techniques.fused_adamw
-    # techniques.activation_checkpointing: "full" keeps a block's input, "selective" also its matmul outputs
+    fused_adamw: bool = False
+    # activation checkpointing: "full" keeps a block's input, "selective" also its matmuls' outputs
     activation_checkpointing: Checkpointing = "none"
     loss_chunks: int = 1  # techniques.chunked_loss: >1, the output layer and loss in this many token slices
-    set_to_none: bool = False  # techniques.set_to_none: zero_grad(set_to_none=True) frees gradients between steps
+    set_to_none: bool = False  # zero_grad(set_to_none=True) frees gradients between steps
     # -- optimisation (notebook 05): optimizer, weight decay, schedule, clipping
     optimizer: Optimizer = "adamw"
     lr: float = 1e-3
@@ -380,26 +314,18 @@ class TrainConfig:
     # "global": every gradient scaled by one factor from their joint norm (GPT-3; the direction is kept);
     # "per_tensor": each tensor by its own norm (the direction of the whole gradient changes)
     clip_kind: ClipKind = "global"
-    # -- parallelism (notebook 07, techniques.data_parallel): inside a torchrun process group, "ddp"
-    # (DistributedDataParallel), "fsdp" (FSDP2 fully_shard per block and at the root) or "bucketed" (DDP written by
-    # hand, the gradients all-reduced in buckets as backward makes them); "none" changes nothing
+    # -- parallelism (notebook 07, techniques.data_parallel), inside a torchrun process group: DistributedDataParallel,
+    # FSDP2 (fully_shard per block and at the root), or DDP by hand with gradients all-reduced in buckets
     data_parallel: Literal["none", "ddp", "fsdp", "bucketed"] = "none"
 
     def __post_init__(self):
-        if isinstance(self.betas, list):
+        if isinstance(self.betas, list):  # read from JSON
             object.__setattr__(self, "betas", tuple(self.betas))
         if isinstance(self.activation_checkpointing, bool):  # configs saved before "selective" existed
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         _check_types(self)
-        for name in ("batch_size", "grad_accum_steps", "context", "steps", "loss_chunks"):
-            v = getattr(self, name)
-            _check(
-                isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"{name} must be a positive int, got {v!r}"
-            )
-        _check(
-            isinstance(self.timing_warmup, int) and self.timing_warmup >= 0,
-            f"timing_warmup must be an int >= 0, got {self.timing_warmup!r}",
-        )
+        _check_positive(self, "batch_size", "grad_accum_steps", "context", "steps", "loss_chunks")
+        _check(self.timing_warmup >= 0, f"timing_warmup must be an int >= 0, got {self.timing_warmup!r}")
         _check(
             self.batch_size % self.grad_accum_steps == 0,
             f"batch_size={self.batch_size} does not divide into grad_accum_steps={self.grad_accum_steps} "
@@ -425,22 +351,15 @@ class TrainConfig:
         _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
         _check(self.eps > 0, f"eps must be > 0 (it keeps Adam's division finite), got {self.eps}")
-        _check(
-            all(0 <= b < 1 for b in self.betas),
-            f"betas must each be in [0, 1) (decay rates of moving averages), got {self.betas}",
-        )
+        decay_rates = "(decay rates of moving averages)"
+        _check(all(0 <= b < 1 for b in self.betas), f"betas must each be in [0, 1) {decay_rates}, got {self.betas}")
         _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
         _check(
-            self.loss_scale_init > 0
-            and isinstance(self.loss_scale_growth_interval, int)
-            and self.loss_scale_growth_interval >= 1,
+            self.loss_scale_init > 0 and self.loss_scale_growth_interval >= 1,
             "loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, "
             f"got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}",
         )
         check_device(self.device)
-        # Whether *this machine* can run the config, and what each technique checks of it (course_lib.techniques),
-        # are not asked here (a config saved on a GPU must load on a laptop): course_lib.capabilities.require(cfg)
-        # asks both when a run, a ladder or a panel starts.
 
     @property
     def micro_batch_size(self) -> int:
@@ -453,8 +372,8 @@ class TrainConfig:
 
     @property
     def ledger_step(self) -> int | None:
-        """The step a CPU run takes under the memory ledger (the last, left out of the timing), or None: memory not
-        measured, or a GPU, whose allocator reads its peak over the timed steps themselves."""
+        """The step a CPU run takes under the memory ledger (the last, untimed), or None: memory not measured, or a
+        GPU, whose allocator reads its peak over the timed steps themselves."""
         return self.steps - 1 if self.measure_memory and torch.device(self.device).type == "cpu" else None
 
     @property
@@ -463,7 +382,7 @@ class TrainConfig:
         return set(range(min(self.timing_warmup, self.steps))) | ({self.ledger_step} - {None})
 
     def fewest_steps(self, timed: int = 1, ledger: bool | None = None) -> int:
-        """The steps a run needs to time `timed` of them, after its warm-up and, where it has one (`ledger`: this
+        """The steps a run needs to time `timed` of them after its warm-up and, where it has one (`ledger`: this
         config's own by default), its memory-ledger step."""
         return self.timing_warmup + timed + (self.ledger_step is not None if ledger is None else ledger)
 
@@ -480,21 +399,19 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         """The config a dict describes (to_dict's, a JSON file, a launch's --config); a key that is no field is an error
         that names the closest field."""
-        if not isinstance(d, dict) or not isinstance(d.get("model", {}), dict):
-            raise ConfigError(
-                "a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; "
-                f"got {type(d).__name__}"
-            )
+        _check(
+            isinstance(d, dict) and isinstance(d.get("model", {}), dict),
+            "a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; "
+            f"got {type(d).__name__}",
+        )
         _check_fields(d, cls)
         _check_fields(d.get("model", {}), ModelConfig)
-        d = dict(d)
-        d["model"] = ModelConfig(**d.get("model", {}))
-        return cls(**d)
+        return cls(**{**d, "model": ModelConfig(**d.get("model", {}))})
 
-    def with_model(self, **changes) -> "TrainConfig":
+    def with_model(self, **changes) -> TrainConfig:
         """This config with the model's fields in `changes` changed; a name that is no field is a ConfigError."""
         _check_fields(changes, ModelConfig)
         return replace(self, model=replace(self.model, **changes))
@@ -502,76 +419,41 @@ class TrainConfig:
     def by_section(self) -> dict[str, dict[str, object]]:
         """{section: {field: value}} in SECTIONS' order; the model's fields as "model.<field>"."""
         model = {f"model.{f.name}": getattr(self.model, f.name) for f in dataclasses.fields(self.model)}
-        return {
-            name: model if name == "model" else {f: getattr(self, f) for f in names} for name, names in SECTIONS.items()
-        }
+        return {name: model if name == "model" else {f: getattr(self, f) for f in fs} for name, fs in SECTIONS.items()}
 
 
-# ---- Presets: start from a baseline and change a few fields -------------------------------------
+# ---- Presets ---------------------------------------------------------------------------------------------------------
 
 
 def reference_preset(device: str | None = None) -> TrainConfig:
     """The course's reference model: 4 blocks, context 512, width 256, 4 heads, batch 32."""
-    return TrainConfig(
-        model=ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=512),
-        device=device or default_device(),
-        batch_size=32,
-        context=512,
-        steps=20,
-        timing_warmup=3,
-    )
+    model = ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=512)
+    return TrainConfig(model, device or default_device(), batch_size=32, context=512, steps=20, timing_warmup=3)
 
 
 def cpu_preset(device: str | None = None) -> TrainConfig:
     """Small enough for a laptop CPU (a naive fp32 step about half a second on 2 cores), shaped like the reference
     model: the same context (512) and the same attention-to-rest ratio in the activation formula (5as/h = 40),
     so attention and the logits are as real a share of the work as on a GPU."""
-    base = reference_preset(device or "cpu")
-    return replace(
-        base,
-        model=replace(base.model, n_layer=2, n_head=2, n_embd=128, block_size=512),
-        batch_size=8,
-        context=512,
-        steps=8,
-        timing_warmup=2,
-    )
+    model = ModelConfig(n_layer=2, n_head=2, n_embd=128, block_size=512)
+    return TrainConfig(model, device or "cpu", batch_size=8, context=512, steps=8, timing_warmup=2)
 
 
 def tiny_preset(device: str | None = None) -> TrainConfig:
     """For tests: a few milliseconds a step."""
-    base = cpu_preset(device)
-    return replace(
-        base,
-        model=replace(base.model, n_layer=2, n_head=2, n_embd=32, block_size=64),
-        batch_size=4,
-        context=64,
-        steps=4,
-        timing_warmup=1,
-    )
+    model = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)
+    return TrainConfig(model, device or "cpu", batch_size=4, context=64, steps=4, timing_warmup=1)
 
 
 def gpt2_small_preset(device: str | None = None) -> TrainConfig:
     """GPT-2 small, 124M parameters: 12 blocks, width 768, 12 heads, context 1024, GPT-2's vocab of 50257."""
-    base = reference_preset(device)
-    return replace(
-        base,
-        model=ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),
-        batch_size=16,
-        context=1024,
-        steps=20,
-        timing_warmup=3,
-    )
+    model = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257)
+    return TrainConfig(model, device or default_device(), batch_size=16, context=1024, steps=20, timing_warmup=3)
 
 
-PRESETS: dict[str, Callable[..., TrainConfig]] = {
-    "tiny": tiny_preset,
-    "cpu": cpu_preset,
-    "reference": reference_preset,
-    "gpt2-small": gpt2_small_preset,
-}
+PRESETS = {"tiny": tiny_preset, "cpu": cpu_preset, "reference": reference_preset, "gpt2-small": gpt2_small_preset}
 
 
 def preset(name: str, device: str | None = None) -> TrainConfig:
-    if name not in PRESETS:
-        raise ConfigError(f"Unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    _check(name in PRESETS, f"Unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
     return PRESETS[name](device)

@@ -1,15 +1,14 @@
 """`python -m course_lib doctor`: exercise every device-specific path of the course on this device.
 
-Each check runs the real code path (a training step, the compiler, an SDPA kernel, the memory report, a
-2-process collective, and on a GPU an out-of-memory, TF32 and a memory snapshot) and says pass, fail,
-n/a (this device has no such path, and why) or skipped (left out on request). Nothing is reported as passing
-that did not run. The table goes to the terminal and, with --json, to a file with the device, the CPU's
-instruction sets and torch's version beside it.
+Each check runs the real code path (a training step, the compiler, an SDPA kernel, the memory report, a 2-process
+collective, and on a GPU an out-of-memory, TF32 and a memory snapshot) and says pass, fail, n/a (no such path here, and
+why) or skipped (left out on request): nothing is reported as passing that did not run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import tempfile
@@ -23,7 +22,7 @@ import torch
 
 from . import config as C
 from .cache import write_atomic
-from .capabilities import Capabilities, capabilities
+from .capabilities import SDPA_BACKENDS, Capabilities, capabilities, measured_tflops, sdpa_dtype
 from .results import RunResult, gflops_text, provenance
 
 PASS, FAIL, NA, SKIPPED = "pass", "fail", "n/a", "skipped"
@@ -49,9 +48,6 @@ class DoctorReport:
     def failed(self) -> list[Check]:
         return [c for c in self.checks if c.status == FAIL]
 
-    def status(self, name: str) -> str:
-        return next(c.status for c in self.checks if c.name == name)
-
     def table(self) -> str:
         width = max((len(c.name) for c in self.checks), default=0)
         lines = [f"doctor on {self.device}, torch {self.provenance.get('torch')}", ""]
@@ -61,9 +57,6 @@ class DoctorReport:
         if self.interrupted:
             lines.append(f"interrupted (Ctrl-C) at {self.interrupted}: the checks after it did not run")
         return "\n".join(lines)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 class _NotApplicable(Exception):
@@ -78,35 +71,38 @@ def check_config(device: str, **changes) -> C.TrainConfig:
     )
 
 
-def _checked_run(cfg: C.TrainConfig):
-    """One run of the course's loop, as a check: its RunResult, or an AssertionError unless it ran with finite losses
-    and gradient norms."""
+def _checked_run(cfg: C.TrainConfig) -> RunResult:
+    """One run of the course's loop: an AssertionError unless it ran with finite losses and gradient norms."""
     from .train import run
 
     result = run(cfg, f"doctor {cfg.precision}")
-    if not result.ok:
-        raise AssertionError(f"{result.status}: {result.reason}")
-    if not all(math.isfinite(x) for x in result.losses + result.grad_norms):
-        raise AssertionError(f"non-finite loss or gradient norm: losses {result.losses}, norms {result.grad_norms}")
+    assert result.ok, f"{result.status}: {result.reason}"
+    finite = all(math.isfinite(x) for x in result.losses + result.grad_norms)
+    assert finite, f"non-finite loss or gradient norm: losses {result.losses}, norms {result.grad_norms}"
     return result
 
 
 def _reference_run(cfg: C.TrainConfig) -> Callable[[], RunResult]:
-    """A function giving the checked run of cfg, trained the first time it is called. A failed run is not trained
-    again: every later call raises it as the reference's failure, so each check that needs the run says so."""
-    outcome: list = []
+    """The checked run of cfg, trained the first time it is asked for. A failed run is not trained again: every later
+    call raises its failure, so each check that needs the run says so."""
+
+    @functools.cache
+    def outcome() -> RunResult | Exception:
+        try:
+            return _checked_run(cfg)
+        except Exception as e:  # noqa: BLE001 - reported by every check that needs the reference
+            return e
 
     def get() -> RunResult:
-        if not outcome:
-            try:
-                outcome.append(_checked_run(cfg))
-            except Exception as e:  # noqa: BLE001 - reported by every check that needs the reference
-                outcome.append(e)
-        if isinstance(outcome[0], Exception):
-            raise AssertionError(f"the {cfg.precision} reference run failed: {type(outcome[0]).__name__}: {outcome[0]}")
-        return outcome[0]
+        if isinstance(result := outcome(), Exception):
+            raise AssertionError(f"the {cfg.precision} reference run failed: {type(result).__name__}: {result}")
+        return result
 
     return get
+
+
+def _relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
 
 
 # ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError -----------------
@@ -115,19 +111,15 @@ def _reference_run(cfg: C.TrainConfig) -> Callable[[], RunResult]:
 def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunResult]) -> str:
     """fp32(): the fp32 run of check_config, trained once per doctor run (fp32's own check, the others' reference)."""
     support = caps.supports(precision)
-    if not support.ok:
-        raise _NotApplicable(support.note)
-    if precision == "tf32" and caps.type == "cpu":
+    if not support.ok or support.no_effect:  # TF32 on a CPU runs fp32: not passed off as tested
         raise _NotApplicable(support.note)
     if precision == "fp32":
         result = fp32()
         return f"{result.tokens_per_s:,.0f} tokens/s, finite losses and gradient norms over {len(result.losses)} steps"
-    fp32_loss = fp32().losses[0]
     result = _checked_run(check_config(caps.device, precision=precision))
-    loss = result.losses[0]
     # The first step's loss is computed from the same weights and batch: a lower precision may round, not wander.
-    tol = {"tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
-    rel = abs(loss - fp32_loss) / abs(fp32_loss)
+    loss, fp32_loss, tol = result.losses[0], fp32().losses[0], {"tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
+    rel = _relative(loss, fp32_loss)
     assert rel <= tol, f"first-step loss {loss:.5f} differs from fp32's {fp32_loss:.5f} by {rel:.2e} (> {tol:g})"
     hw = "" if support.native is not False else ", without hardware support"
     return (
@@ -141,19 +133,16 @@ def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
         raise _NotApplicable(caps.techniques["compile"].note)
     from torch._dynamo.utils import counters
 
-    reference = eager()
-    t0 = time.perf_counter()
-    graphs = counters["stats"]["unique_graphs"]
+    reference, t0, graphs = eager(), time.perf_counter(), counters["stats"]["unique_graphs"]
     compiled = _checked_run(check_config(caps.device, compile=True))
-    # The compiled run went through torch.compile (else eager would be compared with eager): dynamo captured a graph.
+    # dynamo captured a graph: else eager would be compared with eager
     assert counters["stats"]["unique_graphs"] > graphs, "compile=True ran without torch.compile capturing a graph"
-    # Every step, not only the first: a step's gradient norm is the compiled backward's, and the later steps' losses
-    # start from the weights that the compiled backward and the optimizer made. Compiled kernels may sum in another
-    # order: a relative 1e-4.
+    # Every step: its gradient norm is the compiled backward's, and the later losses start from the weights that the
+    # compiled backward and the optimizer made. Compiled kernels may sum in another order: a relative 1e-4.
     rel = {}
     for what in ("losses", "grad_norms"):
         e, c = getattr(reference, what), getattr(compiled, what)
-        rel[what] = max(abs(ci - ei) / max(abs(ei), 1e-12) for ei, ci in zip(e, c, strict=True))
+        rel[what] = max(_relative(ci, ei) for ei, ci in zip(e, c, strict=True))
         assert rel[what] <= 1e-4, f"compiled {what} {c} differ from eager's {e} by up to {rel[what]:.1e} (relative)"
     return (
         f"compiled training agrees with eager over {len(reference.losses)} steps (largest relative difference: losses "
@@ -165,25 +154,15 @@ def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
 def check_sdpa(caps: Capabilities, backend: str) -> str:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from .capabilities import _SDPA_BACKENDS
     from .model import naive_attention
 
-    support = caps.sdpa[backend]
-    if not support.ok:
-        raise _NotApplicable(support.note)
-    dtype = (
-        torch.bfloat16
-        if caps.precisions["bf16"].ok and caps.type == "cuda"
-        else torch.float16
-        if caps.type == "cuda"
-        else torch.float32
-    )
-    gen = torch.Generator().manual_seed(0)
+    if not caps.sdpa[backend].ok:
+        raise _NotApplicable(caps.sdpa[backend].note)
+    dtype, gen = sdpa_dtype(caps.type, caps.precisions), torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 128, 32, generator=gen).to(caps.device, dtype) for _ in range(3))
-    with sdpa_kernel([getattr(SDPBackend, _SDPA_BACKENDS[backend])]):
+    with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    ref = naive_attention(q.float(), k.float(), v.float())
-    err = (out.float() - ref).abs().max().item()
+    err = (out.float() - naive_attention(q.float(), k.float(), v.float())).abs().max().item()
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert err <= tol, f"differs from naive attention by {err:.2e} (> {tol:g})"
     return f"equals naive attention within {err:.1e} in {str(dtype).removeprefix('torch.')}"
@@ -197,43 +176,37 @@ def check_memory_report(caps: Capabilities) -> str:
     cfg = check_config(caps.device, measure_memory=True)
     result = run(cfg, "doctor memory")
     assert result.ok and result.memory, f"no memory report: {result.status} {result.reason}"
-    by = result.memory["by_category"]
+    by, peak = result.memory["by_category"], result.memory["peak_bytes"]
     params = tensor_bytes(GPT(cfg.model).parameters())
     assert by["parameters"] == params, f"parameters {by['parameters']} bytes, expected {params}"
     assert by["optimizer state"] >= 2 * params, f"AdamW state {by['optimizer state']} bytes < 2 x parameters"
     known = sum(v for v in by.values() if v)
-    assert known <= result.memory["peak_bytes"] + 1, f"categories sum to {known} > peak {result.memory['peak_bytes']}"
-    if caps.type == "cuda":
-        assert result.memory["reserved_bytes"] >= result.memory["peak_bytes"], "reserved below allocated"
-    return f"peak {result.memory['peak_bytes'] / GiB * 1024:.1f} MiB; parameters exact; {result.memory['method']}"
+    assert known <= peak + 1, f"categories sum to {known} > peak {peak}"
+    assert caps.type != "cuda" or result.memory["reserved_bytes"] >= peak, "reserved below allocated"
+    return f"peak {peak / GiB * 1024:.1f} MiB; parameters exact; {result.memory['method']}"
 
 
 def check_all_reduce(caps: Capabilities, backend: str) -> str:
     from .distributed.launch import launch
 
-    if backend == "nccl":
-        n = torch.cuda.device_count() if caps.type == "cuda" else 0
-        if n < 2:
-            raise _NotApplicable(f"NCCL between processes needs 2 GPUs; this machine has {n}")
+    gpus = torch.cuda.device_count() if caps.type == "cuda" else 0
+    if backend == "nccl" and gpus < 2:
+        raise _NotApplicable(f"NCCL between processes needs 2 GPUs; this machine has {gpus}")
     r = launch("selftest", 2, device="cuda" if backend == "nccl" else "cpu", timeout_s=120, show_errors=False)
     assert r.ok, r.why()
-    sums = [rank["sum_of_ranks"] for rank in r.ranks]
-    backends = {rank["backend"] for rank in r.ranks}
+    sums, backends = [rank["sum_of_ranks"] for rank in r.ranks], {rank["backend"] for rank in r.ranks}
     assert backends == {backend}, f"ran on {backends}, not {backend}"
     assert sums == [1.0, 1.0], f"all-reduce of ranks 0 and 1 gave {sums}, not [1.0, 1.0]"
     return f"2 processes, {backend}: 0 + 1 = 1 on both ranks; {r.wall_s:.1f} s with start-up"
 
 
 def check_matmul_peak(caps: Capabilities) -> str:
-    from .capabilities import measured_tflops
-
     parts = []
-    for p in ("fp32", "bf16"):
-        if caps.supports(p).ok:
-            measured = measured_tflops(caps.device, p, refresh=True)
-            sheet = f" (data sheet {caps.datasheet[p]:g})" if caps.datasheet and p in caps.datasheet else ""
-            parts.append(f"{p} {gflops_text(measured * 1e12)}{sheet}")
-            assert measured > 0
+    for p in (p for p in ("fp32", "bf16") if caps.supports(p).ok):
+        measured = measured_tflops(caps.device, p, refresh=True)
+        assert measured > 0
+        sheet = f" (data sheet {caps.datasheet[p]:g})" if caps.datasheet and p in caps.datasheet else ""
+        parts.append(f"{p} {gflops_text(measured * 1e12)}{sheet}")
     return "measured matmul peak: " + ", ".join(parts)
 
 
@@ -249,10 +222,8 @@ def check_reserved(caps: Capabilities) -> str:
     run(check_config(caps.device), "doctor reserved")
     alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     assert reserved >= alloc, f"reserved {reserved} < allocated {alloc}"
-    return (
-        f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB "
-        "(the caching allocator keeps blocks)"
-    )
+    mib = f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB"
+    return f"{mib} (the caching allocator keeps blocks)"
 
 
 def check_oom(caps: Capabilities) -> str:
@@ -269,8 +240,7 @@ def check_oom(caps: Capabilities) -> str:
     cap = torch.cuda.memory_reserved(index) + 2**30
     base = check_config(caps.device)
     batch = math.ceil(2 * cap / (base.context * base.model.vocab_size * 4))  # the logits alone: twice the cap
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.9 and later
-    previous = get_fraction(index) if get_fraction else 1.0
+    previous = torch.cuda.get_per_process_memory_fraction(index)
     torch.cuda.set_per_process_memory_fraction(min(previous, cap / total), index)
     try:
         result = run(dataclasses.replace(base, batch_size=batch), "doctor oom")
@@ -293,20 +263,14 @@ def check_tf32(caps: Capabilities) -> str:
         raise _NotApplicable(caps.precisions["tf32"].note)
     from .techniques import matmul_precision
 
-    a = torch.randn(1024, 1024, device=caps.device, dtype=torch.float64)
-    b = torch.randn(1024, 1024, device=caps.device, dtype=torch.float64)
-    exact = a @ b
-    errors = {}
+    a, b = (torch.randn(1024, 1024, device=caps.device, dtype=torch.float64) for _ in range(2))
+    exact, errors = a @ b, {}
     for mode in ("fp32", "tf32"):
         with matmul_precision(mode):
             errors[mode] = ((a.float() @ b.float()).double() - exact).norm().item() / exact.norm().item()
-    assert errors["tf32"] > 10 * errors["fp32"], (
-        f"TF32 error {errors['tf32']:.1e} is not above fp32's {errors['fp32']:.1e}: TF32 did not switch on"
-    )
-    return (
-        f"fp32_precision API: relative error fp32 {errors['fp32']:.1e}, tf32 {errors['tf32']:.1e}; "
-        "the setting is restored afterwards"
-    )
+    fp32, tf32 = errors["fp32"], errors["tf32"]
+    assert tf32 > 10 * fp32, f"TF32 error {tf32:.1e} is not above fp32's {fp32:.1e}: TF32 did not switch on"
+    return f"fp32_precision API: relative error fp32 {fp32:.1e}, tf32 {tf32:.1e}; the setting is restored afterwards"
 
 
 def check_snapshot(caps: Capabilities) -> str:
@@ -324,23 +288,36 @@ def check_snapshot(caps: Capabilities) -> str:
     return f"{path} ({path.stat().st_size / 1024:.0f} KiB): open it at pytorch.org/memory_viz"
 
 
-def _checks(caps: Capabilities, quick: bool) -> list[tuple[str, Callable[[], str], bool]]:
-    """(name, check, slow) in the order they run."""
-    # The fp32 run of check_config is every precision's reference and compile's eager run: trained once, when first
-    # asked.
+def _checks(caps: Capabilities) -> list[tuple[str, Callable[[], str], bool]]:
+    """(name, check, slow) in the order they run; the fp32 run of check_config, every precision's reference and
+    compile's eager run, is trained once, when first asked for."""
     fp32 = _reference_run(check_config(caps.device))
-    out = [(f"train step {p}", (lambda p=p: check_precision(caps, p, fp32)), False) for p in C.PRECISIONS]
-    out.append(("compile", lambda: check_compile(caps, fp32), True))
-    out += [(f"SDPA {b}", (lambda b=b: check_sdpa(caps, b)), False) for b in caps.sdpa]
-    out.append(("memory report", lambda: check_memory_report(caps), False))
-    out.append(("all-reduce gloo", lambda: check_all_reduce(caps, "gloo"), True))
-    out.append(("all-reduce nccl", lambda: check_all_reduce(caps, "nccl"), True))
-    out.append(("matmul peak", lambda: check_matmul_peak(caps), False))
-    out.append(("reserved vs allocated", lambda: check_reserved(caps), False))
-    out.append(("out of memory", lambda: check_oom(caps), False))
-    out.append(("TF32", lambda: check_tf32(caps), False))
-    out.append(("memory snapshot", lambda: check_snapshot(caps), False))
-    return out
+    return [
+        *((f"train step {p}", (lambda p=p: check_precision(caps, p, fp32)), False) for p in C.PRECISIONS),
+        ("compile", lambda: check_compile(caps, fp32), True),
+        *((f"SDPA {b}", (lambda b=b: check_sdpa(caps, b)), False) for b in caps.sdpa),
+        ("memory report", lambda: check_memory_report(caps), False),
+        ("all-reduce gloo", lambda: check_all_reduce(caps, "gloo"), True),
+        ("all-reduce nccl", lambda: check_all_reduce(caps, "nccl"), True),
+        ("matmul peak", lambda: check_matmul_peak(caps), False),
+        ("reserved vs allocated", lambda: check_reserved(caps), False),
+        ("out of memory", lambda: check_oom(caps), False),
+        ("TF32", lambda: check_tf32(caps), False),
+        ("memory snapshot", lambda: check_snapshot(caps), False),
+    ]
+
+
+def _outcome(fn: Callable[[], str]) -> tuple[str, str]:
+    """(status, detail) of one check: a failing path is the doctor's finding, not its crash."""
+    try:
+        return PASS, fn()
+    except _NotApplicable as e:
+        return NA, str(e)
+    except Exception as e:  # noqa: BLE001
+        detail = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
+        if not isinstance(e, AssertionError):
+            detail += " | " + traceback.format_exc().strip().splitlines()[-3][:200]
+        return FAIL, detail
 
 
 def run_doctor(
@@ -353,29 +330,22 @@ def run_doctor(
     """Run every check (or those named in `only`) on `device` and return the report (written to `json_path`)."""
     caps = capabilities(device)
     report = DoctorReport(device=caps.name, provenance=provenance(caps.name), capabilities=dict(caps.rows()))
-    for name, fn, slow in _checks(caps, quick):
+    for name, fn, slow in _checks(caps):
         if only is not None and name not in only:
             continue
         if progress:
             progress(name)
-        t0 = time.perf_counter()
         if quick and slow:
             report.checks.append(Check(name, SKIPPED, "left out by --quick", 0.0))
             continue
+        t0 = time.perf_counter()
         try:
-            status, detail = PASS, fn()
+            status, detail = _outcome(fn)
         except KeyboardInterrupt:  # the checks so far are a report too: kept, shown and written
             report.interrupted = name
             break
-        except _NotApplicable as e:
-            status, detail = NA, str(e)
-        except Exception as e:  # noqa: BLE001 - a failing path is the doctor's finding, not its crash
-            status = FAIL
-            detail = f"{type(e).__name__}: {e}".strip().splitlines()[0][:300]
-            if not isinstance(e, AssertionError):
-                detail += " | " + traceback.format_exc().strip().splitlines()[-3][:200]
         report.checks.append(Check(name, status, detail, time.perf_counter() - t0))
     if json_path:
-        text = json.dumps(report.to_dict(), indent=1)
+        text = json.dumps(dataclasses.asdict(report), indent=1)
         write_atomic(Path(json_path), lambda f: f.write_text(text), strict=True)
     return report

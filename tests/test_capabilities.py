@@ -11,6 +11,7 @@ import torch
 
 from course_lib import capabilities as K, config as C, techniques as T
 from course_lib.ladder import ladder_configs
+from course_lib.lessons.hardware import gpu_generation_rows
 from course_lib.results import RunResult, table_rows
 
 
@@ -87,7 +88,7 @@ def test_bf16_on_a_cpu_says_whether_hardware_does_it():
 
 def test_this_cpu_is_described_from_its_own_flags():
     caps = K.capabilities("cpu")
-    flags = K._cpuinfo_flags()
+    flags = set(K._cpuinfo("flags").split())
     if flags:  # Linux: /proc/cpuinfo is the ground truth torch's probes must agree with
         assert caps.cpu.avx512_bf16 == ("avx512_bf16" in flags)
         assert caps.cpu.amx_bf16 == ("amx_bf16" in flags)
@@ -274,7 +275,7 @@ def test_a_gpus_16_bit_formats_follow_its_compute_capability(monkeypatch, cc, na
 
 
 def test_the_gpu_generation_table_is_gpu_precisions():
-    rows = {r["compute capability"]: r for r in K.gpu_generation_rows()}
+    rows = {r["compute capability"]: r for r in gpu_generation_rows()}
     assert rows["7.0"]["bf16"] == rows["7.5"]["bf16"] == "refused" and rows["7.5"]["fp16"] == "tensor cores"
     assert (
         rows["8.0"]["bf16"] == rows["9.0"]["bf16"] == "tensor cores" and rows["6.0"]["fp16"] == "runs, no tensor cores"

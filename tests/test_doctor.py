@@ -143,7 +143,7 @@ def test_the_fp32_reference_is_trained_once_and_its_failure_is_named(monkeypatch
 
     def run_checks() -> dict[str, str]:
         out = {}
-        for name, check, _slow in D._checks(caps, quick=False):
+        for name, check, _slow in D._checks(caps):
             if name in wanted:
                 try:
                     out[name] = check()
