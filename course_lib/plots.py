@@ -33,8 +33,7 @@ def new_figure(figsize, layout="constrained") -> Figure:
 
 
 def figure_png(fig: Figure) -> bytes:
-    """The figure as PNG bytes, drawn as a notebook's inline backend draws it (tight box: legends outside the axes
-    stay in), for an ipywidgets.Image: how widgets.Panel shows its figure from a button's callback."""
+    """The figure as PNG bytes, drawn as the inline backend does (legends outside kept), for a widget's Image."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight", facecolor="white")
     return buf.getvalue()
@@ -58,23 +57,20 @@ def _displayable_in_ipython() -> None:
 
 
 def _new_axes(ax, figsize=(7, 3.2)):
-    if ax is not None:
-        return ax.figure, ax
-    fig = new_figure(figsize)
-    return fig, fig.subplots()
+    ax = ax if ax is not None else new_figure(figsize).subplots()
+    return ax.figure, ax
 
 
 def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = None) -> Figure:
     """tokens/s per run, each bar labelled with its speed-up over the baseline (the first ok run)."""
     fig, ax = _new_axes(ax)
     base = baseline or next((r for r in results if r.ok), None)
-    labels = [r.label for r in results]
     values = [r.tokens_per_s if r.ok else 0.0 for r in results]
     bars = ax.bar(range(len(results)), values, color=["#4c72b0" if r.ok else "#dddddd" for r in results])
     for bar, r in zip(bars, results):
         text = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if r.ok and base else r.status.upper()
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(results)), [tick(lab) for lab in labels], rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s (median step)")
     ax.set_title(f"Throughput, speed-up vs {base.label if base else 'n/a'}\n{_devices(results)}", fontsize=9)
     ax.margins(y=0.15)
@@ -290,49 +286,6 @@ def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figu
     basis = "; ".join(sorted({r.mfu_basis for r in shown})) or "no run with an MFU"
     ax.set_title(f"Step time: FLOPs at the peak ({basis}) beside measured\n{_devices(shown or results)}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return fig
-
-
-def plot_will_it_fit(est, device_gib: float, title: str = "") -> Figure:
-    """A predicted peak (memory_formula.Estimate) as one bar stacked by category, beside a device's memory (the
-    vertical line)."""
-    fig = new_figure((7, 2.2))
-    ax = fig.add_subplot()
-    left = 0.0
-    for cat, v in est.by_category.items():
-        ax.barh(0, v / 2**30, left=left, color=CATEGORY_COLORS[cat], label=f"{cat} {v / 2**30:.2f} GiB")
-        left += v / 2**30
-    ax.axvline(device_gib, color="k", lw=1.5)
-    ax.text(device_gib, -0.3, f" device: {device_gib:g} GiB", fontsize=8, va="center")
-    ax.set_yticks([])
-    ax.set_xlabel("GiB (predicted peak, formula)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1.2))
-    ax.set_title(title, fontsize=9)
-    return fig
-
-
-PHASE_COLORS = {"forward": "#4c72b0", "loss": "#8172b3", "backward": "#c44e52", "optimizer": "#55a868"}  # else grey
-
-
-def plot_step_timelines(reports: dict, title: str = "") -> Figure:
-    """Live tensor memory after every operation of one step, a panel per report ({name: measure.MemoryReport}: the
-    ledger's timeline of (phase, live bytes)), coloured by phase, a dotted line at the report's peak; the panels share
-    the y axis."""
-    fig = new_figure((5.5 * len(reports), 3.4))
-    axes = fig.subplots(1, len(reports), sharey=True, squeeze=False)[0]
-    for ax, (name, rep) in zip(axes, reports.items()):
-        by_phase: dict[str, list] = {}
-        for i, (phase, live) in enumerate(rep.timeline):
-            by_phase.setdefault(phase, []).append((i, live / 2**20))
-        for phase, points in by_phase.items():
-            ax.plot(*zip(*points), ".", ms=2, color=PHASE_COLORS.get(phase, "#a0a0a0"), label=phase)
-        ax.axhline(rep.peak_bytes / 2**20, color="k", lw=0.6, ls=":")
-        ax.set_title(f"{name}: peak {rep.peak_bytes / 2**20:.2f} MiB", fontsize=9)
-        ax.set_xlabel("operation number")
-    axes[0].set_ylabel("live tensor memory (MiB)")
-    axes[-1].legend(fontsize=7, markerscale=4)
-    if title:
-        fig.suptitle(title, fontsize=9)
     return fig
 
 

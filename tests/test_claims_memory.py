@@ -28,7 +28,7 @@ from course_lib import (
     techniques as T,
     train,
 )
-from course_lib.lessons import training_compute as CB
+from course_lib.lessons import memory_plots, training_compute as CB
 from course_lib.measure import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,10 +199,10 @@ def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
 
 def test_the_notebooks_other_figures_draw(tiny):
     est = F.estimate(F.calculator_config())
-    fig = plots.plot_will_it_fit(est, 80, "GPT-2 small")
+    fig = memory_plots.plot_will_it_fit(est, 80, "GPT-2 small")
     assert "GiB" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(CATEGORIES)
     report = M.account_step(tiny(steps=1), fake=True)
-    fig = plots.plot_step_timelines({"one": report, "two": report}, "title")
+    fig = memory_plots.plot_step_timelines({"one": report, "two": report}, "title")
     assert len(fig.axes) == 2 and "MiB" in fig.axes[0].get_ylabel() and fig.axes[0].get_title().startswith("one: peak")
     static = {"sgd": ({"parameters": 4, "gradients": 4}, {"parameters": 4, "gradients": 4})}
     ax = plots.plot_formula_beside_measured(static).axes[0]
