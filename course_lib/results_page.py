@@ -273,12 +273,8 @@ def write() -> list[Path]:
     """Rewrite the stale files; the ones rewritten."""
     done = stale()
     for path in done:
-        if path == PAGE:
-            content = page().encode()
-        elif path == README:
-            content = readme_with_table(README.read_text(encoding="utf-8")).encode()
-        else:
-            content = figure_png()
+        text = page() if path == PAGE else readme_with_table(README.read_text(encoding="utf-8"))
+        content = figure_png() if path == FIGURE else text.encode()
         write_atomic(path, lambda tmp: tmp.write_bytes(content), strict=True)
     return done
 
