@@ -208,22 +208,6 @@ def launch_bound(idle: float | None) -> bool:
     return idle is not None and idle >= LAUNCH_BOUND_IDLE
 
 
-def timeline_figure(kernels: list[tuple[float, float]], span: tuple[float, float], title: str):
-    """The device's timeline over `span`: a bar per kernel, in ms from the span's start; the gaps: the device idle."""
-    from .plots import new_figure  # matplotlib only where a figure is drawn
-
-    start, end = span
-    fig = new_figure((10, 1.9))
-    ax = fig.subplots()
-    bars = [((a - start) / 1e3, (b - a) / 1e3) for a, b in kernels if b > start and a < end]
-    ax.broken_barh(bars, (0, 1), facecolors="#4c72b0")
-    ax.set_xlim(0, (end - start) / 1e3)
-    ax.set_yticks([])
-    ax.set_xlabel("ms from the start of the recorded steps (a bar: a kernel running; a gap: the device idle)")
-    ax.set_title(f"{title}: idle {idle_share(kernels, span):.0%} of the time", fontsize=9)
-    return fig
-
-
 def summary(p: Profile, rows: int = 20) -> str:
     """The profiler's table (by each operator's own time on the device that did the work) and the share of the wall
     time the device worked; on a CPU also a step's time by kind (by_kind) and its page faults."""

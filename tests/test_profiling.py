@@ -11,6 +11,7 @@ import torch
 
 from course_lib import cpu_allocator, profiling
 from course_lib.__main__ import main as cli
+from course_lib.lessons.device_timeline import timeline_figure
 
 
 def test_only_the_steps_after_the_warm_up_are_recorded(tiny, tmp_path):
@@ -314,7 +315,7 @@ def test_on_a_gpu_the_idle_share_of_a_real_step_is_a_share(tiny):
 
 
 def test_the_timeline_draws_each_kernel_and_says_the_idle_share():
-    fig = profiling.timeline_figure([(1000, 3000), (5000, 6000), (20000, 30000)], (0, 10000), "made up")
+    fig = timeline_figure([(1000, 3000), (5000, 6000), (20000, 30000)], (0, 10000), "made up")
     (ax,) = fig.axes
     (bars,) = ax.collections  # one broken_barh: the kernels inside the span, the last one outside it left out
     assert len(bars.get_paths()) == 2 and "idle 70% of the time" in ax.get_title()
