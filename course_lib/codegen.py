@@ -1,13 +1,7 @@
-"""Source to source, for the exported script (course_lib.export): a Python file whose module-level constants are
-known becomes the file those constants make, with nothing in it that they switch off.
-
-- `set_constants`: `NAME = <value>` lines given new values (their comments kept).
-- `fold`: every `if TEST:` and `a if TEST else b` whose TEST the constants decide is replaced by the branch it takes
-  (`X or Y` with X known true is true; `X and Y` with X known true is Y), comments included: a cut on the source's own
-  lines, not a rewrite of its syntax tree.
-- `drop_unused`: module-level functions, classes, constants and imports that nothing reads any more go.
-- `inline`: each `from course_lib.M import f` becomes f's own source, and that of what f reads from course_lib,
-  dependencies first; the other imports they need join the file's import block.
+"""Source to source for the exported script (course_lib.export): a file whose module-level constants are known becomes
+the file those constants make. `set_constants` gives them values; `fold` replaces each `if TEST:` and `a if TEST else b`
+whose TEST they decide by the branch taken (a cut on the source's lines, so comments stay); `drop_unused` removes the
+module-level names nothing reads; `inline` writes the course_lib code the file imports into it, dependencies first.
 """
 
 from __future__ import annotations
@@ -18,29 +12,39 @@ import importlib.util
 import inspect
 import re
 
-_LITERALS = (str, int, float, bool, type(None))
-
-
-def _is_literal(value) -> bool:
-    return isinstance(value, _LITERALS) or (isinstance(value, tuple) and all(map(_is_literal, value)))
-
-
-def _offset(lines: list[str], line: int, col: int) -> int:
-    return sum(len(x) for x in lines[: line - 1]) + col
+_UNKNOWN = object()
 
 
 def _span(src: str, node: ast.AST) -> tuple[int, int]:
+    """Where node starts and ends in src, as string offsets."""
     lines = src.splitlines(keepends=True)
-    return _offset(lines, node.lineno, node.col_offset), _offset(lines, node.end_lineno, node.end_col_offset)
+    start = sum(map(len, lines[: node.lineno - 1])) + node.col_offset
+    return start, sum(map(len, lines[: node.end_lineno - 1])) + node.end_col_offset
+
+
+def _assigned(node: ast.stmt) -> str | None:
+    """NAME of a `NAME = ...` statement, else None."""
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+        return node.targets[0].id
+    return None
+
+
+def _is_course(node: ast.stmt) -> bool:
+    return isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_lib")
+
+
+def _alias_name(alias: ast.alias) -> str:
+    return alias.asname or alias.name.split(".")[0]
+
+
+def _first_line(node: ast.stmt) -> int:
+    """node's first line, its decorators' included."""
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
 def set_constants(src: str, values: dict[str, object]) -> str:
-    """`src` with each module-level `NAME = ...` of `values` set to repr(value); every name must be there once."""
-    found = {}
-    for node in ast.parse(src).body:
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id in values:
-                found[node.targets[0].id] = node.value
+    """`src` with each module-level `NAME = ...` of `values` set to its value's literal; every name must be there."""
+    found = {name: node.value for node in ast.parse(src).body if (name := _assigned(node)) in values}
     if missing := set(values) - set(found):
         raise RuntimeError(f"the template has no setting {sorted(missing)}: add a line NAME = <default> for each")
     for name in sorted(found, key=lambda n: -found[n].lineno):  # from the bottom up: earlier offsets stay valid
@@ -59,30 +63,23 @@ def known_constants(src: str, given: dict[str, object]) -> dict[str, object]:
     """`given`, the UPPER_CASE module-level names whose value follows from them (DEVICE_TYPE = DEVICE.split(":")[0]),
     and the literal constants the file imports from course_lib, looked up there."""
     known = dict(given)
-    for node in _module_statements(ast.parse(src)):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            name = node.targets[0].id
-            if name.isupper() and name not in known and (value := _evaluate(node.value, known)) is not _UNKNOWN:
-                known[name] = value
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_lib"):
+    for node in _module_statements(ast.parse(src).body):
+        name = _assigned(node)
+        if name and name.isupper() and name not in known and (value := _evaluate(node.value, known)) is not _UNKNOWN:
+            known[name] = value
+        elif _is_course(node):
             module = importlib.import_module(node.module)
-            known.update(
-                (a.name, getattr(module, a.name)) for a in node.names if _is_literal(getattr(module, a.name, object()))
-            )
+            values = {a.name: getattr(module, a.name) for a in node.names}
+            known.update((k, v) for k, v in values.items() if isinstance(v, (str, int, float, bool, tuple, type(None))))
     return known
 
 
-def _module_statements(tree: ast.Module):
-    """The module's statements, and those inside its module-level `if`s."""
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop(0)
+def _module_statements(body: list[ast.stmt]):
+    """The statements, and those inside their `if`s, in order."""
+    for node in body:
         yield node
         if isinstance(node, ast.If):
-            todo[:0] = node.body + node.orelse
-
-
-_UNKNOWN = object()
+            yield from _module_statements(node.body + node.orelse)
 
 
 def _evaluate(node: ast.expr, known: dict):
@@ -104,64 +101,48 @@ def _partial(node: ast.expr, known: dict, src: str):
     value = _evaluate(node, known)
     if value is not _UNKNOWN or not isinstance(node, ast.BoolOp):
         return value
-    left, shortened = [], False
+    is_or, left = isinstance(node.op, ast.Or), []  # the operands left: those the constants do not decide
     for operand in node.values:
         v = _partial(operand, known, src)
         if v is _UNKNOWN or isinstance(v, _Left):
-            text = ast.get_source_segment(src, operand) if v is _UNKNOWN else v
-            left.append(text)
-            shortened |= isinstance(v, _Left)
-        elif bool(v) == isinstance(node.op, ast.Or):  # True in an `or`, False in an `and`: decides the whole
+            left.append(ast.get_source_segment(src, operand) if v is _UNKNOWN else v)
+        elif bool(v) == is_or:  # True in an `or`, False in an `and`: decides the whole
             return v
-        else:
-            shortened = True
     if not left:
-        return isinstance(node.op, ast.And)
-    if not shortened:
-        return _UNKNOWN
+        return not is_or
+    if len(left) == len(node.values) and not any(isinstance(x, _Left) for x in left):
+        return _UNKNOWN  # nothing shortened
     if len(left) == 1:
         return _Left(left[0])
-    joiner = " or " if isinstance(node.op, ast.Or) else " and "
-    return _Left(joiner.join(f"({x})" if " or " in x or " and " in x else x for x in left))
-
-
-def _text(src: str, node: ast.expr) -> str:
-    text = ast.get_source_segment(src, node)
-    return f"({text})" if isinstance(node, ast.BoolOp) else text
-
-
-def _lines_of(lines: list[str], first: int, last: int, dedent: int) -> list[str]:
-    """Lines first..last (0-based, inclusive), `dedent` columns to the left (blank lines as they are)."""
-    return [x[dedent:] if x[:dedent].strip() == "" else x for x in lines[first : last + 1]]
+    return _Left((" or " if is_or else " and ").join(f"({x})" if " or " in x or " and " in x else x for x in left))
 
 
 def _fold_if(src: str, node: ast.If, taken: bool) -> str:
+    """src with the `if` statement node replaced by the branch it takes (its `elif` becomes an `if`, folded later)."""
     lines = src.splitlines(keepends=True)
-    start, end = node.lineno - 1, node.end_lineno - 1
+    start, end = node.lineno - 1, node.end_lineno
     if taken:
         branch, first = node.body, node.test.end_lineno  # the lines after the header
     elif node.orelse and lines[node.orelse[0].lineno - 1].lstrip().startswith("elif"):
-        elif_line = node.orelse[0].lineno - 1  # `elif T:` becomes `if T:`, folded in its turn
+        elif_line = node.orelse[0].lineno - 1
         lines[elif_line] = lines[elif_line].replace("elif", "if", 1)
-        return "".join(lines[:start] + lines[elif_line : end + 1] + lines[end + 1 :])
+        return "".join(lines[:start] + lines[elif_line:])
     elif node.orelse:
         branch = node.orelse
         first = next(i for i in range(node.body[-1].end_lineno, end) if lines[i].strip().startswith("else:")) + 1
     else:
-        return "".join(lines[:start] + lines[end + 1 :])
-    kept = _lines_of(lines, first, branch[-1].end_lineno - 1, branch[0].col_offset - node.col_offset)
-    return "".join(lines[:start] + kept + lines[end + 1 :])
+        return "".join(lines[:start] + lines[end:])
+    dedent = branch[0].col_offset - node.col_offset  # blank lines kept as they are
+    kept = [x[dedent:] if x[:dedent].strip() == "" else x for x in lines[first : branch[-1].end_lineno]]
+    return "".join(lines[:start] + kept + lines[end:])
 
 
 def _fold_once(src: str, known: dict) -> str | None:
     lines = src.splitlines(keepends=True)
     for node in ast.walk(ast.parse(src)):
-        if not isinstance(node, (ast.If, ast.IfExp)):
-            continue
         if isinstance(node, ast.If) and lines[node.lineno - 1].lstrip().startswith("elif"):
             continue  # folded with the `if` it belongs to
-        value = _partial(node.test, known, src)
-        if value is _UNKNOWN:
+        if not isinstance(node, (ast.If, ast.IfExp)) or (value := _partial(node.test, known, src)) is _UNKNOWN:
             continue
         if isinstance(value, _Left):  # the test, shortened to the operands the constants do not decide
             start, end = _span(src, node.test)
@@ -169,12 +150,15 @@ def _fold_once(src: str, known: dict) -> str | None:
         if isinstance(node, ast.If):
             return _fold_if(src, node, bool(value))
         start, end = _span(src, node)
-        return src[:start] + _text(src, node.body if value else node.orelse) + src[end:]
+        kept = node.body if value else node.orelse
+        text = ast.get_source_segment(src, kept)
+        return src[:start] + (f"({text})" if isinstance(kept, ast.BoolOp) else text) + src[end:]
     return None
 
 
 def fold(src: str, known: dict[str, object]) -> str:
-    """`src` with every branch the `known` constants decide replaced by the one taken (module docstring)."""
+    """`src` with every branch the `known` constants decide replaced by the one taken (`X or Y` with X known true is
+    true; `X and Y` with X known true is Y)."""
     if not src.isascii():
         raise ValueError("fold works on ASCII source (its column offsets are bytes)")
     while (folded := _fold_once(src, known)) is not None:
@@ -185,35 +169,28 @@ def fold(src: str, known: dict[str, object]) -> str:
 # ---- unused names ---------------------------------------------------------------------------------------------------
 
 
-def _bound(node: ast.stmt, constants) -> list[str]:
+def _bound(node: ast.stmt) -> list[str]:
+    """The names a module-level def, class, import or `NAME = ...` binds."""
     if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
         return [node.name]
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-        return [node.targets[0].id] if node.targets[0].id in constants else []
     if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "module", None) != "__future__":
         return [_alias_name(a) for a in node.names]
-    return []
-
-
-def _alias_name(alias: ast.alias) -> str:
-    return alias.asname or alias.name.split(".")[0]
+    return [name] if (name := _assigned(node)) else []
 
 
 def _drop_once(src: str, constants) -> str | None:
     tree = ast.parse(src)
     read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     for node in reversed(tree.body):
-        unused = [name for name in _bound(node, constants) if name not in read]
+        unused = [n for n in _bound(node) if n not in read and (n in constants or not isinstance(node, ast.Assign))]
         if not unused:
             continue
-        lines = src.splitlines(keepends=True)
+        kept = []
         if isinstance(node, (ast.Import, ast.ImportFrom)) and len(unused) < len(node.names):
             node.names = [a for a in node.names if _alias_name(a) not in unused]
             kept = [ast.unparse(node) + "\n"]
-        else:
-            kept = []
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        return "".join(lines[: first - 1] + kept + lines[node.end_lineno :])
+        lines = src.splitlines(keepends=True)
+        return "".join(lines[: _first_line(node) - 1] + kept + lines[node.end_lineno :])
     return None
 
 
@@ -227,120 +204,85 @@ def drop_unused(src: str, constants) -> str:
 # ---- inlining course_lib's code -------------------------------------------------------------------------------------
 
 
-class _Module:
-    """One course_lib module's top-level definitions and imports, read from its source."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.src = inspect.getsource(importlib.import_module(name))
-        self.lines = self.src.splitlines(keepends=True)
-        self.defs: dict[str, ast.stmt] = {}
-        self.imports: dict[str, tuple] = {}  # name -> ("course", module, name) or the import's (module, name, as)
-        for node in ast.parse(self.src).body:
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                self.defs[node.name] = node
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                    for name_node in target.elts if isinstance(target, ast.Tuple) else [target]:
-                        self.defs[name_node.id] = node
-            elif isinstance(node, ast.Import):
-                self.imports.update((_alias_name(a), (None, a.name, a.asname)) for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                module = importlib.util.resolve_name("." * node.level + (node.module or ""), name.rpartition(".")[0])
+def _read_module(name: str) -> tuple[list[str], dict[str, ast.stmt], dict[str, tuple]]:
+    """A course_lib module's source lines, its top-level definitions by name, and its imports by name: ("course",
+    module, name) for course_lib's, else the import's (module or None, name, asname)."""
+    lines = inspect.getsource(importlib.import_module(name)).splitlines(keepends=True)
+    defs, imports = {}, {}
+    for node in ast.parse("".join(lines)).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # every name it assigns, `a, b = ...` too
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defs.update((t.id, node) for target in targets for t in ast.walk(target) if isinstance(t, ast.Name))
+        elif isinstance(node, ast.Import):
+            imports.update((_alias_name(a), (None, a.name, a.asname)) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            module = importlib.util.resolve_name("." * node.level + (node.module or ""), name.rpartition(".")[0])
+            for a in node.names:
                 ours = module.startswith("course_lib")
-                for a in node.names:
-                    self.imports[_alias_name(a)] = ("course", module, a.name) if ours else (module, a.name, a.asname)
-
-    def source(self, node: ast.stmt) -> str:
-        """node's lines, with its decorators and the comment lines just above it."""
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
-        while first > 0 and self.lines[first - 1].lstrip().startswith("#"):
-            first -= 1
-        return "".join(self.lines[first : node.end_lineno])
-
-
-class _Inliner:
-    def __init__(self, defined_here: set[str]):
-        self.defined_here = defined_here  # the file's own names: what it defines, course_lib's code does not bring
-        self.modules: dict[str, _Module] = {}
-        self.done: set[tuple[str, str]] = set()
-        self.imports: set[tuple] = set()
-
-    def code(self, module: str, name: str) -> list[str]:
-        """The sources of module.name and of what it reads from course_lib not yet written, dependencies first."""
-        if (module, name) in self.done:
-            return []
-        self.done.add((module, name))
-        if module not in self.modules:
-            self.modules[module] = _Module(module)
-        m = self.modules[module]
-        if name not in m.defs:
-            raise RuntimeError(f"export: {module} defines no {name!r} at its top level")
-        node, out = m.defs[name], []
-        for read in sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name)}, key=str):
-            if read in self.defined_here or read == name:
-                continue
-            if read in m.defs:
-                out += self.code(module, read)
-            elif read in m.imports and m.imports[read][0] == "course":
-                out += self.code(*m.imports[read][1:])
-            elif read in m.imports:
-                self.imports.add(m.imports[read])
-        return out + [m.source(node)]
+                imports[_alias_name(a)] = ("course", module, a.name) if ours else (module, a.name, a.asname)
+    return lines, defs, imports
 
 
 def _import_lines(imports: set[tuple]) -> list[str]:
-    """import statements for (module or None, name, asname) triples: stdlib first, then torch and tiktoken."""
-    plain = sorted({f"import {n}" + (f" as {a}" if a else "") for m, n, a in imports if m is None})
-    names: dict[str, set[str]] = {}
-    for m, n, a in imports:
-        if m is not None:
-            names.setdefault(m, set()).add(n + (f" as {a}" if a else ""))
-    froms = [f"from {m} import {', '.join(sorted(n))}" for m, n in sorted(names.items())]
-    third = ("torch", "tiktoken")
-    ordered = []
-    for group in (False, True):
-        part = [x for x in plain + froms if (x.split()[1].split(".")[0] in third) == group]
-        ordered += ([""] if group and ordered and part else []) + sorted(part, key=lambda x: (x.startswith("from"), x))
-    return ordered
+    """The import block of (module or None, name, asname) triples: the standard library, then torch and tiktoken."""
+    named = {(m, n + (f" as {a}" if a else "")) for m, n, a in imports}
+    plain = {f"import {n}" for m, n in named if m is None}
+    plain |= {f"from {m} import {', '.join(sorted(n for k, n in named if k == m))}" for m, _ in named if m}
+    ordered = sorted(plain, key=lambda x: (_third_party(x), x.startswith("from"), x))
+    first = next((i for i, x in enumerate(ordered) if _third_party(x)), 0)
+    return ordered[:first] + [""] * (first > 0) + ordered[first:]
+
+
+def _third_party(import_line: str) -> bool:
+    return import_line.split()[1].split(".")[0] in ("torch", "tiktoken")
 
 
 def inline(src: str) -> str:
     """`src` with each module-level `from course_lib... import` replaced by that code (module docstring), and its
     import block rewritten to hold what all of it needs."""
     tree = ast.parse(src)
-    own = {name for node in tree.body for name in _defined(node)}
-    inliner = _Inliner(own)
+    own = {n for node in tree.body if not isinstance(node, (ast.Import, ast.ImportFrom)) for n in _bound(node)}
     head = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and not _is_course(n)]
-    head = [n for n in head if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]
-    for node in head:
-        for a in node.names:
-            inliner.imports.add((node.module if isinstance(node, ast.ImportFrom) else None, a.name, a.asname))
+    head = [n for n in head if getattr(n, "module", None) != "__future__"]
+    imports = {(getattr(node, "module", None), a.name, a.asname) for node in head for a in node.names}
+    modules, done = {}, set()
+
+    def code(module: str, name: str) -> list[str]:
+        """The sources of module.name and of what it reads from course_lib not yet written, dependencies first."""
+        if (module, name) in done:
+            return []
+        done.add((module, name))
+        if module not in modules:
+            modules[module] = _read_module(module)
+        lines, defs, imported = modules[module]
+        if name not in defs:
+            raise RuntimeError(f"export: {module} defines no {name!r} at its top level")
+        out = []
+        for read in sorted({n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name)} - own - {name}):
+            if read in defs:
+                out += code(module, read)
+            elif read in imported and imported[read][0] == "course":
+                out += code(*imported[read][1:])
+            elif read in imported:
+                imports.add(imported[read])
+        node = defs[name]  # its lines, with its decorators and the comment lines just above it
+        first = _first_line(node) - 1
+        while first > 0 and lines[first - 1].lstrip().startswith("#"):
+            first -= 1
+        return out + ["".join(lines[first : node.end_lineno])]
+
     lines = src.splitlines(keepends=True)
-    pieces: list[tuple[int, int, str]] = []  # (first line, last line, text), 0-based
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and _is_course(node):
-            code = [c for a in node.names for c in inliner.code(node.module, a.name)]
-            text = "\n\n\n".join(c.strip("\n") for c in code)
-            pieces.append((node.lineno - 1, node.end_lineno - 1, f"\n\n{text}\n\n\n"))
+    pieces = []  # (first line, last line, text), 0-based
+    for node in filter(_is_course, tree.body):
+        text = "\n\n\n".join(c.strip("\n") for a in node.names for c in code(node.module, a.name))
+        pieces.append((node.lineno - 1, node.end_lineno - 1, f"\n\n{text}\n\n\n"))
     if head:
-        block = "\n".join(_import_lines(inliner.imports)) + "\n"
-        pieces.append((head[0].lineno - 1, head[-1].end_lineno - 1, block))
+        pieces.append((head[0].lineno - 1, head[-1].end_lineno - 1, "\n".join(_import_lines(imports)) + "\n"))
     for first, last, text in sorted(pieces, reverse=True):
         lines[first : last + 1] = [text]
     return tidy("".join(lines))
-
-
-def _is_course(node: ast.stmt) -> bool:
-    return isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course_lib")
-
-
-def _defined(node: ast.stmt) -> list[str]:
-    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-        return [node.name]
-    if isinstance(node, ast.Assign):
-        return [t.id for t in node.targets if isinstance(t, ast.Name)]
-    return []
 
 
 def tidy(src: str) -> str:

