@@ -47,6 +47,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _check_known(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+
+
 def torchrun_command(
     strategy: str,
     nproc: int,
@@ -62,8 +67,7 @@ def torchrun_command(
 ) -> list[str]:
     """The command line, the same on a laptop, a multi-GPU node or (with nnodes > 1, run once per node with
     its node_rank and the first node's address) a cluster."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    _check_known(strategy)
     cmd = [
         sys.executable,
         "-m",
@@ -200,8 +204,7 @@ def check_strategy_options(strategy: str, options: dict) -> None:
 
     from . import _common
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    _check_known(strategy)
     module = importlib.import_module(f"{__package__}.{strategy}")
     options = _common.check_options(options, module.OPTIONS, strategy)
     if hasattr(module, "check"):  # what the kinds alone cannot say (collectives: a size range, the ops' names)
