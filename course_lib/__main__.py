@@ -118,7 +118,7 @@ def _ladder_plan(args):
     leave_out = {name: "left out (--leave-out)" for name in left_out}
     # a --set for a rung left out, or one its technique refuses: said before the banner (run_ladder asks again)
     base, _, raised = prepare_climb(base, rungs, leave_out, options)
-    out = _new_file(args.json, args.force, "--json") if args.json is not None else None
+    out = _new_file(args.json, args.force, "--json")
     return base, caps, raised, out, dict(rungs=rungs, options=options, leave_out=leave_out, fixed=args.fixed)
 
 
@@ -254,11 +254,12 @@ def _ladder_file_config(args) -> C.TrainConfig:
     return dataclasses.replace(base, device=args.device) if args.device else base
 
 
-def _new_file(path: str, force: bool, flag: str) -> Path:
-    """The path a command is to write, checked before any work: writable, and an earlier file replaced only with
-    --force."""
+def _new_file(path: str | None, force: bool, flag: str) -> Path | None:
+    """The path a command is to write (None where not given), checked before any work; a file is replaced on --force."""
     from .results import check_writable
 
+    if path is None:
+        return None
     out = check_writable(path)
     if out.exists() and not force:
         raise C.ConfigError(f"{out} exists: pass --force to replace it, or choose another {flag} path")
@@ -266,8 +267,7 @@ def _new_file(path: str, force: bool, flag: str) -> Path:
 
 
 def _written(out: Path | None, text: str, flag: str) -> bool:
-    """`text` to standard output (no `out`) or to `out` in one step (a full disk leaves any earlier file as it was);
-    False, said in one line, where it could not be written."""
+    """`text` to standard output, or to `out` in one step (a full disk leaves the earlier file); False if it failed."""
     from .cache import write_atomic
 
     if out is None:
@@ -290,7 +290,7 @@ def cmd_info(args) -> int:
     from .capabilities import capabilities
 
     try:
-        out = None if args.json in (None, "-") else _new_file(args.json, args.force, "--json")
+        out = None if args.json == "-" else _new_file(args.json, args.force, "--json")
         caps = capabilities(args.device)
         rows = [*caps.rows(), ("notebooks' budget", budget.describe())]  # an unknown COURSE_BUDGET: said here first
     except REFUSED as e:
@@ -317,8 +317,7 @@ def cmd_doctor(args) -> int:
     from .doctor import run_doctor
 
     try:
-        if args.json is not None:  # a folder, an unwritable path or an earlier file: said now, not after
-            _new_file(args.json, args.force, "--json")
+        _new_file(args.json, args.force, "--json")  # a folder, an unwritable path or an earlier file: said now
         report = run_doctor(
             args.device, quick=args.quick, json_path=args.json, progress=lambda name: _say(f"  checking {name} ...")
         )
@@ -378,12 +377,11 @@ def cmd_profile(args) -> int:
 
 
 def _profiled(args):
-    """(config, trace path, profile, out of memory?): the config profiled over --steps recorded steps (default 3),
-    after its warm-up steps; every argument checked before the run."""
+    """(config, trace path, profile, out of memory?): --steps recorded steps (default 3) after the config's warm-up."""
     from .profiling import profile_run
     from .train import unless_it_fails
 
-    trace = _new_file(args.trace, args.force, "--trace") if args.trace is not None else None
+    trace = _new_file(args.trace, args.force, "--trace")
     cfg = chosen_config(args)
     if args.rows < 1:
         raise ValueError(f"--rows takes the number of operators to list, >= 1, got {args.rows}")
@@ -412,7 +410,7 @@ def cmd_export(args) -> int:
     try:
         cfg = chosen_config(args)
         text = export.script(cfg)
-        out = None if args.out in (None, "-") else _new_file(args.out, args.force, "--out")
+        out = None if args.out == "-" else _new_file(args.out, args.force, "--out")
     except REFUSED as e:
         return _error(e)
     if not _written(out, text, "--out"):
@@ -423,8 +421,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_exercises(args) -> int:
-    """The notebooks' exercises (course_lib.exercises): listed, checked (--verify), passed on disk (--status), or
-    their guide for teachers rewritten (--guide)."""
+    """The notebooks' exercises (course_lib.exercises): listed, or each checker --verify'd, --status, --guide."""
     from . import exercises
 
     if args.status is not None:
