@@ -2,11 +2,10 @@
 it to refuse a CPU step that cannot fit, course_lib.memory_estimate sets it beside measurements).
 
 Bytes by category (measure.MemoryLedger's): static (parameters, gradients, optimizer state: num_params x bytes x
-count); activations (what autograd keeps for backward: `layer_activation_terms` itemises this course's block, beside
-Korthikanti et al.'s sbh(34 + 5as/h) in lessons.memory_calculator); logits (the output layer and the loss, which the
-paper leaves out and which dominate small models). The peak is the largest of the moments that can hold it
-(`peak_candidates`), term by term, for every lever the ledger measures: tests/test_memory_estimate.py holds it to the
-ledger.
+count); activations (what autograd keeps for backward: Korthikanti et al. 2022 count sbh(34 + 5as/h) per layer,
+`layer_activation_terms` itemises this course's block); logits (the output layer and the loss, which the paper leaves
+out and which dominate small models). The peak is the largest of the moments that can hold it (`peak_candidates`),
+term by term, for every lever the ledger measures: tests/test_memory_estimate.py holds it to the ledger.
 """
 
 from __future__ import annotations
@@ -58,6 +57,37 @@ def static_bytes(
 
 
 # ---- activations ---------------------------------------------------------------------------------
+
+
+def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
+    """Bytes per transformer layer, term by term, as Korthikanti et al. count them: 16-bit values (2 bytes),
+    1-byte dropout masks, no sequence or tensor parallelism. They sum to sbh(34 + 5as/h)."""
+    sbh, as2b = s * b * h, a * s * s * b
+    return {
+        "LayerNorm inputs (2 x 2sbh)": 4 * sbh,
+        "QKV matmul input (2sbh)": 2 * sbh,
+        "Q and K for QK^T (4sbh)": 4 * sbh,
+        "softmax output (2as^2b)": 2 * as2b,
+        "attention dropout mask (as^2b)": as2b,
+        "attention dropout output (2as^2b)": 2 * as2b,
+        "V (2sbh)": 2 * sbh,
+        "output projection input (2sbh)": 2 * sbh,
+        "attention residual dropout mask (sbh)": sbh,
+        "MLP first matmul input (2sbh)": 2 * sbh,
+        "GELU input (8sbh)": 8 * sbh,
+        "MLP second matmul input (8sbh)": 8 * sbh,
+        "MLP dropout mask (sbh)": sbh,
+    }
+
+
+def korthikanti_bytes(s: int, b: int, h: int, a: int, bits: int = 16, flash: bool = False) -> int:
+    """sbh(34 + 5as/h) bytes per layer at 16 bits; twice that, 2sbh(34 + 5as/h), at 32 bits.
+    flash=True: an attention kernel that never stores the s x s matrices drops the 5as/h term."""
+    if bits not in (16, 32):
+        raise ValueError("bits must be 16 or 32")
+    sbh = s * b * h
+    total = 34 * sbh + (0 if flash else 5 * a * s * s * b)  # = sbh(34 + 5as/h), in integers
+    return total * (bits // 16)
 
 
 def layer_activation_terms(
@@ -409,6 +439,18 @@ def check_device_gib(device_gib, margin: float = 0.1) -> None:
         raise ConfigError(f"device_gib={device_gib!r}: give the device's memory as a positive number of GiB, e.g. 80")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
+
+
+def calculator_config(
+    preset: str = "gpt2-small", batch_size: int = 32, context: int = 1024, attention: str = "naive", **changes
+) -> TrainConfig:
+    """The calculator's config (notebook 02): a preset's network at any batch and context (its position table grown
+    where needed) and attention, with any TrainConfig fields changed; on the CPU: the formula needs no GPU."""
+    from .config import preset as make_preset
+
+    cfg = make_preset(preset, "cpu")
+    cfg = cfg.with_model(attention=attention, block_size=max(cfg.model.block_size, context))
+    return dataclasses.replace(cfg, batch_size=batch_size, context=context, **changes)
 
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
