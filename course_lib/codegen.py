@@ -212,9 +212,10 @@ def _read_module(name: str) -> tuple[list[str], dict[str, ast.stmt], dict[str, t
     for node in ast.parse("".join(lines)).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
             defs[node.name] = node
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # every name it assigns, `a, b = ...` too
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defs.update((t.id, node) for target in targets for t in ast.walk(target) if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # the names it assigns, `a, b = ...` too (not `a.b = ...`)
+            assigned = node.targets if isinstance(node, ast.Assign) else [node.target]
+            targets = [t for x in assigned for t in getattr(x, "elts", [x])]
+            defs.update((t.id, node) for t in targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.Import):
             imports.update((_alias_name(a), (None, a.name, a.asname)) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
