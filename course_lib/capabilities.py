@@ -201,9 +201,7 @@ SDPA_BACKENDS = {
 
 def sdpa_dtype(device_type: str, precisions: dict[str, Support]) -> torch.dtype:
     """What the SDPA backends are tried in: a GPU's fastest 16-bit format (bf16 from Ampere on), fp32 elsewhere."""
-    if device_type != "cuda":
-        return torch.float32
-    return torch.bfloat16 if precisions["bf16"].ok else torch.float16
+    return torch.float32 if device_type != "cuda" else torch.bfloat16 if precisions["bf16"].ok else torch.float16
 
 
 def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
@@ -373,7 +371,7 @@ class Capabilities:
         own checks of it)."""
         out = [] if torch.device(cfg.device).type == self.type else [f"device={cfg.device!r} but this is {self.device}"]
         unavailable = self.unavailable()
-        for name, value in [("precision", cfg.precision)] + [(t.name, t.value(cfg)) for t in _registry()]:
+        for name, value in ((t.name, t.value(cfg)) for t in _registry()):  # precision is one of them
             if why := unavailable.get(f"{name}={value}"):
                 out.append(f"{name}={value!r} cannot run on {self.device}: {why}")
         if problems := out + config_problems(cfg):

@@ -1,9 +1,6 @@
-"""`python -m course_lib doctor`: exercise every device-specific path of the course on this device.
-
-Each check runs the real code path (a training step, the compiler, an SDPA kernel, the memory report, a 2-process
-collective, and on a GPU an out-of-memory, TF32 and a memory snapshot) and says pass, fail, n/a (no such path here, and
-why) or skipped (left out on request): nothing is reported as passing that did not run.
-"""
+"""`python -m course_lib doctor`: every device-specific path of the course (a training step, the compiler, an SDPA
+kernel, the memory report, a 2-process collective; on a GPU an out-of-memory, TF32 and a memory snapshot) run for real,
+and said to pass, fail, be n/a here (and why) or skipped: nothing is reported as passing that did not run."""
 
 from __future__ import annotations
 
@@ -116,9 +113,10 @@ def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunRe
     if precision == "fp32":
         result = fp32()
         return f"{result.tokens_per_s:,.0f} tokens/s, finite losses and gradient norms over {len(result.losses)} steps"
+    fp32_loss = fp32().losses[0]  # the reference first: a failed one is named before another run is trained
     result = _checked_run(check_config(caps.device, precision=precision))
     # The first step's loss is computed from the same weights and batch: a lower precision may round, not wander.
-    loss, fp32_loss, tol = result.losses[0], fp32().losses[0], {"tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
+    loss, tol = result.losses[0], {"tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
     rel = _relative(loss, fp32_loss)
     assert rel <= tol, f"first-step loss {loss:.5f} differs from fp32's {fp32_loss:.5f} by {rel:.2e} (> {tol:g})"
     hw = "" if support.native is not False else ", without hardware support"
