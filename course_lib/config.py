@@ -68,7 +68,7 @@ def _check_fields(names, cls) -> None:
 
 def _conforms(value, hint) -> bool:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in (int, float) and isinstance(value, bool):
+    if hint in (int, float) and isinstance(value, bool):  # an int to Python, not to a config
         return False
     if hint is float:
         return isinstance(value, (int, float)) and math.isfinite(value)
