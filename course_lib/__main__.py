@@ -686,9 +686,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=raw)
     for name, (about, examples, options) in COMMANDS.items():
         epilog = "examples:\n" + "\n".join(f"  python -m course_lib {line}" for line in examples)
-        p = sub.add_parser(
-            name, help=about, epilog=epilog + ("\n\n" + _rungs_and_presets() if name == "ladder" else "")
-        )
+        if name == "ladder":
+            epilog += "\n\n" + _rungs_and_presets()
+        p = sub.add_parser(name, help=about, epilog=epilog)
         p.set_defaults(func=globals()[f"cmd_{name}"])  # looked up now, so that a test may stand in for a command
         group = p.add_mutually_exclusive_group() if name == "exercises" else p
         for flag, text in options.items():
