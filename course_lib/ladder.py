@@ -66,8 +66,7 @@ class SpeedChange:
 
 
 def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
-    """Faster when three quarters of the pairs say so and the median by MIN_SPEED_CHANGE, slower the same way round:
-    one slow step (a page fault, another process) moves neither."""
+    """Faster when three quarters of the pairs say so and the median by MIN_SPEED_CHANGE: one slow step cannot."""
     ratios = [best / rung for best, rung in pairs if best > 0 and rung > 0]
     if not ratios:
         return SpeedChange(None, None, None, 0, TOO_FEW)
@@ -114,10 +113,8 @@ def memory_change(factor: float | None) -> tuple[float | None, str]:
     """(the rung's peak over the best loop's, its verdict); NOT_MEASURED where either peak is not (or of two kinds)."""
     if not factor:
         return None, NOT_MEASURED
-    return (
-        factor,
-        LEANER if factor <= 1 - MIN_MEMORY_CHANGE else FATTER if factor >= 1 + MIN_MEMORY_CHANGE else NO_CHANGE,
-    )
+    verdict = LEANER if factor <= 1 - MIN_MEMORY_CHANGE else FATTER if factor >= 1 + MIN_MEMORY_CHANGE else NO_CHANGE
+    return factor, verdict
 
 
 def judge(
@@ -150,9 +147,8 @@ def judge(
 def ladder_configs(
     base: C.TrainConfig, options: dict | None = None, leave_out: dict[str, str] | None = None, on_this_machine=True
 ) -> list[tuple[T.Rung, C.TrainConfig | C.ConfigError]]:
-    """The fixed ladder: each rung's config, cumulative from naive, every rung the device can run switched on. A rung it
-    cannot run, or one left out (`leave_out` {rung: why}), gives its ConfigError and the next climbs from the one below.
-    `options` {technique: value} makes that technique's rung set another value (activation_checkpointing="selective").
+    """The fixed ladder: each rung's config, cumulative from naive, or its ConfigError where the device cannot run it or
+    it is left out (`leave_out` {rung: why}). `options` {technique: value} changes what its rung sets.
     `on_this_machine=False` (a GPU script written on a laptop) applies every rung unchecked."""
     T.check_ladder_arguments(options, leave_out)
     caps, leave_out = capabilities(base.device) if on_this_machine else None, leave_out or {}
@@ -191,7 +187,7 @@ def prepare_climb(
         if rung.name not in rungs:
             leave_out.setdefault(rung.name, "left out: not among the rungs asked for")
     T.check_ladder_arguments(options, leave_out)
-    naive = T.naive(base)  # every value is set first (a refused one raises), so the error is not the options' order's
+    naive = T.naive(base)  # every value is checked first: which error comes does not depend on the options' order
     unchanged = [(n, value) for n, value in (options or {}).items() if T.TECHNIQUE[n].set(naive, value) == naive]
     if unchanged:  # compile=False would measure naive against itself
         name, value = unchanged[0]
@@ -251,8 +247,7 @@ def run_ladder(
 
 @dataclass
 class _Loop:
-    """A loop that has run: its trainer (kept to take more steps), result, and speed-up over naive fp32 (the product of
-    the paired factors of the rungs kept on the way up)."""
+    """A loop that has run: its config, trainer (kept to take more steps), result, and speed-up over naive fp32."""
 
     cfg: C.TrainConfig
     trainer: Trainer | None
@@ -387,9 +382,9 @@ class _Climb:
         cost time (optimised_row). Where they are one loop, both rows say so."""
         results, fixed = self.results, self.fixed
         kept = [r.label for r in results[1:] if r.ladder.get("kept")]
-        lean = self.confirm(LEANEST, kept, any(r.status != "skipped" for r in results[1:]))
+        lean = self.leanest_row(kept, measured=any(r.status != "skipped" for r in results[1:]))
         costly = [] if fixed else memory_rungs_that_cost_time(results)
-        free = [r for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY] and r not in costly]
+        free = [r for r in _memory_rungs_kept(results) if r not in costly]
         free_notes = [f"{_short(r.label)} kept: no measurable cost in time" for r in free]
         opt, failed = self.optimised_row(kept, costly, free_notes)
         if opt is None:  # the leanest loop is the optimised one
@@ -415,7 +410,7 @@ class _Climb:
 
     def optimised_row(self, kept: list[str], costly: list[RunResult], notes: list[str]) -> tuple[RunResult | None, str]:
         """(the OPTIMISED row: the first of optimised_candidates that fits, timed in pairs with naive, ""), or (None,
-        why not): only the leanest loop fits (""), or one failed otherwise (run on its own, the leanest loop freed)."""
+        why not): only the leanest loop fits (""), or one failed otherwise."""
         best, naive = self.best, self.naive_loop
         for cfg, put_back in optimised_candidates(best.cfg, costly):
             if cfg == best.cfg:  # nothing fits without all of them: the leanest loop is also the fastest that fits
@@ -433,8 +428,7 @@ class _Climb:
                 return None, f"the loop without them failed ({result.status}: {result.reason})"
             opt_kept = [k for k in kept if k not in {r.label for r in left}]
             result.reason = "naive fp32 " + " ".join(opt_kept)
-            result.ladder = _timed_against_naive(pairs, naive.result, opt_kept)
-            result.ladder["memory_vs_naive"] = result.peak_ratio(naive.result)
+            result.ladder = _timed_against_naive(pairs, naive.result, opt_kept, result.peak_ratio(naive.result))
             result.ladder["left_out"] = {r.label: _slower_text(r) for r in left}
             result.ladder["put_back"] = [r.label for r in put_back]
             why = [f"{_short(rung_name(r))} left out: {_slower_text(r)}" for r in left]
@@ -443,12 +437,12 @@ class _Climb:
             return result, ""
         return None, ""
 
-    def confirm(self, label: str, kept: list[str], measured: bool) -> RunResult:
-        """A final row: the best loop timed once more in pairs against naive fp32 (as many pairs as a rung has timed
-        steps); its memory is the one measured at the rung that made it the best (the same config)."""
+    def leanest_row(self, kept: list[str], measured: bool) -> RunResult:
+        """The climb's loop timed once more in pairs against naive fp32 (as many pairs as a rung has timed steps); its
+        memory is the one measured at the rung that made it the best (the same config)."""
         naive, best, top = self.naive_loop, self.best, self.best.result
         row = RunResult(
-            label=label,
+            label=LEANEST,
             status="ok",
             config=dict(top.config),
             provenance=provenance(self.caps.name),
@@ -478,8 +472,7 @@ class _Climb:
         row.median_step_s = statistics.median(row.step_times)
         row.tokens_per_s = top.tokens_per_step / row.median_step_s
         row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
-        row.ladder = _timed_against_naive(pairs, naive.result, kept)
-        row.ladder["memory_vs_naive"] = top.peak_ratio(naive.result)
+        row.ladder = _timed_against_naive(pairs, naive.result, kept, top.peak_ratio(naive.result))
         return row
 
 
@@ -493,8 +486,8 @@ CUDA_GRAPHS_RUNG = T.Rung(
 
 
 def tries_cuda_graphs(cfg: C.TrainConfig, idle: float | None, measured: str = "") -> tuple[bool, str]:
-    """(whether the ladder tries CUDA graphs on top of `cfg`, why), from the share of its step the GPU sat idle
-    (profiling.device_idle_share; `measured`: why it is missing): only for a loop compiled in the default mode."""
+    """(whether to try CUDA graphs on top of `cfg`, why), from the share of its step the GPU sat idle (`measured`: why
+    it is missing)."""
     if torch.device(cfg.device).type != "cuda":
         return False, "a CPU has no kernel launches to save"
     if not cfg.compile or cfg.compile_mode != "default":
@@ -508,8 +501,7 @@ def tries_cuda_graphs(cfg: C.TrainConfig, idle: float | None, measured: str = ""
 
 
 def _idle_share_of(cfg: C.TrainConfig, caps: Capabilities) -> tuple[float | None, str]:
-    """(the share of a step of `cfg` the GPU sat idle, from a short profile; "" or why it is missing). Not profiled
-    where tries_cuda_graphs says no anyway."""
+    """(the share of a step of `cfg` the GPU sat idle, from a short profile; "" or why it is missing)."""
     if caps.type != "cuda" or not cfg.compile or cfg.compile_mode != "default":
         return None, ""
     profiled, failed = unless_it_fails(lambda: profiling.profile_run(cfg, active=2, name_kernels=False))
@@ -544,16 +536,13 @@ def rung_name(result: RunResult) -> str:
 def second_look(results: list[RunResult]) -> list[T.Rung]:
     """The speed rungs worth a second look on top of the climb's last loop: run, not kept, not for want of hardware
     (bf16 converted in software stays slow), and with a rung kept after them (else they would meet the same loop)."""
-    return [
-        rung
-        for i, r in enumerate(results)
-        if (rung := T.RUNGS.get(r.label)) is not None
-        and T.SPEED in rung.aims
-        and r.ok
-        and not r.ladder.get("kept", True)
-        and not r.ladder.get("device_note")
-        and any(later.ladder.get("kept") for later in results[i + 1 :])
-    ]
+    out = []
+    for i, r in enumerate(results):
+        rung = T.RUNGS.get(r.label)
+        lost = rung is not None and T.SPEED in rung.aims and r.ok and not r.ladder.get("kept", True)
+        if lost and not r.ladder.get("device_note") and any(later.ladder.get("kept") for later in results[i + 1 :]):
+            out.append(rung)
+    return out
 
 
 def _progress_text(i: int, n: int, name: str, started: float) -> str:
@@ -634,10 +623,8 @@ def _short(label: str) -> str:
 def _timed_again(first: SpeedChange, pairs, best: Trainer, trainer: Trainer, noise: float, progress):
     """(the verdict of a second window of pairs, its pairs, what the row says of it), for a factor within the noise."""
     if progress:
-        progress(
-            f"  {first.factor:.2f}x is within this machine's noise (a step measured {noise:.2f}x apart from "
-            f"itself): {len(pairs)} more paired steps"
-        )
+        apart = f"a step measured {noise:.2f}x apart from itself"
+        progress(f"  {first.factor:.2f}x is within this machine's noise ({apart}): {len(pairs)} more paired steps")
     more, failed = _paired(best, trainer, len(pairs))
     if failed:  # one window cannot tell it from noise, and the second could not be taken
         speed = dataclasses.replace(first, verdict=NO_CHANGE)
@@ -645,9 +632,8 @@ def _timed_again(first: SpeedChange, pairs, best: Trainer, trainer: Trainer, noi
     else:
         speed = second_window(first, pairs, more)
         agree = "they agree" if speed.verdict == first.verdict else "they disagree"
-        window = (
-            f"{first.factor:.2f}x, then {speed_change(more).factor:.2f}x in a second window of paired steps: {agree}"
-        )
+        then = speed_change(more).factor
+        window = f"{first.factor:.2f}x, then {then:.2f}x in a second window of paired steps: {agree}"
     return speed, more, window + f"; this machine measured a step up to {noise:.2f}x apart from itself"
 
 
@@ -664,15 +650,13 @@ def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, 
 
 
 def memory_rungs_that_cost_time(results: list[RunResult]) -> list[RunResult]:
-    """The kept rungs that aim only at memory and were not as fast as the loop before them (slower, or too few pairs to
-    say): the optimised loop leaves these out where it fits without them."""
-    return [
-        r
-        for r in results
-        if r.ladder.get("kept")
-        and r.ladder.get("aims") == [T.MEMORY]
-        and r.ladder.get("speed") not in (NO_CHANGE, FASTER)
-    ]
+    """The kept memory-only rungs that were not as fast as the loop before them (slower, or too few pairs to say): the
+    optimised loop leaves these out where it fits without them."""
+    return [r for r in _memory_rungs_kept(results) if r.ladder.get("speed") not in (NO_CHANGE, FASTER)]
+
+
+def _memory_rungs_kept(results: list[RunResult]) -> list[RunResult]:
+    return [r for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY]]
 
 
 def optimised_candidates(
@@ -700,17 +684,17 @@ def _speed_fields(speed: SpeedChange, pairs) -> dict:
     return {"speed": speed.verdict, "factor": speed.factor, "factor_iqr": [speed.low, speed.high], "pairs": pairs}
 
 
-def _timed_against_naive(pairs, naive: RunResult, kept: list[str]) -> dict:
-    """A final row's `ladder` dict: its speed-up over naive fp32 from (naive_s, loop_s) pairs, and its rungs."""
+def _timed_against_naive(pairs, naive: RunResult, kept: list[str], memory_vs_naive: float | None) -> dict:
+    """A final row's `ladder` dict: its speed-up over naive fp32 from (naive_s, loop_s) pairs, its rungs and peak."""
     speed = speed_change(pairs)
     lad = {"kept": True, "why": f"{speed.text()} naive fp32, timed in pairs with it", "vs": naive.label}
     lad |= _speed_fields(speed, [list(p) for p in pairs])
-    return lad | {"speedup": speed.factor, "speedup_basis": PAIRED, "kept_rungs": kept}
+    lad |= {"speedup": speed.factor, "speedup_basis": PAIRED, "kept_rungs": kept}
+    return lad | {"memory_vs_naive": memory_vs_naive}
 
 
 def _timed_as(row: RunResult, source: RunResult, **ladder) -> RunResult:
-    """`row` with `source`'s own timed steps and what follows from them (where it could not be timed in pairs), and
-    `ladder` added to its ladder dict."""
+    """`row` with `source`'s own timed steps (where it was not timed in pairs), and `ladder` added to its ladder."""
     row.step_times, row.excluded_steps = list(source.step_times), list(source.excluded_steps)
     row.median_step_s, row.tokens_per_s = source.median_step_s, source.tokens_per_s
     row.mfu, row.mfu_basis = source.mfu, source.mfu_basis
@@ -870,8 +854,7 @@ def _loop_line(row: RunResult, what: str) -> str:
 
 
 def verdict(results: list[RunResult]) -> str:
-    """What this device needs, in a few lines: each final loop against naive (one figure each), what was kept and what
-    not, and why."""
+    """What this device needs, in a few lines: each final loop against naive, what was kept and what not, and why."""
     row, lean, rungs = optimised(results), leanest(results), rungs_of(results)[1:]
     if row is None:
         return baseline_failure(results) or "The climb did not finish: no verdict."
