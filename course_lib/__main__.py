@@ -333,7 +333,8 @@ def cmd_profile(args) -> int:
     """torch.profiler over a few steps of the config `chosen_config` names, after its warm-up steps."""
     import torch
 
-    from .profiling import kernel_floor, summary
+    from .lessons.kernel_floor import kernel_floor
+    from .profiling import summary
     from .results import efficiency_text
     from .train import unless_it_fails
 

@@ -296,7 +296,7 @@ class TrainConfig:
     compile_mode: CompileMode = "default"
     fused_adamw: bool = False
     # activation checkpointing: "full" keeps a block's input, "selective" also its matmuls' outputs
-    activation_checkpointing: Checkpointing = "none"
+    activation_checkpointing: Checkpointing = "none"  # what each mode keeps: techniques.activation_checkpointing
     loss_chunks: int = 1  # techniques.chunked_loss: >1, the output layer and loss in this many token slices
     set_to_none: bool = False  # zero_grad(set_to_none=True) frees gradients between steps
     # -- optimisation (notebook 05): optimizer, weight decay, schedule, clipping

@@ -61,24 +61,6 @@ def test_a_compiled_run_starts_with_a_fresh_compiler_and_an_eager_cpu_one_leaves
 # ---- the step a learner reads, and functions a reader can hold in view -----------------------------------------------
 
 MAX_LINES = 60
-# The functions still over MAX_LINES (file:function -> lines at most). The list may only shrink: a function brought
-# under the limit must leave it, and none may join it or grow.
-LONGER_FOR_NOW = {
-    "course_lib/__main__.py:cmd_ladder": 121,
-    "course_lib/__main__.py:cmd_profile": 75,
-    "course_lib/__main__.py:build_parser": 163,
-    "course_lib/distributed/expert_parallel.py:main": 90,
-    "course_lib/distributed/launch.py:launch": 68,
-    "course_lib/distributed/launch.py:launch_series": 71,
-    "course_lib/distributed/pipeline.py:main": 136,
-    "course_lib/distributed/tensor_parallel.py:main": 72,
-    "course_lib/ladder.py:run_ladder": 112,
-    "course_lib/ladder.py:_judged": 76,
-    "course_lib/ladder.py:final_rows": 68,
-    "course_lib/lessons/flash_attention_triton.py:benchmark": 70,
-    "course_lib/plots.py:plot_ladder": 66,
-    "course_lib/train_template.py:main": 204,
-}
 
 
 def _functions():
@@ -94,16 +76,12 @@ def _lines(node) -> int:
     return node.end_lineno - node.lineno + 1
 
 
-def test_no_function_is_longer_than_a_screen_but_the_listed_ones_which_only_shrink():
+def test_no_function_is_longer_than_a_screen():
     long = {}
     for name, node in _functions():
         if _lines(node) > MAX_LINES:
             long[name] = max(long.get(name, 0), _lines(node))
-    assert not (joined := {n: k for n, k in long.items() if n not in LONGER_FOR_NOW}), (
-        f"over {MAX_LINES} lines: {joined}"
-    )
-    assert not (grown := {n: k for n, k in long.items() if k > LONGER_FOR_NOW[n]}), f"grew: {grown}"
-    assert not (done := set(LONGER_FOR_NOW) - set(long)), f"now {MAX_LINES} lines or fewer: remove from the list {done}"
+    assert not long, f"over {MAX_LINES} lines: {long}"
 
 
 def _calls(node) -> set[str]:

@@ -11,6 +11,7 @@ import torch
 
 from course_lib import cpu_allocator, profiling
 from course_lib.__main__ import main as cli
+from course_lib.lessons import kernel_floor as KF
 from course_lib.lessons.device_timeline import timeline_figure
 
 
@@ -78,7 +79,7 @@ def test_the_kernel_floor_times_every_matmul_and_attention_call_of_a_step(tiny, 
 
     cfg = tiny(timing_warmup=1, eval_every=1, activation_checkpointing=checkpointing).with_model(attention="sdpa")
     p = profiling.profile_run(cfg, active=2)
-    floor = profiling.kernel_floor(p, min_time_s=0.0)
+    floor = KF.kernel_floor(p, min_time_s=0.0)
     counter = FlopCounterMode(display=False)
     trainer = Trainer(dataclasses.replace(cfg, eval_every=0))
     with counter:
@@ -103,9 +104,9 @@ def test_the_kernel_floor_times_every_matmul_and_attention_call_of_a_step(tiny, 
 def test_the_kernel_floor_says_when_it_has_nothing_to_read():
     """No matmul seen (CUDA graphs replay kernels without operators), or kernels that took longer alone than the whole
     step: the text says there is no floor, and claims no efficiency."""
-    assert "no kernel floor" in profiling.KernelFloor([], 0.2, 0.5, 0.2).text()
-    slow = profiling.KernelCall("matmul", "aten::mm", ((64, 64), (64, 64)), (), torch.float32, calls=4, seconds=0.1)
-    text = profiling.KernelFloor([slow], 0.2, 0.5, 0.2).text()
+    assert "no kernel floor" in KF.KernelFloor([], 0.2, 0.5, 0.2).text()
+    slow = KF.KernelCall("matmul", "aten::mm", ((64, 64), (64, 64)), (), torch.float32, calls=4, seconds=0.1)
+    text = KF.KernelFloor([slow], 0.2, 0.5, 0.2).text()
     assert "no floor to read" in text and "would reach" not in text and "records no layout" in text
 
 
@@ -113,15 +114,15 @@ def test_on_a_gpu_the_floor_is_the_kernels_as_they_ran_in_the_step_where_that_is
     """A GPU whose torch records no layout times a step's matmuls again in another one: an H200 with torch 2.11 read
     23.4 ms alone against 20.8 ms of the same kernels in the step. The floor, and the efficiency at it, take the lower
     reading, and the text gives both."""
-    mm = profiling.KernelCall("matmul", "aten::mm", ((64, 64), (64, 64)), (), torch.float32, calls=4, seconds=0.01)
-    alone = profiling.KernelFloor([mm], 0.1, 0.5, 0.1)
+    mm = KF.KernelCall("matmul", "aten::mm", ((64, 64), (64, 64)), (), torch.float32, calls=4, seconds=0.01)
+    alone = KF.KernelFloor([mm], 0.1, 0.5, 0.1)
     assert alone.total_s == pytest.approx(0.04) and "in the recorded steps" not in alone.text()
-    faster = profiling.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.03)
+    faster = KF.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.03)
     assert faster.total_s == pytest.approx(0.03) and faster.mfu_at_floor == pytest.approx(0.5 * 0.1 / 0.03)
     assert "40.0 ms timed alone" in faster.text() and "took 30.0 ms a step" in faster.text()
-    slower = profiling.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.05)
+    slower = KF.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.05)
     assert slower.total_s == pytest.approx(0.04) and "more than alone by over a tenth" in slower.text()
-    assert "by over a tenth" not in profiling.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.042).text()
+    assert "by over a tenth" not in KF.KernelFloor([mm], 0.1, 0.5, 0.1, in_step_s=0.042).text()
 
 
 def test_the_in_step_reading_counts_each_matmul_and_fused_attention_kernel_once_on_a_gpu_only():
@@ -162,16 +163,16 @@ def test_the_in_step_reading_counts_each_matmul_and_fused_attention_kernel_once_
     ]
     prof = SimpleNamespace(events=lambda: events)
     gpu = profiling.Profile(result=None, prof=prof, active=[0, 1], device="cuda")
-    assert profiling.in_step_kernel_s(gpu) == pytest.approx((3000 + 1000 + 400 + 900 + 700 + 300) / 1e6 / 2)
-    assert profiling.in_step_kernel_s(profiling.Profile(result=None, prof=prof, active=[0], device="cpu")) is None
+    assert KF.in_step_kernel_s(gpu) == pytest.approx((3000 + 1000 + 400 + 900 + 700 + 300) / 1e6 / 2)
+    assert KF.in_step_kernel_s(profiling.Profile(result=None, prof=prof, active=[0], device="cpu")) is None
 
 
 def test_every_sdpa_op_the_floor_reads_has_is_causal_and_a_backward_with_a_query():
     """The floor reads is_causal, and a backward's query, at the positions the ops' schemas give: an op renamed or
     re-signed in another torch fails here, not in a learner's profile."""
-    for op in profiling.SDPA_OPS:
-        profiling._input_position("aten::" + op, "is_causal")
-        profiling._input_position("aten::" + op + "_backward", "query")
+    for op in KF.SDPA_OPS:
+        KF._input_position("aten::" + op, "is_causal")
+        KF._input_position("aten::" + op + "_backward", "query")
 
 
 def recorded(fn) -> list:
@@ -180,7 +181,7 @@ def recorded(fn) -> list:
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         fn()
-    return profiling._kernel_calls(profiling.Profile(result=None, prof=prof, active=[0], device="cpu"))
+    return KF._kernel_calls(profiling.Profile(result=None, prof=prof, active=[0], device="cpu"))
 
 
 def test_the_kernel_floor_times_an_operand_in_its_recorded_layout(monkeypatch):
@@ -194,7 +195,7 @@ def test_the_kernel_floor_times_an_operand_in_its_recorded_layout(monkeypatch):
     assert call.strides == ((1, 32), (16, 1))
     made, real_mm = [], torch.mm
     monkeypatch.setattr(torch, "mm", lambda x, y: made.append(x.stride()) or real_mm(x, y))
-    seconds, _ = profiling._time_alone(call, "cpu", "fp32", min_time_s=0.0)
+    seconds, _ = KF._time_alone(call, "cpu", "fp32", min_time_s=0.0)
     assert made and set(made) == {(1, 32)} and seconds > 0
 
 
@@ -206,7 +207,7 @@ def test_the_kernel_floor_times_an_expanded_operand():
     if not any(c.strides for c in calls):
         pytest.skip(f"torch {torch.__version__}'s profiler records no strides")
     assert expanded, [(c.shapes, c.strides) for c in calls]
-    assert profiling._time_alone(expanded[0], "cpu", "fp32", min_time_s=0.0)[0] > 0
+    assert KF._time_alone(expanded[0], "cpu", "fp32", min_time_s=0.0)[0] > 0
 
 
 def footer_seconds(table: str, label: str) -> float:
@@ -239,7 +240,7 @@ def test_on_a_gpu_the_summary_counts_kernel_time(tiny):
     busy = profiling.busy_s(p)
     assert busy == pytest.approx(footer_seconds(text, "Self CUDA time total"), rel=0.01, abs=2e-6)
     assert 0 < busy <= p.active_wall_s
-    floor = profiling.kernel_floor(p, min_time_s=0.0)  # the floor on a GPU: the same calls, timed on the GPU
+    floor = KF.kernel_floor(p, min_time_s=0.0)  # the floor on a GPU: the same calls, timed on the GPU
     assert floor.matmul_flops > 0 and floor.total_s > 0 and "The kernel floor" in floor.text()
     # and as they ran in the step: some device time, no more than the GPU's busy time
     assert floor.in_step_s is not None and 0 < floor.in_step_s <= busy / len(p.active)
@@ -260,7 +261,7 @@ def test_out_of_memory_in_the_profile_or_its_floor_is_a_message_not_a_traceback(
     def oom(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(profiling, "kernel_floor", oom)
+    monkeypatch.setattr(KF, "kernel_floor", oom)
     assert cli(["profile", "--preset", "tiny", "--steps", "1", "--rows", "3"]) == 0
     captured = capsys.readouterr()
     assert "Where a step's time goes" in captured.out and "kernel floor: out of memory" in captured.err
