@@ -1,4 +1,4 @@
-"""Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing, re-exported here).
+"""Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing).
 
 - Memory on CUDA: the allocator's peak (`max_memory_allocated`) and what it reserved.
 - Memory on a CPU: an exact ledger. A TorchDispatchMode sees every op, forward and backward, so every tensor storage
@@ -21,9 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_flatten
 
 from . import cpu_allocator
-from .capabilities import device_name  # noqa: F401 - re-exported: the notebooks use measure.device_name
 from .config import TrainConfig
-from .timing import StepTimer, median_excluding, synchronize, time_fn  # noqa: F401 - re-exported for the notebooks
+from .timing import StepTimer
 
 GiB = 1024**3
 CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logits", "other")

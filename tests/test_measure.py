@@ -5,6 +5,7 @@ from course_lib import measure
 from course_lib.config import ModelConfig
 from course_lib.model import GPT
 from course_lib.techniques import loss_sum
+from course_lib.timing import median_excluding
 
 
 def test_flops_formula_agrees_with_the_flop_counter():
@@ -61,9 +62,9 @@ def test_tensor_bytes_counts_tied_weights_once():
 
 
 def test_median_excludes_warmup():
-    assert measure.median_excluding([10.0, 1.0, 2.0, 3.0], {0}) == 2.0
+    assert median_excluding([10.0, 1.0, 2.0, 3.0], {0}) == 2.0
     with pytest.raises(ValueError, match="no timed steps"):
-        measure.median_excluding([1.0], {0})
+        median_excluding([1.0], {0})
 
 
 def test_cuda_report_subtracts_what_was_there_before_and_does_not_guess(monkeypatch):

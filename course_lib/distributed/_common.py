@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import measure
 from ..cache import write_atomic
+from ..capabilities import device_name
 from ..config import ConfigError, TrainConfig, did_you_mean, tiny_preset
 from ..results import provenance
 
@@ -146,7 +146,7 @@ def write(ctx: Ctx, payload: dict) -> None:
         "world_size": ctx.world,
         "backend": ctx.backend,
         "device": str(ctx.device),
-        "provenance": provenance(measure.device_name(ctx.device)),
+        "provenance": provenance(device_name(ctx.device)),
         "time": time.time(),
     }
     text = json.dumps({**base, **payload}, indent=1, default=float)

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from .. import measure
 from ..data import IGNORE_INDEX
 from ..model import GPT
+from ..timing import StepTimer
 from . import _common
 
 
@@ -268,7 +269,7 @@ def _loss_of(model, x, y):
 
 def _timed(ctx: _common.Ctx, model, loss_of) -> list[float]:
     """Seconds of each of `repeats` forward and backward passes, after one warm-up pass."""
-    timer = measure.StepTimer(ctx.device)
+    timer = StepTimer(ctx.device)
     for _ in range(ctx.options["repeats"] + 1):
         model.zero_grad()
         with timer.step():

@@ -254,8 +254,9 @@ def normalisation_run(
     sequences, padded unevenly (imbalanced_lengths), under `normalisation`, against the big batch's gradient.
     The accumulated gradient is computed cfg.steps times on a fresh model of cfg (timed, the first
     cfg.timing_warmup left out of the median); returns (the run as a RunResult, details for the plots)."""
-    from .. import measure
+    from ..capabilities import device_name
     from ..results import provenance
+    from ..timing import StepTimer, median_excluding
 
     k, b, s = cfg.grad_accum_steps, cfg.micro_batch_size, cfg.context
     lengths = imbalanced_lengths(s, k, imbalance)
@@ -267,11 +268,11 @@ def normalisation_run(
         label=label,
         status="ok",
         config=cfg.to_dict(),
-        provenance=provenance(measure.device_name(dev)),
+        provenance=provenance(device_name(dev)),
         n_params=model.num_params(),
         tokens_per_step=sum(y.numel() for _, y in micro),
     )
-    timer = measure.StepTimer(dev)
+    timer = StepTimer(dev)
     for step in range(cfg.steps):
         with timer.step():
             grads = gradients(model, micro, normalisation)
@@ -280,7 +281,7 @@ def normalisation_run(
             callback(step, result)
     excluded = set(range(min(cfg.timing_warmup, cfg.steps - 1)))
     result.excluded_steps = sorted(excluded)
-    result.median_step_s = measure.median_excluding(timer.times, excluded)
+    result.median_step_s = median_excluding(timer.times, excluded)
     result.tokens_per_s = result.tokens_per_step / result.median_step_s
     error, ratio = relative_error(grads, ref), norm_ratio(grads, ref)
     result.grad_norms = [float(flat(grads).norm())]

@@ -29,13 +29,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..capabilities import device_name
+
 # notebook 04 reads the hand-written flash attention here, beside the other attentions of its lesson
 from ..flash_attention import flash_attention, flash_backward, tiled_attention  # noqa: F401
 from ..model import naive_attention, sdpa_attention
-from ..profiling import SDPA_OPS
-from ..timing import StepTimer
+from ..timing import StepTimer, time_fn
 from ..train import free_memory, unless_it_fails
-from .micro_benchmarks import peak_bytes, time_fn
+from .kernel_floor import SDPA_OPS
+from .micro_benchmarks import peak_bytes
 
 __all__ = [
     "naive_attention",
@@ -194,8 +196,7 @@ def random_qkv(
 
 # ---- which SDPA backend runs ---------------------------------------------------------------------
 
-# SDPA_OPS: aten op that scaled_dot_product_attention dispatches to -> backend name (course_lib.profiling's table,
-# which the kernel floor reads too)
+# SDPA_OPS: aten op that scaled_dot_product_attention dispatches to -> backend name (the kernel floor's table)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = True) -> tuple[str, str]:
@@ -266,8 +267,6 @@ def context_sweep(
     allocates beyond its inputs (CPU: every storage followed by the course's ledger; CUDA: the allocator's peak),
     with `backward` the gradients of q, k, v and everything saved for backward included.
     """
-    from ..measure import device_name
-
     name = device_name(device)
     points, ran_out = [], set()
     for s in contexts:
@@ -371,8 +370,6 @@ def causal_skipping(
     (sdpa_in_query_blocks). {"ms": {way: (min, median, max)}, the shape, the device}. Causal needs half the pairs; a
     kernel that skips the tiles above the diagonal takes about half the time of the whole square where a call is long
     enough to be timed (no launch overhead to hide it), one that computes the square and masks it takes as long."""
-    from ..measure import device_name
-
     q, k, v = random_qkv(batch, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(q)
     ways = {

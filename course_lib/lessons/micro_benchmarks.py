@@ -13,8 +13,9 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..measure import MemoryLedger, time_fn
+from ..measure import MemoryLedger
 from ..techniques.torch_compile import TANH_THROUGH_EXP
+from ..timing import time_fn
 
 # ---- one call: time and memory -------------------------------------------------------------------
 

@@ -27,9 +27,10 @@ from torch.utils._pytree import tree_flatten
 from .. import memory_estimate, memory_formula, train
 from ..config import TrainConfig
 from ..data import Splits
-from ..measure import StepTimer, _aliasing_returns, time_fn
+from ..measure import _aliasing_returns
 from ..results import RunResult
 from ..techniques import matmul_precision
+from ..timing import StepTimer, time_fn
 
 PF_DAY_FLOPS = 10**15 * 86_400  # 1 PF-day: 10^15 FLOP/s for 86,400 s = 8.64e19 FLOPs
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. (2022): about 20 training tokens per parameter is compute-optimal

@@ -43,7 +43,7 @@ import ipywidgets as W
 from IPython.display import display
 
 from .. import config as C, presets, techniques as T
-from ..measure import device_name
+from ..capabilities import device_name
 from ..plots import PlotSpec
 from ..results import ResultsFile, RunResult, check_writable
 from .controls import ALL_CONTROLS, Controls
