@@ -21,7 +21,6 @@ import gc
 import math
 import warnings
 from typing import Callable
-from .timing import median_excluding
 
 import torch
 
@@ -31,6 +30,7 @@ from .model import GPT
 from .results import RunResult, provenance
 from .techniques import keep_freed_memory
 from .techniques.torch_compile import CUDA_GRAPH_MODES, begin_cuda_graph_step, uses_cuda_graphs
+from .timing import median_excluding
 
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 
@@ -265,7 +265,7 @@ class Trainer:
             )
         if note := cpu_allocator.not_glibcs_own_rule(cfg.device, cfg.keep_freed_memory):
             result.details["allocator"] = note  # shown as the run's note (RunResult.note) in a panel's table
-        result.median_step_s = median_excluding(result.step_times, set(excluded))
+        result.median_step_s = median_excluding(result.step_times, excluded)
         result.tokens_per_s = result.tokens_per_step / result.median_step_s
         if cfg.compile:
             result.compile_s = max(0.0, result.step_times[0] - result.median_step_s)
