@@ -1,16 +1,9 @@
 """The techniques, one module each, and the registry the rest of the course iterates over.
 
-Each module holds everything about its technique: its declaration (a `Technique`: config field, label, help, off value,
-ladder rungs, panel choices, how a device is probed for it and how a config is checked), how it applies to the model
-and the step, and its terms in the memory estimate.
-
-    TECHNIQUES   the speed and memory techniques, in ladder order: the ladder, naive(), the panel's controls, the
-                 device's capabilities, the config checks, the exported script's docstring and the memory estimate
-                 iterate over it; TECHNIQUE (by name), LADDER and RUNGS are derived from it whenever they are read
-    assemble.build  the one order in which they wrap a model (checkpointing wraps the blocks before compile)
-
-Adding a technique: one module here with its `TECHNIQUE`, listed in TECHNIQUES, its config field, and its test
-(tests/test_technique_registry.py adds one in the test alone and finds it everywhere).
+Each module holds everything about its technique: its declaration (a `Technique`), how it applies to the model and
+the step, and its terms in the memory estimate. TECHNIQUES lists them in ladder order; TECHNIQUE (by name), LADDER and
+RUNGS are derived from it whenever they are read. assemble.build applies them in the one order that works. Adding a
+technique: its module here, listed in TECHNIQUES, its config field, and its test (tests/test_technique_registry.py).
 """
 
 from __future__ import annotations
@@ -32,14 +25,9 @@ from . import (
 )
 
 # The modules' public names, for `techniques.X` (course_lib.train, the notebooks and the tests use them).
-from .activation_checkpointing import (  # noqa: F401
-    CHECKPOINTED_BLOCKS,
-    CheckpointedBlock,
-    SelectiveCheckpointedBlock,
-    apply_activation_checkpointing,
-)
+from .activation_checkpointing import CHECKPOINTED_BLOCKS  # noqa: F401
 from .assemble import Setup, build  # noqa: F401
-from .chunked_loss import HeadLossInSlices, LossModule, loss_sum  # noqa: F401
+from .chunked_loss import HeadLossInSlices, loss_sum  # noqa: F401
 from .clipping import clip_by_tensor_norm  # noqa: F401
 from .data_parallel import SyncOnLastMicroBatch, apply_data_parallel, shard_with_fsdp2  # noqa: F401
 from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Technique  # noqa: F401
@@ -54,7 +42,7 @@ from .lr_schedule import (  # noqa: F401
     warmup_cosine_lr,
     wsd_lr,
 )
-from .mixed_precision import AUTOCAST_DTYPES, AUTOCAST_RUNG, autocast_context, make_grad_scaler, matmul_precision  # noqa: F401
+from .mixed_precision import AUTOCAST_RUNG, autocast_context, make_grad_scaler, matmul_precision  # noqa: F401
 from .model_parts import ModelParts  # noqa: F401
 from .optimizer import make_optimizer, optimizer_for, param_groups  # noqa: F401
 
@@ -78,8 +66,7 @@ def _derived(techniques: tuple[Technique, ...]) -> dict:
 
 
 def __getattr__(name: str):
-    """TECHNIQUE (a technique by its name), LADDER (naive fp32, then every rung) and RUNGS (a rung by its name), as
-    TECHNIQUES makes them now."""
+    """TECHNIQUE, LADDER and RUNGS as TECHNIQUES makes them now (a test may add a technique)."""
     if name in ("TECHNIQUE", "LADDER", "RUNGS"):
         return _derived(TECHNIQUES)[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -102,8 +89,7 @@ def check(cfg: TrainConfig) -> TrainConfig:
 
 
 def technique_named(name: str) -> Technique | None:
-    """The technique that `--set NAME=...` means: by its name (`vocab_multiple`) or its config field
-    (`model.vocab_multiple`); None for any other setting."""
+    """The technique `--set NAME=...` means, by its name or its config field; None for any other setting."""
     t = _derived(TECHNIQUES)["TECHNIQUE"].get(name.removeprefix("model."))
     return t if t is not None and name in (t.name, t.field) else None
 
@@ -136,22 +122,22 @@ def check_rung_name(name) -> None:
 
 def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None:
     """A ConfigError naming what is not a technique (`options`) or not a rung (`leave_out`) of the ladder."""
-    TECHNIQUE, LADDER = _derived(TECHNIQUES)["TECHNIQUE"], _derived(TECHNIQUES)["LADDER"]
-    if unknown := [k for k in options or {} if k not in TECHNIQUE]:
+    options, leave_out = options or {}, leave_out or {}
+    TECHNIQUE, names = _derived(TECHNIQUES)["TECHNIQUE"], [r.name for r in _derived(TECHNIQUES)["LADDER"]]
+    if unknown := [k for k in options if k not in TECHNIQUE]:
         ladder = ", ".join(n for n, t in TECHNIQUE.items() if t.rungs)
         raise ConfigError(f"{unknown} are not techniques of the ladder; they are {ladder}")
-    if unknown := [n for n in leave_out or {} if n not in [r.name for r in LADDER]]:
-        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {[r.name for r in LADDER]}")
-    if LADDER[0].name in (leave_out or {}):
-        raise ConfigError(f"{LADDER[0].name!r} is the baseline every rung is measured against: it cannot be left out")
-    for name in options or {}:
-        rung = option_rung(name)
-        if rung is None:
+    if unknown := [n for n in leave_out if n not in names]:
+        raise ConfigError(f"{unknown} are not rungs of the ladder; the rungs are {names}")
+    if names[0] in leave_out:
+        raise ConfigError(f"{names[0]!r} is the baseline every rung is measured against: it cannot be left out")
+    for name in options:
+        if (rung := option_rung(name)) is None:
             raise ConfigError(
                 f"--rung-value {name}=... is a technique with no rung of the ladder ({TECHNIQUE[name].no_rung}): the "
                 "climb cannot switch it on; run it with `profile` or `export`, or in a panel"
             )
-        if rung.name in (leave_out or {}):
+        if rung.name in leave_out:
             raise ConfigError(
                 f"--rung-value {name}=... changes what the {rung.name!r} rung sets, and that rung is left out"
             )
@@ -160,34 +146,20 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
 def option_rung(technique: str) -> Rung | None:
     """The rung an option {technique: value} changes: that technique's last rung (precision=fp16: the 16-bit rung's
     format, not TF32's), or None for a technique of no rung."""
-    return next(
-        (
-            r
-            for r in reversed(_derived(TECHNIQUES)["LADDER"])
-            if r.technique is not None and r.technique.name == technique
-        ),
-        None,
-    )
-
-
-def rung_option(rung: Rung, options: dict | None):
-    """What `options` {technique: value} make `rung` set instead of its own value, or None. An option replaces what its
-    technique's last rung sets (precision=fp16: the 16-bit rung's format, not TF32's)."""
-    last = rung.technique is not None and rung is option_rung(rung.technique.name)
-    return (options or {}).get(rung.technique.name) if last else None
+    rungs = [r for r in _derived(TECHNIQUES)["LADDER"] if r.technique is not None and r.technique.name == technique]
+    return rungs[-1] if rungs else None
 
 
 def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
-    """`cfg` with `rung`'s technique switched on as `caps` (capabilities.Capabilities, or None for a device not on
-    this machine: only the techniques' own checks, FAST_16BIT as bf16) resolves it: FAST_16BIT becomes
-    the 16-bit format the device runs fast (bf16 where it runs neither fast: the ladder then measures what that costs),
-    `options` {technique: value} replaces the rung's own value. A ConfigError when the device cannot run the result."""
-    value = rung_option(rung, options)
+    """`cfg` with `rung`'s technique switched on, or the ConfigError that says why the device cannot run it. `caps`:
+    capabilities.Capabilities, or None for a device not on this machine (only the techniques' own checks, FAST_16BIT
+    as bf16). An option {technique: value} replaces what its technique's last rung sets."""
+    last = rung.technique is not None and rung is option_rung(rung.technique.name)
+    value = (options or {}).get(rung.technique.name) if last else None
     if caps is not None and value is None and rung.value == FAST_16BIT:
-        value = caps.fast_16bit()[0] or "bf16"
+        value = caps.fast_16bit()[0] or "bf16"  # bf16 where neither runs fast: the ladder then measures that cost
     try:
         up = check(rung.apply(cfg, value))  # a combination no device can run (fused AdamW without AdamW)
-        # caps None: a device this machine does not have (a GPU config written on a laptop), not checked further
         return up if caps is None else caps.require(up)
     except ConfigError as e:
         return e

@@ -1,14 +1,9 @@
 """Activation checkpointing: keep less of the forward pass for backward, and recompute the rest there.
 
-- `none`: every block keeps what its backward needs (the naive loop).
-- `full` (`CheckpointedBlock`): a block keeps only its input; backward runs its forward again first.
-- `selective` (`SelectiveCheckpointedBlock`): a block also keeps its matmul and attention outputs, which are
-  expensive to recompute, and recomputes only the element-wise work between them. That is not the selection
-  Korthikanti et al. (2022) propose: they keep the rest and recompute the attention core (QK^T, softmax, its dropout,
-  the product with V: the s x s part); notebook 02 measures both.
-
-Applied first of all the techniques (course_lib.techniques.assemble): it wraps the eager blocks, before data
-parallelism or compile wrap the model. Its memory term: what one block keeps through the forward (`kept_per_layer`).
+`full` keeps only each block's input; `selective` also keeps the matmul and attention outputs and recomputes only the
+element-wise work between them. Korthikanti et al. (2022) select otherwise: they keep the rest and recompute the
+attention core (QK^T, softmax, its dropout, the product with V: the s x s part); notebook 02 measures both. Applied
+first (assemble.build), to the eager blocks. Its memory term: what a block keeps through the forward (`kept_per_layer`).
 """
 
 from __future__ import annotations
@@ -23,19 +18,11 @@ from ..config import ConfigError, TrainConfig
 from .declaration import MEMORY, Technique
 from .model_parts import ModelParts
 
-# What selective checkpointing keeps: the outputs of the matmuls and of attention (torch's selective-checkpoint policy
-# as torchtitan uses it; SelectiveCheckpointedBlock says how it differs from Korthikanti et al.'s selection).
+# What selective checkpointing keeps: the matmuls' and attention's outputs (torch's policy, as torchtitan uses it).
 _SAVED_BY_SELECTIVE = tuple(
     getattr(torch.ops.aten, name).default
-    for name in (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    )
+    for name in "mm addmm bmm _scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_for_cpu "
+    "_scaled_dot_product_efficient_attention _scaled_dot_product_cudnn_attention".split()
     if hasattr(torch.ops.aten, name)
 )
 
@@ -45,8 +32,8 @@ def _selective_policy(_ctx, op, *args, **kwargs):
 
 
 class CheckpointedBlock(nn.Module):
-    """Full activation checkpointing: forward keeps only the block's input, and backward runs the block's forward
-    again to get what it needs (non-reentrant): one block's activations at a time, for about one more forward."""
+    """Full checkpointing: forward keeps only the block's input, backward runs the block's forward again
+    (non-reentrant): one block's activations at a time, for about one more forward."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -62,12 +49,10 @@ class CheckpointedBlock(nn.Module):
 
 
 class SelectiveCheckpointedBlock(CheckpointedBlock):
-    """Selective activation checkpointing as the course does it: forward also keeps what is expensive to recompute,
-    the outputs of the matmuls and of attention, and backward recomputes only the cheap element-wise work in between
-    (LayerNorm, GELU, softmax, dropout, residual adds). Korthikanti et al. (2022) propose another selection: keep the
-    rest and recompute the attention core (QK^T, softmax, its dropout, the product with V), whose s x s tensors are
-    large but cheap to recompute; this policy keeps naive attention's s x s scores (a matmul output) and recomputes
-    only their softmax. Notebook 02 measures what each mode keeps."""
+    """Selective checkpointing as the course does it: forward also keeps the matmul and attention outputs, expensive to
+    recompute; backward recomputes only the element-wise work in between (LayerNorm, GELU, softmax, dropout, adds).
+    Korthikanti et al. (2022) instead keep the rest and recompute the attention core (QK^T, softmax, its dropout, the
+    product with V), large but cheap; this policy keeps naive attention's s x s scores (a matmul output)."""
 
     def checkpoint_options(self) -> dict:
         return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
@@ -76,22 +61,17 @@ class SelectiveCheckpointedBlock(CheckpointedBlock):
 CHECKPOINTED_BLOCKS = {"full": CheckpointedBlock, "selective": SelectiveCheckpointedBlock}
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str) -> None:
-    """Wrap every block in place (the ModuleList is the model's own, so the model sees the wrapped blocks)."""
-    for i, block in enumerate(blocks):
-        if not isinstance(block, CheckpointedBlock):
-            blocks[i] = CHECKPOINTED_BLOCKS[mode](block)
-
-
 def apply(cfg: TrainConfig, parts: ModelParts) -> None:
-    """Wrap the model's blocks as cfg.activation_checkpointing says (nothing for "none")."""
+    """Wrap each of the model's blocks in place as cfg.activation_checkpointing says (the ModuleList is the model's)."""
     if cfg.activation_checkpointing == "none":
         return
     if parts.blocks is None:
         raise ConfigError(
             "activation checkpointing needs the model's blocks: pass ModelParts(blocks=...) or turn it off"
         )
-    apply_activation_checkpointing(parts.blocks, cfg.activation_checkpointing)
+    for i, block in enumerate(parts.blocks):
+        if not isinstance(block, CheckpointedBlock):  # a model built twice is wrapped once
+            parts.blocks[i] = CHECKPOINTED_BLOCKS[cfg.activation_checkpointing](block)
 
 
 # ---- its memory term -----------------------------------------------------------------------------------------------
@@ -100,36 +80,30 @@ def apply(cfg: TrainConfig, parts: ModelParts) -> None:
 def selective_activation_terms(
     s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive", residual_bytes: int | None = None
 ) -> dict[str, int]:
-    """Bytes one block keeps with selective activation checkpointing (_SAVED_BY_SELECTIVE): its input and
-    the outputs of its matmuls and of attention, which are what is expensive to recompute. The element-wise work
-    (LayerNorm, GELU, softmax, the causal mask, dropout, autocast's weight casts) is recomputed in backward, so none of
-    its inputs or outputs are kept. residual_bytes: bytes of the block input (the fp32 residual stream under
-    autocast)."""
+    """Bytes one block keeps with selective checkpointing: its input (residual_bytes: fp32 under autocast) and the
+    outputs of its matmuls and attention; the element-wise work is recomputed, so none of its tensors are kept."""
     B, sbh = value_bytes, s * b * h
-    terms = {
+    kept_by_attention = {
+        "naive": {"QK^T matmul output (a s^2 b)": a * s * s * b * B, "softmax x V matmul output (sbh)": sbh * B},
+        "sdpa": {"attention output (sbh)": sbh * B, "softmax logsumexp (b a s, fp32)": b * a * s * 4},
+    }
+    if attention not in kept_by_attention:
+        raise ValueError(f"attention={attention!r} is not 'naive' or 'sdpa'")
+    return {
         "block input (sbh)": sbh * (B if residual_bytes is None else residual_bytes),
         "QKV matmul output (3 x sbh)": 3 * sbh * B,
+        **kept_by_attention[attention],
+        "attention projection output (sbh)": sbh * B,
+        "MLP first matmul output (4 x sbh)": 4 * sbh * B,
+        "MLP second matmul output (sbh)": sbh * B,
     }
-    if attention == "naive":
-        terms["QK^T matmul output (a s^2 b)"] = a * s * s * b * B
-        terms["softmax x V matmul output (sbh)"] = sbh * B
-    elif attention == "sdpa":
-        terms["attention output (sbh)"] = sbh * B
-        terms["softmax logsumexp (b a s, fp32)"] = b * a * s * 4
-    else:
-        raise ValueError(f"attention={attention!r} is not 'naive' or 'sdpa'")
-    terms["attention projection output (sbh)"] = sbh * B
-    terms["MLP first matmul output (4 x sbh)"] = 4 * sbh * B
-    terms["MLP second matmul output (sbh)"] = sbh * B
-    return terms
 
 
 def kept_per_layer(
     mode: str, saved: int, s: int, b: int, h: int, a: int, value_bytes: int, attention: str, residual_bytes: int
 ) -> tuple[int, int]:
-    """(bytes one block keeps through the forward pass, bytes its backward recomputes) in checkpointing `mode`, for a
-    block that saves `saved` bytes for backward without checkpointing: all of them ("none"), its input ("full", the
-    residual stream: fp32 under autocast too), or its input and its matmul outputs ("selective")."""
+    """(bytes one block keeps through the forward, bytes its backward recomputes) for a block that saves `saved` bytes
+    uncheckpointed: all of them ("none"), its input ("full"), or its input and matmul outputs ("selective")."""
     if mode == "full":
         kept = s * b * h * residual_bytes
     elif mode == "selective":

@@ -1,13 +1,9 @@
-"""Turn a TrainConfig into the objects the training loop uses: `build(cfg, model, parts)`, the techniques applied in
-one fixed order (as torchtitan's parallelize.py applies its own):
-  1. activation checkpointing wraps each block (it must see the eager blocks),
-  2. data parallelism wraps the model (DDP, or FSDP2 sharding each block and then the root; DDP by hand
-     hooks its parameters and gives the step its last sync),
-  3. the model and its loss become one module (LossModule), optionally with the loss in chunks,
-  4. torch.compile wraps that module (it then traces through the checkpointed blocks and the loss),
-  5. the optimizer (fused or not), its schedule, autocast and the GradScaler.
-The optimizer always holds the original parameters. Autocast and the GradScaler are no-op objects where they are off
-(nullcontext, a disabled GradScaler); the step that uses all this is course_lib.train.train_step.
+"""`build(cfg, model, parts)`: the techniques applied in one fixed order (as torchtitan's parallelize.py does):
+1. activation checkpointing wraps each block (it must see the eager blocks),
+2. data parallelism wraps the model (DDP, or FSDP2 on each block then the root; DDP by hand hooks its parameters),
+3. the model and its loss become one module (LossModule), optionally with the loss in chunks,
+4. torch.compile wraps that module (it traces through the checkpointed blocks and the loss),
+5. the optimizer (on the original parameters), its schedule, autocast and the GradScaler (no-ops where off).
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ from .optimizer import make_optimizer
 
 @dataclass
 class Setup:
-    """Everything the training step needs, built from one TrainConfig. The last two fields are parallelisms that
-    change the step itself (train_step's `if`s): a pipeline runs forward and backward through its schedule and sums the
-    gradient norm over its stages (course_lib.distributed.pipeline.PipelineStep sets it); a hand-written data
-    parallelism waits for its all-reduces after backward (data_parallel="bucketed": data_parallel.BucketedDDP)."""
+    """Everything the training step (train.train_step) needs. The last two fields are parallelisms that change the
+    step itself: a pipeline's schedule (distributed.pipeline.PipelineStep) and DDP by hand's wait after backward."""
 
     model: nn.Module  # the module the optimizer updates (eager, maybe with checkpointed blocks)
     loss_module: LossModule  # eager: (x, y) -> summed loss
@@ -48,7 +42,7 @@ class Setup:
 
 
 def build(cfg: TrainConfig, model: nn.Module, parts: ModelParts | None = None) -> Setup:
-    """Apply the config's techniques to `model` (already on cfg.device) in the one correct order (module docstring)."""
+    """Apply the config's techniques to `model` (already on cfg.device) in the order the module docstring gives."""
     parts = parts if parts is not None else ModelParts.of(model)
     activation_checkpointing.apply(cfg, parts)  # 1
     loss_model, hand_ddp = data_parallel.apply_data_parallel(cfg, model, parts)  # 2

@@ -1,9 +1,6 @@
-"""The chunked loss: the output layer and the cross-entropy on slices of the tokens, each slice's gradients made in
-the forward pass (`HeadLossInSlices`), so that only one slice of the (tokens x vocab) logits exists at a time and
-nothing is recomputed. `LossModule` is the model and its loss as one module (what compile traces), chunked or not.
-
-Its memory term (`memory_terms`): one slice's logits instead of three (tokens x vocab) fp32 tensors, and the two
-gradients it makes in forward and keeps.
+"""The chunked loss (`HeadLossInSlices`): the output layer and the cross-entropy one slice of tokens at a time, each
+slice's gradients made in forward, so one slice of the (tokens x vocab) logits exists at a time and nothing is
+recomputed. `LossModule`: the model and its loss as one module (what compile traces). Its memory term: `memory_terms`.
 """
 
 from __future__ import annotations
@@ -20,8 +17,7 @@ from .model_parts import ModelParts
 
 def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy over the positions that count (padding is IGNORE_INDEX), in fp32 at least: on a
-    GPU, F.cross_entropy keeps the log-softmax of 16-bit logits in 16 bits (a CPU's mixed precision upcasts it), so
-    16-bit logits are cast up; fp32 and fp64 logits (an fp64 reference step) stay as they are."""
+    GPU, F.cross_entropy would keep the log-softmax of 16-bit logits in 16 bits; fp64 logits stay as they are."""
     # (tokens, vocab); `flat` keeps 16-bit logits alive until the loss is made, as the memory model counts them
     flat = logits.reshape(-1, logits.size(-1))
     upcast = flat.float() if flat.element_size() < 4 else flat
@@ -30,14 +26,10 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class HeadLossInSlices(torch.autograd.Function):
     """The output layer and the summed cross-entropy of `hidden` (T, d), one slice of `chunks` at a time, each slice's
-    gradients computed in the forward pass: only one slice of the (T, V) logits ever exists, and nothing is recomputed
-    (backward scales the two kept gradients by the loss's own gradient, a number: the loop's 1/targets and loss scale).
-
-    Per slice of c tokens: the logits, head(h) (c, V), a 16-bit matmul under autocast; in fp32 the loss, log-sum-exp
-    minus the target's logit, and its gradient with respect to the logits, softmax - onehot (zero for padding); that
-    gradient, in the matmul's dtype as autograd would carry it, times the weight is the slice's input gradient (c, d),
-    and its transpose times the input is the slice's share of the weight gradient (V, d). The FLOPs are those of the
-    plain loss's forward and backward; the memory is one slice's logits instead of three (T, V) fp32 tensors."""
+    gradients made in forward: one slice of the (T, V) logits at a time instead of three (T, V) fp32 tensors, and the
+    plain loss's FLOPs. Backward only scales the two kept gradients by the loss's gradient (1/targets, loss scale).
+    Per slice: logits = head(h); in fp32 the loss (log-sum-exp minus the target's logit) and its gradient
+    softmax - onehot; that gradient times the weight is the input's gradient, its transpose times h the weight's."""
 
     @staticmethod
     def forward(
@@ -75,26 +67,18 @@ class HeadLossInSlices(torch.autograd.Function):
 
 
 class LossModule(nn.Module):
-    """Model and loss as one module: inputs and targets in, summed loss out.
-
-    Compiling this (not just the model) lets the compiler fuse the cross-entropy too. With loss_chunks > 1 the
-    output layer and the loss run on slices of the tokens (HeadLossInSlices), so only one slice of the
-    (tokens x vocab) logits exists at a time and none is recomputed; that needs the model's body and output layer
-    (`ModelParts`), a linear layer without bias.
-    """
+    """Model and loss as one module, (inputs, targets) -> summed loss: compiling it fuses the cross-entropy too. With
+    loss_chunks > 1 it runs HeadLossInSlices, on the model's body and head (ModelParts), a Linear without bias."""
 
     def __init__(self, model: nn.Module, loss_chunks: int = 1, parts: ModelParts | None = None):
         super().__init__()
         self.model, self.loss_chunks = model, loss_chunks
         self._body, self.head = (parts.body, parts.head) if parts else (None, None)
-        if loss_chunks > 1 and (self._body is None or self.head is None):
+        bias_free_head = isinstance(self.head, nn.Linear) and self.head.bias is None
+        if loss_chunks > 1 and (self._body is None or not bias_free_head):
             raise ConfigError(
-                "loss_chunks > 1 needs the model's body and output layer: pass ModelParts(body=..., head=...) "
-                "or set loss_chunks=1"
-            )
-        if loss_chunks > 1 and (not isinstance(self.head, nn.Linear) or self.head.bias is not None):
-            raise ConfigError(
-                "loss_chunks > 1 needs an output layer nn.Linear(..., bias=False): use such a head or set loss_chunks=1"
+                "loss_chunks > 1 needs the model's body and an output layer nn.Linear(..., bias=False): pass "
+                "ModelParts(body=..., head=...) or set loss_chunks=1"
             )
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -109,9 +93,8 @@ class LossModule(nn.Module):
 
 
 def memory_terms(tokens: int, h: int, vocab: int, chunks: int, autocast: bool) -> tuple[dict, dict]:
-    """The chunked loss's terms in the memory estimate, as ({term: (ledger category, bytes)} at the worst moment of a
-    forward slice, the same at the start of backward), for `tokens` tokens of width `h`, a (padded) vocabulary of
-    `vocab` and `chunks` slices (course_lib.memory_estimate.loss_terms says what each moment holds)."""
+    """({term: (ledger category, bytes)} at the worst moment of a forward slice, the same at the start of backward)
+    for `tokens` tokens of width `h`, a (padded) vocabulary `vocab` and `chunks` slices."""
     T, V = tokens, vocab
     c = -(-T // chunks)  # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
     fwd: dict[str, tuple[str, int]] = {}

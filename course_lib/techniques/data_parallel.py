@@ -1,10 +1,6 @@
-"""Data parallelism: every process trains the whole model on its own slice of the batch, inside a process group that
-torchrun starts. "ddp": DistributedDataParallel all-reduces the gradients in buckets during backward; "fsdp": FSDP2
-shards every parameter, gradient and optimizer state (ZeRO-3), fully_shard on each block and then the root. With
-accumulation, only the last micro-batch communicates (`SyncOnLastMicroBatch`). "bucketed": DDP written by hand
-(`BucketedDDP`), hooks on the parameters and a last sync after backward. Notebook 07 (and course_lib.distributed)
-measure them.
-"""
+"""Data parallelism: each process of a torchrun group trains the whole model on its own slice of the batch. "ddp":
+DistributedDataParallel; "fsdp": FSDP2 shards parameters, gradients and optimizer state (ZeRO-3); "bucketed": DDP by
+hand (`BucketedDDP`). With accumulation only the last micro-batch communicates. Notebook 07 measures them."""
 
 from __future__ import annotations
 
@@ -13,16 +9,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError, TrainConfig
 from .model_parts import ModelParts
 
 
 class SyncOnLastMicroBatch(nn.Module):
-    """Data parallelism with gradient accumulation, with no DDP-specific code in the loop: before each training
-    forward it tells the wrapped DDP (or FSDP2) module whether this micro-batch's backward should communicate.
-    Only the last micro-batch of an optimizer step does (what `ddp.no_sync()` does for the others); with
-    `enabled = False` every micro-batch communicates (correct, but more traffic)."""
+    """Before each training forward, tells the wrapped DDP (or FSDP2) module whether this micro-batch's backward
+    communicates: only an optimizer step's last does (ddp.no_sync() for the others), or every one with enabled=False."""
 
     def __init__(self, wrapped: nn.Module, accum_steps: int):
         super().__init__()
@@ -39,15 +34,14 @@ class SyncOnLastMicroBatch(nn.Module):
         return self.wrapped(idx)
 
 
-# ---- data parallelism written by hand (data_parallel="bucketed"; course_lib.distributed.ddp_by_hand runs it beside
-# torch's DDP and two simpler hand-written ones) ------------------------------------------------------------------
+# ---- DDP by hand (data_parallel="bucketed"; course_lib.distributed.ddp_by_hand runs it beside simpler ones) ---------
 
 BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket size (bucket_cap_mb=25)
 
 
 class HandDDP:
-    """What every hand-written DDP shares: equal starting parameters, and `finish()` after backward, which leaves
-    every rank's .grad holding the mean of all ranks' gradients."""
+    """What every hand-written DDP shares: equal starting parameters, and `finish()` after backward, which leaves each
+    rank's .grad holding the mean of all ranks' gradients."""
 
     def __init__(self, model: nn.Module):
         self.world = dist.get_world_size()
@@ -58,7 +52,6 @@ class HandDDP:
         self.launched: list[float] | None = None  # a list to record when each leaves (notebook 07's timeline)
 
     def _launching(self) -> None:
-        """Counts an all-reduce about to leave this rank (and records when, where `launched` is a list)."""
         self.calls += 1
         if self.launched is not None:
             self.launched.append(time.perf_counter())
@@ -68,11 +61,9 @@ class HandDDP:
 
 
 def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Which gradients are all-reduced together. sizes[i]: the bytes of parameter i's gradient, parameters in the
-    model's order. Backward makes the last parameters' gradients first, so the buckets fill from the last parameter to
-    the first: each bucket a list of parameter indices in the order they are added; a bucket is full, and the next one
-    starts, once it holds at least `bucket_bytes` (one all-reduce per bucket, launched as soon as its last gradient is
-    ready): the rule of BucketedDDP below, and of torch's DDP (bucket_cap_mb)."""
+    """Which gradients are all-reduced together, as lists of parameter indices (sizes[i]: parameter i's gradient bytes).
+    Backward makes the last parameters' gradients first, so buckets fill from the last parameter; a bucket is full once
+    it holds `bucket_bytes`: torch DDP's rule (bucket_cap_mb), one all-reduce per bucket as soon as it is full."""
     buckets: list[list[int]] = [[]]
     held = 0
     for i in reversed(range(len(sizes))):
@@ -127,12 +118,8 @@ def check(cfg: TrainConfig) -> None:
 
 
 def apply_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -> tuple[nn.Module, HandDDP | None]:
-    """Data parallelism applied to `model`, inside an initialised process group (torchrun; see
-    course_lib.distributed). Returns the module the loss calls and the hand-written DDP whose `finish` the step calls
-    after its last backward, or None: "none": `model` itself; "ddp" / "fsdp": wrapped for DDP / FSDP2, which
-    communicate inside backward; "bucketed": `model` itself with the hand-written DDP's hooks on its parameters (its
-    `finish` waits for the buckets in flight and divides by the world size). The optimizer keeps `model`'s
-    parameters."""
+    """(the module the loss calls, the hand-written DDP whose `finish` the step calls after backward, or None), inside
+    an initialised process group. DDP and FSDP2 wrap `model`; "bucketed" hooks its parameters."""
     if cfg.data_parallel == "none":
         return model, None
     if not dist.is_available() or not dist.is_initialized():
@@ -145,8 +132,6 @@ def apply_data_parallel(cfg: TrainConfig, model: nn.Module, parts: ModelParts) -
         return model, BucketedDDP(model, BUCKET_BYTES)
     dev = torch.device(cfg.device)
     if cfg.data_parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         wrapped = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     else:
         shard_with_fsdp2(model, parts, dev.type)
@@ -158,38 +143,26 @@ def shard_with_fsdp2(
     model: nn.Module,
     parts: ModelParts,
     device_type: str,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | None = None,  # None: fully_shard's default
     offload: bool = False,
     mp_policy=None,
     replicated: tuple[nn.Module, ...] = (),
 ) -> None:
-    """FSDP2 in place, inside an initialised process group: fully_shard on every block, then on the root (embeddings,
-    final LayerNorm, head), so that each block's parameters are all-gathered just before it runs and each rank keeps
-    1/N of every parameter, gradient and optimizer state (ZeRO-3). reshard_after_forward: None is fully_shard's own
-    default (torch 2.13: free each block's gathered parameters after its forward, keep the root's, which backward
-    needs first); False keeps every gathered parameter from forward to backward (ZeRO-2's memory, one all-gather
-    less); True frees the root's too. offload keeps the shards in CPU memory.
-
-    mp_policy: a torch.distributed.fsdp.MixedPrecisionPolicy, e.g. param_dtype=torch.bfloat16 (the gathered copy and
-    the computation in bf16) and reduce_dtype=torch.float32 (gradients reduced in fp32, into the fp32 shards the
-    optimizer updates: its master weights); None computes in the parameters' own dtype. replicated: modules whose
-    parameters stay plain tensors, whole on every rank (a norm's weight, too small to gain from sharding); every rank
-    must start them equal (the same seed), and a hook averages their gradients over the ranks after each backward.
-    (Clipping's global norm, torch.nn.utils.get_total_norm, refuses such a mix of DTensor and plain gradients.)"""
-    import torch.distributed as dist
+    """FSDP2 in place: fully_shard on every block, then on the root, so each block's parameters are all-gathered just
+    before it runs and each rank keeps 1/N of every parameter, gradient and optimizer state (ZeRO-3).
+    reshard_after_forward=False keeps the gathered parameters until backward (ZeRO-2's memory, one all-gather less);
+    offload keeps the shards in CPU memory; mp_policy is a MixedPrecisionPolicy (e.g. bf16 compute, fp32 reduce into
+    the fp32 shards); `replicated` modules stay whole on every rank (equal seeds), a hook averaging their gradients
+    (clipping's get_total_norm then refuses the mix of DTensor and plain gradients)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    kept_whole = {p for m in replicated for p in m.parameters()}  # FSDP2 neither shards nor reduces them
+    given = dict(reshard_after_forward=reshard_after_forward, mp_policy=mp_policy, ignored_params=kept_whole or None)
     options = {"offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy()}
-    if reshard_after_forward is not None:
-        options["reshard_after_forward"] = reshard_after_forward
-    if mp_policy is not None:
-        options["mp_policy"] = mp_policy
-    kept_whole = {p for m in replicated for p in m.parameters()}
-    if kept_whole:
-        options["ignored_params"] = kept_whole  # FSDP2 neither shards them nor reduces their gradients
-    for block in parts.blocks if parts.blocks is not None else ():
+    options |= {k: v for k, v in given.items() if v is not None}
+    for block in parts.blocks or ():
         fully_shard(block, mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     for p in kept_whole:

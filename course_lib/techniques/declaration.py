@@ -1,8 +1,5 @@
-"""How a technique is declared: once, in its own module of course_lib.techniques, as a `Technique`: its config field,
-its ladder rungs and panel control, and the functions of its module the rest of the course calls through the registry
-(course_lib.techniques.TECHNIQUES): how a device is probed for it (capabilities), how a config that uses it is checked,
-and, where the memory estimate has no place of its own for it, the bytes it adds to a step's peak.
-"""
+"""How a technique is declared: once, in its own module, as a `Technique`: its config field, ladder rungs and panel
+control, and the functions the course calls through the registry (a device's probe, a config's check, its memory)."""
 
 from __future__ import annotations
 
@@ -17,15 +14,13 @@ from ..config import TrainConfig, get_setting, with_setting
 # What a technique is for: the ladder keeps a speed technique only where it made the step faster on this device, a
 # memory technique only where it made the peak smaller (course_lib.ladder.judge).
 SPEED, MEMORY = "speed", "memory"
-# The precision rung's value before a device is known: the 16-bit format that device runs fast (bf16 where it has bf16
-# hardware, fp16 where only fp16 is fast; capabilities.Capabilities.fast_16bit resolves it when a ladder starts).
+# The 16-bit rung's value before a device is known: the format that device runs fast (Capabilities.fast_16bit).
 FAST_16BIT = "fast 16-bit"
 
 
 @dataclass(frozen=True)
 class Technique:
-    """A speed or memory technique: one config field, off in the naive loop, switched on by its ladder rungs (one with
-    none says why in `no_rung`)."""
+    """A speed or memory technique: one config field, off in the naive loop, switched on by its ladder rungs."""
 
     field: str  # a TrainConfig field, or "model.<field>" for a ModelConfig field
     label: str  # the panel's name for it
@@ -34,26 +29,20 @@ class Technique:
     rungs: tuple[tuple[str, object, str], ...] = ()  # the ladder's rungs: (name, value, what it changes), in order
     choices: tuple = ()  # what the panel offers (empty: a checkbox for a bool, the Literal's values otherwise)
     aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
-    # whether a device runs it switched on (capabilities.Capabilities.techniques; None: every device does)
-    probe: Callable[[torch.device], Support] | None = None
-    # why a config cannot use it as set, in words that say what to change, or "" (None: nothing to check)
-    check: Callable[[TrainConfig], str] | None = None
-    # the bytes it adds to every moment of a step's peak, {term: (ledger category, bytes)} (None: it has none, or the
-    # estimate counts it at its own place in the step: memory_formula imports that term from its module)
+    probe: Callable[[torch.device], Support] | None = None  # whether a device runs it (None: every device does)
+    check: Callable[[TrainConfig], str] | None = None  # why a config cannot use it as set, or "" (None: no check)
+    # the bytes it adds to every moment of a step's peak, {term: (ledger category, bytes)} (None: none, or
+    # memory_formula counts it at its own place in the step)
     memory: Callable[[TrainConfig], dict[str, tuple[str, int]]] | None = None
     memory_note: str = ""  # why switching it on does not move the estimate, where it does not
-    no_rung: str = (
-        ""  # for a technique with no rung of the ladder: why (the ladder's refusal of a --rung-value says it)
-    )
+    no_rung: str = ""  # for a technique with no ladder rung: why (the ladder's refusal of a --rung-value says it)
 
     @property
     def on_values(self) -> tuple:
         """The values that switch it on, as the panel offers them (True for a checkbox)."""
-        return (
-            (True,)
-            if self.off is False
-            else tuple(v for v in self.choices or [r[1] for r in self.rungs] if v != self.off)
-        )
+        if self.off is False:
+            return (True,)
+        return tuple(v for v in self.choices or [r[1] for r in self.rungs] if v != self.off)
 
     @property
     def name(self) -> str:
@@ -80,8 +69,8 @@ class Rung:
         return self.technique.aims if self.technique else ()
 
     def apply(self, cfg: TrainConfig, value=None) -> TrainConfig:
-        """The config one rung up; `value` replaces the rung's own (a ladder option, e.g. selective checkpointing, or
-        the format FAST_16BIT stands for on a device). FAST_16BIT unresolved means bf16, the format most devices run."""
+        """The config one rung up; `value` replaces the rung's own (a ladder option, or the format FAST_16BIT stands
+        for on a device). FAST_16BIT unresolved means bf16, the format most devices run."""
         if self.technique is None:
             return cfg
         value = self.value if value is None else value

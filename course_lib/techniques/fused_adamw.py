@@ -1,7 +1,5 @@
-"""Fused AdamW: one kernel updates every parameter tensor, in place of the for-loop implementation (foreach=False)
-that the naive loop uses. The optimizer module makes it (course_lib.techniques.optimizer.optimizer_for); here: whether
-a device runs torch's fused kernel (its probe), and that it is AdamW's (its check).
-"""
+"""Fused AdamW: one kernel updates every parameter tensor, in place of the naive loop's for-loop (foreach=False).
+optimizer.optimizer_for makes it; here: whether a device runs torch's fused kernel, and that it is AdamW's."""
 
 from __future__ import annotations
 
@@ -22,11 +20,8 @@ def fused_adamw_support(dev: torch.device) -> Support:
 
 
 def check(cfg: TrainConfig) -> str:
-    return (
-        "fused_adamw applies to optimizer='adamw' only: turn it off or use AdamW"
-        if cfg.fused_adamw and cfg.optimizer != "adamw"
-        else ""
-    )
+    wrong = cfg.fused_adamw and cfg.optimizer != "adamw"
+    return "fused_adamw applies to optimizer='adamw' only: turn it off or use AdamW" if wrong else ""
 
 
 TECHNIQUE = Technique(

@@ -1,8 +1,6 @@
-"""Fused attention: `scaled_dot_product_attention` (model.attention="sdpa") in place of the naive attention that
-writes out the (batch, heads, s, s) scores and probabilities. The model holds both (course_lib.model.ATTENTION_IMPLS)
-and its config picks one; notebook 04 shows what the fused kernel does by hand (a tiled attention with an online
-softmax). Its memory term (`what_attention_keeps`): whether a block keeps the s x s tensors.
-"""
+"""Fused attention: scaled_dot_product_attention (model.attention="sdpa") in place of naive attention, which writes
+out the (batch, heads, s, s) scores; the model holds both (model.ATTENTION_IMPLS), notebook 04 builds the fused kernel
+by hand. Its memory term (`what_attention_keeps`): whether a block keeps the s x s tensors."""
 
 from __future__ import annotations
 
@@ -13,9 +11,8 @@ from .declaration import MEMORY, SPEED, Technique
 
 
 def what_attention_keeps(cfg: TrainConfig) -> tuple[str, bool]:
-    """(what attention keeps, "naive" or "sdpa"; whether it keeps a bool causal mask). SDPA with dropout has no fused
-    CPU kernel: it falls back to its math path, which keeps what naive attention keeps (the probabilities, the dropout
-    mask and output) but the causal mask, which it adds as a float bias instead of keeping it."""
+    """(what attention keeps, "naive" or "sdpa"; whether it keeps a bool causal mask). SDPA with dropout on a CPU runs
+    its math path, which keeps what naive attention keeps but the mask (it adds a float bias instead)."""
     m = cfg.model
     if m.attention == "sdpa" and m.dropout > 0 and torch.device(cfg.device).type == "cpu":
         return "naive", False

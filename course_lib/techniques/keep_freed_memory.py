@@ -1,14 +1,7 @@
-"""Keep freed memory in the process (a CPU's): a step reuses the memory the steps before it freed, instead of the
-kernel mapping and zeroing fresh pages for its large tensors (course_lib.cpu_allocator says why it happens). On a GPU,
-PyTorch's caching allocator already does this, so the technique is a CPU's only.
-
-It is the process's setting, not the loop's: a run sets it when it is built (`apply`). So it has no rung of the
-ladder. The ladder times each rung step for step in alternation with the best loop in one process, and glibc cannot be
-given its own rule back once mallopt has been called: "not kept" after a switch is glibc's largest thresholds instead,
-so a naive step timed inside a climb makes far fewer page faults than in a fresh process, and every pair with naive
-would flatter it.
-Notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes), where each setting is what a program gets.
-"""
+"""Keep freed memory in the process (a CPU's): a step reuses what the steps before it freed, instead of the kernel
+mapping and zeroing fresh pages (course_lib.cpu_allocator says why); a GPU's caching allocator already does this.
+It is the process's setting, set when a run is built (`apply`), so it has no ladder rung (`no_rung` says why):
+notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes)."""
 
 from __future__ import annotations
 
@@ -18,8 +11,7 @@ from .declaration import SPEED, Support, Technique
 
 
 def apply(cfg: TrainConfig) -> None:
-    """The process's allocator set as `cfg` asks, on a CPU where glibc runs (course_lib.train.Trainer calls it when it
-    builds a run)."""
+    """The process's allocator set as `cfg` asks, on a CPU where glibc runs (train.Trainer calls it)."""
     if not cpu_allocator.unavailable(cfg.device):
         cpu_allocator.keep_freed(cfg.keep_freed_memory)
 
@@ -33,10 +25,8 @@ TECHNIQUE = Technique(
     "keep_freed_memory",
     "keep freed memory (CPU)",
     False,
-    help=(
-        "a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it (the "
-        "whole process's setting: runs after it in this kernel no longer get glibc's own rule; notebook 02)"
-    ),
+    help="a CPU step reuses the memory the step before it freed, instead of the kernel zeroing fresh pages for it (the "
+    "whole process's setting: runs after it in this kernel no longer get glibc's own rule; notebook 02)",
     aims=(SPEED,),
     probe=probe,
     memory_note="not in the estimate: the tensors are the same; the process holds its peak between steps",

@@ -1,6 +1,5 @@
-"""Learning-rate schedules: the rate of optimizer step `step` (0-based), as plain functions (`lr_at` picks
-cfg.schedule's), and the LambdaLR the loop steps (`make_scheduler`). The exported script carries the same functions.
-"""
+"""Learning-rate schedules: the rate of optimizer step `step` (0-based) as plain functions (`lr_at` picks
+cfg.schedule's; the exported script carries them too), and the LambdaLR the loop steps (`make_scheduler`)."""
 
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ def constant_lr(step: int, lr: float, warmup: int = 0) -> float:
 
 
 def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup to `lr` over `warmup` steps, then half a cosine down to min_lr_ratio * lr, reached at
-    the last step (total - 1). GPT-3 decays to 10% of the maximum."""
+    """Linear warmup, then half a cosine down to min_lr_ratio * lr at the last step (GPT-3 decays to 10%)."""
     if step < warmup:
         return _warmup(step, lr, warmup)
     progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
@@ -30,8 +28,7 @@ def warmup_cosine_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio
 
 
 def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
-    """The original Transformer's schedule, scaled to peak at `lr`: with t = step + 1,
-    lr * min(t / warmup, sqrt(warmup / t)): linear up to t = warmup, then proportional to 1/sqrt(t)."""
+    """The original Transformer's, peaking at `lr`: with t = step + 1, lr * min(t / warmup, sqrt(warmup / t))."""
     if warmup < 1:
         raise ValueError("inverse_sqrt_lr needs warmup >= 1 (it peaks at t = warmup)")
     t = step + 1
@@ -39,8 +36,7 @@ def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
 
 
 def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
-    """After the warmup, multiply the rate by `gamma` every `step_size` steps: lr * gamma^floor((step - warmup) /
-    step_size)."""
+    """After the warmup, the rate times `gamma` every `step_size` steps."""
     if step < warmup:
         return _warmup(step, lr, warmup)
     return lr * gamma ** ((step - warmup) // step_size)
@@ -49,8 +45,8 @@ def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warm
 def wsd_lr(
     step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0
 ) -> float:
-    """Warmup-stable-decay: linear warmup, a long flat stretch at `lr`, then a linear cool-down over the last
-    `decay_fraction` of the steps, reaching min_lr_ratio * lr at the last step (total - 1)."""
+    """Warmup-stable-decay: warmup, flat at `lr`, then a linear cool-down over the last `decay_fraction` of the steps to
+    min_lr_ratio * lr at the last step."""
     if step < warmup:
         return _warmup(step, lr, warmup)
     decay_steps = max(1, math.ceil(decay_fraction * total))
@@ -63,21 +59,19 @@ def wsd_lr(
 
 
 def exponential_gamma(warmup: int, total: int, min_lr_ratio: float) -> float:
-    """The per-step factor of exponential_lr: min_lr_ratio reached at the last step, total - 1."""
+    """The per-step factor of exponential_lr: min_lr_ratio reached at the last step."""
     return min_lr_ratio ** (1 / max(1, total - 1 - warmup))
 
 
 def exponential_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
-    """Linear warmup, then multiply the rate by the same factor gamma at every step: lr * gamma^(step - warmup)
-    (torch.optim.lr_scheduler.ExponentialLR after the warmup). gamma is chosen so that the last step (total - 1)
-    reaches min_lr_ratio * lr, as the cosine does: gamma = min_lr_ratio^(1 / (total - 1 - warmup))."""
+    """Warmup, then the rate times gamma at every step (ExponentialLR), reaching min_lr_ratio * lr at the last step."""
     if step < warmup:
         return _warmup(step, lr, warmup)
     return lr * exponential_gamma(warmup, total, min_lr_ratio) ** (step - warmup)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The learning rate of optimizer step `step` (0-based) for cfg.schedule, from the functions above."""
+    """The learning rate of optimizer step `step` (0-based) for cfg.schedule."""
     w = cfg.lr_warmup_steps
     if cfg.schedule == "constant":
         return constant_lr(step, cfg.lr, w)

@@ -1,9 +1,6 @@
-"""Mixed precision: the matmuls in 16 bits under autocast (bf16; fp16 with loss scaling), the weights, their
-gradients and the optimizer state in fp32; or TF32, fp32 matmuls on CUDA tensor cores with a 10-bit mantissa.
-
-The ladder's 16-bit rung takes the format this device runs fast (capabilities.Capabilities.fast_16bit). Its memory
-term: the bytes of an activation (`activation_format`): 2 under autocast, 4 otherwise.
-"""
+"""Mixed precision: the matmuls in 16 bits under autocast (bf16; fp16 with loss scaling), weights, gradients and
+optimizer state in fp32; or TF32, fp32 matmuls on CUDA tensor cores with a 10-bit mantissa. Its memory term: the
+bytes of an activation (`activation_format`)."""
 
 from __future__ import annotations
 
@@ -13,11 +10,11 @@ from typing import Callable
 import torch
 
 from ..config import PRECISION_DTYPES, TrainConfig
-from ..tf32 import matmul_precision  # noqa: F401 - TF32's switch, the loop's step runs in it (kept below the device's
-from .declaration import FAST_16BIT, Technique  # capabilities, which time matmuls with it)
+from ..tf32 import matmul_precision  # noqa: F401 - TF32's switch (in tf32.py, below capabilities, which use it too)
+from .declaration import FAST_16BIT, Technique
 
 AUTOCAST_DTYPES = {p: PRECISION_DTYPES[p] for p in ("bf16", "fp16")}  # the precisions autocast runs in
-AUTOCAST_RUNG = "+ 16-bit autocast"  # the ladder's rung of the 16-bit format (declared below)
+AUTOCAST_RUNG = "+ 16-bit autocast"  # the ladder's 16-bit rung (its format: the one this device runs fast)
 
 
 def autocast_context(precision: str, device: str) -> Callable[[], contextlib.AbstractContextManager]:
@@ -30,11 +27,9 @@ def autocast_context(precision: str, device: str) -> Callable[[], contextlib.Abs
 
 def make_grad_scaler(cfg: TrainConfig) -> torch.amp.GradScaler:
     """Loss scaling only for fp16 (its narrow exponent flushes small gradients to zero); bf16 needs none."""
+    kind, on = torch.device(cfg.device).type, cfg.precision == "fp16"
     return torch.amp.GradScaler(
-        torch.device(cfg.device).type,
-        init_scale=cfg.loss_scale_init,
-        growth_interval=cfg.loss_scale_growth_interval,
-        enabled=cfg.precision == "fp16",
+        kind, init_scale=cfg.loss_scale_init, growth_interval=cfg.loss_scale_growth_interval, enabled=on
     )
 
 

@@ -1,5 +1,4 @@
-"""What the techniques need to know about a model (its blocks, its body, its output layer), given explicitly: no
-technique assumes an attribute name."""
+"""What the techniques need to know about a model, given explicitly: no technique assumes an attribute name."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from ..model import GPT
 
 @dataclass
 class ModelParts:
-    """What the techniques need to know about a model, given explicitly."""
-
     blocks: nn.ModuleList | None = None  # the repeated layers: checkpointing wraps each one, FSDP2 shards each one
     body: Callable[[torch.Tensor], torch.Tensor] | None = None  # inputs -> final hidden states (the chunked loss)
     head: nn.Module | None = None  # hidden states -> logits (the chunked loss; the memory ledger's "logits" start here)

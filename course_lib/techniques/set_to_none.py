@@ -1,7 +1,5 @@
-"""zero_grad(set_to_none=True): the gradients are freed between steps instead of zeroed in place, so they do not
-exist before backward makes them again. The loop's step calls it (course_lib.train.train_step). Its
-memory term (`gradients_before_backward`): whether the gradients are there when a step's peak comes.
-"""
+"""zero_grad(set_to_none=True): the gradients are freed between steps instead of zeroed in place (train.train_step).
+Its memory term (`gradients_before_backward`): whether the gradients are there when a step's peak comes."""
 
 from __future__ import annotations
 
@@ -10,8 +8,8 @@ from .declaration import MEMORY, Technique
 
 
 def gradients_before_backward(cfg: TrainConfig) -> bool:
-    """Whether .grad holds gradients before a step's (last micro-batch's) backward: not where set_to_none freed them
-    and this is the step's only micro-batch (with accumulation the earlier micro-batches made them)."""
+    """Whether .grad holds gradients before a step's last backward: not where set_to_none freed them and there is one
+    micro-batch (with accumulation the earlier micro-batches made them)."""
     return not (cfg.set_to_none and cfg.grad_accum_steps == 1)
 
 

@@ -1,7 +1,5 @@
 """torch.compile: the model and its loss traced together, their element-wise work fused into generated kernels.
-Applied after checkpointing, data parallelism and the chunked loss (it traces through them). The first step compiles:
-the loop leaves it out of the timing.
-"""
+Applied last (it traces through checkpointing and the chunked loss); the loop leaves the compiling step untimed."""
 
 from __future__ import annotations
 
@@ -18,27 +16,19 @@ from .declaration import Support, Technique
 # The modes that replay CUDA graphs on a GPU: the loop then calls begin_cuda_graph_step before each optimizer step.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
-# On a CPU, Inductor's C++ code computes tanh with SLEEF's vectorised tanh: exact to 1 ULP, and slow. This setting
-# writes it as 2 / (1 + exp(-2x)) - 1 instead. Its error is absolute, up to 1.8e-7 against 6e-8 (large relative to a
-# tanh near 0, where the subtraction cancels); GPT-2's tanh GELU (the model's only tanh) adds 1 to it, and is then off
-# by up to 5.2e-7 against 4.3e-7 over [-10, 10]. The course turns it on for the speed of the simpler kernels (notebook
-# 04 times compile on the learner's machine). Inductor made the exact tanh its default for a model whose tanh near 0 fed
-# atan2 (pytorch#148241), and kept this as a setting. Triton (a GPU's) ignores it.
+# On a CPU, Inductor's exact tanh (SLEEF's, to 1 ULP) is slow; this setting writes it as 2 / (1 + exp(-2x)) - 1, whose
+# absolute error is harmless to GPT-2's tanh GELU, which adds 1 to it (its error near 0 is why it is not Inductor's
+# default: pytorch#148241). Triton (a GPU's) ignores it.
 TANH_THROUGH_EXP = "cpp.use_decompose_tanh"
 CPU_INDUCTOR_OPTIONS = {TANH_THROUGH_EXP: True}
 
 
 def compile_support(dev: torch.device) -> Support:
-    if not hasattr(torch, "compile"):
-        return Support(False, "this torch has no torch.compile")
     if dev.type == "cpu":
-        cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-        return (
-            Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}")
-            if cxx
-            else Support(
-                False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
-            )
+        if cxx := os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++"):
+            return Support(True, f"Inductor generates C++/OpenMP, built with {Path(cxx).name}")
+        return Support(
+            False, "torch.compile on a CPU needs a C++ compiler (install g++ or clang++), or turn compile off"
         )
     if dev.type == "cuda":
         try:
@@ -67,8 +57,7 @@ def uses_cuda_graphs(cfg: TrainConfig) -> bool:
 
 
 def compile_arguments(cfg: TrainConfig) -> dict:
-    """What torch.compile is given: the mode, or on a CPU the mode's Inductor settings and CPU_INDUCTOR_OPTIONS
-    (torch.compile takes a mode or options, not both)."""
+    """The mode, or on a CPU its Inductor settings and CPU_INDUCTOR_OPTIONS (torch.compile takes one or the other)."""
     if torch.device(cfg.device).type != "cpu":
         return {"mode": None if cfg.compile_mode == "default" else cfg.compile_mode}
     from torch._inductor import list_mode_options
@@ -77,16 +66,10 @@ def compile_arguments(cfg: TrainConfig) -> dict:
 
 
 def begin_cuda_graph_step(params, grads_kept: bool) -> None:
-    """Before an optimizer step's first micro-batch, where compiled code replays CUDA graphs. A replay writes into the
-    memory of the graphs' last outputs, and torch.compiler.cudagraph_mark_step_begin() says when a step begins: from
-    then on the outputs of the step before may be overwritten. A gradient can be such an output: a backward that finds
-    .grad empty installs the graph's output there. So:
-    - one mark per optimizer step, not per micro-batch: a mark between micro-batches would let the next backward
-      overwrite the gradients the first left in .grad (zero_grad(set_to_none=True) empties .grad before the next mark);
-    - gradients kept from step to step (set_to_none=False) are made before the first step, zeros, so that backward adds
-      into them in place; else the next step's replay overwrites them ("accessing tensor output of CUDAGraphs that
-      has been overwritten": an H200, torch 2.11).
-    """
+    """Before an optimizer step's first micro-batch, where compiled code replays CUDA graphs: after the mark, a replay
+    may overwrite the step before's outputs, and a backward that finds .grad empty installs its output there. So one
+    mark per optimizer step (one between micro-batches would overwrite the first's gradients), and kept gradients
+    (set_to_none=False) made as zeros first, so backward adds into them in place instead of being overwritten."""
     torch.compiler.cudagraph_mark_step_begin()
     if grads_kept:
         for p in params:
@@ -95,8 +78,7 @@ def begin_cuda_graph_step(params, grads_kept: bool) -> None:
 
 
 def apply(cfg: TrainConfig, loss_module) -> Callable:
-    """What the step calls for its forward and loss: `loss_module` itself, or compiled. (In a CUDA-graph mode the step
-    also calls begin_cuda_graph_step first; on any device: harmless where no graph replays.)"""
+    """What the step calls for its forward and loss: `loss_module` itself, or compiled."""
     return torch.compile(loss_module, **compile_arguments(cfg)) if cfg.compile else loss_module
 
 

@@ -1,7 +1,5 @@
-"""Vocabulary padding: the embedding and the output layer get a multiple of `vocab_multiple` rows (64 makes GPU
-kernels happier); the extra rows are never a target. The model builds it (course_lib.config.ModelConfig's
-padded_vocab_size); the memory estimate's V is that padded size.
-"""
+"""Vocabulary padding: the embedding and output layer get a multiple of `vocab_multiple` rows (64 suits GPU kernels);
+the extra rows are never a target. The model builds it (ModelConfig.padded_vocab_size)."""
 
 from __future__ import annotations
 
