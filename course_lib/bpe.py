@@ -1,8 +1,5 @@
-"""A byte-level BPE trainer small enough to read, producing ranks that tiktoken can load.
-
-The course ships the ranks it trained on the Shakespeare corpus (data/shakespeare_bpe.tiktoken), so
-nothing is downloaded. `python -m course_lib bpe` trains them again.
-"""
+"""A byte-level BPE trainer small enough to read, producing ranks that tiktoken can load. The course ships the ranks
+it trained on the Shakespeare corpus (data/shakespeare_bpe.tiktoken); `python -m course_lib bpe` trains them again."""
 
 from __future__ import annotations
 
@@ -20,52 +17,47 @@ SPLIT_PATTERN = r"""'(?:s|t|re|ve|m|ll|d)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\
 
 
 def train_bpe(text: str, n_ranks: int) -> dict[bytes, int]:
-    """Learn merges until there are `n_ranks` tokens (256 single bytes + merges).
-
-    Rank order is merge order, which is what tiktoken assumes: it merges the pair whose result has the
-    lowest rank first.
-    """
+    """Learn merges until there are `n_ranks` tokens (256 single bytes + merges), ranked in merge order: tiktoken
+    merges the pair whose result has the lowest rank first."""
     if n_ranks < 256:
         raise ValueError(f"n_ranks must be at least 256 (the single bytes), got {n_ranks}")
     words = Counter(regex.findall(SPLIT_PATTERN, text))
-    # Each distinct word is a list of token ids; work is proportional to distinct words, not to text.
-    seqs: list[list[bytes]] = [[bytes([b]) for b in w.encode("utf-8")] for w in words]
+    # Each distinct word is a list of tokens, counted with its frequency: work follows distinct words, not the text.
+    seqs = [[bytes([b]) for b in w.encode("utf-8")] for w in words]
     freqs = list(words.values())
     pair_counts: Counter[tuple[bytes, bytes]] = Counter()
-    where: defaultdict[tuple[bytes, bytes], set[int]] = defaultdict(set)
-    for i, seq in enumerate(seqs):
-        for pair in zip(seq, seq[1:]):
-            pair_counts[pair] += freqs[i]
-            where[pair].add(i)
+    where = defaultdict(set)  # pair -> the words it occurs in
 
+    def count(i: int, sign: int) -> None:
+        """Add word i's pairs to the counts (sign -1: take them away)."""
+        for pair in zip(seqs[i], seqs[i][1:]):
+            pair_counts[pair] += sign * freqs[i]
+            if sign > 0:
+                where[pair].add(i)
+            else:
+                where[pair].discard(i)
+                if pair_counts[pair] <= 0:  # in no word now
+                    del pair_counts[pair]
+
+    for i in range(len(seqs)):
+        count(i, 1)
     ranks = {bytes([b]): b for b in range(256)}
     while len(ranks) < n_ranks and pair_counts:
-        # Ties broken by the bytes themselves so training is deterministic.
-        best = max(pair_counts, key=lambda p: (pair_counts[p], p))
+        best = max(pair_counts, key=lambda p: (pair_counts[p], p))  # ties broken by the bytes: deterministic
         if pair_counts[best] < 2:
             break
         merged = best[0] + best[1]
         ranks[merged] = len(ranks)
-        for i in list(where[best]):
-            seq, f = seqs[i], freqs[i]
-            for pair in zip(seq, seq[1:]):  # remove this word's old pairs
-                pair_counts[pair] -= f
-                if pair_counts[pair] <= 0:
-                    del pair_counts[pair]
-                where[pair].discard(i)
-            out, j = [], 0
-            while j < len(seq):
-                if j + 1 < len(seq) and seq[j] == best[0] and seq[j + 1] == best[1]:
-                    out.append(merged)
-                    j += 2
+        for i in where.pop(best):
+            count(i, -1)
+            out: list[bytes] = []  # the word with `best` merged, left to right
+            for tok in seqs[i]:
+                if out and out[-1] == best[0] and tok == best[1]:  # (a merged token is never best[0]: it is longer)
+                    out[-1] = merged
                 else:
-                    out.append(seq[j])
-                    j += 1
+                    out.append(tok)
             seqs[i] = out
-            for pair in zip(out, out[1:]):
-                pair_counts[pair] += f
-                where[pair].add(i)
-        where.pop(best, None)
+            count(i, 1)
     return ranks
 
 
@@ -77,9 +69,5 @@ def save_ranks(ranks: dict[bytes, int], path: Path) -> None:
 
 
 def load_ranks(path: Path) -> dict[bytes, int]:
-    ranks = {}
-    for line in Path(path).read_text().splitlines():
-        if line:
-            tok, rank = line.split()
-            ranks[base64.b64decode(tok)] = int(rank)
-    return ranks
+    pairs = (line.split() for line in Path(path).read_text().splitlines() if line)
+    return {base64.b64decode(tok): int(rank) for tok, rank in pairs}

@@ -1,8 +1,5 @@
-"""How much work the notebooks do: the full size for a learner, a small budget for the tests.
-
-Set COURSE_BUDGET=smoke (the test suite does) to run every experiment with few steps and small shapes on a
-2-core CPU; unset, or COURSE_BUDGET=full, gives the learner the full experiment.
-"""
+"""How much work the notebooks do: COURSE_BUDGET=smoke (the tests') runs every experiment small on a 2-core CPU;
+unset, or full, gives the learner the full experiment."""
 
 from __future__ import annotations
 
@@ -12,11 +9,9 @@ BUDGETS = {"full": "the learner's full experiment", "smoke": "a quick, test-size
 
 
 def budget() -> str:
-    """The budget COURSE_BUDGET names (case and spaces aside; unset or empty: full). A ValueError for any other value
-    lists the allowed ones."""
+    """The budget COURSE_BUDGET names (case and spaces aside; unset or empty: full), else a ValueError."""
     given = os.environ.get("COURSE_BUDGET", "full")
-    value = given.strip().lower() or "full"
-    if value not in BUDGETS:
+    if (value := given.strip().lower() or "full") not in BUDGETS:
         allowed = ", ".join(f"{name} ({what})" for name, what in BUDGETS.items())
         raise ValueError(
             f"COURSE_BUDGET={given!r} is not a budget: set it to one of {allowed}, or unset it for the full one"

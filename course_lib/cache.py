@@ -1,7 +1,5 @@
-"""The course's cache folder: what it measures or derives once per machine (matmul peaks, the tokenized corpus).
-
-Every entry is named or keyed by what it was computed from, so it is never read stale; deleting the folder is always
-safe (the next run measures or computes again)."""
+"""The course's cache folder (matmul peaks, the tokenized corpus: each entry named by what it was computed from, so
+never stale; deleting it is always safe), and write_atomic, through which every file the course writes goes."""
 
 from __future__ import annotations
 
@@ -14,37 +12,31 @@ from typing import Callable
 
 
 def cache_dir() -> Path:
-    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache, else (no home folder: a container's user
-    with no entry in the password file) course_lib-cache/ in the temporary folder."""
+    """$COURSE_CACHE_DIR, else course_lib/ in $XDG_CACHE_HOME or ~/.cache, else (no home folder) in the temp folder."""
     if chosen := os.environ.get("COURSE_CACHE_DIR"):
         return Path(chosen)
     if xdg := os.environ.get("XDG_CACHE_HOME"):
         return Path(xdg) / "course_lib"
     try:
         return Path.home() / ".cache" / "course_lib"
-    except (RuntimeError, KeyError):  # Path.home() with no $HOME and no password entry
+    except (RuntimeError, KeyError):  # no $HOME and no password entry (a container's user)
         return Path(tempfile.gettempdir()) / "course_lib-cache"
 
 
 def _new_partial(path: Path) -> Path:
-    """An empty file of this process's own beside `path` (a random name, created exclusively: no two processes share
-    one, even on a home folder several machines mount), with the permissions a new file gets here: mode 0666 under
-    the umask and any default ACL, applied by the system (mkstemp's 0600 would make a shared script private)."""
+    """An empty file of this process's own beside `path`: a random name created exclusively (no two processes share
+    it), mode 0666 under the umask like any new file (mkstemp's 0600 would make a shared script private)."""
     while True:
         partial = path.with_name(f"{path.name}.{secrets.token_hex(4)}.partial")
-        try:
+        with contextlib.suppress(FileExistsError):
             os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             return partial
-        except FileExistsError:
-            continue
 
 
 def write_atomic(path: Path, write: Callable[[Path], None], strict: bool = False) -> None:
-    """write(partial) fills a file of its own beside `path` (_new_partial), which then replaces `path` in one step:
-    a process reading at the same time (another torchrun rank) sees the old state or the whole file, never half of it,
-    and a write that fails (a full disk) leaves the old file as it was. A cache that cannot be written (a read-only
-    or full disk, no home folder) is skipped: the value is computed again next time. `strict` (a result, not a cache)
-    raises the error instead."""
+    """write(partial) fills a file beside `path` that then replaces it in one step: a reader (another rank) sees the
+    old file or the whole new one, and a failed write leaves the old one. A cache that cannot be written is skipped
+    (computed again next time); `strict` (a result, not a cache) raises instead."""
     partial = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

