@@ -1,7 +1,6 @@
-"""The memory formula (course_lib.memory_formula) beside measurements: set beside what the ledger measured
-(`beside_measured`, `run_beside_estimate`), checked before a CPU run starts (`check_cpu_memory`, `run_checked`), and
-`account_step`: one training step under the CPU ledger, optionally under FakeTensorMode, so that a model too big for
-this machine is accounted without allocating."""
+"""The memory formula (course_lib.memory_formula) beside measurements (`beside_measured`, `run_beside_estimate`),
+checked before a CPU run starts (`run_checked`), and `account_step`: one step under the CPU ledger, optionally under
+FakeTensorMode, so that a model too big for this machine is accounted without allocating."""
 
 from __future__ import annotations
 
@@ -112,14 +111,8 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
         model = GPT(cfg.model)
         setup = techniques.build(cfg, model)
         params = list(model.parameters())
-        V = cfg.model.vocab_size
-        micro = [
-            (
-                torch.randint(0, V, (cfg.micro_batch_size, cfg.context)),
-                torch.randint(0, V, (cfg.micro_batch_size, cfg.context)),
-            )
-            for _ in range(cfg.grad_accum_steps)
-        ]
+        V, shape = cfg.model.vocab_size, (cfg.micro_batch_size, cfg.context)
+        micro = [(torch.randint(0, V, shape), torch.randint(0, V, shape)) for _ in range(cfg.grad_accum_steps)]
         n_targets = cfg.batch_size * cfg.context  # random ids: no padding
         for _ in range(warm_steps):
             train_step(setup, cfg, params, micro, n_targets=n_targets)

@@ -1,18 +1,14 @@
-"""The analytic memory model of a training step, with no run of the loop (notebook 02's formula; course_lib.train uses
-it to refuse a CPU step that cannot fit, course_lib.memory_estimate sets it beside measurements).
-
-Bytes by category (measure.MemoryLedger's): static (parameters, gradients, optimizer state: num_params x bytes x
-count); activations (what autograd keeps for backward: Korthikanti et al. 2022 count sbh(34 + 5as/h) per layer,
-`layer_activation_terms` itemises this course's block); logits (the output layer and the loss, which the paper leaves
-out and which dominate small models). The peak is the largest of the moments that can hold it (`peak_candidates`),
-term by term, for every lever the ledger measures: tests/test_memory_estimate.py holds it to the ledger.
+"""The memory of a training step from its shapes, with no run (notebook 02's formula): static bytes (parameters,
+gradients, optimizer state), activations (what autograd keeps for backward, `layer_activation_terms`), logits (the
+output layer and the loss, which dominate small models), and the peak: the largest of the moments that can hold it
+(`peak_candidates`), in measure.MemoryLedger's categories. tests/test_memory_estimate.py holds it to the ledger.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,9 +26,8 @@ from .techniques.set_to_none import gradients_before_backward
 
 
 def count_params(m: ModelConfig) -> int:
-    """Parameters of the course's GPT from its shape (the tied embedding once): V h (token table = output layer)
-    + block_size h (positions) + L (12 h^2 + 13 h) (QKV 3h^2+3h, projection h^2+h, MLP 8h^2+5h, two LayerNorms 4h)
-    + 2 h (final LayerNorm); without biases, the biases' terms go."""
+    """Parameters of the course's GPT (the tied embedding once): V h + block_size h + L (12 h^2 + 13 h) + 2 h, where a
+    block is QKV 3h^2+3h, projection h^2+h, MLP 8h^2+5h and two LayerNorms 4h; without biases their terms go."""
     h, L = m.n_embd, m.n_layer
     per_block = 12 * h * h + (13 * h if m.bias else 2 * h)
     return m.padded_vocab_size * h + m.block_size * h + L * per_block + (2 * h if m.bias else h)
@@ -47,8 +42,8 @@ def count_param_tensors(m: ModelConfig) -> int:
 def static_bytes(
     n_params: int, optimizer: str = "adamw", bytes_per_value: int = 4, n_param_tensors: int = 0
 ) -> dict[str, int]:
-    """Parameters and gradients, num_params x bytes each; the optimizer's state (techniques.optimizer.state_bytes:
-    AdamW's two moments, and its step counters when n_param_tensors is given)."""
+    """Parameters and gradients, n_params x bytes each, and the optimizer's state (with step counters if n_param_tensors
+    is given)."""
     return {
         "parameters": n_params * bytes_per_value,
         "gradients": n_params * bytes_per_value,
@@ -57,37 +52,6 @@ def static_bytes(
 
 
 # ---- activations ---------------------------------------------------------------------------------
-
-
-def korthikanti_terms(s: int, b: int, h: int, a: int) -> dict[str, int]:
-    """Bytes per transformer layer, term by term, as Korthikanti et al. count them: 16-bit values (2 bytes),
-    1-byte dropout masks, no sequence or tensor parallelism. They sum to sbh(34 + 5as/h)."""
-    sbh, as2b = s * b * h, a * s * s * b
-    return {
-        "LayerNorm inputs (2 x 2sbh)": 4 * sbh,
-        "QKV matmul input (2sbh)": 2 * sbh,
-        "Q and K for QK^T (4sbh)": 4 * sbh,
-        "softmax output (2as^2b)": 2 * as2b,
-        "attention dropout mask (as^2b)": as2b,
-        "attention dropout output (2as^2b)": 2 * as2b,
-        "V (2sbh)": 2 * sbh,
-        "output projection input (2sbh)": 2 * sbh,
-        "attention residual dropout mask (sbh)": sbh,
-        "MLP first matmul input (2sbh)": 2 * sbh,
-        "GELU input (8sbh)": 8 * sbh,
-        "MLP second matmul input (8sbh)": 8 * sbh,
-        "MLP dropout mask (sbh)": sbh,
-    }
-
-
-def korthikanti_bytes(s: int, b: int, h: int, a: int, bits: int = 16, flash: bool = False) -> int:
-    """sbh(34 + 5as/h) bytes per layer at 16 bits; twice that, 2sbh(34 + 5as/h), at 32 bits.
-    flash=True: an attention kernel that never stores the s x s matrices drops the 5as/h term."""
-    if bits not in (16, 32):
-        raise ValueError("bits must be 16 or 32")
-    sbh = s * b * h
-    total = 34 * sbh + (0 if flash else 5 * a * s * s * b)  # = sbh(34 + 5as/h), in integers
-    return total * (bits // 16)
 
 
 def layer_activation_terms(
@@ -101,13 +65,10 @@ def layer_activation_terms(
     norm_bytes: int | None = None,
     mask_bytes: int = 1,
 ) -> dict[str, int]:
-    """Bytes one block of the course's GPT (course_lib.model.Block) keeps for backward, term by term.
-
-    The paper's sixteen sbh-sized values, and where it differs: dropout masks only with dropout on; LayerNorm's fp32
-    mean and 1/std per token; naive attention's softmax output and s x s bool causal mask, or SDPA's logsumexp per
-    query instead. norm_bytes: of the LayerNorm inputs (fp32 under autocast; default value_bytes). mask_bytes: per
-    dropout-mask value: 1 on CUDA (a bool mask), the values' dtype on a CPU (PyTorch's CPU dropout).
-    """
+    """Bytes one block of the course's GPT keeps for backward, term by term: the paper's sixteen sbh-sized values, with
+    dropout masks only with dropout on, LayerNorm's fp32 mean and 1/std, and naive attention's softmax output and
+    causal mask or SDPA's logsumexp. norm_bytes: per LayerNorm input value (default value_bytes); mask_bytes: per
+    dropout-mask value (_mask_bytes)."""
     B, sbh, as2b = value_bytes, s * b * h, a * s * s * b
     nb = B if norm_bytes is None else norm_bytes
     terms = {
@@ -162,9 +123,8 @@ R = 4
 
 
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
-    """Activations of the whole model for one micro-batch: what one block saves for backward ("per layer"), what it
-    keeps through the forward ("kept per layer": with checkpointing less), all layers, outside them, the total, and
-    what one block's backward recomputes."""
+    """Activations of one micro-batch: what a block saves ("per layer"), keeps through the forward ("kept per layer",
+    less with checkpointing), all layers, outside them, the total, and what a block's backward recomputes."""
     m = cfg.model
     s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
     sbh = s * b * h
@@ -200,7 +160,8 @@ def _block_sizes(cfg: TrainConfig):
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """The last block's own tensors and gradients in flight at the worst moments of its backward, as {moment: {term:
     (ledger category, bytes)}}. The last block is the worst: its backward comes first, every other block still full.
-    SDPA's backward holds 4 sbh of gradients where the MLP's has freed 10: with SDPA only the MLP's can be the peak."""
+    SDPA's backward holds 4 sbh of gradients where the MLP's has freed 10: with SDPA only the MLP's can be the peak.
+    With dropout the gradients in flight are approximate."""
     points = {"MLP backward": _mlp_backward(cfg)}
     if _attention(cfg)[0] != "naive":
         return points
@@ -305,38 +266,31 @@ def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """The output layer and the loss at their worst moments, as {moment: {term: (category, bytes)}}: in forward the
-    loss (or, with loss_chunks, one slice: techniques.chunked_loss.memory_terms), and the start of backward (the
-    log-softmax backward: logits_terms). Under autocast the output layer's 16-bit copies of its input and weight too,
-    and autocast's cache of the blocks' 16-bit weights, which lives until the forward ends even under checkpointing.
-    """
+    """The output layer and the loss at their worst moments, {moment: {term: (category, bytes)}}: the loss in forward
+    (or one slice of it: techniques.chunked_loss) and the start of backward (logits_terms); under autocast also the
+    16-bit copies the output layer multiplied and autocast's cache of the blocks' 16-bit weights (alive until the
+    forward ends, even under checkpointing)."""
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
-    autocast, B = _precision(cfg)
-
+    autocast = _precision(cfg)[0]
     fwd: dict[str, tuple[str, int]] = {}
     if autocast and cfg.activation_checkpointing != "none":
         fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
-    if k == 1:
-        if autocast:
-            fwd["16-bit copy of the output layer's input (T h)"] = ("logits", T * h * 2)
-            fwd["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
-            fwd["16-bit logits (T V)"] = ("logits", T * V * 2)
-        # the output layer's, or under autocast the loss's fp32 copy
-        fwd["logits in fp32 (T V)"] = ("logits", T * V * 4)
-        fwd["log-softmax output (T V fp32)"] = ("logits", T * V * 4)
-        terms: dict[str, tuple[str, int]] = {}
-        if autocast:  # the output layer's matmul keeps the 16-bit copies it multiplied
-            terms["16-bit copy of the output layer's input (b s h)"] = ("logits", T * h * 2)
-            terms["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
-        # the saved log-softmax is made in the loss, its gradients in backward
-        for i, (name, nbytes) in enumerate(logits_terms(cfg.micro_batch_size, cfg.context, V).items()):
-            terms[name] = ("logits" if i == 0 else "other", nbytes)
-        return {"forward: the loss": fwd, "start of backward": terms}
-
-    slice_fwd, back = chunked_loss_terms(T, h, V, k, autocast)
-    fwd.update(slice_fwd)
-    return {"forward: a loss slice": fwd, "start of backward": back}
+    if k > 1:
+        slice_fwd, back = chunked_loss_terms(T, h, V, k, autocast)
+        return {"forward: a loss slice": {**fwd, **slice_fwd}, "start of backward": back}
+    copies = {}  # what the output layer's matmul keeps for backward under autocast: the 16-bit copies it multiplied
+    if autocast:
+        copies["16-bit copy of the output layer's input (T h)"] = ("logits", T * h * 2)
+        copies["16-bit copy of the output layer's weight (V h)"] = ("logits", V * h * 2)
+        fwd.update(copies)
+        fwd["16-bit logits (T V)"] = ("logits", T * V * 2)
+    fwd["logits in fp32 (T V)"] = ("logits", T * V * 4)  # the output layer's, or under autocast the loss's fp32 copy
+    fwd["log-softmax output (T V fp32)"] = ("logits", T * V * 4)
+    # the saved log-softmax is made in the loss, its gradients in backward
+    (saved, saved_bytes), *grads = logits_terms(cfg.micro_batch_size, cfg.context, V).items()
+    back = {**copies, saved: ("logits", saved_bytes), **{name: ("other", n) for name, n in grads}}
+    return {"forward: the loss": fwd, "start of backward": back}
 
 
 def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
@@ -391,17 +345,15 @@ class Estimate:
     by_category: dict[str, int]
     peak_bytes: int
     when: str  # where in the step the peak falls
-    phases: dict[str, int] = field(default_factory=dict)  # the candidates for the peak
-    notes: list[str] = field(default_factory=list)
-    terms: dict[str, int] = field(default_factory=dict)  # the peak, term by term
+    phases: dict[str, int]  # the candidates for the peak
+    terms: dict[str, int]  # the peak, term by term
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GiB
 
     def verdict(self, device_gib: float, margin: float = 0.1) -> str:
-        """ "fits", "tight" (within the margin kept for the CUDA context and fragmentation) or "does not fit"; a
-        ConfigError for a device size or margin that is not one (check_device_gib)."""
+        """ "fits", "tight" (inside the margin kept for the CUDA context and fragmentation) or "does not fit"."""
         check_device_gib(device_gib, margin)
         if self.peak_gib <= device_gib * (1 - margin):
             return "fits"
@@ -411,24 +363,20 @@ class Estimate:
 
 
 def estimate(cfg: TrainConfig) -> Estimate:
-    """The steady-state peak of one optimizer step of `cfg` (the optimizer state exists): the largest of
-    peak_candidates, by category."""
+    """The steady-state peak of one optimizer step (the optimizer state exists): the largest of peak_candidates."""
     cands = peak_candidates(cfg)
     phases = {name: sum(nbytes for _, nbytes in terms.values()) for name, terms in cands.items()}
     when = max(phases, key=phases.get)
     by = dict.fromkeys(CATEGORIES, 0)
     for category, nbytes in cands[when].values():
         by[category] += nbytes
-    notes = ["activations and logits are for one micro-batch of %d sequences" % cfg.micro_batch_size]
-    if cfg.model.dropout > 0:
-        notes.append("with dropout the gradients in flight inside a block's backward are approximate")
     terms = {name: nbytes for name, (_, nbytes) in cands[when].items()}
-    return Estimate(by, phases[when], when, phases, notes, terms)
+    return Estimate(by, phases[when], when, phases, terms)
 
 
 def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tuple[Estimate, str]:
-    """The calculator: the predicted peak and a verdict for a device of `device_gib`. The margin is kept for what the
-    formula leaves out: the CUDA context, the allocator's fragmentation, library workspaces."""
+    """The predicted peak and its verdict on a device of `device_gib` GiB, `margin` kept for what the formula leaves
+    out (the CUDA context, the allocator's fragmentation, library workspaces)."""
     est = estimate(cfg)
     return est, est.verdict(device_gib, margin)
 
@@ -439,18 +387,6 @@ def check_device_gib(device_gib, margin: float = 0.1) -> None:
         raise ConfigError(f"device_gib={device_gib!r}: give the device's memory as a positive number of GiB, e.g. 80")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
-
-
-def calculator_config(
-    preset: str = "gpt2-small", batch_size: int = 32, context: int = 1024, attention: str = "naive", **changes
-) -> TrainConfig:
-    """The calculator's config (notebook 02): a preset's network at any batch and context (its position table grown
-    where needed) and attention, with any TrainConfig fields changed; on the CPU: the formula needs no GPU."""
-    from .config import preset as make_preset
-
-    cfg = make_preset(preset, "cpu")
-    cfg = cfg.with_model(attention=attention, block_size=max(cfg.model.block_size, context))
-    return dataclasses.replace(cfg, batch_size=batch_size, context=context, **changes)
 
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:

@@ -29,6 +29,7 @@ from course_lib import (
     train,
 )
 from course_lib.lessons import memory_plots, training_compute as CB
+from course_lib.lessons.memory_calculator import calculator_config
 from course_lib.measure import CATEGORIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +81,7 @@ def test_the_exported_script_and_the_config_say_whose_selective_checkpointing_it
 def test_the_papers_selection_keeps_less_than_the_courses_exactly_when_as_exceeds_5h(shape):
     """Per block (fp32, naive attention) the paper's selection drops the a s^2 b values and keeps what SDPA keeps (16
     sbh and a log-sum-exp per query); the course's drops 5 sbh and keeps the scores. Notebook 02 measures one shape."""
-    cfg = F.calculator_config(**shape)
+    cfg = calculator_config(**shape)
     m = cfg.model
     course = F.activation_bytes(dataclasses.replace(cfg, activation_checkpointing="selective"))["kept per layer"]
     paper = F.activation_bytes(cfg.with_model(attention="sdpa"))["kept per layer"]
@@ -102,7 +103,7 @@ def test_the_papers_selection_keeps_less_than_the_courses_exactly_when_as_exceed
 def test_the_logits_outweigh_the_activations_where_3v_exceeds_l_16h_plus_as(shape, logits_win):
     """The old text said the logits were the largest item; that holds for small models only. The condition the notebook
     states, 3V > L(16h + as) per token (fp32, naive attention), agrees with the memory model's full count."""
-    cfg = F.calculator_config(**shape)
+    cfg = calculator_config(**shape)
     m = cfg.model
     loss_tensors = sum(F.logits_terms(cfg.micro_batch_size, cfg.context, m.padded_vocab_size).values())
     assert (loss_tensors > F.activation_bytes(cfg)["total"]) == logits_win
@@ -198,7 +199,7 @@ def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
 
 
 def test_the_notebooks_other_figures_draw(tiny):
-    est = F.estimate(F.calculator_config())
+    est = F.estimate(calculator_config())
     fig = memory_plots.plot_will_it_fit(est, 80, "GPT-2 small")
     assert "GiB" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(CATEGORIES)
     report = M.account_step(tiny(steps=1), fake=True)
@@ -210,7 +211,7 @@ def test_the_notebooks_other_figures_draw(tiny):
 
 
 def test_the_calculator_config_grows_the_position_table():
-    cfg = F.calculator_config("cpu", batch_size=2, context=2048, attention="sdpa", precision="bf16")
+    cfg = calculator_config("cpu", batch_size=2, context=2048, attention="sdpa", precision="bf16")
     assert (cfg.batch_size, cfg.context, cfg.model.block_size, cfg.model.attention, cfg.precision) == (
         2,
         2048,
@@ -218,7 +219,7 @@ def test_the_calculator_config_grows_the_position_table():
         "sdpa",
         "bf16",
     )
-    assert F.calculator_config() == dataclasses.replace(C.gpt2_small_preset("cpu"), batch_size=32, context=1024)
+    assert calculator_config() == dataclasses.replace(C.gpt2_small_preset("cpu"), batch_size=32, context=1024)
 
 
 def test_backward_is_timed_on_its_own_and_never_negative(tiny, monkeypatch):

@@ -10,6 +10,7 @@ import torch
 from course_lib import memory_estimate as M, memory_formula as F
 from course_lib.config import ConfigError, ModelConfig, gpt2_small_preset, tiny_preset
 from course_lib.data import Splits
+from course_lib.lessons.memory_calculator import korthikanti_bytes, korthikanti_terms
 from course_lib.measure import GiB
 from course_lib.model import GPT
 from course_lib.train import train
@@ -64,19 +65,19 @@ def test_gpt2_small_static_memory():
 def test_korthikanti_formula_by_hand():
     # GPT-2 small, b=32, s=1024, h=768, a=12: 5as/h = 80, so 114 sbh bytes per layer at 16 bits
     sbh = 1024 * 32 * 768
-    assert F.korthikanti_bytes(1024, 32, 768, 12) == 114 * sbh == 2_868_903_936
-    assert F.korthikanti_bytes(1024, 32, 768, 12, bits=32) == 2 * 114 * sbh
+    assert korthikanti_bytes(1024, 32, 768, 12) == 114 * sbh == 2_868_903_936
+    assert korthikanti_bytes(1024, 32, 768, 12, bits=32) == 2 * 114 * sbh
     # the source's "about 69 GB": 12 layers of 2sbh(34 + 5as/h) in decimal GB
-    assert round(12 * F.korthikanti_bytes(1024, 32, 768, 12, bits=32) / 1e9, 1) == 68.9
+    assert round(12 * korthikanti_bytes(1024, 32, 768, 12, bits=32) / 1e9, 1) == 68.9
     # the paper's GPT-3 175B layer (s=2048, h=12288, a=96, b=1): 34 + 5*96*2048/12288 = 114 -> 2.87e9 bytes
-    assert F.korthikanti_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 114
+    assert korthikanti_bytes(2048, 1, 12288, 96) == 2048 * 12288 * 114
     # flash attention drops the 5as/h term
-    assert F.korthikanti_bytes(1024, 32, 768, 12, flash=True) == 34 * sbh
+    assert korthikanti_bytes(1024, 32, 768, 12, flash=True) == 34 * sbh
     # the terms add up to the formula, for shapes where 5as/h is not an integer too
     for s, b, h, a in [(1024, 32, 768, 12), (512, 32, 256, 4), (100, 3, 96, 7)]:
-        assert sum(F.korthikanti_terms(s, b, h, a).values()) == F.korthikanti_bytes(s, b, h, a)
+        assert sum(korthikanti_terms(s, b, h, a).values()) == korthikanti_bytes(s, b, h, a)
     with pytest.raises(ValueError):
-        F.korthikanti_bytes(1, 1, 1, 1, bits=8)
+        korthikanti_bytes(1, 1, 1, 1, bits=8)
 
 
 def test_itemised_layer_is_the_paper_without_dropout():
@@ -84,7 +85,7 @@ def test_itemised_layer_is_the_paper_without_dropout():
     ours16 = F.layer_activation_terms(s, b, h, a, value_bytes=2, dropout=True, mask_bytes=1, norm_bytes=2)
     # at 16 bits with 1-byte masks, ours is the paper's 34sbh + 5as^2b plus LayerNorm statistics and the causal mask
     extra = 2 * 2 * b * s * 4 + s * s
-    assert sum(ours16.values()) - extra == F.korthikanti_bytes(s, b, h, a)
+    assert sum(ours16.values()) - extra == korthikanti_bytes(s, b, h, a)
     # SDPA: no s^2 terms at all
     sdpa = F.layer_activation_terms(s, b, h, a, attention="sdpa")
     assert not any("s^2" in k for k in sdpa)
