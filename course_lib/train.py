@@ -1,17 +1,8 @@
-"""The training loop. `train_step` is one optimizer step, the code to read top to bottom:
+"""The training loop: `train_step` is one optimizer step, the code to read top to bottom.
 
-    for each micro-batch:            (gradient accumulation; one micro-batch when it is off)
-        forward and loss under autocast (bf16 or fp16; fp32 runs without it)
-        backward of the loss, scaled by the GradScaler (fp16 only)
-    unscale, clip by the global norm, optimizer step, scaler update, zero_grad, learning-rate schedule
-
-Its real variations are `if`s in it: CUDA graphs (compile's reduce-overhead mode), pipeline parallelism (a schedule runs
-the micro-batches across the stages), DDP written by hand (its last all-reduces after backward). Nothing measures inside
-it: measure.StepRecorder wraps each step from outside (time, memory peaks, the CPU memory ledger, page faults).
-
-`Trainer(cfg, model)` builds what cfg asks for (techniques.build: the course's GPT by default, or any module mapping
-inputs to logits) and shows it (`.setup`) before `fit()` trains; `train(cfg, ...)` is the two in one call, and `run`
-turns an out-of-memory error into a result (out of memory is handled at the end of this module, and only there).
+Its variations are `if`s in it (CUDA graphs, a pipeline schedule, DDP by hand); nothing measures inside it:
+measure.StepRecorder wraps each step from outside. `Trainer(cfg, model)` builds what cfg asks for and `fit()` trains;
+`train` is the two in one call, and `run` turns an out-of-memory error into a result (handled here, and only here).
 """
 
 from __future__ import annotations
@@ -33,6 +24,7 @@ from .techniques.torch_compile import CUDA_GRAPH_MODES, begin_cuda_graph_step, u
 from .timing import median_excluding
 
 Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
+Callback = Callable[[int, RunResult], None]
 
 
 def train_step(
@@ -43,11 +35,10 @@ def train_step(
     meter: measure.NotMeasured = measure.NOT_MEASURED,
     n_targets: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """One optimizer step over the step's micro-batches [(inputs, targets), ...]. Returns (loss per target token,
-    gradient norm before clipping, learning rate used, loss scale used). `meter` is a no-op unless the memory ledger
-    watches this step; `n_targets` is given where tensors hold no values (FakeTensorMode)."""
-    # Divide by the real target tokens of the whole step, not per micro-batch: a mean of micro-batch means is wrong
-    # when micro-batches hold different numbers of padding tokens.
+    """One optimizer step over the micro-batches [(inputs, targets), ...]: (loss per target token, gradient norm before
+    clipping, learning rate, loss scale). `meter` is a no-op unless the memory ledger watches this step; `n_targets` is
+    given where tensors hold no values (FakeTensorMode)."""
+    # Divide by the whole step's target tokens: a mean of micro-batch means is wrong when their padding differs.
     if n_targets is None:
         n_targets = sum(data_mod.count_targets(y) for _, y in micro)
     if cfg.compile and cfg.compile_mode in CUDA_GRAPH_MODES:  # a new step: CUDA graphs may overwrite the last one's
@@ -112,12 +103,10 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_b
 class Trainer:
     """The training loop, built for one config.
 
-    model: the course's GPT of cfg.model by default; any module mapping inputs to logits works (notebook 09
-      trains an MLP), with `parts` saying what the techniques may need (its blocks, body and output layer).
-    batches(step) -> [(x, y), ...]: the micro-batches of a step; by default random windows of the course's text.
-    flops_per_token: by default the GPT formula for a GPT, else counted once with FlopCounterMode.
-    After construction `.setup` holds what was built (model, loss module, optimizer, ...), so a caller can look
-    at it or hook into it (DDP's communication hook, a pipeline's schedule) before `fit()`.
+    model: the course's GPT by default, or any module mapping inputs to logits, with `parts` naming its blocks, body
+    and output layer. batches(step) -> the step's micro-batches [(x, y), ...]: random windows of the plays by default.
+    flops_per_token: the GPT formula for a GPT, else counted on the first batch. `.setup` holds what was built, so a
+    caller can look at it or hook into it (DDP's communication hook, a pipeline's schedule) before `fit()`.
     """
 
     def __init__(
@@ -132,14 +121,11 @@ class Trainer:
     ):
         self.caps = caps_mod.capabilities(cfg.device)
         self.caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
-        # Each run starts clean: an earlier run's garbage must not count in this one's memory, and compiled code
-        # from an earlier model would be recompiled against guards anyway (and past dynamo's cache limit, silently
-        # run eager), so the compiler starts afresh and this run's first step honestly includes compiling.
+        # A fresh compiler: an earlier model's guards would decide what compiles, and the first step honestly includes
+        # compiling; it also frees an earlier run's CUDA graphs, which would count in this run's memory.
         if cfg.compile or torch.device(cfg.device).type == "cuda":
-            # first: it also frees an earlier compiled run's CUDA graphs, whose memory pool free_memory then returns
-            # (an uncompiled CUDA run must not count them either; a CPU run's memory does not hold them)
             torch._dynamo.reset()
-        free_memory()
+        free_memory()  # an earlier run's garbage must not count in this one's memory
         keep_freed_memory.apply(cfg)  # the process's allocator, as cfg asks (a CPU's)
         torch.manual_seed(cfg.seed)
         self.cfg, self.dev = cfg, torch.device(cfg.device)
@@ -152,15 +138,11 @@ class Trainer:
         self.recorder = measure.StepRecorder(cfg, uses_cuda_graphs(cfg))  # before the model: CUDA's baseline
         model = (model if model is not None else GPT(cfg.model)).to(self.dev)
         self.setup = techniques.build(cfg, model, parts)
-        self.flops_per_token = flops_per_token or (
-            measure.flops_per_token(
-                model.num_params(non_embedding=True), cfg.model.n_layer, cfg.model.n_embd, cfg.context
-            )
-            if isinstance(model, GPT)
-            else None
-        )  # any other model: counted on the first batch, in fit()
-        self.params = list(self.setup.model.parameters())  # what the optimizer updates (read again when fit() starts:
-        # a caller may replace .setup before)
+        if flops_per_token is None and isinstance(model, GPT):  # any other model's: counted in fit(), on a batch
+            n, m = model.num_params(non_embedding=True), cfg.model
+            flops_per_token = measure.flops_per_token(n, m.n_layer, m.n_embd, cfg.context)
+        self.flops_per_token = flops_per_token
+        self.params = list(self.setup.model.parameters())  # what the optimizer updates
         self.step_index = 0  # the next step's index: what batches() is asked for
         self.last_step_faults: int | None = None  # the last step's page faults (cpu_allocator.page_faults)
         self.result: RunResult | None = None  # the run being recorded, while fit() runs
@@ -168,19 +150,16 @@ class Trainer:
     def micro_batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         micro = [(x.to(self.dev, non_blocking=True), y.to(self.dev, non_blocking=True)) for x, y in self.batches(step)]
         if not micro:
-            raise ConfigError(
-                f"batches({step}) returned no micro-batches: it must return a list of (inputs, targets) pairs, "
-                "one per micro-batch (cfg.grad_accum_steps of them)"
-            )
+            raise ConfigError(f"batches({step}) returned no micro-batches: it must return [(inputs, targets), ...]")
         return micro
 
-    def fit(self, label: str = "run", callback: Callable[[int, RunResult], None] | None = None) -> RunResult:
-        """Train `cfg.steps` optimizer steps and return what was measured. `callback(step, result)` is called after
-        every step (progress bars); it may raise StopRun to end the run early (the ladder gives up on a rung that is
-        far slower than the best loop so far), and the result then holds the steps taken, with the reason."""
+    def fit(self, label: str = "run", callback: Callback | None = None) -> RunResult:
+        """Train `cfg.steps` steps and return what was measured. `callback(step, result)` runs after every step and
+        may raise StopRun to end the run early (the result then holds the steps taken, with the reason)."""
         cfg, setup, recorder = self.cfg, self.setup, self.recorder
         cfg.check_steps_to_time()
-        result = self.result = self._new_result(label)
+        n_params = sum(p.numel() for p in self.params)  # parameters() yields a tied weight once
+        result = self.result = RunResult(label, "ok", cfg.to_dict(), provenance(self.caps.name), n_params=n_params)
         recorder.start(setup.parts.head)
         try:
             for step in range(cfg.steps):
@@ -197,8 +176,8 @@ class Trainer:
         return self._finish()
 
     def step(self) -> float:
-        """One more step of this loop after fit(), timed as fit() times its steps and recorded nowhere (the ladder
-        times one loop beside another in pairs); returns its time in seconds."""
+        """One more step after fit(), timed as fit() times its steps and recorded nowhere (the ladder times two loops
+        in pairs); returns its time in seconds."""
         with techniques.matmul_precision(self.cfg.precision), self.recorder.step(self.step_index, self.setup):
             train_step(self.setup, self.cfg, self.params, self.micro_batches(self.step_index))
         self.step_index += 1
@@ -206,19 +185,8 @@ class Trainer:
         return self.recorder.timer.times[-1]
 
     def is_timed(self, step: int) -> bool:
-        """Whether step `step` of the run counts in its timing: not a warm-up step, not the memory-ledger step."""
+        """Whether step `step` counts in the run's timing: not a warm-up step, not the memory-ledger step."""
         return step not in self.cfg.untimed_steps
-
-    def _new_result(self, label: str) -> RunResult:
-        self.params = params = list(self.setup.model.parameters())
-        return RunResult(
-            label=label,
-            status="ok",
-            config=self.cfg.to_dict(),
-            provenance=provenance(self.caps.name),
-            n_params=sum(p.numel() for p in {id(p): p for p in params}.values()),
-            flops_per_token=self.flops_per_token,
-        )
 
     def _record(self, step: int, micro, loss: torch.Tensor, norm: torch.Tensor, lr: float, scale: float) -> None:
         """The step's values in the run's result, read back only after its timed region."""
@@ -255,8 +223,7 @@ class Trainer:
         self.result = None
         self.recorder.stop()
         taken = len(result.step_times)
-        excluded = {i for i in cfg.untimed_steps if i < taken}
-        result.excluded_steps = sorted(excluded)
+        result.excluded_steps = excluded = sorted(i for i in cfg.untimed_steps if i < taken)
         if result.status == "diverged":  # its times are recorded; no speed, MFU or memory is reported for it
             return result
         if taken == len(excluded):
@@ -265,7 +232,7 @@ class Trainer:
             )
         if note := cpu_allocator.not_glibcs_own_rule(cfg.device, cfg.keep_freed_memory):
             result.details["allocator"] = note  # shown as the run's note (RunResult.note) in a panel's table
-        result.median_step_s = median_excluding(result.step_times, excluded)
+        result.median_step_s = median_excluding(result.step_times, set(excluded))
         result.tokens_per_s = result.tokens_per_step / result.median_step_s
         if cfg.compile:
             result.compile_s = max(0.0, result.step_times[0] - result.median_step_s)
@@ -276,17 +243,14 @@ class Trainer:
         return result
 
 
-def train(
-    cfg: TrainConfig,
-    label: str = "run",
-    callback: Callable[[int, RunResult], None] | None = None,
-    splits: data_mod.Splits | None = None,
-    batches: Batches | None = None,
-    model: torch.nn.Module | None = None,
-    **trainer_kwargs,
-) -> RunResult:
-    """Build and train in one call: `Trainer(cfg, model, ...).fit(label, callback)`."""
-    return Trainer(cfg, model, batches=batches, splits=splits, **trainer_kwargs).fit(label, callback)
+def train(cfg: TrainConfig, label: str = "run", callback: Callback | None = None, model=None, **kwargs) -> RunResult:
+    """Build and train in one call: `Trainer(cfg, model, **kwargs).fit(label, callback)`."""
+    return Trainer(cfg, model, **kwargs).fit(label, callback)
+
+
+def run(cfg: TrainConfig, label: str = "run", callback: Callback | None = None, model=None, **kwargs) -> RunResult:
+    """train(), but out of memory becomes a result with status "oom", the memory freed: the caller carries on."""
+    return catching_oom(lambda: Trainer(cfg, model, **kwargs).fit(label, callback), cfg, label)
 
 
 # ---- out of memory: handled here, and only here ---------------------------------------------------------------------
@@ -295,72 +259,36 @@ def train(
 def free_memory() -> None:
     """What an earlier run left: its garbage collected, a CPU heap's free memory and CUDA's cache given back."""
     gc.collect()
-    cpu_allocator.give_back()  # the heap's free memory to the kernel (all of it after a run that kept freed memory)
+    cpu_allocator.give_back()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
-def _chain(e: BaseException):
+def out_of_memory_reason(e: BaseException | None) -> str | None:
+    """ "out of memory: <its first line>" where e, or an error in its chain (compile may wrap it), is one; else None.
+    CUDA raises torch.OutOfMemoryError, Python MemoryError, a CPU's allocator a RuntimeError ("DefaultCPUAllocator:
+    can't allocate memory" on Linux and macOS, "...: not enough memory" on Windows, C++'s "std::bad_alloc")."""
     while e is not None:
-        yield e
+        text = str(e)
+        cpu = "DefaultCPUAllocator" in text and "memory" in text or "std::bad_alloc" in text
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (isinstance(e, RuntimeError) and cpu):
+            return "out of memory: " + text.partition("\n")[0][:200]
         e = e.__cause__ or e.__context__
-
-
-def out_of_memory(e: BaseException) -> BaseException | None:
-    """The out-of-memory error in `e`'s chain (compile may wrap it), or None. CUDA raises torch.OutOfMemoryError; a
-    CPU's allocator a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory" on Linux and macOS, "...: not
-    enough memory" on Windows, "std::bad_alloc" from C++ code), and Python its MemoryError (as
-    memory_estimate.check_cpu_memory raises it)."""
-    return next(
-        (
-            x
-            for x in _chain(e)
-            if isinstance(x, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(x, RuntimeError) and "DefaultCPUAllocator" in str(x) and "memory" in str(x))
-            or (isinstance(x, RuntimeError) and "std::bad_alloc" in str(x))  # C++'s, under a ulimit
-        ),
-        None,
-    )
-
-
-def run(
-    cfg: TrainConfig,
-    label: str = "run",
-    callback: Callable[[int, RunResult], None] | None = None,
-    model: torch.nn.Module | None = None,
-    **trainer_kwargs,
-) -> RunResult:
-    """train(), but an out-of-memory error becomes a result with status "oom": the memory is freed and the
-    caller (a notebook, the ladder) carries on."""
-    try:
-        return Trainer(cfg, model, **trainer_kwargs).fit(label, callback)
-    except Exception as e:  # noqa: BLE001 - what is not an out-of-memory is raised again
-        reason = out_of_memory_reason(e)
-        if reason is None:
-            raise
-    free_memory()  # outside the except block: the failed run's frames are gone (unless_it_fails says why)
-    return RunResult.failed(cfg, label, "oom", reason)
-
-
-def out_of_memory_reason(e: BaseException) -> str | None:
-    """ "out of memory: <the error's first line>" where e is one (out_of_memory), else None."""
-    oom = out_of_memory(e)
-    return None if oom is None else "out of memory: " + str(oom).splitlines()[0][:200]
+    return None
 
 
 def unless_it_fails(
     attempt: Callable[[], object], reason: Callable[[BaseException], str | None] = out_of_memory_reason
 ) -> tuple[object, str | None]:
-    """(attempt(), None), or, where it raised an exception that `reason` names (out of memory by default), (None, that
-    name) with the memory freed; any other exception is raised."""
+    """(attempt(), None), or (None, reason(e)) with the memory freed where it raised an exception `reason` names (out
+    of memory by default); any other exception is raised."""
     try:
         return attempt(), None
     except Exception as e:  # noqa: BLE001 - what `reason` does not name is re-raised
         why = reason(e)
         if why is None:
             raise
-    # Leaving the except block drops `e`, its traceback and the failed run's frames (the model, the activations), so
-    # their memory can be freed now; one held past it would tie them to this frame in a cycle that outlives the return.
+    # Past the except block `e` and its traceback are gone: the failed run's frames (model, activations) can be freed.
     free_memory()
     return None, why
 
