@@ -1,9 +1,9 @@
 """Activation checkpointing: keep less of the forward pass for backward, and recompute the rest there.
 
 `full` keeps only each block's input; `selective` also keeps the matmul and attention outputs and recomputes only the
-element-wise work between them. Korthikanti et al. (2022) select otherwise: they keep the rest and recompute the
-attention core (QK^T, softmax, its dropout, the product with V: the s x s part); notebook 02 measures both. Applied
-first (assemble.build), to the eager blocks. Its memory term: what a block keeps through the forward (`kept_per_layer`).
+element-wise work between them. Korthikanti et al. (2022) select otherwise: they keep the rest and
+recompute the attention core (QK^T, softmax, its dropout, the product with V: the s x s part); notebook 02 measures
+both. Applied first (assemble.build), to the eager blocks. Its memory term: what a block keeps (`kept_per_layer`).
 """
 
 from __future__ import annotations
@@ -72,9 +72,6 @@ def apply(cfg: TrainConfig, parts: ModelParts) -> None:
     for i, block in enumerate(parts.blocks):
         if not isinstance(block, CheckpointedBlock):  # a model built twice is wrapped once
             parts.blocks[i] = CHECKPOINTED_BLOCKS[cfg.activation_checkpointing](block)
-
-
-# ---- its memory term -----------------------------------------------------------------------------------------------
 
 
 def selective_activation_terms(

@@ -89,9 +89,6 @@ class LossModule(nn.Module):
         return HeadLossInSlices.apply(hidden, self.head.weight, targets.reshape(-1), self.head, self.loss_chunks)
 
 
-# ---- its memory term -----------------------------------------------------------------------------------------------
-
-
 def memory_terms(tokens: int, h: int, vocab: int, chunks: int, autocast: bool) -> tuple[dict, dict]:
     """({term: (ledger category, bytes)} at the worst moment of a forward slice, the same at the start of backward)
     for `tokens` tokens of width `h`, a (padded) vocabulary `vocab` and `chunks` slices."""
