@@ -12,7 +12,10 @@ import os
 
 import torch
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt's parameters (malloc.h)
+# mallopt's parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 GLIBC_MMAP_MAX_COUNT = 65536  # M_MMAP_MAX's default: how many blocks may have mappings of their own
 # The most glibc's own rule raises the thresholds to: "not kept" after a mallopt, since that rule stays off for good
 # (so the two settings are timed in fresh processes: course_lib.lessons.fresh_processes).
