@@ -1,8 +1,7 @@
 """Where a CPU tensor's memory comes from (glibc's malloc: PyTorch caches none on a CPU), and the one switch the
 course sets on it. glibc gives a block above its mmap threshold (at most 32 MiB) a mapping of its own, unmapped at free,
 and trims the heap's free top, so a step's large tensors come back as fresh pages the kernel maps and zeroes, a page
-fault each; `keep_freed(True)` turns both off (mallopt). Notebook 02 counts the faults; the exported script inlines
-is_glibc and the constants (codegen)."""
+fault each; `keep_freed(True)` turns both off (mallopt). Notebook 02 counts the faults (in fresh processes)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 GLIBC_MMAP_MAX_COUNT = 65536  # M_MMAP_MAX's default: how many blocks may have mappings of their own
-# The most glibc's own rule raises the thresholds to: "not kept" after a mallopt, since that rule stays off for good
-# (so the two settings are timed in fresh processes: course_lib.lessons.fresh_processes).
+# The most glibc's own rule raises the thresholds to: "not kept" once a mallopt has turned that rule off for good
 GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD_MAX = 32 << 20, 64 << 20
 NEVER = -1  # M_TRIM_THRESHOLD -1: never trim the heap (man mallopt)
 
