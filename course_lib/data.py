@@ -115,11 +115,9 @@ class Splits:
 
 def check_vocabulary(vocab_size: int, tokens: int | None = None) -> None:
     """A ConfigError unless the model has a row for each of the tokenizer's `tokens` (the course's BPE by default)."""
-    tokens = get_tokenizer().n_vocab if tokens is None else tokens
-    if vocab_size < tokens:
+    if vocab_size < (tokens := tokens or get_tokenizer().n_vocab):
         raise ConfigError(
-            f"model vocab_size={vocab_size} is smaller than the tokenizer's {tokens} tokens: "
-            f"raise vocab_size to at least {tokens}"
+            f"vocab_size={vocab_size} is smaller than the tokenizer's {tokens} tokens: raise it to {tokens}"
         )
 
 
@@ -130,9 +128,7 @@ def load_splits(val_fraction: float = 0.05) -> Splits:
     return Splits(stream[:-n_val], stream[-n_val:], pad_id(enc), enc.n_vocab)
 
 
-def random_windows(
-    stream: torch.Tensor, batch_size: int, context: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
+def random_windows(stream: torch.Tensor, batch_size: int, context: int, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch, context) inputs and the same windows shifted by one token as targets (teacher forcing)."""
     if len(stream) <= context + 1:
         raise ValueError(f"The stream has {len(stream)} tokens, too few for context {context}")

@@ -23,18 +23,10 @@ from .techniques import keep_freed_memory
 from .techniques.torch_compile import CUDA_GRAPH_MODES, begin_cuda_graph_step, uses_cuda_graphs
 from .timing import median_excluding
 
-Batches = Callable[[int], list[tuple[torch.Tensor, torch.Tensor]]]
 Callback = Callable[[int, RunResult], None]
 
 
-def train_step(
-    setup: techniques.Setup,
-    cfg: TrainConfig,
-    params: list[torch.Tensor],
-    micro: list[tuple[torch.Tensor, torch.Tensor]],
-    meter: measure.NotMeasured = measure.NOT_MEASURED,
-    n_targets: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+def train_step(setup: techniques.Setup, cfg: TrainConfig, params, micro, meter=measure.NOT_MEASURED, n_targets=None):
     """One optimizer step over the micro-batches [(inputs, targets), ...]: (loss per target token, gradient norm before
     clipping, learning rate, loss scale). `meter` is a no-op unless the memory ledger watches this step; `n_targets` is
     given where tensors hold no values (FakeTensorMode)."""
@@ -101,24 +93,12 @@ def evaluate(model: torch.nn.Module, stream: torch.Tensor, cfg: TrainConfig, n_b
 
 
 class Trainer:
-    """The training loop, built for one config.
+    """The training loop built for one config. model: the course's GPT, or any module mapping inputs to logits, with
+    `parts` naming its blocks, body and output layer; batches(step) -> the step's micro-batches [(x, y), ...] (random
+    windows of the plays by default); flops_per_token: the GPT formula, else counted on the first batch. `.setup` holds
+    what was built, for a caller to hook into (DDP's communication hook, a pipeline's schedule) before `fit()`."""
 
-    model: the course's GPT by default, or any module mapping inputs to logits, with `parts` naming its blocks, body
-    and output layer. batches(step) -> the step's micro-batches [(x, y), ...]: random windows of the plays by default.
-    flops_per_token: the GPT formula for a GPT, else counted on the first batch. `.setup` holds what was built, so a
-    caller can look at it or hook into it (DDP's communication hook, a pipeline's schedule) before `fit()`.
-    """
-
-    def __init__(
-        self,
-        cfg: TrainConfig,
-        model: torch.nn.Module | None = None,
-        *,
-        parts: techniques.ModelParts | None = None,
-        batches: Batches | None = None,
-        splits: data_mod.Splits | None = None,
-        flops_per_token: int | None = None,
-    ):
+    def __init__(self, cfg: TrainConfig, model=None, *, parts=None, batches=None, splits=None, flops_per_token=None):
         self.caps = caps_mod.capabilities(cfg.device)
         self.caps.require(cfg)  # this device can run cfg, or a ConfigError that says what to change
         # A fresh compiler: an earlier model's guards would decide what compiles, and the first step honestly includes
@@ -277,9 +257,7 @@ def out_of_memory_reason(e: BaseException | None) -> str | None:
     return None
 
 
-def unless_it_fails(
-    attempt: Callable[[], object], reason: Callable[[BaseException], str | None] = out_of_memory_reason
-) -> tuple[object, str | None]:
+def unless_it_fails(attempt: Callable[[], object], reason=out_of_memory_reason) -> tuple[object, str | None]:
     """(attempt(), None), or (None, reason(e)) with the memory freed where it raised an exception `reason` names (out
     of memory by default); any other exception is raised."""
     try:
