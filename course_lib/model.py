@@ -17,7 +17,8 @@ def naive_attention(q, k, v, dropout_p: float = 0.0, training: bool = False) -> 
     s = q.size(-2)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     causal = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
-    probs = F.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~causal, float("-inf"))  # reassigned: the unmasked scores are freed now
+    probs = F.softmax(scores, dim=-1)
     return F.dropout(probs, p=dropout_p, training=training) @ v
 
 
