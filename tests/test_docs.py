@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import results_page as P
+from tools import results_page as P
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -1,4 +1,4 @@
-"""Hosted notebooks (course_lib.hosted): the install cell's logic, run offline. Where course_lib imports, the cell does
+"""Hosted notebooks (tools/hosted.py): the install cell's logic, run offline. Where course_lib imports, the cell does
 nothing (no installer is called); where the import fails, it runs the installer (recorded here, never run) with the
 course's repository and the packages the notebooks need, then imports the course; a failed install is an error the
 learner sees, not a silent pass. The README's links and the package lists are in step with their sources."""
@@ -12,7 +12,7 @@ import tomllib
 import pytest
 
 import course_lib
-from course_lib import hosted as H
+from tools import hosted as H
 
 README = H.ROOT / "README.md"
 
@@ -103,7 +103,7 @@ def test_the_runtime_packages_are_the_projects_dependencies_less_what_the_servic
 
 def test_the_readme_links_every_notebook_and_is_up_to_date():
     text = README.read_text()
-    assert H.update_readme(text) == text, "run `python -m course_lib.hosted` (the README's links are stale)"
+    assert H.update_readme(text) == text, "run `python tools/hosted.py` (the README's links are stale)"
     for nb in sorted(p.name for p in (H.ROOT / "notebooks").glob("*.ipynb")):
         assert H.colab_url(nb) in text
     url = "https://colab.research.google.com/github/me/course/blob/main/notebooks/01_naive_loop.ipynb"
@@ -113,7 +113,7 @@ def test_the_readme_links_every_notebook_and_is_up_to_date():
 def test_every_install_cell_in_the_notebooks_is_the_one_written_here():
     for nb in sorted((H.ROOT / "notebooks").glob("*.ipynb")):
         for source in H.install_cells(nb):
-            assert source == H.install_cell(), f"{nb.name}: run `python -m course_lib.hosted`"
+            assert source == H.install_cell(), f"{nb.name}: run `python tools/hosted.py`"
         cells = json.loads(nb.read_text())["cells"]
         tagged = [i for i, c in enumerate(cells) if H.TAG in c.get("metadata", {}).get("tags", [])]
         assert tagged == [1], f"{nb.name}: the install cell is the first code cell, right after the title"

@@ -27,7 +27,7 @@ LAYERS = (
     (
         "ladder, export, memory estimate, profiling, distributed",
         "ladder export train_template memory_formula memory_estimate presets profiling reference "
-        "plots results_page distributed._common distributed.ddp distributed.ddp_by_hand distributed.expert_parallel "
+        "plots distributed._common distributed.ddp distributed.ddp_by_hand distributed.expert_parallel "
         "distributed.fsdp distributed.pipeline distributed.resume distributed.selftest distributed.series "
         "distributed.tensor_parallel distributed.zero_stages distributed.launch distributed.collectives "
         "distributed.zero1_by_hand",
@@ -45,7 +45,7 @@ LAYERS = (
     ),
     (
         "cli and widgets",
-        "widgets doctor distributed.strategy_panel __main__ course_lib hosted "
+        "widgets doctor distributed.strategy_panel __main__ course_lib "
         + " ".join(f"widgets.{p.stem}" for p in (PACKAGE / "widgets").glob("*.py") if p.stem != "__init__"),
     ),
 )
