@@ -12,7 +12,7 @@ from typing import Callable, Union
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from .measure import CATEGORIES
+from .measure import CATEGORIES, GiB
 from .results import RunResult
 
 CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#a0a0a0")))
@@ -83,7 +83,7 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
     fig, ax = _new_axes(ax)
     bottoms = [0.0] * len(results)
     for cat in CATEGORIES:
-        vals = [(r.memory_gib().get(cat) or 0.0) if r.ok else 0.0 for r in results]
+        vals = [(r.memory["by_category"].get(cat) or 0) / GiB if r.ok and r.memory else 0.0 for r in results]
         ax.bar(range(len(results)), vals, bottom=bottoms, label=cat, color=CATEGORY_COLORS[cat])
         bottoms = [b + v for b, v in zip(bottoms, vals)]
     for i, r in enumerate(results):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import html
 import json
 import os
 import re
@@ -15,7 +16,7 @@ import torch
 
 from .cache import write_atomic
 from .capabilities import device_name
-from .measure import CATEGORIES, GRAPHS_METHOD, GiB
+from .measure import GRAPHS_METHOD, GiB
 
 RESERVED_PEAK = "reserved, CUDA graphs' pool included"  # how a reserved peak is labelled wherever it is shown
 
@@ -76,8 +77,7 @@ class RunResult:
 
     @classmethod
     def failed(cls, cfg, label: str, status: str, reason: str, device: str | None = None) -> "RunResult":
-        """A run that measured nothing: its `status` and why, with its config (a TrainConfig, or None where none could
-        be made: then `device` says where it would have run)."""
+        """A run that measured nothing: its `status` and why; `device` says where it would have run when cfg is None."""
         config = cfg.to_dict() if cfg is not None else {}
         where = device_name(cfg.device if cfg is not None else device)
         return cls(label=label, status=status, config=config, provenance=provenance(where), reason=reason)
@@ -104,22 +104,16 @@ class RunResult:
         """The peak is the allocator's reserved one (CUDA graphs: measure.cuda_memory_report), not the live tensors'."""
         return bool(self.memory) and self.memory.get("method", "").startswith(GRAPHS_METHOD)
 
-    def peak_text(self, spec: str = ".4f", unit: str = "") -> str:
+    def peak_text(self, unit: str = "") -> str:
         """The peak in GiB (`unit` after it), labelled where it is the reserved one; "" where not measured."""
         label = f" ({RESERVED_PEAK})" if self.peak_is_reserved else ""
-        return "" if self.peak_gib is None else format(self.peak_gib, spec) + unit + label
+        return "" if self.peak_gib is None else f"{self.peak_gib:.4f}{unit}{label}"
 
     def peak_ratio(self, base: RunResult) -> float | None:
-        """This peak over `base`'s, where both were measured and are of one kind (a reserved peak over a live one is no
-        ratio of memories); else None."""
+        """This peak over `base`'s where both were measured and are of one kind (reserved over live is no ratio)."""
         if not (self.peak_gib is not None and base.peak_gib) or self.peak_is_reserved != base.peak_is_reserved:
             return None
         return self.peak_gib / base.peak_gib
-
-    def memory_gib(self) -> dict[str, float | None]:
-        """GiB by category; None for a category this device could not measure (CUDA: activations, logits)."""
-        by = self.memory["by_category"] if self.memory else dict.fromkeys(CATEGORIES)
-        return {k: None if v is None else v / GiB for k, v in by.items()}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,12 +139,10 @@ def check_writable(path: str | Path) -> Path:
     if path.exists() and not os.access(path, os.W_OK):
         raise PermissionError(f"cannot write {path}: the file is read-only; choose another path")
     try:  # a file made and dropped there: os.access says yes to root everywhere, /proc and read-only mounts included
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise PermissionError(
-            f"cannot write {path}: no file can be made in {folder} ({e.strerror}); choose another path"
-        ) from None
+        why = f"no file can be made in {folder} ({e.strerror}); choose another path"
+        raise PermissionError(f"cannot write {path}: {why}") from None
     return path
 
 
@@ -169,9 +161,8 @@ class ResultsFile:
     def __init__(self, path: Path, replace: bool = False, fallback_name: str = "results", **meta):
         self.path, self.meta, self.fallback_name = Path(path), meta, fallback_name
         self.replacing = replace and self.path.exists()
-        self.writing = (
-            self.path.with_name(f"{self.path.stem}.in-progress{self.path.suffix}") if self.replacing else self.path
-        )
+        in_progress = self.path.with_name(f"{self.path.stem}.in-progress{self.path.suffix}")
+        self.writing = in_progress if self.replacing else self.path
         self.results: list[RunResult] = []
         self.error: OSError | None = None  # why the last save failed; None once one succeeds
         self.note = ""  # what went wrong in `finish`, said as a sentence; "" where nothing did
@@ -232,15 +223,12 @@ def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
         # cut short, not mistyped: it stops where more was expected, in a string, or in its last number or word (`tru`)
         rest = text[e.pos :].strip()
         ends = not rest or re.fullmatch(r"[\w.+-]+", rest) is not None or e.msg.startswith("Unterminated string")
-        raise ResultsFileError(
-            "it ends in the middle of its JSON (cut short: a copy or a download that did not finish?)"
-            if ends
-            else f"it is not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-        ) from None
+        cut = "it ends in the middle of its JSON (cut short: a copy or a download that did not finish?)"
+        not_json = f"it is not JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        raise ResultsFileError(cut if ends else not_json) from None
     if not isinstance(payload, dict) or not isinstance(payload.get("results"), list):
         raise ResultsFileError("it holds no list of results, as a file `ladder --json` or a panel wrote does")
-    results = [_run_record(i, row) for i, row in enumerate(payload.pop("results"))]
-    return results, payload
+    return [_run_record(i, row) for i, row in enumerate(payload.pop("results"))], payload
 
 
 def _run_record(i: int, row) -> RunResult:
@@ -311,8 +299,8 @@ def same_model(a: RunResult, b: RunResult) -> bool:
 
 
 def efficiency_text(r: RunResult) -> str:
-    """MFU against a data sheet's peak for the run's precision (named: a rung that turns TF32 on can run faster and
-    show a smaller share), or efficiency against this machine's measured matmul peak."""
+    """MFU against the data sheet's peak of the run's precision (named: TF32 has a higher one), or efficiency against
+    this machine's measured matmul peak."""
     if r.mfu is None:
         return "n/a"
     if r.mfu_basis == "measured matmul peak":
@@ -331,8 +319,6 @@ def text_table(rows: list[dict[str, str]]) -> str:
 
 
 def html_table(rows: list[dict[str, str]]) -> str:
-    import html
-
     if not rows:
         return "<p><i>No runs yet.</i></p>"
     cols = list(rows[0])
