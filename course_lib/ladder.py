@@ -1,13 +1,9 @@
 """Climb the ladder of techniques from naive fp32, and keep what helps on this device.
 
-Each rung adds one technique to the best loop so far and runs it (course_lib.train), each timed step followed by one of
-the best loop's: a machine that drifts over the minutes moves both alike. The rung's factor is the median of the paired
-ratios. `judge` keeps a speed technique that made the step faster (by more than this machine's own noise: a factor
-within it is timed again), a memory technique that made the peak smaller whatever it cost in time, and SDPA where it
-helped one aim without hurting the other. A speed rung not kept gets a second look ("<rung>, again") on top of the loop
-the climb reached; on a GPU that waits on launches, one more rung tries CUDA graphs. Two rows end the table, each timed
-in pairs against naive fp32 (`final_rows`): `= optimised here`, the fastest loop that fits (without the memory
-techniques that cost time), and `= leanest here`, the climb's loop itself. `fixed=True` keeps every rung that can run.
+Each rung adds one technique to the best loop so far, each timed step paired with one of the best loop's (a drifting
+machine moves both alike); its factor is the median of the paired ratios, and `judge` decides. Speed rungs not kept get
+a second look at the top; a GPU waiting on launches tries CUDA graphs. Two rows end the table, timed in pairs against
+naive fp32: `= optimised here` (the fastest loop that fits) and `= leanest here` (the climb's loop itself).
 """
 
 from __future__ import annotations
@@ -84,8 +80,8 @@ def speed_change(pairs: list[tuple[float, float]]) -> SpeedChange:
 
 
 def same_step_noise(results: list[RunResult]) -> float | None:
-    """How far apart this machine timed a step against itself (the rungs that change nothing here, TF32 on a CPU), as a
-    factor >= 1 + MIN_SPEED_CHANGE: the larger of the median's distance from 1 and half the IQR. None: not measured."""
+    """How far apart this machine timed a step against itself (a rung that changes nothing here, TF32 on a CPU), as a
+    factor >= 1 + MIN_SPEED_CHANGE; None where not measured."""
     spreads = [
         max(abs(math.log(lad["same_step_factor"])), math.log(lad["factor_iqr"][1] / lad["factor_iqr"][0]) / 2)
         for lad in (r.ladder or {} for r in results)
@@ -102,8 +98,7 @@ def within_noise(speed: SpeedChange, noise: float | None) -> bool:
 
 
 def second_window(first: SpeedChange, pairs: list[tuple[float, float]], more: list[tuple[float, float]]) -> SpeedChange:
-    """The verdict of two windows of pairs: `first`'s where the second alone and both together agree with it, else no
-    measurable change; the factor and spread are of both windows."""
+    """Both windows' factor, with `first`'s verdict only where the second alone and both together agree with it."""
     pooled, second = speed_change(pairs + more), speed_change(more)
     agree = first.verdict == second.verdict == pooled.verdict
     return dataclasses.replace(pooled, verdict=first.verdict if agree else NO_CHANGE)
@@ -147,9 +142,8 @@ def judge(
 def ladder_configs(
     base: C.TrainConfig, options: dict | None = None, leave_out: dict[str, str] | None = None, on_this_machine=True
 ) -> list[tuple[T.Rung, C.TrainConfig | C.ConfigError]]:
-    """The fixed ladder: each rung's config, cumulative from naive, or its ConfigError where the device cannot run it or
-    it is left out (`leave_out` {rung: why}). `options` {technique: value} changes what its rung sets.
-    `on_this_machine=False` (a GPU script written on a laptop) applies every rung unchecked."""
+    """Each rung's config, cumulative from naive, or its ConfigError where the device cannot run it or it is left out
+    (`leave_out` {rung: why}). `on_this_machine=False` (a script for a GPU written on a laptop) checks none."""
     T.check_ladder_arguments(options, leave_out)
     caps, leave_out = capabilities(base.device) if on_this_machine else None, leave_out or {}
     out, cfg = [], T.naive(base)
@@ -161,8 +155,7 @@ def ladder_configs(
 
 
 def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> C.TrainConfig:
-    """The ladder's cumulative config at the rung named (ladder_configs). For a device this machine does not have,
-    every rung up to it is applied: nothing here can say what to skip."""
+    """The ladder's cumulative config at the rung named; on a device this machine lacks, every rung up to it applies."""
     T.check_rung_name(rung)
     try:
         here = bool(capabilities(base.device))
@@ -177,9 +170,8 @@ def rung_config(base: C.TrainConfig, rung: str, options: dict | None = None) -> 
 def prepare_climb(
     base: C.TrainConfig, rungs: list[str] | None = None, leave_out: dict | None = None, options: dict | None = None
 ) -> tuple[C.TrainConfig, dict[str, str], str]:
-    """What a climb checks before its first rung (the command line asks first, to refuse before its banner), and what it
-    climbs with: (base with enough steps to judge a rung, every rung left out {name: why}, how steps were raised or "").
-    `rungs` names the only rungs to measure."""
+    """A climb's checks (the command line runs them before its banner): (base with enough steps to judge a rung, every
+    rung left out {name: why}, how steps were raised or ""). `rungs` names the only rungs to measure."""
     for name in rungs or []:
         T.check_rung_name(name)
     leave_out = dict(leave_out or {})
@@ -188,10 +180,10 @@ def prepare_climb(
             leave_out.setdefault(rung.name, "left out: not among the rungs asked for")
     T.check_ladder_arguments(options, leave_out)
     naive = T.naive(base)  # every value is checked first: which error comes does not depend on the options' order
-    unchanged = [(n, value) for n, value in (options or {}).items() if T.TECHNIQUE[n].set(naive, value) == naive]
-    if unchanged:  # compile=False would measure naive against itself
-        name, value = unchanged[0]
-        rung = T.option_rung(name)
+    for name, value in (options or {}).items():
+        if T.TECHNIQUE[name].set(naive, value) != naive:
+            continue
+        rung = T.option_rung(name)  # compile=False would measure naive against itself
         raise C.ConfigError(
             f"--rung-value {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave "
             f"it out with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
@@ -204,20 +196,13 @@ def prepare_climb(
 
 
 def run_ladder(
-    base: C.TrainConfig,
-    steps: int | None = None,
-    progress: Callable[[str], None] | None = None,
-    rungs: list[str] | None = None,
-    leave_out: dict[str, str] | None = None,
-    options: dict[str, object] | None = None,
-    fixed: bool = False,
-    on_result: Callable[[list[RunResult]], None] | None = None,
-) -> list[RunResult]:
-    """Climb techniques.LADDER from naive fp32: one row per rung (its verdict in its `ladder` dict), then any second
-    looks and CUDA graphs, then OPTIMISED and LEANEST. A rung the device cannot run, or left out (`leave_out` {rung:
-    why}; `rungs`: measure only these), is 'skipped' with why; one out of memory is 'oom', another failure 'error'.
-    `options` {technique: value} changes what a rung sets. `progress(text)` hears "rung i of n" and draws the steps on
-    stderr; `on_result(rows so far)` is called after every rung (the command line saves there)."""
+    base: C.TrainConfig, steps: int | None = None, progress: Callable[[str], None] | None = None,
+    rungs: list[str] | None = None, leave_out: dict[str, str] | None = None, options: dict | None = None,
+    fixed: bool = False, on_result: Callable[[list[RunResult]], None] | None = None,
+) -> list[RunResult]:  # fmt: skip
+    """One row per rung of techniques.LADDER (its verdict in its `ladder` dict), any second looks and CUDA graphs, then
+    OPTIMISED and LEANEST. A rung the device cannot run or left out is 'skipped' with why; out of memory 'oom', another
+    failure 'error'. `progress(text)` hears "rung i of n"; `on_result(rows so far)` follows every rung (to save)."""
     base = dataclasses.replace(base, steps=steps) if steps is not None else base
     base, leave_out, raised = prepare_climb(base, rungs, leave_out, options)
     if raised and progress:
@@ -228,14 +213,11 @@ def run_ladder(
     refresh_peaks(caps)
     # "rung i of n" counts the rungs not left out (one the device refuses passes at once) and the final rows as one
     n = sum(r.name not in leave_out for r in T.LADDER) + 1
-    climb = _Climb(caps, provenance(caps.name), options, fixed, progress, on_result, n)
+    climb = _Climb(caps, options, fixed, progress, on_result, n)
     if not climb.baseline(base):
         return climb.results
     for rung in T.LADDER[1:]:
-        if rung.name not in leave_out:
-            climb.announce(rung.name)
         climb.rung(rung.name, rung, leave_out.get(rung.name))
-        climb.saved()
     if not fixed:
         climb.second_looks()
         climb.cuda_graphs()
@@ -260,7 +242,6 @@ class _Climb:
     """A climb under way: what it was asked, its rows so far, naive's loop and the best so far, its progress count."""
 
     caps: Capabilities
-    prov: dict  # provenance(caps.name): where every row the climb did not run came from
     options: dict | None
     fixed: bool
     progress: Callable[[str], None] | None
@@ -282,7 +263,8 @@ class _Climb:
             self.on_result(self.results)
 
     def not_run(self, label: str, why: str, ladder: dict) -> RunResult:
-        return RunResult(label=label, status="skipped", config={}, provenance=self.prov, reason=why, ladder=ladder)
+        prov = provenance(self.caps.name)
+        return RunResult(label=label, status="skipped", config={}, provenance=prov, reason=why, ladder=ladder)
 
     def baseline(self, base: C.TrainConfig) -> bool:
         """Naive fp32, which every rung climbs from; False where it failed (every later rung then says so)."""
@@ -302,13 +284,16 @@ class _Climb:
         self.saved()
         return ok
 
-    def rung(self, label: str, rung: T.Rung, why_not: str | None = None, cfg: C.TrainConfig | None = None) -> RunResult:
+    def rung(self, label: str, rung: T.Rung, why_not: str | None = None, cfg=None, details=None) -> None:
         """One rung (or a second look) on top of the best loop so far: its row, measured and judged, or why not."""
+        if not why_not:  # a rung left out passes without a count
+            self.announce(label)
         if cfg is None:
             cfg = C.ConfigError(why_not) if why_not else T.rung_up(self.best.cfg, rung, self.caps, self.options)
         if isinstance(cfg, C.ConfigError):
             self.results.append(self.not_run(label, str(cfg), {"kept": False, "why": f"not run: {cfg}"}))
-            return self.results[-1]
+            self.saved()
+            return
         give_up = not self.fixed and rung.aims == (T.SPEED,)
         result, trainer, pairs = _measure(cfg, label, self.best, self.progress, give_up)
         result.reason = result.reason or rung.what_changed
@@ -317,8 +302,9 @@ class _Climb:
             if self.best is not self.naive_loop:
                 self.best.trainer = None  # the loop that lost goes, before the next rung builds its own
             self.best = loop
+        result.details.update(details or {})
         self.results.append(result)
-        return result
+        self.saved()
 
     def judged(self, result: RunResult, trainer: Trainer | None, pairs, rung: T.Rung) -> _Loop | None:
         """Fill in `result.ladder`, its verdict against the best loop so far; the rung's loop where it is kept."""
@@ -348,8 +334,7 @@ class _Climb:
         lad |= _speed_fields(speed, [list(p) for p in pairs])
         lad |= {"memory": memory[1], "memory_factor": memory[0], "speedup": speedup, "speedup_basis": PRODUCT}
         lad |= {"memory_vs_naive": result.peak_ratio(self.naive_loop.result), "device_note": note}
-        # a second window of (best_s, rung_s) where the first was within noise; a step against itself, from which later
-        # rungs read this machine's noise (same_step_noise)
+        # a second window where the first was within noise; a step against itself, later rungs' same_step_noise
         lad |= {"pairs_again": [list(p) for p in more], "same_step_factor": speed.factor if same_step else None}
         result.ladder = lad
         return _Loop(trainer.cfg, trainer, result, speedup) if kept else None
@@ -360,9 +345,7 @@ class _Climb:
         again = second_look(self.results)
         self.n += len(again)
         for rung in again:
-            self.announce(again_label(rung.name))
             self.rung(again_label(rung.name), rung)
-            self.saved()
 
     def cuda_graphs(self) -> None:
         """On a GPU that waits on the CPU's launches (a model too small for it), a step recorded once as a CUDA graph
@@ -372,10 +355,8 @@ class _Climb:
             self.progress(f"{CUDA_GRAPHS}: {why}")
         if try_it:
             self.n += 1
-            self.announce(CUDA_GRAPHS)
             cfg = dataclasses.replace(self.best.cfg, compile_mode="reduce-overhead")
-            self.rung(CUDA_GRAPHS, CUDA_GRAPHS_RUNG, cfg=cfg).details["device_idle_share"] = why
-            self.saved()
+            self.rung(CUDA_GRAPHS, CUDA_GRAPHS_RUNG, cfg=cfg, details={"device_idle_share": why})
 
     def final_rows(self) -> list[RunResult]:
         """[OPTIMISED, LEANEST]: the climb's loop is the leanest; the optimised loop leaves out the memory rungs that
@@ -401,11 +382,9 @@ class _Climb:
         elif lean.ladder.get("speedup") and opt.ladder.get("speedup"):
             cost = opt.ladder["speedup"] / lean.ladder["speedup"]
             lean.ladder["vs_optimised"] = 1 / cost
-            lean.ladder["why"] += (
-                f"; {cost:.2f}x slower than {OPTIMISED} (the ratio of their factors over naive)"
-                if cost >= 1
-                else f"; {1 / cost:.2f}x faster than {OPTIMISED} (the ratio of their factors over naive): timing noise"
-            )
+            than = f"than {OPTIMISED} (the ratio of their factors over naive)"
+            slower, faster = f"{cost:.2f}x slower {than}", f"{1 / cost:.2f}x faster {than}: timing noise"
+            lean.ladder["why"] += "; " + (slower if cost >= 1 else faster)
         return [opt, lean]
 
     def optimised_row(self, kept: list[str], costly: list[RunResult], notes: list[str]) -> tuple[RunResult | None, str]:
@@ -441,18 +420,10 @@ class _Climb:
         """The climb's loop timed once more in pairs against naive fp32 (as many pairs as a rung has timed steps); its
         memory is the one measured at the rung that made it the best (the same config)."""
         naive, best, top = self.naive_loop, self.best, self.best.result
-        row = RunResult(
-            label=LEANEST,
-            status="ok",
-            config=dict(top.config),
-            provenance=provenance(self.caps.name),
-            reason="naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here",
-            tokens_per_step=top.tokens_per_step,
-            n_params=top.n_params,
-            flops_per_token=top.flops_per_token,
-            memory=top.memory,
-            details={"memory_measured_at": top.label},
-        )
+        reason = "naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here"
+        same = {k: getattr(top, k) for k in ("tokens_per_step", "n_params", "flops_per_token", "memory")}
+        row = RunResult(LEANEST, "ok", dict(top.config), provenance(self.caps.name), reason, **same)
+        row.details = {"memory_measured_at": top.label}
         if best is naive:
             why = "nothing was kept: naive fp32 is the best of the loops measured here"
             why = why if measured else "no rung was measured: the loop is naive fp32 by default"
@@ -477,17 +448,14 @@ class _Climb:
 
 
 CUDA_GRAPHS = "+ CUDA graphs"  # a rung of its own, after the climb: only where the device waits on launches
-CUDA_GRAPHS_RUNG = T.Rung(
-    CUDA_GRAPHS,
-    "compile's reduce-overhead mode: the compiled step recorded once as a CUDA graph and replayed, one launch for many",
-    T.TECHNIQUE["compile"],
-    True,
+_GRAPHS_WHAT = (
+    "compile's reduce-overhead mode: the compiled step recorded once as a CUDA graph and replayed, one launch for many"
 )
+CUDA_GRAPHS_RUNG = T.Rung(CUDA_GRAPHS, _GRAPHS_WHAT, T.TECHNIQUE["compile"], True)
 
 
 def tries_cuda_graphs(cfg: C.TrainConfig, idle: float | None, measured: str = "") -> tuple[bool, str]:
-    """(whether to try CUDA graphs on top of `cfg`, why), from the share of its step the GPU sat idle (`measured`: why
-    it is missing)."""
+    """(whether to try CUDA graphs on top of `cfg`, why), from the share of its step the GPU sat idle (`measured`)."""
     if torch.device(cfg.device).type != "cuda":
         return False, "a CPU has no kernel launches to save"
     if not cfg.compile or cfg.compile_mode != "default":
@@ -514,8 +482,8 @@ def _idle_share_of(cfg: C.TrainConfig, caps: Capabilities) -> tuple[float | None
 
 
 def refresh_peaks(caps: Capabilities) -> None:
-    """Measure the matmul peaks every rung's efficiency is over again (the cache keeps the higher): one measured while
-    the machine was busy would make them all too high. Nothing where a data sheet gives the peak."""
+    """Measure again the matmul peaks every rung's efficiency is over (the cache keeps the higher): one measured on a
+    busy machine would make them all too high."""
     if caps.datasheet is not None:
         return
     tf32 = "tf32" if caps.type == "cuda" and caps.supports("tf32").ok else None  # a mode of its own on a GPU
@@ -536,23 +504,19 @@ def rung_name(result: RunResult) -> str:
 def second_look(results: list[RunResult]) -> list[T.Rung]:
     """The speed rungs worth a second look on top of the climb's last loop: run, not kept, not for want of hardware
     (bf16 converted in software stays slow), and with a rung kept after them (else they would meet the same loop)."""
-    out = []
-    for i, r in enumerate(results):
-        rung = T.RUNGS.get(r.label)
-        lost = rung is not None and T.SPEED in rung.aims and r.ok and not r.ladder.get("kept", True)
-        if lost and not r.ladder.get("device_note") and any(later.ladder.get("kept") for later in results[i + 1 :]):
-            out.append(rung)
-    return out
+    last_kept = max((i for i, r in enumerate(results) if r.ladder.get("kept")), default=-1)
+    lost = [r for r in results[:last_kept] if r.ok and not r.ladder.get("kept", True) and r.label in T.RUNGS]
+    lost = [r for r in lost if not r.ladder.get("device_note")]  # (bf16 converted in software stays slow)
+    return [T.RUNGS[r.label] for r in lost if T.SPEED in T.RUNGS[r.label].aims]
 
 
 def _progress_text(i: int, n: int, name: str, started: float) -> str:
+    def minutes(seconds: float) -> str:
+        return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
     elapsed = time.perf_counter() - started
-    left = f", about {_minutes(elapsed / i * (n - i))} left" if i else ""
-    return f"rung {i + 1} of {n}: {name} ({_minutes(elapsed)} so far{left})"
-
-
-def _minutes(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+    left = f", about {minutes(elapsed / i * (n - i))} left" if i else ""
+    return f"rung {i + 1} of {n}: {name} ({minutes(elapsed)} so far{left})"
 
 
 def _error_line(e: BaseException, limit: int) -> str:
@@ -567,11 +531,10 @@ def _measure(
     rung_s)). With `give_up`, a rung over GIVE_UP_SLOWER slower in each of its first GIVE_UP_AFTER pairs is stopped."""
     pairs: list[tuple[float, float]] = []
     made: dict[str, object] = {}
-    printer = _step_printer(label, cfg.steps) if progress else None
 
     def after_step(step: int, result: RunResult) -> None:
-        if printer:
-            printer(step, result)
+        if progress:
+            _draw_steps(label, step + 1, cfg.steps)
         if best is None or not made["trainer"].is_timed(step):
             return
         try:
@@ -595,7 +558,7 @@ def _measure(
         result = catching_oom(attempt, cfg, label)
     except Exception as e:  # noqa: BLE001 - a rung that fails is a row that says why; the climb goes on
         result = RunResult.failed(cfg, label, "error", _error_line(e, 300))
-    if printer and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
+    if progress and len(result.step_times) < cfg.steps:  # stopped early: end the step bar's line
         sys.stderr.write("\n")
     if not result.ok:
         made.clear()
@@ -659,9 +622,7 @@ def _memory_rungs_kept(results: list[RunResult]) -> list[RunResult]:
     return [r for r in results if r.ladder.get("kept") and r.ladder.get("aims") == [T.MEMORY]]
 
 
-def optimised_candidates(
-    leanest_cfg: C.TrainConfig, costly: list[RunResult]
-) -> list[tuple[C.TrainConfig, list[RunResult]]]:
+def optimised_candidates(leanest_cfg: C.TrainConfig, costly: list[RunResult]) -> list[tuple[C.TrainConfig, list]]:
     """The loops the optimised one is tried as, fastest first: the leanest loop without every costly rung, then with the
     first put back (ladder order), and so on to the leanest loop itself; each with the rungs it put back."""
     out = []
@@ -702,15 +663,10 @@ def _timed_as(row: RunResult, source: RunResult, **ladder) -> RunResult:
     return row
 
 
-def _step_printer(name: str, total: int):
-    def callback(step: int, _r) -> None:
-        done = step + 1
-        sys.stderr.write(f"\r  {name:<18} [{'#' * (20 * done // total):<20}] {done}/{total}")
-        if done == total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return callback
+def _draw_steps(name: str, done: int, total: int) -> None:
+    bar = f"\r  {name:<18} [{'#' * (20 * done // total):<20}] {done}/{total}"
+    sys.stderr.write(bar + ("\n" if done == total else ""))
+    sys.stderr.flush()
 
 
 def everything_on(base: C.TrainConfig) -> C.TrainConfig:
