@@ -1,11 +1,6 @@
-"""Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing).
-
-- Memory on CUDA: the allocator's peak (`max_memory_allocated`) and what it reserved.
-- Memory on a CPU: an exact ledger. A TorchDispatchMode sees every op, forward and backward, so every tensor storage
-  is followed from birth to death and put in a category: parameters, gradients, optimizer state, activations (made in
-  forward, still alive), logits (the output layer and the loss), other (temporaries, mostly in backward).
-- FLOPs: 6N + 12·L·h·s per token (PaLM, appendix B), checkable against FlopCounterMode.
-"""
+"""Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing). Memory on CUDA is the
+allocator's peak; on a CPU an exact ledger, a TorchDispatchMode that follows every tensor storage from birth to death by
+category (CATEGORIES). FLOPs: 6N + 12·L·h·s per token (PaLM, appendix B), checkable against FlopCounterMode."""
 
 from __future__ import annotations
 
@@ -52,9 +47,6 @@ def mib_text(n_bytes: int | None, digits: int = 2) -> str:
     return "not measured" if n_bytes is None else f"{n_bytes / 2**20:.{digits}f} MiB"
 
 
-# ---- memory ------------------------------------------------------------------------------------
-
-
 def cuda_index(device: str | torch.device) -> int:
     """The GPU's index ("cuda" alone: the current one); torch.cuda's memory-limit calls need one."""
     device = torch.device(device)
@@ -65,9 +57,7 @@ _WARMED_GPUS: set[int] = set()
 
 
 def warm_up_cuda_libraries(device: str | torch.device) -> None:
-    """Once per process and GPU: a matmul and a linear layer with a bias, forward and backward, in fp32 (and bf16), so
-    that cuBLAS and cuBLASLt allocate their workspaces (kept for the process) before a run's baseline, not inside the
-    first run's "other" memory."""
+    """Once per GPU: cuBLAS and cuBLASLt allocate their workspaces before a run's baseline, not in its "other"."""
     device = torch.device(device)
     if device.type != "cuda" or cuda_index(device) in _WARMED_GPUS:
         return
@@ -80,14 +70,11 @@ def warm_up_cuda_libraries(device: str | torch.device) -> None:
 
 
 def _storages(tensors):
-    """The storages that hold the bytes of the tensors among `tensors`; a wrapper subclass (a DTensor's local shard)
-    by its inner tensors, since its own storage is a placeholder that raises."""
+    """The storages holding the bytes of `tensors`; a wrapper subclass (DTensor) by its inner ones (its own raises)."""
     for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            continue
         if is_traceable_wrapper_subclass(t):
             yield from _storages(getattr(t, a) for a in t.__tensor_flatten__()[0])
-        else:
+        elif isinstance(t, torch.Tensor):
             yield t.untyped_storage()
 
 
@@ -122,8 +109,7 @@ _LEDGER_IDS = itertools.count()
 
 
 def _aliasing_returns(func, out) -> list[bool]:
-    """For each tensor `func` returned: does it alias an input (a view, an in-place or out= result)? Such a result
-    allocates nothing: its storage is an input's, counted where that was made (or before the ledger started)."""
+    """For each tensor `func` returned: does it alias an input (a view, in-place or out=), allocating nothing?"""
     flat = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     if func.__name__.startswith("lift"):  # torch.tensor(data): a storage born outside dispatch, shown here first
         return [False] * len(flat)
@@ -134,12 +120,9 @@ def _aliasing_returns(func, out) -> list[bool]:
 
 
 class MemoryLedger(TorchDispatchMode):
-    """Follows every tensor storage created while active; knows the live total, its peak and what it holds.
-
-    Wrap the parts of a step in `phase("forward" | "loss" | "backward" | "optimizer")` so that new storages get a
-    category; `register(...)` first what exists before the step. A storage's size is read again whenever an op touches
-    it (resize_, FSDP2's resize to 0 and back); a view of a storage made before the ledger allocates nothing.
-    """
+    """Follows every tensor storage created while active: the live total, its peak and what it holds. `register` what
+    exists before the step; inside `phase(...)` new storages get that phase's category. A storage's size is read again
+    whenever an op touches it (resize_, FSDP2's resize to 0 and back)."""
 
     PHASE_CATEGORY = {"forward": "activations", "loss": "logits"}  # any other phase makes "other"
 
@@ -153,8 +136,7 @@ class MemoryLedger(TorchDispatchMode):
         self.keep_timeline = keep_timeline
         self.timeline: list[tuple[str, int]] = []
 
-    # A storage is identified by an id stored on its Python object, which PyTorch keeps alive (and the same
-    # object) as long as the storage lives; a weak reference tells the ledger when it dies.
+    # A storage's id is kept on its Python object, the same one while the storage lives; a weakref tells its death.
     def _sid(self, st) -> int | None:
         sid = getattr(st, "_course_ledger_id", None)
         return sid if sid in self._info else None
@@ -176,8 +158,6 @@ class MemoryLedger(TorchDispatchMode):
 
     def _resize(self, sid: int, nbytes: int) -> None:
         info = self._info[sid]
-        if nbytes == info[0]:
-            return
         self.live += nbytes - info[0]
         info[0] = nbytes
         if self.live > self.peak:
@@ -185,10 +165,8 @@ class MemoryLedger(TorchDispatchMode):
             self._peak_members = {k: v[:] for k, v in self._info.items()}
 
     def _free(self, sid: int) -> None:
-        info = self._info.pop(sid, None)
         self._refs.pop(sid, None)
-        if info is not None:
-            self.live -= info[0]
+        self.live -= self._info.pop(sid, [0])[0]
 
     def register(self, tensors, category: str) -> None:
         """Count tensors that already exist (parameters, gradients, optimizer state) under `category`."""
@@ -231,9 +209,8 @@ class MemoryLedger(TorchDispatchMode):
 
     @contextlib.contextmanager
     def watch(self, output_layer: torch.nn.Module | None = None):
-        """Follow one training step. In `phase("forward")` new storages are "activations" until `output_layer` (the
-        module that makes the logits) runs; from its result on (the loss) they are "logits". Autograd's saved tensors
-        are counted too (`saved_bytes`), once per storage, the parameters left out (a matmul saves its weight)."""
+        """Follow one step: in `phase("forward")` new storages are "activations", "logits" from `output_layer`'s result
+        on; autograd's saved tensors are counted once per storage (`saved_bytes`), the parameters left out."""
         saved_token = object()  # this watch's mark on the storages it has counted
 
         def pack(t: torch.Tensor):
@@ -250,15 +227,15 @@ class MemoryLedger(TorchDispatchMode):
             if self._phase == "forward":
                 self._phase = "loss"
 
-        handles = []
+        hooks = []
         if output_layer is not None:
-            handles.append(output_layer.register_forward_pre_hook(into_loss))
-            handles.append(output_layer.register_forward_hook(lambda _m, _i, out: self.register([out], "logits")))
+            hooks.append(output_layer.register_forward_pre_hook(into_loss))
+            hooks.append(output_layer.register_forward_hook(lambda _m, _i, out: self.register([out], "logits")))
         try:
             with self, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 yield self
         finally:
-            for h in handles:
+            for h in hooks:
                 h.remove()
             if self.keep_timeline:  # what is still live when the step ends (after zero_grad freed what it frees)
                 self.timeline.append(("optimizer", self.live))
@@ -274,9 +251,6 @@ class MemoryLedger(TorchDispatchMode):
             method="CPU ledger: every tensor storage followed through one training step",
             timeline=list(self.timeline),
         )
-
-
-# ---- how one step is watched: the same step body either way ------------------------------------------
 
 
 class NotMeasured:
@@ -301,18 +275,12 @@ NOT_MEASURED = NotMeasured()
 def static_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
     """What a model and its optimizer hold between steps: parameters, gradients (when they exist), optimizer state."""
     params = list(model.parameters())
-    return {
-        "parameters": params,
-        "gradients": [p.grad for p in params if p.grad is not None],
-        "optimizer state": optimizer_state_tensors(optimizer),
-    }
+    grads = [p.grad for p in params if p.grad is not None]
+    return {"parameters": params, "gradients": grads, "optimizer state": optimizer_state_tensors(optimizer)}
 
 
-def static_bytes(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, gradients_at_parameter_size: bool = False
-) -> dict[str, int]:
-    """Bytes this process holds in parameters, gradients and optimizer state (a DTensor's local shard).
-    gradients_at_parameter_size: the gradients as at the end of backward, even if zero_grad has freed them since."""
+def static_bytes(model, optimizer, gradients_at_parameter_size: bool = False) -> dict[str, int]:
+    """Bytes this process holds by static_tensors' category; the gradients as at backward's end where asked."""
     tensors = static_tensors(model, optimizer)
     if gradients_at_parameter_size:
         tensors["gradients"] = tensors["parameters"]
@@ -320,11 +288,10 @@ def static_bytes(
 
 
 class LedgerMeasurement(NotMeasured):
-    """The step under the CPU memory ledger: what exists before it registered by category, the gradients named when
-    the optimizer sees them, what remains classified again after. The loss runs eagerly: a compiled graph hides it."""
+    """The step under the CPU memory ledger, by category; the loss runs eagerly (a compiled graph hides its tensors)."""
 
-    def __init__(self, output_layer: torch.nn.Module | None = None, ledger: MemoryLedger | None = None):
-        self.ledger = ledger or MemoryLedger()
+    def __init__(self, output_layer: torch.nn.Module | None = None):
+        self.ledger = MemoryLedger()
         self.output_layer = output_layer
 
     @contextlib.contextmanager
@@ -350,10 +317,8 @@ class LedgerMeasurement(NotMeasured):
 
 
 class StepRecorder:
-    """What a run measures around each step, from outside it: wall time (timing.StepTimer), page faults
-    (techniques.keep_freed_memory), on CUDA the allocator's peaks over the run's own timed steps (another loop's steps
-    in between never count), on a CPU the ledger over cfg.ledger_step. Built before the model, so that what CUDA
-    already holds is its baseline. It records between `start` and `stop`; outside, a step is only timed."""
+    """Around each step, from outside: wall time, page faults, CUDA's peaks over the timed steps or the CPU ledger over
+    cfg.ledger_step, between `start` and `stop` (else only time). Built before the model: CUDA's baseline."""
 
     def __init__(self, cfg: TrainConfig, cuda_graphs: bool = False):
         self.dev, self.cfg, self.cuda_graphs = torch.device(cfg.device), cfg, cuda_graphs
@@ -400,8 +365,7 @@ class StepRecorder:
             return self.ledger.report().to_dict()
         if self.dev.type != "cuda" or self.cuda_peak is None:
             return None
-        # With set_to_none=True the gradients exist only from backward on, and the allocator cannot say whether the
-        # peak fell before or after: "not measured" (inside "other") rather than guessed.
+        # set_to_none: gradients exist from backward on, before or after the peak? "not measured" rather than guessed
         static: dict = static_bytes(model, optimizer, gradients_at_parameter_size=True)
         static["gradients"] = None if self.cfg.set_to_none else static["gradients"]
         peaks = (self.cuda_peak, self.baseline, self.cuda_reserved, self.cuda_graphs, self.reserved_baseline)
@@ -411,20 +375,10 @@ class StepRecorder:
 GRAPHS_METHOD = "CUDA graphs"  # how a reserved peak's method begins (results.peak_text labels it)
 
 
-def cuda_memory_report(
-    device,
-    static: dict[str, int | None],
-    peak: int | None = None,
-    baseline: int = 0,
-    reserved: int | None = None,
-    cuda_graphs: bool = False,
-    reserved_baseline: int = 0,
-) -> MemoryReport:
-    """CUDA: the allocator's peak (else max_memory_allocated since the last reset) less `baseline`, what was allocated
-    before the run. Parameters, gradients and optimizer state come from the tensors (`static`); activations and logits
-    are None, inside "other", the rest of the peak: the allocator does not know what a block was for.
-    `cuda_graphs`: a replay allocates nothing (the activations live in the graphs' pool), so the peak is what was
-    reserved over the run's steps less what was reserved before it, the cache's slack included."""
+def cuda_memory_report(device, static, peak=None, baseline=0, reserved=None, cuda_graphs=False, reserved_baseline=0):
+    """CUDA: the allocator's `peak` (default: max_memory_allocated) less `baseline`; `static` (parameters, gradients,
+    optimizer state) from the tensors; the rest of the peak is "other": the allocator does not know what a block was
+    for. Under `cuda_graphs` a replay allocates nothing (activations live in the graphs' pool): the reserved peak."""
     reserved = torch.cuda.max_memory_reserved(device) if reserved is None else reserved
     if cuda_graphs:
         peak, baseline = reserved, reserved_baseline
@@ -434,35 +388,24 @@ def cuda_memory_report(
     peak -= 0 if unsubtracted else baseline
     by: dict[str, int | None] = {**dict.fromkeys(CATEGORIES, None), **static}
     by["other"] = max(0, peak - sum(v for k, v in by.items() if v and k != "other"))
-    method = (
-        f"{GRAPHS_METHOD}: torch.cuda.max_memory_reserved over the run's timed steps (the graphs' private memory pool "
-        "included, which a replay's allocated peak does not see), less what was reserved before the run, the "
-        "cache's slack included"
-        if cuda_graphs
-        else "CUDA: torch.cuda.max_memory_allocated over the run's timed steps (the peak reset before each), "
-        "less what was allocated before the run"
-    )
+    what = "reserved" if cuda_graphs else "allocated"
+    method = f"torch.cuda.max_memory_{what} over the run's timed steps, less what was {what} before the run"
+    method = f"{GRAPHS_METHOD}: {method} (the graphs' pool included)" if cuda_graphs else f"CUDA: {method}"
     if unsubtracted:
         method += "; here nothing was subtracted: the run held less than before it, at its peak"
     method += "; activations and logits are not measured separately (inside 'other')"
     return MemoryReport(peak_bytes=peak, by_category=by, reserved_bytes=reserved, method=method)
 
 
-# ---- FLOPs and MFU ------------------------------------------------------------------------------
-
-
 def flops_per_token(n_params_non_embedding: int, n_layer: int, n_embd: int, context: int) -> int:
-    """Training FLOPs per token, forward and backward: 6N for the weight matmuls and 12·L·h·s for
-    attention's scores and weighted sum (PaLM, appendix B). Causal masking is not subtracted."""
+    """Training FLOPs per token: 6N for the weight matmuls, 12·L·h·s for attention (causal masking not subtracted)."""
     return 6 * n_params_non_embedding + 12 * n_layer * n_embd * context
 
 
 def counted_flops_per_token(model: torch.nn.Module, idx: torch.Tensor, loss_fn, tokens: int | None = None) -> int:
-    """The same quantity counted by FlopCounterMode over one forward and backward, per element of `idx` (or per
-    `tokens`, where an input is not one token per element)."""
-    from torch.utils.flop_counter import FlopCounterMode
+    """The same counted by FlopCounterMode over one forward and backward, per element of `idx` (or per `tokens`)."""
+    from torch.utils.flop_counter import FlopCounterMode  # imported here: a slow import, for this count only
 
-    counter = FlopCounterMode(display=False)
-    with counter:
+    with FlopCounterMode(display=False) as counter:
         loss_fn(model(idx)).backward()
     return counter.get_total_flops() // (tokens or idx.numel())
