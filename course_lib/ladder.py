@@ -92,9 +92,8 @@ def same_step_noise(results: list[RunResult]) -> float | None:
 
 def within_noise(speed: SpeedChange, noise: float | None) -> bool:
     """Whether a faster or slower verdict rests on a factor within NOISE_MULTIPLE times `noise` (on a log scale)."""
-    if noise is None or speed.verdict not in (FASTER, SLOWER):
-        return False
-    return abs(math.log(speed.factor)) <= NOISE_MULTIPLE * math.log(noise)
+    decided = noise is not None and speed.verdict in (FASTER, SLOWER)
+    return decided and abs(math.log(speed.factor)) <= NOISE_MULTIPLE * math.log(noise)
 
 
 def second_window(first: SpeedChange, pairs: list[tuple[float, float]], more: list[tuple[float, float]]) -> SpeedChange:
@@ -348,8 +347,7 @@ class _Climb:
             self.rung(again_label(rung.name), rung)
 
     def cuda_graphs(self) -> None:
-        """On a GPU that waits on the CPU's launches (a model too small for it), a step recorded once as a CUDA graph
-        and replayed may help: tried where a profile of the climb's loop shows the device idle long enough."""
+        """CUDA graphs, tried where a profile of the climb's loop shows the GPU waiting on the CPU's launches."""
         try_it, why = tries_cuda_graphs(self.best.cfg, *_idle_share_of(self.best.cfg, self.caps))
         if self.progress and self.caps.type == "cuda":
             self.progress(f"{CUDA_GRAPHS}: {why}")
@@ -359,8 +357,7 @@ class _Climb:
             self.rung(CUDA_GRAPHS, CUDA_GRAPHS_RUNG, cfg=cfg, details={"device_idle_share": why})
 
     def final_rows(self) -> list[RunResult]:
-        """[OPTIMISED, LEANEST]: the climb's loop is the leanest; the optimised loop leaves out the memory rungs that
-        cost time (optimised_row). Where they are one loop, both rows say so."""
+        """[OPTIMISED, LEANEST]: the climb's loop less the memory rungs that cost time, and the loop itself."""
         results, fixed = self.results, self.fixed
         kept = [r.label for r in results[1:] if r.ladder.get("kept")]
         lean = self.leanest_row(kept, measured=any(r.status != "skipped" for r in results[1:]))
@@ -538,9 +535,8 @@ def _measure(
         if best is None or not made["trainer"].is_timed(step):
             return
         try:
-            if not pairs and not made.get("rewarmed"):  # untimed: building this rung reset the compiler
+            if not pairs:  # one untimed step first: building this rung reset the compiler
                 best.trainer.step()
-                made["rewarmed"] = True
             pairs.append((best.trainer.step(), result.step_times[-1]))
         except Exception as e:  # noqa: BLE001 - the best loop's failure is not this rung's: stop pairing, say whose
             made["best_failed"] = _error_line(e, 200)
@@ -601,8 +597,7 @@ def _timed_again(first: SpeedChange, pairs, best: Trainer, trainer: Trainer, noi
 
 
 def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, float]], str]:
-    """(n steps of two loops in alternation, (first_s, second_s) each, ""), or ([], the error's name) where a step
-    failed (out of memory with several loops held), the memory freed: the caller says what that means."""
+    """(n pairs (first_s, second_s) of the loops' steps in turn, ""), or ([], the error's name), the memory freed."""
     pairs, failed = unless_it_fails(
         lambda: [(first.step(), second.step()) for _ in range(n)], lambda e: type(e).__name__
     )
@@ -613,8 +608,7 @@ def _paired(first: Trainer, second: Trainer, n: int) -> tuple[list[tuple[float, 
 
 
 def memory_rungs_that_cost_time(results: list[RunResult]) -> list[RunResult]:
-    """The kept memory-only rungs that were not as fast as the loop before them (slower, or too few pairs to say): the
-    optimised loop leaves these out where it fits without them."""
+    """The kept memory-only rungs not as fast as the loop before them (slower, or too few pairs to say)."""
     return [r for r in _memory_rungs_kept(results) if r.ladder.get("speed") not in (NO_CHANGE, FASTER)]
 
 
