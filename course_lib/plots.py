@@ -1,7 +1,5 @@
-"""Plots of results: speed, memory by category, loss curves, step times. Each names its units and device.
-
-Figures are built with matplotlib's object API, never pyplot: nothing accumulates in pyplot's figure manager, and a
-figure drawn in a widget's callback is not shown twice. Show one with `display(fig)` (not `plt.show()`)."""
+"""Plots of results (speed, memory by category, losses, step times), each naming its units and device. Built without
+pyplot, so nothing piles up in its figure manager nor shows twice from a widget: show one with `display(fig)`."""
 
 from __future__ import annotations
 
@@ -46,13 +44,9 @@ def _displayable_in_ipython() -> None:
         from IPython.core.pylabtools import print_figure
     except ImportError:
         return
-    ip = get_ipython()
-    if ip is None or not hasattr(ip, "display_formatter"):
-        return
-    png = ip.display_formatter.formatters["image/png"]
-    try:
-        png.lookup_by_type(Figure)
-    except KeyError:
+    formatter = getattr(get_ipython(), "display_formatter", None)
+    png = formatter.formatters["image/png"] if formatter else None
+    if png is not None and png.for_type(Figure) is None:  # only looks up: the inline backend's stays
         png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
 
 
