@@ -1,8 +1,7 @@
 """Source to source for the exported script (course_lib.export): a file whose module-level constants are known becomes
 the file those constants make. `set_constants` gives them values; `fold` replaces each `if TEST:` and `a if TEST else b`
 whose TEST they decide by the branch taken (a cut on the source's lines, so comments stay); `drop_unused` removes the
-module-level names nothing reads; `inline` writes the course_lib code the file imports into it, dependencies first.
-"""
+module-level names nothing reads; `inline` writes the course_lib code the file imports into it, dependencies first."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ import re
 _UNKNOWN = object()
 
 
-def _span(src: str, node: ast.AST) -> tuple[int, int]:
-    """Where node starts and ends in src, as string offsets."""
+def _span(src: str, node: ast.AST) -> tuple[int, int]:  # where node starts and ends in src, as string offsets
     lines = src.splitlines(keepends=True)
     start = sum(map(len, lines[: node.lineno - 1])) + node.col_offset
     return start, sum(map(len, lines[: node.end_lineno - 1])) + node.end_col_offset
@@ -37,8 +35,7 @@ def _alias_name(alias: ast.alias) -> str:
     return alias.asname or alias.name.split(".")[0]
 
 
-def _first_line(node: ast.stmt) -> int:
-    """node's first line, its decorators' included."""
+def _first_line(node: ast.stmt) -> int:  # its decorators' included
     return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
 
 
@@ -166,9 +163,6 @@ def fold(src: str, known: dict[str, object]) -> str:
     return src
 
 
-# ---- unused names ---------------------------------------------------------------------------------------------------
-
-
 def _bound(node: ast.stmt) -> list[str]:
     """The names a module-level def, class, import or `NAME = ...` binds."""
     if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
@@ -199,9 +193,6 @@ def drop_unused(src: str, constants) -> str:
     while (dropped := _drop_once(src, constants)) is not None:
         src = dropped
     return src
-
-
-# ---- inlining course_lib's code -------------------------------------------------------------------------------------
 
 
 def _read_module(name: str) -> tuple[list[str], dict[str, ast.stmt], dict[str, tuple]]:
