@@ -1,6 +1,5 @@
-"""The course's command line (also installed as `course-lib`): COMMANDS lists its commands in the order a learner
-uses them; `python -m course_lib COMMAND --help` describes one, with examples. SIGTERM and SIGHUP stop a command as
-Ctrl-C does (stopped_as_interrupted): what it finished is kept."""
+"""The course's command line (also `course-lib`): COMMANDS lists its commands in the order a learner uses them;
+`python -m course_lib COMMAND --help` describes one, with examples."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ def cmd_ladder(args) -> int:
 
 
 def _ladder_plan(args):
-    """Everything the climb needs, checked before anything runs: (its base config, the device's capabilities, the
-    values raised for the banner, the --json path, run_ladder's arguments)."""
+    """(base config, capabilities, values raised, --json path, run_ladder's arguments), checked before anything runs."""
     import torch
 
     from . import export
@@ -153,8 +151,7 @@ def _rung_names(indices: str, flag: str, one: bool = False) -> list[str]:
 
 
 def climbed_from(items: list[str] | None) -> dict[str, object]:
-    """`ladder --set FIELD=VALUE`: fields of the preset the climb starts from. A technique's field is refused: the
-    climb turns each technique on at its rung (--rung-value says with which value)."""
+    """`ladder --set FIELD=VALUE`: the preset's fields; a technique's is refused (--rung-value gives its rung's)."""
     settings = {}
     for name, technique, value in parsed_settings(items):
         if technique is not None:
@@ -166,12 +163,8 @@ def climbed_from(items: list[str] | None) -> dict[str, object]:
     return settings
 
 
-def parsed_settings(
-    items: list[str] | None, techniques_only: bool = False, flag: str = "--set"
-) -> list[tuple[str, T.Technique | None, object]]:
-    """Each `--set NAME=VALUE` (or `flag`'s): (the name as given, the technique it names, else None, the value parsed
-    by the setting's type). A ValueError for an item that is not NAME=VALUE, a setting given twice (by either
-    spelling), or, with `techniques_only` (--rung-value), a name of no technique."""
+def parsed_settings(items: list[str] | None, techniques_only: bool = False, flag: str = "--set") -> list[tuple]:
+    """Each `--set NAME=VALUE` (or `flag`'s) as (name, its technique or None, value parsed); a ValueError otherwise."""
     techniques = ", ".join(T.TECHNIQUE)
     out, seen = [], set()
     for item in items or []:
@@ -207,9 +200,8 @@ def _unquoted(text: str) -> str:
 
 
 def chosen_config(args) -> C.TrainConfig:
-    """The config `export`, `profile` and `config` name: the preset, the fixed ladder's config at --rung, or a ladder
-    file's loop, changed by --set (a technique's field at --rung is set on the rung's config, any other on the preset
-    below it, so the rung sees the shapes it runs)."""
+    """The config `export`, `profile` and `config` name: the preset, a --rung of the fixed ladder or a --ladder file's
+    loop, changed by --set (at --rung a technique's on the rung, any other on the preset below: the rung's shapes)."""
     from . import export, ladder
 
     if args.ladder is not None:
@@ -255,7 +247,7 @@ def _ladder_file_config(args) -> C.TrainConfig:
 
 
 def _new_file(path: str | None, force: bool, flag: str) -> Path | None:
-    """The path a command is to write (None where not given), checked before any work; a file is replaced on --force."""
+    """The path a command is to write (None where not given), checked before any work."""
     from .results import check_writable
 
     if path is None:
@@ -266,19 +258,19 @@ def _new_file(path: str | None, force: bool, flag: str) -> Path | None:
     return out
 
 
-def _written(out: Path | None, text: str, flag: str) -> bool:
-    """`text` to standard output, or to `out` in one step (a full disk leaves the earlier file); False if it failed."""
+def _write(out: Path | None, text: str, flag: str, note: str = "") -> int:
+    """`text` to standard output, or to `out` in one step (a full disk leaves the earlier file): the exit code."""
     from .cache import write_atomic
 
     if out is None:
         sys.stdout.write(text)
-        return True
+        return 0
     try:
         write_atomic(out, lambda f: f.write_text(text), strict=True)
-        return True
     except OSError as e:
-        _error(f"could not write {out} ({e.strerror or e}): free some space, or choose another {flag} path")
-        return False
+        return _error(f"could not write {out} ({e.strerror or e}): free some space, or choose another {flag} path")
+    _say(f"wrote {out}{note}")
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -299,18 +291,9 @@ def cmd_info(args) -> int:
         width = max(len(k) for k, _ in rows)
         print("\n".join(f"{k:>{width}}: {v}" for k, v in rows))
         return 0
-    payload = dict(
-        course_lib=__version__,
-        python=platform.python_version(),
-        budget=budget.budget(),
-        rows=dict(rows),
-        capabilities=caps.to_dict(),
-    )
-    if not _written(out, json.dumps(payload, indent=1, default=str) + "\n", "--json"):
-        return 2
-    if out is not None:
-        _say(f"wrote {out}")
-    return 0
+    payload = dict(course_lib=__version__, python=platform.python_version(), budget=budget.budget())
+    payload |= dict(rows=dict(rows), capabilities=caps.to_dict())
+    return _write(out, json.dumps(payload, indent=1, default=str) + "\n", "--json")
 
 
 def cmd_doctor(args) -> int:
@@ -414,60 +397,20 @@ def cmd_export(args) -> int:
         out = None if args.out == "-" else _new_file(args.out, args.force, "--out")
     except REFUSED as e:
         return _error(e)
-    if not _written(out, text, "--out"):
-        return 2
-    if out is not None:
-        _say(f"wrote {out} ({len(text.splitlines())} lines): run it with `{export.run_command(cfg, str(out))}`")
-    return 0
+    note = f" ({len(text.splitlines())} lines): run it with `{export.run_command(cfg, str(out))}`"
+    return _write(out, text, "--out", note)
 
 
 def cmd_exercises(args) -> int:
-    """The notebooks' exercises (course_lib.exercises): listed, or each checker --verify'd, --status, --guide."""
-    from . import exercises
+    """The notebooks' exercises: listed, each checker --verify'd, their --status, or the teachers' --guide rewritten."""
+    from .exercises import command
 
-    if args.status is not None:
-        return _exercises_status(args.status)
-    if args.guide is not None:
-        return _exercises_guide(args.guide)
-    width = max(len(name) for name in exercises.EXERCISES)
-    if not args.verify:
-        for ex in exercises.EXERCISES.values():
-            print(f"  {ex.notebook}  {ex.name:<{width}} {ex.title} ({len(ex.mistakes)} typical mistakes recorded)")
-        return 0
-    rows = exercises.verify()
-    for r in rows:
-        mark = "ok  " if r["ok"] else "FAIL"
-        what = "passes" if r["answer"] == "reference" else "caught, with its hint"
-        print(f"{mark} {r['notebook']} {r['exercise']:<{width}} {r['answer']:<38} {what if r['ok'] else r['said']}")
-    bad = [r for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(bad)} of {len(rows)} as they must be")
-    return 1 if bad else 0
-
-
-def _exercises_status(folder: str) -> int:
-    from .exercises import status
-
-    here = Path(folder or "notebooks")
-    if not folder and not here.is_dir():  # run from elsewhere: the course's own notebooks
-        here = Path(__file__).resolve().parent.parent / "notebooks"
+    if args.status is None and args.guide is None:
+        return command.listing(args.verify)
     try:
-        print(status.table(status.progress(here)))
-    except FileNotFoundError as e:
-        return _error(e)
-    return 0
-
-
-def _exercises_guide(path: str) -> int:
-    from .exercises import guide
-
-    target = Path(path) if path else guide.GUIDE
-    try:
-        if not target.is_file():
-            raise FileNotFoundError(f"{target} is not a file: give the exercises' guide (default: docs/exercises.md)")
-        changed = guide.write(target)
+        print(command.progress_table(args.status) if args.status is not None else command.rewrite_guide(args.guide))
     except (OSError, ValueError) as e:
         return _error(e)
-    print(f"{target}: " + ("the exercises' blocks rewritten" if changed else "up to date"))
     return 0
 
 
@@ -507,15 +450,14 @@ def cmd_bpe(args) -> int:
 
 
 def _shipped_ranks(force: bool) -> Path:
-    """The shipped ranks' file, where this is a checkout that may replace it: an editable install (or a source tree)
-    reads them from the repository's data/ (a strict editable install links the file: resolve() writes through)."""
+    """The shipped ranks' file, where a checkout may replace it (an editable install reads the repository's data/)."""
     from . import data
     from .results import check_writable
 
     out = data.RANKS_FILE.resolve()
+    in_checkout = out.parent.name == "data" and (out.parent.parent / "pyproject.toml").is_file()
     try:
-        writable = out.parent.name == "data" and (out.parent.parent / "pyproject.toml").is_file()
-        writable = writable and check_writable(out) is not None
+        writable = in_checkout and bool(check_writable(out))
     except OSError:
         writable = False
     if not writable:
@@ -533,7 +475,7 @@ def _shipped_ranks(force: bool) -> Path:
 
 
 def _rungs_and_presets() -> str:
-    """The ladder's --help lists the rungs (by index, with what each is for) and the presets (their sizes)."""
+    """The ladder's --help lists the rungs (by index, with their aims) and the presets (their sizes)."""
     rungs = "\n".join(
         f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(T.LADDER)
     )
@@ -563,21 +505,17 @@ KINDS = {
     **{flag: dict(action="store_true") for flag in ("--force", "--quick", "--fixed", "--no-floor", "--verify")},
 }
 DEVICE = "cpu, cuda or mps (default: cuda when available)"
-
-
-def _config_options(steps: str) -> dict:
-    """The options `chosen_config` reads."""
-    return {
-        "--preset": "the model and batch (default: cpu)",
-        "--device": DEVICE,
-        "--steps": steps,
-        "--set": "change the config: a technique (e.g. precision=bf16, activation_checkpointing=selective), any "
-        "TrainConfig field (grad_accum_steps=4, clip_norm=1.0) or model.<field>; repeatable",
-        "--rung": "the fixed ladder's cumulative config at this rung (its name, e.g. '+ compile', or index)",
-        "--ladder": "the optimised loop a ladder run found on its device (the file `ladder --json PATH` wrote)",
-        "--loop": "with --ladder: its fastest loop that fits (optimised, the default) or the one with the least memory",
-    }
-
+STEPS = "optimizer steps (default: the preset's)"
+# the options `chosen_config` reads
+CONFIG = {
+    "--preset": "the model and batch (default: cpu)",
+    "--device": DEVICE,
+    "--set": "change the config: a technique (e.g. precision=bf16), any TrainConfig field (grad_accum_steps=4) or "
+    "model.<field>; repeatable",
+    "--rung": "the fixed ladder's cumulative config at this rung (its name, e.g. '+ compile', or index)",
+    "--ladder": "the optimised loop a ladder run found on its device (the file `ladder --json PATH` wrote)",
+    "--loop": "with --ladder: its fastest loop that fits (optimised, the default) or the one with the least memory",
+}
 
 # name: (what it does, examples, {option: what it is for, or (that, how it is read here)}), in the order a learner
 # uses them, the maintainers' last
@@ -609,15 +547,12 @@ COMMANDS = {
             "--device": DEVICE,
             "--steps": "optimizer steps per rung (default: the preset's)",
             "--rungs": "only these rungs, by index (0 = naive fp32), e.g. 0,2,3",
-            "--leave-out": "climb without these rungs, by index (e.g. 4: the ladder without compile); they are "
-            "reported as skipped",
-            "--rung-value": "what a technique's rung sets instead of its default, by the technique's name or config "
-            "field, e.g. activation_checkpointing=selective or model.vocab_multiple=128; repeatable",
-            "--set": "change the preset the ladder climbs from: a TrainConfig field (batch_size=8, context=128) or "
-            "model.<field>; repeatable (a technique's value at its rung is --rung-value's)",
+            "--leave-out": "climb without these rungs, by index (e.g. 4: without compile); reported as skipped",
+            "--rung-value": "a technique's value at its rung, by its name or config field, e.g. "
+            "activation_checkpointing=selective; repeatable",
+            "--set": "change the preset the climb starts from: a TrainConfig field or model.<field>; repeatable",
             "--threads": "CPU threads for torch (default: torch's choice)",
-            "--fixed": "climb the fixed ladder: keep every rung this device can run, whether it helped or not (for "
-            "comparison)",
+            "--fixed": "keep every rung this device can run, whether it helped or not (for comparison)",
             "--json": "write every result, with device, torch version, date and config, here (rung by rung)",
             "--force": "replace the --json file if it exists",
         },
@@ -626,22 +561,20 @@ COMMANDS = {
         "where a step's time goes: torch.profiler over a few steps of a config, after its warm-up",
         ["profile --preset tiny --steps 3", "profile --ladder ladder.json --trace trace.json"],
         {
-            **_config_options(
-                "steps to record (default: 3), after the config's warm-up steps (at least 2: the first compiles, the "
-                "profiler warms up on the last); no validation pass runs"
-            ),
+            **CONFIG,
+            "--steps": "steps to record (default: 3) after the config's warm-up (at least 2); no validation runs",
             "--rows": "operators to list, at least 1 (default: 20)",
             "--trace": "also write a Chrome trace here (open it in https://ui.perfetto.dev)",
             "--force": "replace the --trace file if it exists",
-            "--no-floor": "leave out the kernel floor (each matmul and attention call of a step timed again alone: a "
-            "few seconds)",
+            "--no-floor": "leave out the kernel floor (each matmul and attention call timed again alone: seconds)",
         },
     ),
     "export": (
         "write one standalone training script (torch + tiktoken) for a config",
         ["export --ladder ladder.json --out train.py", "export --preset cpu --set precision=bf16 --out train.py"],
         {
-            **_config_options("optimizer steps (default: the preset's)"),
+            **CONFIG,
+            "--steps": STEPS,
             "--out": "the script's path (default: standard output)",
             "--force": "replace the --out file if it exists",
         },
@@ -651,15 +584,14 @@ COMMANDS = {
         ["exercises --status", "exercises --verify"],
         {
             "--verify": "each checker against its reference and its recorded mistakes",
-            "--status": "which exercises pass in the notebooks on disk (default folder: ./notebooks, else the "
-            "course's)",
+            "--status": "which exercises pass in the notebooks on disk (default: ./notebooks, else the course's)",
             "--guide": "rewrite the exercises' guide for teachers from the checkers (default: docs/exercises.md)",
         },
     ),
     "config": (
         "print a config section by section (a preset, changed by --set, or a --rung)",
         ["config --preset cpu --set batch_size=4", "config --rung 4"],
-        _config_options("optimizer steps (default: the preset's)"),
+        {**CONFIG, "--steps": STEPS},
     ),
     "bpe": (
         "(maintainers) retrain the course tokenizer's BPE ranks from the corpus",
@@ -721,28 +653,24 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def stopped_as_interrupted():
-    """Within it, SIGTERM (a job scheduler, a kernel restarted) and SIGHUP (a terminal closed) raise KeyboardInterrupt,
-    as Ctrl-C does, so a command stops the same way: what it finished kept, one line said. Yields a list that gets
-    the signal's number. A second one of them ends the process at once (the system's default)."""
+    """SIGTERM (a job scheduler) and SIGHUP (a terminal closed) stop a command as Ctrl-C does, what it finished kept;
+    a second one ends the process at once. Yields a list that gets the signal's number."""
     stopped_by: list[int] = []
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield stopped_by
         return
 
     def stop(signum, _frame):
-        signal.signal(signum, signal.SIG_DFL)
+        if signum != signal.SIGINT:  # a second Ctrl-C interrupts again; a second SIGTERM or SIGHUP ends the process
+            signal.signal(signum, signal.SIG_DFL)
         stopped_by.append(signum)
         raise KeyboardInterrupt
-
-    def note_ctrl_c(signum, frame):
-        stopped_by.append(signum)
-        signal.default_int_handler(signum, frame)
 
     handled = [signal.SIGTERM, signal.SIGINT] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     # a signal ignored on purpose stays ignored (`nohup` ignores SIGHUP, a shell's `&` job SIGINT)
     before = {sig: signal.getsignal(sig) for sig in handled if signal.getsignal(sig) != signal.SIG_IGN}
     for sig in before:
-        signal.signal(sig, note_ctrl_c if sig == signal.SIGINT else stop)
+        signal.signal(sig, stop)
     try:
         yield stopped_by
     finally:

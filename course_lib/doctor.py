@@ -1,6 +1,5 @@
-"""`python -m course_lib doctor`: every device-specific path of the course (a training step, the compiler, an SDPA
-kernel, the memory report, a 2-process collective; on a GPU an out-of-memory, TF32 and a memory snapshot) run for real,
-and said to pass, fail, be n/a here (and why) or skipped: nothing is reported as passing that did not run."""
+"""`python -m course_lib doctor`: every device-specific path of the course run for real and said to pass, fail, be
+n/a here (and why) or skipped: nothing is reported as passing that did not run."""
 
 from __future__ import annotations
 
@@ -61,11 +60,9 @@ class _NotApplicable(Exception):
 
 
 def check_config(device: str, **changes) -> C.TrainConfig:
-    """The run every check trains: the tiny preset, 3 steps, no memory ledger (tests that compile use it too, so that
-    torch.compile's kernels for it are compiled once per test run)."""
-    return dataclasses.replace(
-        C.tiny_preset(device), **{"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes}
-    )
+    """The run every check trains: the tiny preset, 3 steps (tests that compile use it too: compiled once per run)."""
+    changes = {"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes}
+    return dataclasses.replace(C.tiny_preset(device), **changes)
 
 
 def _checked_run(cfg: C.TrainConfig) -> RunResult:
@@ -80,8 +77,7 @@ def _checked_run(cfg: C.TrainConfig) -> RunResult:
 
 
 def _reference_run(cfg: C.TrainConfig) -> Callable[[], RunResult]:
-    """The checked run of cfg, trained the first time it is asked for. A failed run is not trained again: every later
-    call raises its failure, so each check that needs the run says so."""
+    """The checked run of cfg, trained when first asked for; a failed one is not retrained, each later ask raises."""
 
     @functools.cache
     def outcome() -> RunResult | Exception:
@@ -102,9 +98,7 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-# ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError -----------------
-
-
+# ---- the checks: each returns its detail, or raises _NotApplicable / AssertionError
 def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunResult]) -> str:
     """fp32(): the fp32 run of check_config, trained once per doctor run (fp32's own check, the others' reference)."""
     support = caps.supports(precision)
@@ -119,7 +113,7 @@ def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunRe
     loss, tol = result.losses[0], {"tf32": 5e-3, "bf16": 2e-2, "fp16": 1e-2}[precision]
     rel = _relative(loss, fp32_loss)
     assert rel <= tol, f"first-step loss {loss:.5f} differs from fp32's {fp32_loss:.5f} by {rel:.2e} (> {tol:g})"
-    hw = "" if support.native is not False else ", without hardware support"
+    hw = ", without hardware support" if support.native is False else ""
     return (
         f"{result.tokens_per_s:,.0f} tokens/s, first loss within {rel:.1e} of fp32's{hw} ({support.note or precision})"
     )
@@ -133,10 +127,8 @@ def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
 
     reference, t0, graphs = eager(), time.perf_counter(), counters["stats"]["unique_graphs"]
     compiled = _checked_run(check_config(caps.device, compile=True))
-    # dynamo captured a graph: else eager would be compared with eager
     assert counters["stats"]["unique_graphs"] > graphs, "compile=True ran without torch.compile capturing a graph"
-    # Every step: its gradient norm is the compiled backward's, and the later losses start from the weights that the
-    # compiled backward and the optimizer made. Compiled kernels may sum in another order: a relative 1e-4.
+    # every step, so that the compiled backward and optimizer step count; kernels may sum in another order: 1e-4
     rel = {}
     for what in ("losses", "grad_norms"):
         e, c = getattr(reference, what), getattr(compiled, what)
@@ -167,7 +159,7 @@ def check_sdpa(caps: Capabilities, backend: str) -> str:
 
 
 def check_memory_report(caps: Capabilities) -> str:
-    from .measure import GiB, tensor_bytes
+    from .measure import tensor_bytes
     from .model import GPT
     from .train import run
 
@@ -181,7 +173,7 @@ def check_memory_report(caps: Capabilities) -> str:
     known = sum(v for v in by.values() if v)
     assert known <= peak + 1, f"categories sum to {known} > peak {peak}"
     assert caps.type != "cuda" or result.memory["reserved_bytes"] >= peak, "reserved below allocated"
-    return f"peak {peak / GiB * 1024:.1f} MiB; parameters exact; {result.memory['method']}"
+    return f"peak {peak / 2**20:.1f} MiB; parameters exact; {result.memory['method']}"
 
 
 def check_all_reduce(caps: Capabilities, backend: str) -> str:
@@ -220,8 +212,7 @@ def check_reserved(caps: Capabilities) -> str:
     run(check_config(caps.device), "doctor reserved")
     alloc, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     assert reserved >= alloc, f"reserved {reserved} < allocated {alloc}"
-    mib = f"peak allocated {alloc / 2**20:.1f} MiB, peak reserved {reserved / 2**20:.1f} MiB"
-    return f"{mib} (the caching allocator keeps blocks)"
+    return f"peak allocated {alloc / 2**20:.1f} MiB, reserved {reserved / 2**20:.1f} MiB (the allocator keeps blocks)"
 
 
 def check_oom(caps: Capabilities) -> str:
@@ -233,8 +224,7 @@ def check_oom(caps: Capabilities) -> str:
     warm_up_cuda_libraries(index)  # cuBLAS's workspaces, allocated by the first run otherwise, are not the OOM's
     before = torch.cuda.memory_allocated(index)
     total = torch.cuda.get_device_properties(index).total_memory
-    # This process may hold only 1 GiB more than it reserves now: the allocator raises the same OutOfMemoryError at
-    # that cap as at the GPU's end, without first filling the GPU that other processes (test workers) share.
+    # a cap of 1 GiB above what it reserves now: the same OutOfMemoryError, without filling a GPU others share
     cap = torch.cuda.memory_reserved(index) + 2**30
     base = check_config(caps.device)
     batch = math.ceil(2 * cap / (base.context * base.model.vocab_size * 4))  # the logits alone: twice the cap
@@ -287,8 +277,7 @@ def check_snapshot(caps: Capabilities) -> str:
 
 
 def _checks(caps: Capabilities) -> list[tuple[str, Callable[[], str], bool]]:
-    """(name, check, slow) in the order they run; the fp32 run of check_config, every precision's reference and
-    compile's eager run, is trained once, when first asked for."""
+    """(name, check, slow) in the order they run; the fp32 run (each precision's and compile's reference) is shared."""
     fp32 = _reference_run(check_config(caps.device))
     return [
         *((f"train step {p}", (lambda p=p: check_precision(caps, p, fp32)), False) for p in C.PRECISIONS),
@@ -318,14 +307,8 @@ def _outcome(fn: Callable[[], str]) -> tuple[str, str]:
         return FAIL, detail
 
 
-def run_doctor(
-    device: str | None = None,
-    quick: bool = False,
-    json_path: str | Path | None = None,
-    only: list[str] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> DoctorReport:
-    """Run every check (or those named in `only`) on `device` and return the report (written to `json_path`)."""
+def run_doctor(device: str | None = None, quick=False, json_path=None, only=None, progress=None) -> DoctorReport:
+    """Every check (or those named in `only`) on `device`: the report, also written to `json_path` where given."""
     caps = capabilities(device)
     report = DoctorReport(device=caps.name, provenance=provenance(caps.name), capabilities=dict(caps.rows()))
     for name, fn, slow in _checks(caps):
@@ -334,7 +317,7 @@ def run_doctor(
         if progress:
             progress(name)
         if quick and slow:
-            report.checks.append(Check(name, SKIPPED, "left out by --quick", 0.0))
+            report.checks.append(Check(name, SKIPPED, "left out by --quick"))
             continue
         t0 = time.perf_counter()
         try:
