@@ -237,7 +237,6 @@ def inline(src: str) -> str:
     tree = ast.parse(src)
     own = {n for node in tree.body if not isinstance(node, (ast.Import, ast.ImportFrom)) for n in _bound(node)}
     head = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom)) and not _is_course(n)]
-    head = [n for n in head if getattr(n, "module", None) != "__future__"]
     imports = {(getattr(node, "module", None), a.name, a.asname) for node in head for a in node.names}
     modules, done = {}, set()
 

@@ -246,12 +246,9 @@ def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) ->
     """The last `last` runs with the formula's prediction (details["estimate"]): its peak by category beside the
     measured one (plot_formula_beside_measured), on CUDA only the categories the allocator lets apart."""
     shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
-    pairs, merged = {}, set()
-    for r in shown:
-        predicted, measured, name = _measured_apart(r.details["estimate"]["by_category"], r.memory["by_category"])
-        pairs[r.label] = (predicted, measured)
-        merged.update([name] if name else [])
-    fig = plot_formula_beside_measured(pairs, ax, "Peak by category")
+    split = {r.label: _measured_apart(r.details["estimate"]["by_category"], r.memory["by_category"]) for r in shown}
+    fig = plot_formula_beside_measured({label: s[:2] for label, s in split.items()}, ax, "Peak by category")
+    merged = {name for _, _, name in split.values() if name}
     ax = ax or fig.axes[0]
     note = "; ".join(sorted({r.memory.get("method", "").split(":")[0] for r in shown})) or "no run with an estimate"
     if merged:

@@ -124,8 +124,7 @@ class RunResult:
 
 
 def check_writable(path: str | Path) -> Path:
-    """`path` when a file can be written there (write_atomic creates its missing folders), else a ValueError or an
-    OSError that says why; asked before a long run."""
+    """`path` where a file can be written (write_atomic makes missing folders), else an error saying why."""
     if str(path) == "":
         raise ValueError("an empty path (an unset variable?): give a file name")
     if str(path) == "-":
@@ -176,9 +175,8 @@ class ResultsFile:
             self.error = e
 
     def finish(self, complete: bool) -> Path | None:
-        """Where the results are now that the runs have ended: the file (a complete set now replacing the earlier one),
-        else a new file in the temporary folder, else None (`note` says why). No OSError escapes: measured runs are
-        never lost to a full disk."""
+        """Where the results are once the runs end: the file (a complete set replacing the earlier one), else a new file
+        in the temporary folder, else None (`note` says why). No OSError escapes: a full disk loses no measured run."""
         self.note = ""
         if not self.results:
             return None
