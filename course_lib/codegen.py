@@ -22,9 +22,8 @@ def _span(src: str, node: ast.AST) -> tuple[int, int]:  # where node starts and 
 
 def _assigned(node: ast.stmt) -> str | None:
     """NAME of a `NAME = ...` statement, else None."""
-    if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-        return node.targets[0].id
-    return None
+    simple = isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+    return node.targets[0].id if simple else None
 
 
 def _is_course(node: ast.stmt) -> bool:

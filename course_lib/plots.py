@@ -128,8 +128,7 @@ def _label(ax, xlabel: str, ylabel: str, title: str, results: list[RunResult]) -
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{title}\n{_devices(results)}", fontsize=9)
-    if ax.lines:
-        _legend(ax)
+    _legend(ax)  # none without a labelled line
 
 
 def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> Figure:
