@@ -104,10 +104,10 @@ class RunResult:
         """The peak is the allocator's reserved one (CUDA graphs: measure.cuda_memory_report), not the live tensors'."""
         return bool(self.memory) and self.memory.get("method", "").startswith(GRAPHS_METHOD)
 
-    def peak_text(self, unit: str = "") -> str:
+    def peak_text(self, spec: str = ".4f", unit: str = "") -> str:
         """The peak in GiB (`unit` after it), labelled where it is the reserved one; "" where not measured."""
         label = f" ({RESERVED_PEAK})" if self.peak_is_reserved else ""
-        return "" if self.peak_gib is None else f"{self.peak_gib:.4f}{unit}{label}"
+        return "" if self.peak_gib is None else format(self.peak_gib, spec) + unit + label
 
     def peak_ratio(self, base: RunResult) -> float | None:
         """This peak over `base`'s where both were measured and are of one kind (reserved over live is no ratio)."""
