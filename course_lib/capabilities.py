@@ -1,8 +1,5 @@
-"""What this device can run, and how fast: the one place the course asks, so that a rule such as "bf16 needs compute
-capability 8.0" is written once. Config checks (`require`), the panel's disabled controls (`unavailable`), the
-environment cells and `info` (`rows`) and MFU (`peak_tflops`) read from here. What a technique needs of a device and
-checks of a config are its own `probe` and `check` (course_lib.techniques), asked through the registry. A known GPU's
-peak is its data sheet's; any other device's a measured matmul peak, cached per machine."""
+"""What this device can run, and how fast: the one place that says "bf16 needs compute capability 8.0" (a technique's
+own needs: its `probe` and `check`). A known GPU's peak is its data sheet's; any other's a measured matmul's, cached."""
 
 from __future__ import annotations
 
@@ -17,13 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .cache import cache_dir, write_atomic
 from .config import PRECISION_DTYPES, ConfigError, TrainConfig, check_device, default_device
 from .tf32 import matmul_precision
 from .timing import time_fn
-
-# ---- the device's name and a CPU's instruction sets ----------------------------------------------------------------
 
 
 def _cpuinfo(key: str) -> str:
@@ -49,21 +45,18 @@ def device_name(device: str | torch.device) -> str:
     return str(dev)
 
 
-# oneDNN's ISA levels, lowest first (aliases joined by "="): ONEDNN_MAX_CPU_ISA caps its kernels at one of them, and a
-# feature above the cap is in the silicon but not used by the matmuls.
+# oneDNN's ISA levels, lowest first ("=" joins aliases): a feature above ONEDNN_MAX_CPU_ISA is present but unused.
 _ONEDNN_ISAS = (
     "SSE41 AVX AVX2 AVX2_VNNI AVX2_VNNI_2 AVX512_CORE AVX512_CORE_VNNI AVX512_CORE_BF16 AVX512_CORE_FP16=AVX10_1_512 "
     "AVX512_CORE_AMX=AVX10_1_512_AMX AVX512_CORE_AMX_FP16=AVX10_1_512_AMX_FP16 AVX10_2_512 AVX10_2_512_AMX_2"
 )
 _ONEDNN_LEVELS = {name: level for level, names in enumerate(_ONEDNN_ISAS.split(), 1) for name in names.split("=")}
 _FEATURE_LEVEL = {"avx2": 3, "avx512": 6, "avx512_bf16": 8, "avx512_fp16": 9, "amx_bf16": 10, "amx_fp16": 11}
-# The environment variables that hold a CPU's kernels to a lower instruction set: oneDNN's (bf16, fp16 and some fp32
-# matmuls), MKL's (fp32 matmuls) and ATen's own vector code. A peak measured under one setting is not another's.
+# What holds a CPU's kernels (oneDNN's, MKL's, ATen's) to a lower instruction set: a peak under one is not another's.
 KERNEL_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ATEN_CPU_CAPABILITY")
 
 
 def kernel_caps() -> dict[str, str]:
-    """Those of KERNEL_CAPS that are set, {name: value}."""
     return {k: os.environ[k] for k in KERNEL_CAPS if os.environ.get(k)}
 
 
@@ -81,16 +74,11 @@ class CpuFeatures:
 
     @classmethod
     def detect(cls) -> CpuFeatures:
-        probe = lambda name: getattr(torch.cpu, f"_is_{name}_supported")()  # noqa: E731
-        return cls(
-            avx2=probe("avx2"),
-            avx512=probe("avx512"),
-            avx512_bf16=probe("avx512_bf16"),
-            avx512_fp16="avx512_fp16" in _cpuinfo("flags").split(),  # torch has no probe for it
-            amx_bf16=probe("amx_tile"),
-            amx_fp16=probe("amx_fp16"),
-            onednn_cap=os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None,
-        )
+        found = {f: getattr(torch.cpu, f"_is_{f}_supported")() for f in ("avx2", "avx512", "avx512_bf16", "amx_fp16")}
+        found["amx_bf16"] = torch.cpu._is_amx_tile_supported()
+        found["avx512_fp16"] = "avx512_fp16" in _cpuinfo("flags").split()  # torch has no probe for it
+        cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or None
+        return cls(**found, onednn_cap=cap)
 
     def usable(self, feature: str) -> bool:
         """Present in the CPU and not above ONEDNN_MAX_CPU_ISA."""
@@ -108,9 +96,6 @@ class CpuFeatures:
         return text + ("; " + ", ".join(others) if others else "")
 
 
-# ---- support for each thing the course can switch on ---------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Support:
     """What a device says of a technique or a number format."""
@@ -126,16 +111,12 @@ class Support:
 
 
 def gpu_precisions(major: int, minor: int, name: str = "this GPU") -> dict[str, Support]:
-    """TF32, bf16 and fp16 on an NVIDIA GPU by its compute capability alone (torch.cuda.is_bf16_supported() says yes
-    also where bf16 is only emulated): fp16 tensor cores from 7.0 (Volta), bf16 and TF32 ones from 8.0 (Ampere)."""
+    """By compute capability alone (is_bf16_supported() says yes to emulated bf16): fp16 from 7.0, bf16 and TF32 8.0."""
     cc, ampere, volta = f"compute capability {major}.{minor}", major >= 8, major >= 7
-    # below 8.0 bf16 gets no speed-up: refused, with the fix
     no_bf16 = f"{name} has no bf16 tensor cores ({cc}; they start with Ampere, 8.0): bf16 would get no speed-up here; "
     no_bf16 += "use fp16 with loss scaling" + (", which its tensor cores run" if volta else "")
     no_tf32 = f"TF32 needs an Ampere or newer GPU (compute capability 8.0+); {name} is {major}.{minor}"
-    no_tensor_cores = (
-        f"no tensor cores before Volta (compute capability 7.0; this is {major}.{minor}): fp16 runs without them"
-    )
+    no_tensor_cores = f"no tensor cores ({cc}; they start with Volta, 7.0): fp16 runs without them"
     return {
         "tf32": Support(True, f"tensor-core TF32 for fp32 matmuls ({cc})", True) if ampere else Support(False, no_tf32),
         "bf16": Support(True, f"bf16 tensor cores ({cc})", True) if ampere else Support(False, no_bf16),
@@ -170,19 +151,17 @@ def _cpu_precisions(cpu: CpuFeatures) -> dict[str, Support]:
             out[fmt] = Support(True, usable[0], True)
         else:
             capped = fmt == "bf16" and any(getattr(cpu, feature) for feature, _ in features)
-            out[fmt] = Support(
-                True, _CPU_SOFTWARE[fmt].format(" (present but capped by ONEDNN_MAX_CPU_ISA)" * capped), False
-            )
+            why = " (present but capped by ONEDNN_MAX_CPU_ISA)" if capped else ""
+            out[fmt] = Support(True, _CPU_SOFTWARE[fmt].format(why), False)
     return out
 
 
 def _precisions(dev: torch.device, cpu: CpuFeatures | None) -> dict[str, Support]:
-    """Each precision on `dev` (config.check_device has refused any device type but these three)."""
     if dev.type == "cuda":
         others = gpu_precisions(*torch.cuda.get_device_capability(dev), torch.cuda.get_device_name(dev))
     elif dev.type == "cpu":
         others = _cpu_precisions(cpu)
-    else:
+    else:  # mps: config.check_device refuses any other type
         others = {
             "tf32": Support(False, "TF32 is an NVIDIA tensor-core format; MPS has no such mode"),
             "bf16": Support(True, "bf16 on Apple GPU (macOS 14+)", True),
@@ -206,8 +185,6 @@ def sdpa_dtype(device_type: str, precisions: dict[str, Support]) -> torch.dtype:
 
 def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
     """Run each SDPA backend on a tiny causal problem: what runs is what is supported (in `dtype`)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     out, in_dtype = {}, str(dtype).removeprefix("torch.")
     q = torch.randn(1, 2, 8, 16, device=dev, dtype=dtype)
     for name, member in SDPA_BACKENDS.items():
@@ -221,8 +198,6 @@ def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
             out[name] = Support(False, f"no such kernel on {dev.type} in {in_dtype}{why}")
     return out
 
-
-# ---- peak FLOP/s ---------------------------------------------------------------------------------------------------
 
 # Dense (no sparsity) peak TFLOP/s from the vendors' data sheets. A key matches the device name as whole
 # words (so "L4" is not found in "L40S"), and more specific keys come first ("H100 PCIe" before "H100").
@@ -253,11 +228,8 @@ def datasheet_tflops(name: str) -> dict[str, float] | None:
     return next(found, None)
 
 
-def matmul_tflops(
-    device: str, precision: str, m: int, k: int, n: int, min_time_s: float = 0.2, max_reps: int = 20
-) -> float:
-    """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`: 2mkn FLOPs over the median of timed repeats
-    after a warm-up (kernel selection, first touch of the output), timed as every step is (timing.time_fn)."""
+def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s=0.2, max_reps=20) -> float:
+    """Achieved TFLOP/s of one (m x k) @ (k x n) matmul in `precision`, timed as every step is (timing.time_fn)."""
     dev, dtype = torch.device(device), PRECISION_DTYPES[precision]
     a, b = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
     with matmul_precision(precision), torch.no_grad():
@@ -266,8 +238,7 @@ def matmul_tflops(
 
 
 def _read_cache() -> dict:
-    """The cached peaks {key: TFLOP/s}; an entry that is not a positive number (a file damaged, or written by hand) is
-    dropped with a line saying so, and measured again when asked for."""
+    """The cached peaks {key: TFLOP/s}; an entry that is no positive number is dropped, saying so."""
     path = cache_dir() / "matmul_peaks.json"
     try:
         entries = json.loads(path.read_text())
@@ -278,21 +249,14 @@ def _read_cache() -> dict:
         return {}
     good = {k: v for k, v in entries.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0}
     if dropped := len(entries) - len(good):
-        entries_word = "entry" if dropped == 1 else "entries"
-        print(
-            f"course_lib: {dropped} unreadable {entries_word} of {path} dropped: measured again when needed",
-            file=sys.stderr,
-        )
+        word = "entry" if dropped == 1 else "entries"
+        print(f"course_lib: {dropped} unreadable {word} of {path} dropped: measured again", file=sys.stderr)
     return good
 
 
-def measured_tflops(
-    device: str, precision: str, shape: tuple[int, int, int] | None = None, refresh: bool = False
-) -> float:
-    """This machine's matmul speed in `precision`, cached per machine (device name with thread count, torch version,
-    kernel caps). Without `shape`: the peak over square sizes, growing until a matmul takes long enough to be a fair
-    measure (2048 on a CPU, 8192 on a GPU); with `shape` (m, k, n): that shape only. `refresh` measures again, and the
-    cache keeps the larger of the two (a value taken while the machine was busy is low, never high)."""
+def measured_tflops(device: str, precision: str, shape: tuple | None = None, refresh: bool = False) -> float:
+    """This machine's matmul TFLOP/s in `precision`, cached per machine: the peak over growing square sizes, or
+    `shape` (m, k, n) only. `refresh` measures again; the cache keeps the best seen (a busy machine reads low)."""
     dev_type = torch.device(device).type
     if dev_type == "cpu" and precision == "tf32":
         precision = "fp32"  # TF32 changes nothing on a CPU
@@ -304,23 +268,19 @@ def measured_tflops(
     if shape:
         value = matmul_tflops(device, precision, *shape)
     else:
-        value, size = 0.0, 256
-        while size <= (8192 if dev_type == "cuda" else 2048):
+        value = 0.0
+        for size in (256, 512, 1024, 2048) + ((4096, 8192) if dev_type == "cuda" else ()):
             t0 = time.perf_counter()
             value = max(value, matmul_tflops(device, precision, size, size, size))
             if time.perf_counter() - t0 > 2.0:  # a slow path (fp16 without hardware): larger sizes add nothing but time
                 break
-            size *= 2
     cache = _read_cache()
     cache[key] = value = max(value, cache.get(key, 0.0))  # the best this machine has shown: a busy moment lowers none
     write_atomic(cache_dir() / "matmul_peaks.json", lambda f: f.write_text(json.dumps(cache, indent=1, sort_keys=True)))
     return value
 
 
-# ---- the answer ----------------------------------------------------------------------------------------------------
-
-# The techniques (course_lib.techniques.Technique), as their registry, a layer above, hands them over when it is
-# imported: this module probes the device for each and asks each its check, and names none of them.
+# The techniques, handed over by their registry (a layer above) when imported: probed and checked here, never named.
 _registry: Callable[[], Sequence] = tuple
 
 
@@ -353,13 +313,11 @@ class Capabilities:
         return self.precisions[precision]
 
     def fast_16bit(self) -> tuple[str | None, str]:
-        """(the 16-bit format this device runs in hardware, why): bf16 where it has bf16 units (Ampere and later GPUs,
-        AVX512-BF16 or AMX CPUs), else fp16 (Volta and Turing, AVX512-FP16 or AMX-FP16 CPUs), else None."""
+        """(the 16-bit format this device runs in hardware, why): bf16 where it can, else fp16, else None."""
         return fast_16bit(self.precisions, self.name)
 
     def unavailable(self) -> dict[str, str]:
-        """ "name=value" -> why this device cannot run that value of a technique: what the panel disables and the
-        ladder skips."""
+        """ "name=value" -> why this device cannot run that value: what the panel disables and the ladder skips."""
         out = {f"precision={p}": s.note for p, s in self.precisions.items() if not s.ok}
         for t in _registry():
             if t.name in self.techniques and not self.techniques[t.name].ok:
@@ -367,8 +325,7 @@ class Capabilities:
         return out
 
     def require(self, cfg: TrainConfig) -> TrainConfig:
-        """`cfg` itself when this device can run it, else a ConfigError that says what to change (with the techniques'
-        own checks of it)."""
+        """`cfg` itself when this device can run it, else a ConfigError that says what to change."""
         out = [] if torch.device(cfg.device).type == self.type else [f"device={cfg.device!r} but this is {self.device}"]
         unavailable = self.unavailable()
         for name, value in ((t.name, t.value(cfg)) for t in _registry()):  # precision is one of them
@@ -379,8 +336,7 @@ class Capabilities:
         return cfg
 
     def peak_tflops(self, precision: str, measure: bool = True) -> tuple[float | None, str]:
-        """(peak TFLOP/s, where it comes from): the data sheet for a known GPU; otherwise this machine's measured
-        matmul peak (measured once and cached), or (None, "") when `measure` is False."""
+        """(peak TFLOP/s, its source): a known GPU's data sheet, else the measured peak (None unless `measure`)."""
         if self.datasheet is not None:
             value = self.datasheet.get(precision)
             return value, "data-sheet peak" if value else ""
@@ -389,8 +345,7 @@ class Capabilities:
             return None, ""
         peak = measured_tflops(self.device, precision)
         if support.native is False and precision != "fp32":
-            # No instructions for this format here: its matmuls are converted and computed by the fp32 units, whose
-            # speed is then the hardware's limit (a big matmul in the converted format can be slower still).
+            # no instructions for this format here: converted, its matmuls run on the fp32 units, the hardware's limit
             peak = max(peak, measured_tflops(self.device, "fp32"))
         return peak, "measured matmul peak"
 
@@ -398,10 +353,8 @@ class Capabilities:
         """What the environment cell and `info` show, one (what, answer) per line."""
         rows = [("device", self.name), ("torch", self.torch_version)]
         if self.cpu:
-            rows += [
-                ("CPU instruction sets", self.cpu.summary()),
-                ("ATen vector code", torch.backends.cpu.get_cpu_capability()),
-            ]
+            rows.append(("CPU instruction sets", self.cpu.summary()))
+            rows.append(("ATen vector code", torch.backends.cpu.get_cpu_capability()))
         if self.compute_capability:
             rows.append(("compute capability", "%d.%d" % self.compute_capability))
         rows += [(p, str(s)) for p, s in self.precisions.items() if p != "fp32"]
@@ -417,22 +370,16 @@ class Capabilities:
         return asdict(self)
 
 
+@functools.cache  # tests change the environment, then cache_clear() and ask again
 def capabilities(device: str | torch.device | None = None) -> Capabilities:
-    """What `device` (default: CUDA when available, else the CPU) can run. Raises ConfigError with what to do
-    when the device itself is not there (CUDA on a CPU-only torch)."""
-    return _capabilities(check_device(default_device() if device is None else device))
-
-
-@functools.cache
-def _capabilities(device: str) -> Capabilities:
+    """What `device` (default: CUDA when available) can run; a ConfigError where the device is not there."""
+    device = check_device(default_device() if device is None else device)
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         no_gpu = "no CUDA GPU is visible (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
-        raise ConfigError(
-            f"device={device!r} but CUDA is not available here: "
-            f"{'this torch is a CPU-only build' if torch.version.cuda is None else no_gpu}. Use device='cpu', or on a "
-            "machine with an NVIDIA GPU install torch's CUDA build (see docs/gpu.md)"
-        )
+        why = "this torch is a CPU-only build" if torch.version.cuda is None else no_gpu
+        fix = "Use device='cpu', or on a machine with an NVIDIA GPU install torch's CUDA build (see docs/gpu.md)"
+        raise ConfigError(f"device={device!r} but CUDA is not available here: {why}. {fix}")
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device={device!r} but MPS is not available here: use device='cpu'")
     cpu = CpuFeatures.detect() if dev.type == "cpu" else None
@@ -451,9 +398,6 @@ def _capabilities(device: str) -> Capabilities:
     )
 
 
-capabilities.cache_clear = _capabilities.cache_clear  # tests change the environment and ask again
-
-
 def require(cfg: TrainConfig) -> TrainConfig:
     """`cfg` when its device can run it, else a ConfigError that says what to change."""
     return capabilities(cfg.device).require(cfg)
@@ -462,7 +406,6 @@ def require(cfg: TrainConfig) -> TrainConfig:
 def efficiency(
     tokens_per_s: float, flops_per_token: int, device: str, precision: str, measure: bool = True
 ) -> tuple[float | None, str]:
-    """(model FLOP/s over the device's peak, what the peak is): MFU against the data sheet on a known GPU,
-    or against this machine's measured matmul peak elsewhere."""
+    """(MFU, the peak's source): model FLOP/s over the device's peak (Capabilities.peak_tflops)."""
     peak, basis = capabilities(device).peak_tflops(precision, measure=measure)
     return (tokens_per_s * flops_per_token / (peak * 1e12), basis) if peak else (None, "")
