@@ -324,10 +324,8 @@ class _Climb:
         same_step = no_effect and speed.factor
         if same_step:  # what the pairs say is this machine's noise, and the speed-up over naive stays what it was
             kept, speed, speedup = fixed, dataclasses.replace(speed, verdict=NO_CHANGE), best.speedup
-            why = (
-                f"{'kept (fixed ladder)' if fixed else 'not kept'}: {note}; the same step measured {speed.factor:.2f}x "
-                f"({speed.low:.2f}-{speed.high:.2f}) against itself: the noise of this machine"
-            )
+            why = f"{'kept (fixed ladder)' if fixed else 'not kept'}: {note}; the same step measured "
+            why += f"{speed.factor:.2f}x ({speed.low:.2f}-{speed.high:.2f}) against itself: the noise of this machine"
         why += f" ({result.stopped_early})" if result.stopped_early else ""
         lad = {"kept": kept, "why": why, "vs": best.result.label, "aims": list(rung.aims)}
         lad |= _speed_fields(speed, [list(p) for p in pairs])
@@ -709,10 +707,8 @@ def final_config(results: list[RunResult], loop: str = "optimised") -> C.TrainCo
     if row is None and (failed := baseline_failure(results)):
         raise C.ConfigError(f"these results hold no {loop} loop: {failed}")
     if row is None or not row.config:
-        raise C.ConfigError(
-            f"these results hold no {loop} loop (no {label!r} row): run the whole ladder"
-            + (" again (this climb was saved before the ladder had that row)" if label == LEANEST else "")
-        )
+        again = " again (this climb was saved before the ladder had that row)" if label == LEANEST else ""
+        raise C.ConfigError(f"these results hold no {loop} loop (no {label!r} row): run the whole ladder{again}")
     return C.TrainConfig.from_dict(row.config)
 
 
