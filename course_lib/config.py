@@ -4,6 +4,7 @@ in its module of course_lib.techniques). `ModelConfig` says what the network is;
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -46,11 +47,8 @@ def did_you_mean(name, names) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-# ---- every field's type, checked and parsed in one place ---------------------------------------------------------
 # The annotations are the declaration: __post_init__ checks each value against its field's type (a bool is not an int,
 # a float is finite, a Literal one of its values) and parse_setting reads a value from text by the same type.
-
-
 @functools.cache
 def _field_types(cls) -> dict[str, object]:
     return typing.get_type_hints(cls)
@@ -60,10 +58,8 @@ def _check_fields(names, cls) -> None:
     """A ConfigError naming the closest field where one of `names` (a dict's keys) is no field of dataclass `cls`."""
     fields = _field_types(cls)
     if unknown := [k for k in names if k not in fields]:
-        raise ConfigError(
-            f"{cls.__name__} has no field {unknown[0]!r}{did_you_mean(unknown[0], fields)}; its fields: "
-            f"{', '.join(fields)}"
-        )
+        hint = did_you_mean(unknown[0], fields)
+        raise ConfigError(f"{cls.__name__} has no field {unknown[0]!r}{hint}; its fields: {', '.join(fields)}")
 
 
 def _conforms(value, hint) -> bool:
@@ -119,10 +115,8 @@ def parse_value(name: str, hint, text: str):
         if type(None) in args and t.lower() in ("none", "off", "null"):
             return None
         for a in (a for a in args if a is not type(None)):
-            try:
+            with contextlib.suppress(ConfigError):
                 return parse_value(name, a, t)
-            except ConfigError:
-                pass
         raise bad
     if hint is bool:
         _check(t.lower() in _TRUE + _FALSE, f"{name}={text!r}: {name} takes true or false (also on/off, yes/no, 1/0)")
@@ -188,9 +182,14 @@ def parse_setting(name: str, text: str):
     return parse_value(name, _owner(name)[2], text)
 
 
+def _must(obj, name: str, ok: bool, be: str) -> None:
+    """A ConfigError "`name` must `be`, got its value" unless `ok`."""
+    _check(ok, f"{name} must {be}, got {getattr(obj, name)!r}")
+
+
 def _check_positive(obj, *names: str) -> None:
     for name in names:
-        _check(getattr(obj, name) >= 1, f"{name} must be a positive int, got {getattr(obj, name)!r}")
+        _must(obj, name, getattr(obj, name) >= 1, "be a positive int")
 
 
 @dataclass(frozen=True)
@@ -210,11 +209,9 @@ class ModelConfig:
         _check_positive(self, "n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_multiple")
         whole = "change one so that n_embd/n_head is a whole head size"
         _check(self.n_embd % self.n_head == 0, f"n_head={self.n_head} must divide n_embd={self.n_embd}: {whole}")
-        _check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        _check(
-            self.attention != "flash" or self.dropout == 0,
-            "attention='flash' (the course's flash attention) has no dropout: set dropout=0 or attention='sdpa'",
-        )
+        _must(self, "dropout", 0.0 <= self.dropout < 1.0, "be in [0, 1)")
+        no_dropout = "attention='flash' (the course's flash attention) has no dropout: set dropout=0 or use 'sdpa'"
+        _check(self.attention != "flash" or self.dropout == 0, no_dropout)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -233,17 +230,14 @@ DEVICE_TYPES = ("cpu", "cuda", "mps")  # where the course's loop, timing and mem
 
 
 def check_device(device) -> str:
-    """`device` as torch names it ('cuda:0'), or a ConfigError saying what to use: for a name torch does not know, and
-    for a device the course has no path for (xpu, hpu: their timers and memory statistics differ)."""
+    """`device` as torch names it ('cuda:0'); a ConfigError for an unknown name or a type the course has no path for."""
     use = "use 'cpu', or 'cuda' on a machine with an NVIDIA GPU"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError(f"device={device!r} is not a torch device: {use}") from None
-    _check(
-        dev.type in DEVICE_TYPES,
-        f"device={device!r}: the course runs on {', '.join(DEVICE_TYPES)} only, not on {dev.type!r}; {use}",
-    )
+    only = f"the course runs on {', '.join(DEVICE_TYPES)} only"
+    _check(dev.type in DEVICE_TYPES, f"device={device!r}: {only}, not on {dev.type!r}; {use}")
     return str(dev)
 
 
@@ -267,9 +261,8 @@ SECTIONS: dict[str, tuple[str, ...]] = {
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How a model is trained, in the sections of SECTIONS. Each technique's field is explained in its own module of
-    course_lib.techniques (named after it). Whether *this machine* can run it is not asked here (a config saved on a
-    GPU must load on a laptop): course_lib.capabilities.require(cfg) asks when a run, a ladder or a panel starts."""
+    """How a model is trained, by SECTIONS. Whether *this machine* can run it is asked by capabilities.require(cfg) when
+    a run starts, not here: a config saved on a GPU must load on a laptop."""
 
     # -- model: the network's shape (ModelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -285,8 +278,7 @@ class TrainConfig:
     batch_size: int = 32
     grad_accum_steps: int = 1
     context: int = 512
-    # -- precision (techniques.mixed_precision): fp16's GradScaler starts at loss_scale_init and doubles after
-    # loss_scale_growth_interval clean steps (torch's own defaults)
+    # -- precision (techniques.mixed_precision): fp16's loss scale, doubled after each growth interval of clean steps
     precision: Precision = "fp32"
     loss_scale_init: float = 65536.0
     loss_scale_growth_interval: int = 2000
@@ -295,7 +287,6 @@ class TrainConfig:
     compile: bool = False  # techniques.torch_compile
     compile_mode: CompileMode = "default"
     fused_adamw: bool = False
-    # activation checkpointing: "full" keeps a block's input, "selective" also its matmuls' outputs
     activation_checkpointing: Checkpointing = "none"  # what each mode keeps: techniques.activation_checkpointing
     loss_chunks: int = 1  # techniques.chunked_loss: >1, the output layer and loss in this many token slices
     set_to_none: bool = False  # zero_grad(set_to_none=True) frees gradients between steps
@@ -311,11 +302,8 @@ class TrainConfig:
     lr_warmup_steps: int = 0
     min_lr_ratio: float = 0.1  # cosine, wsd and exponential decay to this fraction of lr
     clip_norm: float | None = None  # clipping threshold; None is off
-    # "global": every gradient scaled by one factor from their joint norm (GPT-3; the direction is kept);
-    # "per_tensor": each tensor by its own norm (the direction of the whole gradient changes)
-    clip_kind: ClipKind = "global"
-    # -- parallelism (notebook 07, techniques.data_parallel), inside a torchrun process group: DistributedDataParallel,
-    # FSDP2 (fully_shard per block and at the root), or DDP by hand with gradients all-reduced in buckets
+    clip_kind: ClipKind = "global"  # "global": one factor from the joint norm (GPT-3); "per_tensor": each by its own
+    # -- parallelism (notebook 07, techniques.data_parallel) in a torchrun group: DDP, FSDP2, or DDP by hand in buckets
     data_parallel: Literal["none", "ddp", "fsdp", "bucketed"] = "none"
 
     def __post_init__(self):
@@ -325,40 +313,26 @@ class TrainConfig:
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         _check_types(self)
         _check_positive(self, "batch_size", "grad_accum_steps", "context", "steps", "loss_chunks")
-        _check(self.timing_warmup >= 0, f"timing_warmup must be an int >= 0, got {self.timing_warmup!r}")
-        _check(
-            self.batch_size % self.grad_accum_steps == 0,
-            f"batch_size={self.batch_size} does not divide into grad_accum_steps={self.grad_accum_steps} "
-            "equal micro-batches: make batch_size a multiple of grad_accum_steps (e.g. batch_size="
-            f"{self.batch_size // self.grad_accum_steps * self.grad_accum_steps or self.grad_accum_steps})",
-        )
-        _check(
-            self.context <= self.model.block_size,
-            f"context={self.context} is longer than the model's block_size={self.model.block_size}: "
-            "shorten the context or raise the model's block_size (model.block_size; `--set model.block_size=N`)",
-        )
-        _check(
-            self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1,
-            "schedule='inverse_sqrt' peaks at the end of the warmup: set lr_warmup_steps >= 1",
-        )
-        _check(self.eval_every >= 0 and self.eval_batches >= 1, "eval_every must be >= 0 and eval_batches >= 1")
-        _check(self.lr > 0, f"lr must be positive, got {self.lr}")
-        _check(
-            self.clip_norm is None or self.clip_norm > 0,
-            f"clip_norm must be positive or None (off), got {self.clip_norm}",
-        )
-        _check(0 <= self.lr_warmup_steps, f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
-        _check(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _check(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
-        _check(self.eps > 0, f"eps must be > 0 (it keeps Adam's division finite), got {self.eps}")
-        decay_rates = "(decay rates of moving averages)"
-        _check(all(0 <= b < 1 for b in self.betas), f"betas must each be in [0, 1) {decay_rates}, got {self.betas}")
-        _check(0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}")
-        _check(
-            self.loss_scale_init > 0 and self.loss_scale_growth_interval >= 1,
-            "loss_scale_init must be > 0 and loss_scale_growth_interval an int >= 1, "
-            f"got {self.loss_scale_init}, {self.loss_scale_growth_interval!r}",
-        )
+        _check_positive(self, "eval_batches", "loss_scale_growth_interval")
+        _must(self, "timing_warmup", self.timing_warmup >= 0, "be an int >= 0")
+        b, k = self.batch_size, self.grad_accum_steps
+        fix = f"make batch_size a multiple of grad_accum_steps (e.g. batch_size={b // k * k or k})"
+        _check(b % k == 0, f"batch_size={b} does not divide into grad_accum_steps={k} equal micro-batches: {fix}")
+        longer = f"context={self.context} is longer than the model's block_size={self.model.block_size}"
+        fix = "shorten the context or raise the model's block_size (model.block_size; `--set model.block_size=N`)"
+        _check(self.context <= self.model.block_size, f"{longer}: {fix}")
+        no_warmup = "schedule='inverse_sqrt' peaks at the end of the warmup: set lr_warmup_steps >= 1"
+        _check(self.schedule != "inverse_sqrt" or self.lr_warmup_steps >= 1, no_warmup)
+        _must(self, "eval_every", self.eval_every >= 0, "be >= 0")
+        _must(self, "lr", self.lr > 0, "be positive")
+        _must(self, "clip_norm", self.clip_norm is None or self.clip_norm > 0, "be positive or None (off)")
+        _must(self, "lr_warmup_steps", self.lr_warmup_steps >= 0, "be >= 0")
+        _must(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "be in [0, 1]")
+        _must(self, "weight_decay", self.weight_decay >= 0, "be >= 0")
+        _must(self, "eps", self.eps > 0, "be > 0 (it keeps Adam's division finite)")
+        _must(self, "betas", all(0 <= b < 1 for b in self.betas), "each be in [0, 1) (decay rates of moving averages)")
+        _must(self, "momentum", 0 <= self.momentum < 1, "be in [0, 1)")
+        _must(self, "loss_scale_init", self.loss_scale_init > 0, "be > 0")
         check_device(self.device)
 
     @property
@@ -372,8 +346,7 @@ class TrainConfig:
 
     @property
     def ledger_step(self) -> int | None:
-        """The step a CPU run takes under the memory ledger (the last, untimed), or None: memory not measured, or a
-        GPU, whose allocator reads its peak over the timed steps themselves."""
+        """The step a CPU run takes under the memory ledger (the last, untimed), or None (a GPU reads timed steps')."""
         return self.steps - 1 if self.measure_memory and torch.device(self.device).type == "cpu" else None
 
     @property
@@ -382,8 +355,7 @@ class TrainConfig:
         return set(range(min(self.timing_warmup, self.steps))) | ({self.ledger_step} - {None})
 
     def fewest_steps(self, timed: int = 1, ledger: bool | None = None) -> int:
-        """The steps a run needs to time `timed` of them after its warm-up and, where it has one (`ledger`: this
-        config's own by default), its memory-ledger step."""
+        """Steps to time `timed` after the warm-up, plus the ledger step where `ledger` (default: where it has one)."""
         return self.timing_warmup + timed + (self.ledger_step is not None if ledger is None else ledger)
 
     def check_steps_to_time(self, ledger: bool | None = None) -> None:
@@ -400,13 +372,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
-        """The config a dict describes (to_dict's, a JSON file, a launch's --config); a key that is no field is an error
-        that names the closest field."""
-        _check(
-            isinstance(d, dict) and isinstance(d.get("model", {}), dict),
-            "a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too; "
-            f"got {type(d).__name__}",
-        )
+        """The config a dict describes (to_dict's, a JSON file); a key that is no field names the closest field."""
+        what = "a TrainConfig is a dict of its fields (TrainConfig.to_dict()), with model a dict too"
+        _check(isinstance(d, dict) and isinstance(d.get("model", {}), dict), f"{what}; got {type(d).__name__}")
         _check_fields(d, cls)
         _check_fields(d.get("model", {}), ModelConfig)
         return cls(**{**d, "model": ModelConfig(**d.get("model", {}))})
@@ -422,9 +390,6 @@ class TrainConfig:
         return {name: model if name == "model" else {f: getattr(self, f) for f in fs} for name, fs in SECTIONS.items()}
 
 
-# ---- Presets ---------------------------------------------------------------------------------------------------------
-
-
 def reference_preset(device: str | None = None) -> TrainConfig:
     """The course's reference model: 4 blocks, context 512, width 256, 4 heads, batch 32."""
     model = ModelConfig(n_layer=4, n_head=4, n_embd=256, block_size=512)
@@ -432,9 +397,8 @@ def reference_preset(device: str | None = None) -> TrainConfig:
 
 
 def cpu_preset(device: str | None = None) -> TrainConfig:
-    """Small enough for a laptop CPU (a naive fp32 step about half a second on 2 cores), shaped like the reference
-    model: the same context (512) and the same attention-to-rest ratio in the activation formula (5as/h = 40),
-    so attention and the logits are as real a share of the work as on a GPU."""
+    """Small enough for a laptop CPU, shaped like the reference model: the same context (512) and attention-to-rest
+    ratio in the activation formula (5as/h = 40), so attention and the logits are as real a share as on a GPU."""
     model = ModelConfig(n_layer=2, n_head=2, n_embd=128, block_size=512)
     return TrainConfig(model, device or "cpu", batch_size=8, context=512, steps=8, timing_warmup=2)
 
