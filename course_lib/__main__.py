@@ -79,10 +79,8 @@ def cmd_ladder(args) -> int:
     print(f"{ladder_table(results)}\n\n{verdict(results)}")
     failed = baseline_failure(results) is not None
     if where is not None:
-        export = f"(`python -m course_lib export --ladder {where}` writes its optimised loop as a script)"
-        _say(
-            f"wrote {where} " + ("(the baseline's failure is recorded there: no loop to export)" if failed else export)
-        )
+        export = f"`python -m course_lib export --ladder {where}` writes its optimised loop as a script"
+        _say(f"wrote {where} ({'the baseline failed (recorded there): no loop to export' if failed else export})")
     return 1 if failed else 0
 
 
@@ -127,10 +125,17 @@ def _ladder_banner(args, base: C.TrainConfig, device: str, raised: str) -> None:
         _say(presets.auto_reason(base.device))
     raised = f", {raised}" if raised else ""  # said here, so run_ladder finds nothing to raise
     _say(
-        f"Ladder on {device}, torch {torch.__version__}, preset {args.preset}: "
-        f"{base.model.n_layer} blocks, width {base.model.n_embd}, {base.model.n_head} heads, context {base.context}, "
-        f"batch {base.batch_size}, {base.steps} steps per rung ({base.timing_warmup} warm-up{raised}); "
+        f"Ladder on {device}, torch {torch.__version__}, preset {args.preset}: {_shape(base)}, {base.steps} steps per "
+        f"rung ({base.timing_warmup} warm-up{raised}); "
         + ("the fixed ladder: every rung kept" if args.fixed else "a rung is kept only where it helps here")
+    )
+
+
+def _shape(c: C.TrainConfig) -> str:
+    m = c.model
+    return (
+        f"{m.n_layer} blocks, width {m.n_embd}, {m.n_head} heads, vocabulary {m.vocab_size}, context {c.context}, "
+        f"batch {c.batch_size}"
     )
 
 
@@ -346,10 +351,7 @@ def cmd_profile(args) -> int:
     if not args.no_floor:
         floor, oom = unless_it_fails(lambda: kernel_floor(p).text())
         if oom:
-            _say(
-                "kernel floor: out of memory while timing a call alone; the profile above stands (--no-floor leaves "
-                "the floor out)"
-            )
+            _say("kernel floor: out of memory while timing a call alone; the profile above stands (--no-floor: none)")
         else:
             print(floor)
     if trace is not None and not trace.is_file():
@@ -479,11 +481,7 @@ def _rungs_and_presets() -> str:
     rungs = "\n".join(
         f"  {i:>2}  {r.name:<18} {' and '.join(r.aims) or 'the baseline'}" for i, r in enumerate(T.LADDER)
     )
-    named = "\n".join(
-        f"  {name:<11} {c.model.n_layer} blocks, width {c.model.n_embd}, {c.model.n_head} heads, vocabulary "
-        f"{c.model.vocab_size}, context {c.context}, batch {c.batch_size}"
-        for name, c in ((name, C.preset(name, "cpu")) for name in C.PRESETS)
-    )
+    named = "\n".join(f"  {name:<11} {_shape(C.preset(name, 'cpu'))}" for name in C.PRESETS)
     auto = "  auto        sized to the device: the cpu preset on a CPU, GPT-2 small's shape on a GPU where it fits"
     return f"rungs (--rungs, --leave-out take their indices):\n{rungs}\n\npresets (--preset):\n{auto}\n{named}"
 
