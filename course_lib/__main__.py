@@ -351,7 +351,7 @@ def cmd_profile(args) -> int:
     if not args.no_floor:
         floor, oom = unless_it_fails(lambda: kernel_floor(p).text())
         if oom:
-            _say("kernel floor: out of memory while timing a call alone; the profile above stands (--no-floor: none)")
+            _say("kernel floor: out of memory while timing a call alone; the profile above stands")
         else:
             print(floor)
     if trace is not None and not trace.is_file():
