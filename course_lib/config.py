@@ -145,10 +145,8 @@ def _owner(name: str) -> tuple[str, str, object]:
     if (bare := name.removeprefix("model.")) in model:
         return "model", bare, model[bare]
     known = [*(k for k in train if k != "model"), *model, *(f"model.{k}" for k in model)]
-    raise ConfigError(
-        f"{name!r} is not a setting: use a TrainConfig field or a ModelConfig field (model.<field>, or its name)"
-        f"{did_you_mean(name, known)}"
-    )
+    use = "use a TrainConfig field or a ModelConfig field (model.<field>, or its name)"
+    raise ConfigError(f"{name!r} is not a setting: {use}{did_you_mean(name, known)}")
 
 
 def get_setting(cfg: TrainConfig, name: str):
@@ -241,8 +239,7 @@ def check_device(device) -> str:
     return str(dev)
 
 
-# TrainConfig's fields by section, in the class's order. A field's name is unique across sections, so replace(), the
-# panels and `--set field=value` name it directly.
+# TrainConfig's fields by section, in the class's order; a name is unique across them (replace() and --set use it).
 SECTIONS: dict[str, tuple[str, ...]] = {
     section: tuple(names.split())
     for section, names in {
@@ -362,10 +359,8 @@ class TrainConfig:
         """A ConfigError that says what to raise where the run would leave no step to time."""
         if self.steps < (need := self.fewest_steps(1, ledger)):
             ledger_text = " and the memory-ledger step" if need > self.timing_warmup + 1 else ""
-            raise ConfigError(
-                f"steps={self.steps} leaves no step to time after {self.timing_warmup} warm-up step(s){ledger_text}: "
-                f"raise steps to at least {need}"
-            )
+            after = f"after {self.timing_warmup} warm-up step(s){ledger_text}"
+            raise ConfigError(f"steps={self.steps} leaves no step to time {after}: raise steps to at least {need}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
