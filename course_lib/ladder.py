@@ -179,10 +179,10 @@ def prepare_climb(
             leave_out.setdefault(rung.name, "left out: not among the rungs asked for")
     T.check_ladder_arguments(options, leave_out)
     naive = T.naive(base)  # every value is checked first: which error comes does not depend on the options' order
-    for name, value in (options or {}).items():
-        if T.TECHNIQUE[name].set(naive, value) != naive:
-            continue
-        rung = T.option_rung(name)  # compile=False would measure naive against itself
+    unchanged = [(n, value) for n, value in (options or {}).items() if T.TECHNIQUE[n].set(naive, value) == naive]
+    if unchanged:  # compile=False would measure naive against itself
+        name, value = unchanged[0]
+        rung = T.option_rung(name)
         raise C.ConfigError(
             f"--rung-value {name}={value!r} is what naive fp32 already runs: the rung would change nothing; leave "
             f"it out with --leave-out {T.LADDER.index(rung)} ({rung.name}) instead"
