@@ -312,9 +312,9 @@ class TrainConfig:
         _check_positive(self, "batch_size", "grad_accum_steps", "context", "steps", "loss_chunks")
         _check_positive(self, "eval_batches", "loss_scale_growth_interval")
         _must(self, "timing_warmup", self.timing_warmup >= 0, "be an int >= 0")
-        b, k = self.batch_size, self.grad_accum_steps
-        fix = f"make batch_size a multiple of grad_accum_steps (e.g. batch_size={b // k * k or k})"
-        _check(b % k == 0, f"batch_size={b} does not divide into grad_accum_steps={k} equal micro-batches: {fix}")
+        n, k = self.batch_size, self.grad_accum_steps
+        fix = f"make batch_size a multiple of grad_accum_steps (e.g. batch_size={n // k * k or k})"
+        _check(n % k == 0, f"batch_size={n} does not divide into grad_accum_steps={k} equal micro-batches: {fix}")
         longer = f"context={self.context} is longer than the model's block_size={self.model.block_size}"
         fix = "shorten the context or raise the model's block_size (model.block_size; `--set model.block_size=N`)"
         _check(self.context <= self.model.block_size, f"{longer}: {fix}")
