@@ -80,7 +80,8 @@ def cmd_ladder(args) -> int:
     failed = baseline_failure(results) is not None
     if where is not None:
         export = f"`python -m course_lib export --ladder {where}` writes its optimised loop as a script"
-        _say(f"wrote {where} ({'the baseline failed (recorded there): no loop to export' if failed else export})")
+        failure = "the baseline's failure is recorded there: no loop to export"
+        _say(f"wrote {where} ({failure if failed else export})")
     return 1 if failed else 0
 
 
