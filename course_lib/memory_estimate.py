@@ -1,6 +1,5 @@
-"""The memory formula (course_lib.memory_formula) beside measurements (`beside_measured`, `run_beside_estimate`),
-checked before a CPU run starts (`run_checked`), and `account_step`: one step under the CPU ledger, optionally under
-FakeTensorMode, so that a model too big for this machine is accounted without allocating."""
+"""The memory formula (course_lib.memory_formula) checked before a CPU run starts (`run_checked`), and `account_step`:
+one step under the CPU ledger, optionally under FakeTensorMode, so a model too big for this machine is accounted."""
 
 from __future__ import annotations
 
@@ -12,26 +11,8 @@ import torch
 
 from . import measure, techniques
 from .config import TrainConfig
-from .measure import CATEGORIES, MemoryReport
-from .memory_formula import Estimate, estimate
-from .results import RESERVED_PEAK
-
-
-def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[str, str]]:
-    """Rows for a table: the formula's prediction beside a measurement (a RunResult's `memory` or a MemoryReport) in
-    MiB, category by category, then the peak, with the difference as a share of the measured peak."""
-    by = measured["by_category"] if isinstance(measured, dict) else measured.by_category
-    peak = measured["peak_bytes"] if isinstance(measured, dict) else measured.peak_bytes
-    pairs = [(c, est.by_category[c], by.get(c)) for c in CATEGORIES] + [(f"peak ({est.when})", est.peak_bytes, peak)]
-    return [
-        {
-            "": name,
-            "formula MiB": f"{pred / 2**20:.2f}",
-            "measured MiB": measure.mib_text(meas).removesuffix(" MiB"),  # "not measured": inside CUDA's "other"
-            "formula - measured": "" if meas is None else f"{(pred - meas) / peak:+.2%} of the peak",
-        }
-        for name, pred, meas in pairs
-    ]
+from .measure import MemoryReport
+from .memory_formula import estimate
 
 
 def check_cpu_memory(cfg: TrainConfig) -> None:
@@ -61,28 +42,6 @@ def run_checked(cfg: TrainConfig, label: str = "run", **kwargs):
         return run(cfg, label, **kwargs)
 
     return catching_oom(attempt, cfg, label)
-
-
-def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
-    """A run (run_checked) with the formula beside it, the panel's runner in notebooks 01 and 02: the prediction in
-    the result's details["estimate"] (plots.plot_memory_vs_estimate draws both) and its peak in the note."""
-    result = run_checked(cfg, label, callback=callback, **kwargs)
-    if not result.ok or not result.memory:
-        return result
-    est = estimate(cfg)
-    peak = result.memory["peak_bytes"]
-    against = (  # the formula counts live tensors: against a reserved peak, no percentage
-        f"measured {fmt_bytes(peak)} ({RESERVED_PEAK}: not the live tensors the formula counts)"
-        if result.peak_is_reserved
-        else f"measured {fmt_bytes(peak)} ({round((est.peak_bytes - peak) / peak, 3) + 0.0:+.1%})"
-    )
-    note = f"peak: formula {fmt_bytes(est.peak_bytes)}, {against}, {est.when}" + (
-        " (the formula counts eager PyTorch, not compiled code)" if cfg.compile else ""
-    )
-    result.reason = "; ".join(filter(None, (result.reason, note)))
-    return result.with_details(
-        estimate={"by_category": est.by_category, "peak_bytes": est.peak_bytes, "when": est.when}
-    )
 
 
 # ---- accounting one step with the ledger, optionally without allocating ----------------------------
@@ -123,11 +82,3 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
     if fake:
         report.method = "CPU ledger under FakeTensorMode: shapes only, nothing allocated"
     return report
-
-
-def fmt_bytes(n: int | float) -> str:
-    """Bytes with a binary unit (KiB, MiB, GiB = 1024^3)."""
-    for unit, k in (("GiB", 3), ("MiB", 2), ("KiB", 1)):
-        if abs(n) >= 1024**k:
-            return f"{n / 1024**k:.2f} {unit}"
-    return f"{int(n)} B"

@@ -83,8 +83,8 @@ BYTES_LESSON = (
 
 # Every notebook with a panel, each with its key lesson as the control changed (test_every_panel_is_driven checks).
 PANELS = [
-    # 01 and 02: each run's row sets the formula's peak beside the measured one (memory_estimate.run_beside_estimate),
-    # which the figure draws category by category
+    # 01 and 02: each run's row sets the formula's peak beside the measured one
+    # (lessons.formula_beside_measured.run_beside_estimate), which the figure draws category by category
     PanelCase(
         "01_naive_loop.ipynb",
         (("attention", "sdpa"),),

@@ -29,6 +29,7 @@ from course_lib import (
     train,
 )
 from course_lib.lessons import memory_plots, training_compute as CB
+from course_lib.lessons.formula_beside_measured import beside_measured, run_beside_estimate
 from course_lib.lessons.memory_calculator import calculator_config
 from course_lib.measure import CATEGORIES
 
@@ -145,11 +146,11 @@ def test_a_pf_day_buys_a_1b_model_about_14b_tokens():
 
 
 def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledger(splits, tiny):
-    """memory_estimate.run_beside_estimate is train.run (the same losses) with the estimate's prediction in its details
-    and its note; the step clock fits inside the wall clock."""
+    """lessons.formula_beside_measured.run_beside_estimate is train.run (the same losses) with the estimate's
+    prediction in its details and its note; the step clock fits inside the wall clock."""
     cfg = tiny(steps=4, timing_warmup=1)
     t0 = time.perf_counter()
-    r = M.run_beside_estimate(cfg, "panel", splits=splits)
+    r = run_beside_estimate(cfg, "panel", splits=splits)
     wall = time.perf_counter() - t0
     assert r.ok and r.losses == train.run(cfg, "plain", splits=splits).losses
     assert sum(r.step_times) <= wall
@@ -159,7 +160,7 @@ def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledge
     for c in CATEGORIES:
         assert abs(est["by_category"][c] - r.memory["by_category"][c]) <= 0.01 * r.memory["peak_bytes"], c
     assert r.reason.startswith("peak: formula ") and "measured" in r.reason and est["when"] in r.reason
-    rows = M.beside_measured(F.estimate(cfg), r.memory)
+    rows = beside_measured(F.estimate(cfg), r.memory)
     assert [row[""] for row in rows] == [*CATEGORIES, f"peak ({est['when']})"]
     assert rows[-1]["formula MiB"] == f"{est['peak_bytes'] / 2**20:.2f}"
 
@@ -167,8 +168,8 @@ def test_the_panels_runner_trains_the_loop_and_puts_the_formula_beside_the_ledge
 def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
     cfg = tiny(steps=3, timing_warmup=1)
     runs = [
-        M.run_beside_estimate(cfg, "a", splits=splits),
-        M.run_beside_estimate(cfg.with_model(attention="sdpa"), "b", splits=splits),
+        run_beside_estimate(cfg, "a", splits=splits),
+        run_beside_estimate(cfg.with_model(attention="sdpa"), "b", splits=splits),
     ]
     fig = plots.plot_results(runs, ("memory_vs_estimate", "time_vs_flops"))
     mem_ax, time_ax = fig.axes[:2]
