@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .. import data as data_mod, measure, techniques
 from ..model import GPT
-from ..techniques import constant_lr, exponential_lr, inverse_sqrt_lr, step_decay_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
+from ..techniques import constant_lr, exponential_lr, inverse_sqrt_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
 from ..techniques.optimizer import STATES_PER_PARAMETER, state_bytes as state_bytes_formula
 
 # ---- AdamW from its update rule -------------------------------------------------------------------
@@ -303,6 +303,12 @@ def max_difference_after_steps(
 
 
 # ---- learning-rate schedules: the functions the loop's techniques.lr_at uses, and torch's own ------------
+
+
+def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1) -> float:
+    """The rate times `gamma` every `step_size` steps (torch's StepLR)."""
+    return lr * gamma ** (step // step_size)
+
 
 SCHEDULES: dict[str, Callable[..., float]] = {
     "constant": constant_lr,

@@ -1,9 +1,5 @@
-"""The techniques, one module each, and the registry the rest of the course iterates over.
-
-Each module holds everything about its technique: its declaration (a `Technique`), how it applies to the model and
-the step, and its terms in the memory estimate. TECHNIQUES lists them in ladder order; TECHNIQUE (by name), LADDER and
-RUNGS are derived from it whenever they are read. assemble.build applies them in the one order that works. Adding a
-technique: its module here, listed in TECHNIQUES, its config field, and its test (tests/test_technique_registry.py).
+"""The techniques, one module each (declaration, application, memory terms), and TECHNIQUES, their registry in ladder
+order. Adding one: its module, its entry in TECHNIQUES, its config field, its test (tests/test_technique_registry.py).
 """
 
 from __future__ import annotations
@@ -33,12 +29,10 @@ from .data_parallel import SyncOnLastMicroBatch, apply_data_parallel, shard_with
 from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Technique  # noqa: F401
 from .lr_schedule import (  # noqa: F401
     constant_lr,
-    exponential_gamma,
     exponential_lr,
     inverse_sqrt_lr,
     lr_at,
     make_scheduler,
-    step_decay_lr,
     warmup_cosine_lr,
     wsd_lr,
 )
@@ -61,7 +55,9 @@ TECHNIQUES: tuple[Technique, ...] = (
 
 @functools.cache
 def _derived(techniques: tuple[Technique, ...]) -> dict:
-    ladder = ladder_of(techniques)
+    """TECHNIQUE (by name), LADDER (naive fp32, then one change per rung, in TECHNIQUES' order) and RUNGS (by name)."""
+    naive_rung = Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place")
+    ladder = (naive_rung, *(Rung(name, what, t, value) for t in techniques for name, value, what in t.rungs))
     return {"TECHNIQUE": {t.name: t for t in techniques}, "LADDER": ladder, "RUNGS": {r.name: r for r in ladder}}
 
 
@@ -95,14 +91,6 @@ def technique_named(name: str) -> Technique | None:
 
 
 # ---- the ladder, derived from the declarations -----------------------------------------------------------------
-
-
-def ladder_of(techniques: tuple[Technique, ...]) -> tuple[Rung, ...]:
-    """Naive fp32 to everything on, one change per rung, in the order of `techniques`."""
-    return (
-        Rung("naive fp32", "plain fp32, naive attention, for-loop AdamW, gradients zeroed in place"),
-        *(Rung(name, what, t, value) for t in techniques for name, value, what in t.rungs),
-    )
 
 
 def naive(cfg: TrainConfig) -> TrainConfig:
@@ -144,16 +132,14 @@ def check_ladder_arguments(options: dict | None, leave_out: dict | None) -> None
 
 
 def option_rung(technique: str) -> Rung | None:
-    """The rung an option {technique: value} changes: that technique's last rung (precision=fp16: the 16-bit rung's
-    format, not TF32's), or None for a technique of no rung."""
+    """The rung an option {technique: value} changes: its technique's last (precision=fp16: the 16-bit rung's)."""
     rungs = [r for r in _derived(TECHNIQUES)["LADDER"] if r.technique is not None and r.technique.name == technique]
     return rungs[-1] if rungs else None
 
 
 def rung_up(cfg: TrainConfig, rung: Rung, caps, options: dict | None = None) -> TrainConfig | ConfigError:
-    """`cfg` with `rung`'s technique switched on, or the ConfigError that says why the device cannot run it. `caps`:
-    capabilities.Capabilities, or None for a device not on this machine (only the techniques' own checks, FAST_16BIT
-    as bf16). An option {technique: value} replaces what its technique's last rung sets."""
+    """`cfg` with `rung` switched on, or the ConfigError saying why the device cannot run it; `options` replace what
+    a technique's last rung sets. caps=None: a device not on this machine (only the techniques' checks; bf16)."""
     last = rung.technique is not None and rung is option_rung(rung.technique.name)
     value = (options or {}).get(rung.technique.name) if last else None
     if caps is not None and value is None and rung.value == FAST_16BIT:

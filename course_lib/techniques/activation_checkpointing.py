@@ -1,9 +1,5 @@
-"""Activation checkpointing: keep less of the forward pass for backward, and recompute the rest there.
-
-`full` keeps only each block's input; `selective` also keeps the matmul and attention outputs and recomputes only the
-element-wise work between them. Korthikanti et al. (2022) select otherwise: they keep the rest and
-recompute the attention core (QK^T, softmax, its dropout, the product with V: the s x s part); notebook 02 measures
-both. Applied first (assemble.build), to the eager blocks. Its memory term: what a block keeps (`kept_per_layer`).
+"""Activation checkpointing: keep less of the forward pass for backward, and recompute the rest there. Applied first
+(assemble.build), to the eager blocks. Its memory term: what a block keeps (`kept_per_layer`).
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ def _selective_policy(_ctx, op, *args, **kwargs):
 
 
 class CheckpointedBlock(nn.Module):
-    """Full checkpointing: forward keeps only the block's input, backward runs the block's forward again
-    (non-reentrant): one block's activations at a time, for about one more forward."""
+    """Full checkpointing: forward keeps only the block's input, backward runs its forward again (one more forward)."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -49,10 +44,8 @@ class CheckpointedBlock(nn.Module):
 
 
 class SelectiveCheckpointedBlock(CheckpointedBlock):
-    """Selective checkpointing as the course does it: forward also keeps the matmul and attention outputs, expensive to
-    recompute; backward recomputes only the element-wise work in between (LayerNorm, GELU, softmax, dropout, adds).
-    Korthikanti et al. (2022) instead keep the rest and recompute the attention core (QK^T, softmax, its dropout, the
-    product with V), large but cheap; this policy keeps naive attention's s x s scores (a matmul output)."""
+    """Selective: forward also keeps the matmul and attention outputs, backward recomputes only the element-wise work.
+    Korthikanti et al. (2022) instead recompute the attention core (the s x s part); notebook 02 measures both."""
 
     def checkpoint_options(self) -> dict:
         return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
@@ -75,19 +68,17 @@ def apply(cfg: TrainConfig, parts: ModelParts) -> None:
 
 
 def selective_activation_terms(
-    s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive", residual_bytes: int | None = None
+    s: int, b: int, h: int, a: int, value_bytes: int, attention: str, residual_bytes: int
 ) -> dict[str, int]:
     """Bytes one block keeps with selective checkpointing: its input (residual_bytes: fp32 under autocast) and the
-    outputs of its matmuls and attention; the element-wise work is recomputed, so none of its tensors are kept."""
+    outputs of its matmuls and attention ("naive" or "sdpa"); the element-wise work is recomputed."""
     B, sbh = value_bytes, s * b * h
     kept_by_attention = {
         "naive": {"QK^T matmul output (a s^2 b)": a * s * s * b * B, "softmax x V matmul output (sbh)": sbh * B},
         "sdpa": {"attention output (sbh)": sbh * B, "softmax logsumexp (b a s, fp32)": b * a * s * 4},
     }
-    if attention not in kept_by_attention:
-        raise ValueError(f"attention={attention!r} is not 'naive' or 'sdpa'")
     return {
-        "block input (sbh)": sbh * (B if residual_bytes is None else residual_bytes),
+        "block input (sbh)": sbh * residual_bytes,
         "QKV matmul output (3 x sbh)": 3 * sbh * B,
         **kept_by_attention[attention],
         "attention projection output (sbh)": sbh * B,
@@ -114,8 +105,7 @@ TECHNIQUE = Technique(
     "activation_checkpointing",
     "activation checkpointing",
     "none",
-    help="keep less of the forward pass (a block's input; with selective, its matmul outputs too), recompute the rest "
-    "in backward",
+    help="keep less of the forward pass (a block's input; selective: its matmul outputs too), recompute the rest",
     rungs=(("+ checkpointing", "full", "activation checkpointing per block: recompute in backward, less memory"),),
     aims=(MEMORY,),
 )

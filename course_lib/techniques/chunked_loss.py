@@ -1,7 +1,5 @@
-"""The chunked loss (`HeadLossInSlices`): the output layer and the cross-entropy one slice of tokens at a time, each
-slice's gradients made in forward, so one slice of the (tokens x vocab) logits exists at a time and nothing is
-recomputed. `LossModule`: the model and its loss as one module (what compile traces). Its memory term: `memory_terms`.
-"""
+"""The chunked loss (`HeadLossInSlices`), `LossModule` (the model and its loss as one module, what compile traces), and
+the chunked loss's memory term (`memory_terms`)."""
 
 from __future__ import annotations
 
@@ -25,11 +23,9 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class HeadLossInSlices(torch.autograd.Function):
-    """The output layer and the summed cross-entropy of `hidden` (T, d), one slice of `chunks` at a time, each slice's
-    gradients made in forward: one slice of the (T, V) logits at a time instead of three (T, V) fp32 tensors, and the
-    plain loss's FLOPs. Backward only scales the two kept gradients by the loss's gradient (1/targets, loss scale).
-    Per slice: logits = head(h); in fp32 the loss (log-sum-exp minus the target's logit) and its gradient
-    softmax - onehot; that gradient times the weight is the input's gradient, its transpose times h the weight's."""
+    """The output layer and the summed cross-entropy of `hidden` (T, d) one slice at a time, each slice's gradients
+    made in forward: one slice of the (T, V) logits exists at a time, nothing is recomputed. Backward only scales
+    the two kept gradients by the loss's gradient (1/targets, loss scale)."""
 
     @staticmethod
     def forward(

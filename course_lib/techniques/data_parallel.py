@@ -40,8 +40,8 @@ BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket size (bucket_cap_mb=25)
 
 
 class HandDDP:
-    """What every hand-written DDP shares: equal starting parameters, and `finish()` after backward, which leaves each
-    rank's .grad holding the mean of all ranks' gradients."""
+    """What every hand-written DDP shares: equal starting parameters; its subclass's `finish()`, called after backward,
+    leaves each rank's .grad holding the mean of all ranks' gradients."""
 
     def __init__(self, model: nn.Module):
         self.world = dist.get_world_size()
@@ -56,14 +56,10 @@ class HandDDP:
         if self.launched is not None:
             self.launched.append(time.perf_counter())
 
-    def finish(self) -> None:
-        raise NotImplementedError
-
 
 def bucket_plan(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
-    """Which gradients are all-reduced together, as lists of parameter indices (sizes[i]: parameter i's gradient bytes).
-    Backward makes the last parameters' gradients first, so buckets fill from the last parameter; a bucket is full once
-    it holds `bucket_bytes`: torch DDP's rule (bucket_cap_mb), one all-reduce per bucket as soon as it is full."""
+    """Parameter indices all-reduced together (sizes[i]: parameter i's gradient bytes), filled from the last parameter
+    (backward makes its gradient first) until a bucket holds `bucket_bytes`: torch DDP's rule (bucket_cap_mb)."""
     buckets: list[list[int]] = [[]]
     held = 0
     for i in reversed(range(len(sizes))):
@@ -148,12 +144,10 @@ def shard_with_fsdp2(
     mp_policy=None,
     replicated: tuple[nn.Module, ...] = (),
 ) -> None:
-    """FSDP2 in place: fully_shard on every block, then on the root, so each block's parameters are all-gathered just
-    before it runs and each rank keeps 1/N of every parameter, gradient and optimizer state (ZeRO-3).
-    reshard_after_forward=False keeps the gathered parameters until backward (ZeRO-2's memory, one all-gather less);
-    offload keeps the shards in CPU memory; mp_policy is a MixedPrecisionPolicy (e.g. bf16 compute, fp32 reduce into
-    the fp32 shards); `replicated` modules stay whole on every rank (equal seeds), a hook averaging their gradients
-    (clipping's get_total_norm then refuses the mix of DTensor and plain gradients)."""
+    """FSDP2 in place: fully_shard on every block, then on the root; each rank keeps 1/N of every parameter, gradient
+    and optimizer state (ZeRO-3). reshard_after_forward=False keeps the gathered parameters until backward (ZeRO-2's
+    memory); offload keeps the shards in CPU memory; mp_policy: a MixedPrecisionPolicy; `replicated` modules stay
+    whole on every rank, their gradients averaged by a hook (get_total_norm then refuses the mix with DTensors)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 

@@ -31,8 +31,7 @@ class Technique:
     aims: tuple[str, ...] = (SPEED,)  # what it is for: SPEED, MEMORY or both
     probe: Callable[[torch.device], Support] | None = None  # whether a device runs it (None: every device does)
     check: Callable[[TrainConfig], str] | None = None  # why a config cannot use it as set, or "" (None: no check)
-    # the bytes it adds to every moment of a step's peak, {term: (ledger category, bytes)} (None: none, or
-    # memory_formula counts it at its own place in the step)
+    # {term: (ledger category, bytes)} it adds to every moment of a step's peak (None: none, or counted elsewhere)
     memory: Callable[[TrainConfig], dict[str, tuple[str, int]]] | None = None
     memory_note: str = ""  # why switching it on does not move the estimate, where it does not
     no_rung: str = ""  # for a technique with no ladder rung: why (the ladder's refusal of a --rung-value says it)

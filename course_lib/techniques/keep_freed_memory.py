@@ -1,7 +1,6 @@
-"""Keep freed memory in the process (a CPU's): a step reuses what the steps before it freed, instead of the kernel
-mapping and zeroing fresh pages (course_lib.cpu_allocator says why); a GPU's caching allocator already does this.
-It is the process's setting, set when a run is built (`apply`), so it has no ladder rung (`no_rung` says why):
-notebook 02 times it in fresh processes (course_lib.lessons.fresh_processes)."""
+"""Keep freed memory in the process (a CPU's): a step reuses what the steps before it freed instead of the kernel
+zeroing fresh pages (course_lib.cpu_allocator); a GPU's caching allocator already does this.
+No ladder rung: `no_rung` says why."""
 
 from __future__ import annotations
 

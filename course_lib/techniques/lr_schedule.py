@@ -35,13 +35,6 @@ def inverse_sqrt_lr(step: int, lr: float, warmup: int) -> float:
     return lr * min(t / warmup, math.sqrt(warmup / t))
 
 
-def step_decay_lr(step: int, lr: float, step_size: int, gamma: float = 0.1, warmup: int = 0) -> float:
-    """After the warmup, the rate times `gamma` every `step_size` steps."""
-    if step < warmup:
-        return _warmup(step, lr, warmup)
-    return lr * gamma ** ((step - warmup) // step_size)
-
-
 def wsd_lr(
     step: int, lr: float, warmup: int, total: int, decay_fraction: float = 0.2, min_lr_ratio: float = 0.0
 ) -> float:
@@ -58,16 +51,12 @@ def wsd_lr(
     return lr - (lr - floor) * progress
 
 
-def exponential_gamma(warmup: int, total: int, min_lr_ratio: float) -> float:
-    """The per-step factor of exponential_lr: min_lr_ratio reached at the last step."""
-    return min_lr_ratio ** (1 / max(1, total - 1 - warmup))
-
-
 def exponential_lr(step: int, lr: float, warmup: int, total: int, min_lr_ratio: float = 0.1) -> float:
     """Warmup, then the rate times gamma at every step (ExponentialLR), reaching min_lr_ratio * lr at the last step."""
     if step < warmup:
         return _warmup(step, lr, warmup)
-    return lr * exponential_gamma(warmup, total, min_lr_ratio) ** (step - warmup)
+    gamma = min_lr_ratio ** (1 / max(1, total - 1 - warmup))  # the per-step factor
+    return lr * gamma ** (step - warmup)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:

@@ -16,9 +16,8 @@ from .declaration import Support, Technique
 # The modes that replay CUDA graphs on a GPU: the loop then calls begin_cuda_graph_step before each optimizer step.
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
-# On a CPU, Inductor's exact tanh (SLEEF's, to 1 ULP) is slow; this setting writes it as 2 / (1 + exp(-2x)) - 1, whose
-# absolute error is harmless to GPT-2's tanh GELU, which adds 1 to it (its error near 0 is why it is not Inductor's
-# default: pytorch#148241). Triton (a GPU's) ignores it.
+# On a CPU, Inductor's exact tanh is slow; this writes it as 2 / (1 + exp(-2x)) - 1, whose error near 0 (pytorch#148241)
+# is harmless to GPT-2's tanh GELU, which adds 1 to it. Triton ignores it.
 TANH_THROUGH_EXP = "cpp.use_decompose_tanh"
 CPU_INDUCTOR_OPTIONS = {TANH_THROUGH_EXP: True}
 
@@ -66,10 +65,8 @@ def compile_arguments(cfg: TrainConfig) -> dict:
 
 
 def begin_cuda_graph_step(params, grads_kept: bool) -> None:
-    """Before an optimizer step's first micro-batch, where compiled code replays CUDA graphs: after the mark, a replay
-    may overwrite the step before's outputs, and a backward that finds .grad empty installs its output there. So one
-    mark per optimizer step (one between micro-batches would overwrite the first's gradients), and kept gradients
-    (set_to_none=False) made as zeros first, so backward adds into them in place instead of being overwritten."""
+    """Before an optimizer step's first micro-batch under CUDA graphs: one mark per step (a replay may overwrite the
+    outputs from before the mark), and kept gradients made as zeros first, so backward adds into them in place."""
     torch.compiler.cudagraph_mark_step_begin()
     if grads_kept:
         for p in params:
