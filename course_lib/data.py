@@ -77,8 +77,7 @@ def _encode_plays(enc: tiktoken.Encoding) -> torch.Tensor:
 
 
 def _stream_key(enc: tiktoken.Encoding) -> str:
-    """A hash of everything the stream is computed from (plays, ranks, split pattern, tiktoken, the code that reads and
-    encodes): any change gives another file name."""
+    """A hash of all the stream is computed from (plays, ranks, pattern, tiktoken, code): a change, another file."""
     h = hashlib.sha256(f"{enc.name}|tiktoken {tiktoken.__version__}|{enc.eot_token}|{bpe.SPLIT_PATTERN}".encode())
     h.update(RANKS_FILE.read_bytes())
     for code in (_encode_plays, get_tokenizer, bpe.load_ranks):
@@ -90,8 +89,7 @@ def _stream_key(enc: tiktoken.Encoding) -> str:
 
 @functools.cache
 def token_stream() -> torch.Tensor:
-    """All plays as one int64 stream of token ids, each play followed by <|endoftext|>. Every process that trains needs
-    it, so it is kept in cache_dir() under _stream_key's hash: never a stale read; a damaged file is encoded again."""
+    """All plays as one int64 stream of token ids, each followed by <|endoftext|>; cached under _stream_key's hash."""
     enc = get_tokenizer()
     path = None
     try:
@@ -116,9 +114,7 @@ class Splits:
 def check_vocabulary(vocab_size: int, tokens: int | None = None) -> None:
     """A ConfigError unless the model has a row for each of the tokenizer's `tokens` (the course's BPE by default)."""
     if vocab_size < (tokens := tokens or get_tokenizer().n_vocab):
-        raise ConfigError(
-            f"vocab_size={vocab_size} is smaller than the tokenizer's {tokens} tokens: raise it to {tokens}"
-        )
+        raise ConfigError(f"vocab_size={vocab_size} is smaller than the tokenizer's {tokens} tokens: raise it")
 
 
 def load_splits(val_fraction: float = 0.05) -> Splits:
@@ -138,8 +134,7 @@ def random_windows(stream: torch.Tensor, batch_size: int, context: int, generato
 
 
 def random_batches(stream: torch.Tensor, cfg, seed: int):
-    """batches(step) -> the step's micro-batches of random windows (cfg.grad_accum_steps of cfg.micro_batch_size
-    sequences of cfg.context tokens), from one generator: the loop's default batches."""
+    """The loop's default batches: batches(step) -> grad_accum_steps micro-batches of random windows, one generator."""
     gen = torch.Generator().manual_seed(seed)
 
     def batches(step: int):
@@ -149,8 +144,7 @@ def random_batches(stream: torch.Tensor, cfg, seed: int):
 
 
 def pad_sequences(seqs: list[torch.Tensor], context: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Variable-length sequences to a (batch, context) batch: padded targets are IGNORE_INDEX, so they add nothing
-    to the loss or to the count of tokens it is averaged over."""
+    """Variable-length sequences to a (batch, context) batch; padded targets are IGNORE_INDEX: not in the loss."""
     x = torch.full((len(seqs), context), pad, dtype=torch.long)
     y = torch.full((len(seqs), context), IGNORE_INDEX, dtype=torch.long)
     for i, s in enumerate(seqs):
