@@ -1,8 +1,5 @@
-"""The memory of a training step from its shapes, with no run (notebook 02's formula): static bytes (parameters,
-gradients, optimizer state), activations (what autograd keeps for backward, `layer_activation_terms`), logits (the
-output layer and the loss, which dominate small models), and the peak: the largest of the moments that can hold it
-(`peak_candidates`), in measure.MemoryLedger's categories. tests/test_memory_estimate.py holds it to the ledger.
-"""
+"""The memory of a training step from its shapes, with no run (notebook 02's formula): the peak is the largest of the
+moments that can hold it (`peak_candidates`), in measure.MemoryLedger's categories; tests hold it to the ledger."""
 
 from __future__ import annotations
 
@@ -55,16 +52,9 @@ def static_bytes(
 
 
 def layer_activation_terms(
-    s: int,
-    b: int,
-    h: int,
-    a: int,
-    value_bytes: int = 4,
-    attention: str = "naive",
-    dropout: bool = False,
-    norm_bytes: int | None = None,
-    mask_bytes: int = 1,
-) -> dict[str, int]:
+    s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive", dropout: bool = False,
+    norm_bytes: int | None = None, mask_bytes: int = 1,
+) -> dict[str, int]:  # fmt: skip
     """Bytes one block of the course's GPT keeps for backward, term by term: the paper's sixteen sbh-sized values, with
     dropout masks only with dropout on, LayerNorm's fp32 mean and 1/std, and naive attention's softmax output and
     causal mask or SDPA's logsumexp. norm_bytes: per LayerNorm input value (default value_bytes); mask_bytes: per
@@ -158,10 +148,8 @@ def _block_sizes(cfg: TrainConfig):
 
 
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """The last block's own tensors and gradients in flight at the worst moments of its backward, as {moment: {term:
-    (ledger category, bytes)}}. The last block is the worst: its backward comes first, every other block still full.
-    SDPA's backward holds 4 sbh of gradients where the MLP's has freed 10: with SDPA only the MLP's can be the peak.
-    With dropout the gradients in flight are approximate."""
+    """The last block's tensors and gradients in flight at the worst moments of its backward (it comes first, every
+    other block still full), {moment: {term: (category, bytes)}}; with SDPA only the MLP's backward can be the peak."""
     points = {"MLP backward": _mlp_backward(cfg)}
     if _attention(cfg)[0] != "naive":
         return points
@@ -267,14 +255,12 @@ def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """The output layer and the loss at their worst moments, {moment: {term: (category, bytes)}}: the loss in forward
-    (or one slice of it: techniques.chunked_loss) and the start of backward (logits_terms); under autocast also the
-    16-bit copies the output layer multiplied and autocast's cache of the blocks' 16-bit weights (alive until the
-    forward ends, even under checkpointing)."""
+    (or one slice: techniques.chunked_loss) and the start of backward (logits_terms)."""
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast = _precision(cfg)[0]
     fwd: dict[str, tuple[str, int]] = {}
-    if autocast and cfg.activation_checkpointing != "none":
+    if autocast and cfg.activation_checkpointing != "none":  # alive until the forward ends, even under checkpointing
         fwd["autocast's cache of the blocks' 16-bit weights"] = ("activations", m.n_layer * weight_copy_bytes(m))
     if k > 1:
         slice_fwd, back = chunked_loss_terms(T, h, V, k, autocast)
@@ -295,10 +281,8 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
 
 def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """Every moment of a steady-state step that can hold its peak, each as {term: (ledger category, bytes)}: the loss
-    in forward and backward (loss_terms) with all the forward's activations; the last block's backward
-    (block_backward_terms) with the other blocks' and the output layer's (V x h) weight gradient, waiting for the
-    tied embedding's; the end of backward, where those two are summed into .grad (AdamW's temporaries are smaller).
-    Parameters, gradients and state stay fp32 under autocast; with accumulation the last micro-batch is the worst."""
+    (loss_terms), the last block's backward (block_backward_terms), the end of backward (the tied embedding's two
+    gradients summed into .grad; AdamW's temporaries are smaller). With accumulation the last micro-batch is worst."""
     m = cfg.model
     L, h, V = m.n_layer, m.n_embd, m.padded_vocab_size
     st = static_bytes(count_params(m), cfg.optimizer, 4, count_param_tensors(m))
@@ -354,7 +338,12 @@ class Estimate:
 
     def verdict(self, device_gib: float, margin: float = 0.1) -> str:
         """ "fits", "tight" (inside the margin kept for the CUDA context and fragmentation) or "does not fit"."""
-        check_device_gib(device_gib, margin)
+        if isinstance(device_gib, bool) or not isinstance(device_gib, (int, float)) or not 0 < device_gib < math.inf:
+            raise ConfigError(
+                f"device_gib={device_gib!r}: give the device's memory as a positive number of GiB, e.g. 80"
+            )
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
         if self.peak_gib <= device_gib * (1 - margin):
             return "fits"
         if self.peak_gib <= device_gib:
@@ -379,14 +368,6 @@ def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tup
     out (the CUDA context, the allocator's fragmentation, library workspaces)."""
     est = estimate(cfg)
     return est, est.verdict(device_gib, margin)
-
-
-def check_device_gib(device_gib, margin: float = 0.1) -> None:
-    """A ConfigError unless `device_gib` is a positive number of GiB and `margin` a fraction in [0, 1)."""
-    if isinstance(device_gib, bool) or not isinstance(device_gib, (int, float)) or not 0 < device_gib < math.inf:
-        raise ConfigError(f"device_gib={device_gib!r}: give the device's memory as a positive number of GiB, e.g. 80")
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-        raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
 
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
