@@ -98,11 +98,6 @@ MAX_TICK = 26  # characters of a run's label on an axis; the results table has t
 MAX_LEGEND = 12  # legend entries: a panel's figure stays readable after many runs
 
 
-def placeholder(ax, text: str) -> None:
-    """Grey text in the middle of an empty panel plot, saying which run would fill it."""
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
-
-
 def tick(label: str) -> str:
     """A run's label short enough for an axis: a long one keeps its "#n" and its start."""
     return label if len(label) <= MAX_TICK else label[: MAX_TICK - 1].rstrip(" ,") + "…"
@@ -319,9 +314,8 @@ def ladder_speedups(results: list[RunResult]) -> dict[int, float]:
 
 
 def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = None, target: float = 10.0) -> Figure:
-    """The ladder climbed: speed-up over naive fp32 (left; the line joins the kept rungs, a rung not kept is a grey
-    cross, a skipped or failed one is marked with its status) and peak memory by category with the factor saved
-    (right). `reference` (shipped results, matched by rung label) adds its own line; `target` the course's promise."""
+    """The ladder climbed: speed-up over naive fp32 (left) and peak memory by category with the factor saved (right).
+    `reference` (shipped results, matched by rung label) adds its own line; `target` the course's promise."""
     fig = new_figure((12, 4.4))
     ax_speed, ax_mem = fig.subplots(1, 2)
     _ladder_speed(ax_speed, results, reference, target)
@@ -338,7 +332,7 @@ def plot_ladder(results: list[RunResult], reference: list[RunResult] | None = No
 
 
 def _ladder_speed(ax, results: list[RunResult], reference: list[RunResult] | None, target: float) -> None:
-    """plot_ladder's left panel: the speed-up of each rung, the kept ones joined."""
+    """plot_ladder's left panel: kept rungs joined, one not kept a grey cross, a skipped or failed one its status."""
     mine = ladder_speedups(results)
     kept = {i: v for i, v in mine.items() if (results[i].ladder or {}).get("kept", True)}
     dropped = {i: v for i, v in mine.items() if i not in kept}

@@ -1,8 +1,6 @@
 """Where a step's time goes: torch.profiler around the course's one loop (`python -m course_lib profile`).
-
-`profile_run(cfg)` trains cfg with `Trainer.fit` and records only the `active` steps after the warm-up; `summary(...)`
-lists the operators by their own time on the device that did the work (notebook 01 reads one by hand).
-`kernel_floor(...)` times the step's matmuls and fused attention again, alone: how fast a step calling them can be."""
+`profile_run(cfg)` records the `active` steps after the warm-up; `summary(...)` lists the operators by their own time
+on the device that did the work; `device_idle_share` says how long the GPU waited for the CPU."""
 
 from __future__ import annotations
 

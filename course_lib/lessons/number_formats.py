@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..config import TrainConfig
-from ..plots import placeholder
+from .pure_bf16 import placeholder
 
 SHORT = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 for _name, _short in (("float8_e4m3fn", "fp8 e4m3"), ("float8_e5m2", "fp8 e5m2")):

@@ -29,7 +29,6 @@ import torch
 from .. import measure, techniques, train as train_mod
 from ..config import TrainConfig
 from ..model import GPT
-from ..plots import placeholder
 from ..results import RunResult
 from .optimizers_by_hand import HandAdamW, adamw_update
 
@@ -268,6 +267,11 @@ def run_rows(results: list[RunResult]) -> list[dict[str, str]]:
             }
         )
     return rows
+
+
+def placeholder(ax, text: str) -> None:
+    """Grey text in the middle of an empty panel plot, saying which run would fill it."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=8, color="grey")
 
 
 def plot_update_lost(results: list[RunResult], ax):
