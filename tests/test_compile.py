@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from course_lib import techniques
+from course_lib.techniques.activation_checkpointing import CHECKPOINTED_BLOCKS
 
 
 def saved_for_backward_bytes(
@@ -60,7 +61,7 @@ def test_compiled_checkpointing_keeps_its_saving_and_eagers_gradients(tiny_model
         if run != "eager, no checkpointing":
             for i, mode in enumerate(("full", "selective")):
                 # what activation_checkpointing=mode does to every block
-                m.blocks[i] = techniques.CHECKPOINTED_BLOCKS[mode](m.blocks[i])
+                m.blocks[i] = CHECKPOINTED_BLOCKS[mode](m.blocks[i])
         setup = techniques.build(C.TrainConfig(model=m.config, context=32, loss_chunks=4), m)
         # What the course compiles (techniques.build with compile=True: the loss module), with the debugging backend.
         loss_fn = (

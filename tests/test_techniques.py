@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from course_lib import config as C, techniques as T
+from course_lib.techniques.lr_schedule import wsd_lr
 
 
 def loss_and_grads(model, loss_module, x, y):
@@ -147,7 +148,7 @@ def test_every_schedule_the_config_offers_runs_in_the_loop(schedule, warmup, spl
     )
     r = train(cfg, schedule, splits=splits)
     expected = {
-        "wsd": [T.wsd_lr(s, cfg.lr, warmup, 10, min_lr_ratio=0.0) for s in range(10)],
+        "wsd": [wsd_lr(s, cfg.lr, warmup, 10, min_lr_ratio=0.0) for s in range(10)],
         "inverse_sqrt": [cfg.lr * min((s + 1) / 3, (3 / (s + 1)) ** 0.5) for s in range(10)],
         "constant": [cfg.lr] * 10,
     }[schedule]

@@ -26,7 +26,7 @@ import torch.nn as nn
 
 from .. import data as data_mod, measure, techniques
 from ..model import GPT
-from ..techniques import constant_lr, exponential_lr, inverse_sqrt_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
+from ..techniques.lr_schedule import constant_lr, exponential_lr, inverse_sqrt_lr, warmup_cosine_lr, wsd_lr  # noqa: F401 - the schedules, here for notebook 05
 from ..techniques.optimizer import STATES_PER_PARAMETER, state_bytes as state_bytes_formula
 
 # ---- AdamW from its update rule -------------------------------------------------------------------

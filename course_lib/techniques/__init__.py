@@ -21,21 +21,12 @@ from . import (
 )
 
 # The modules' public names, for `techniques.X` (course_lib.train, the notebooks and the tests use them).
-from .activation_checkpointing import CHECKPOINTED_BLOCKS  # noqa: F401
 from .assemble import Setup, build  # noqa: F401
 from .chunked_loss import HeadLossInSlices, loss_sum  # noqa: F401
 from .clipping import clip_by_tensor_norm  # noqa: F401
 from .data_parallel import SyncOnLastMicroBatch, apply_data_parallel, shard_with_fsdp2  # noqa: F401
 from .declaration import FAST_16BIT, MEMORY, SPEED, Rung, Technique  # noqa: F401
-from .lr_schedule import (  # noqa: F401
-    constant_lr,
-    exponential_lr,
-    inverse_sqrt_lr,
-    lr_at,
-    make_scheduler,
-    warmup_cosine_lr,
-    wsd_lr,
-)
+from .lr_schedule import lr_at, make_scheduler, warmup_cosine_lr  # noqa: F401
 from .mixed_precision import AUTOCAST_RUNG, autocast_context, make_grad_scaler, matmul_precision  # noqa: F401
 from .model_parts import ModelParts  # noqa: F401
 from .optimizer import make_optimizer, optimizer_for, param_groups  # noqa: F401

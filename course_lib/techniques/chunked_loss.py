@@ -66,10 +66,10 @@ class LossModule(nn.Module):
     """Model and loss as one module, (inputs, targets) -> summed loss: compiling it fuses the cross-entropy too. With
     loss_chunks > 1 it runs HeadLossInSlices, on the model's body and head (ModelParts), a Linear without bias."""
 
-    def __init__(self, model: nn.Module, loss_chunks: int = 1, parts: ModelParts | None = None):
+    def __init__(self, model: nn.Module, loss_chunks: int, parts: ModelParts):
         super().__init__()
         self.model, self.loss_chunks = model, loss_chunks
-        self._body, self.head = (parts.body, parts.head) if parts else (None, None)
+        self._body, self.head = parts.body, parts.head
         bias_free_head = isinstance(self.head, nn.Linear) and self.head.bias is None
         if loss_chunks > 1 and (self._body is None or not bias_free_head):
             raise ConfigError(
@@ -90,14 +90,15 @@ def memory_terms(tokens: int, h: int, vocab: int, chunks: int, autocast: bool) -
     for `tokens` tokens of width `h`, a (padded) vocabulary `vocab` and `chunks` slices."""
     T, V = tokens, vocab
     c = -(-T // chunks)  # tokens per slice: torch.chunk makes ceil(T / k)-token slices (the last one shorter)
-    fwd: dict[str, tuple[str, int]] = {}
     kept = {
         "input gradient, made in forward and kept (T h fp32)": ("activations", T * h * 4),
         "weight gradient, made in forward and kept (V h fp32)": ("activations", V * h * 4),
     }
-    fwd["the output layer's input, the final LayerNorm's output (T h fp32)"] = ("activations", T * h * 4)
-    fwd.update(kept)
-    fwd["the slice's per-token numbers (target, mask, target logit, max, sum)"] = ("logits", c * (8 + 1 + 4 + 4 + 4))
+    fwd = {
+        "the output layer's input, the final LayerNorm's output (T h fp32)": ("activations", T * h * 4),
+        **kept,
+        "the slice's per-token numbers (target, mask, target logit, max, sum)": ("logits", c * (8 + 1 + 4 + 4 + 4)),
+    }
     if autocast:
         fwd["16-bit copy of the output layer's weight (V h), autocast's cache"] = ("logits", V * h * 2)
         fwd["the slice's 16-bit logits (c V)"] = ("logits", c * V * 2)
