@@ -22,14 +22,13 @@ from course_lib import (
     capabilities,
     config as C,
     export,
-    memory_estimate as M,
     memory_formula as F,
     plots,
     techniques as T,
     train,
 )
 from course_lib.lessons import memory_plots, training_compute as CB
-from course_lib.lessons.formula_beside_measured import beside_measured, run_beside_estimate
+from course_lib.lessons.formula_beside_measured import account_step, beside_measured, run_beside_estimate
 from course_lib.lessons.memory_calculator import calculator_config
 from course_lib.measure import CATEGORIES
 
@@ -203,7 +202,7 @@ def test_the_notebooks_other_figures_draw(tiny):
     est = F.estimate(calculator_config())
     fig = memory_plots.plot_will_it_fit(est, 80, "GPT-2 small")
     assert "GiB" in fig.axes[0].get_xlabel() and len(fig.axes[0].patches) == len(CATEGORIES)
-    report = M.account_step(tiny(steps=1), fake=True)
+    report = account_step(tiny(steps=1), fake=True)
     fig = memory_plots.plot_step_timelines({"one": report, "two": report}, "title")
     assert len(fig.axes) == 2 and "MiB" in fig.axes[0].get_ylabel() and fig.axes[0].get_title().startswith("one: peak")
     static = {"sgd": ({"parameters": 4, "gradients": 4}, {"parameters": 4, "gradients": 4})}

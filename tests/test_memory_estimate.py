@@ -1,9 +1,10 @@
 """memory_formula.estimate against the ledger, lever by lever.
 
 The analytic estimate must model every lever the ledger measures. Its peak is compared with one measured step
-(memory_estimate.account_step: the loop's own step body under the CPU ledger, in FakeTensorMode, so nothing is
-allocated) for each lever alone from naive fp32, and for the combination of the issue (GPT-2 small at batch 32, context
-1024, SDPA, full checkpointing, 8 loss chunks, set_to_none: the old estimate said 21.1 GiB, one step peaks at 5.2 GiB).
+(lessons.formula_beside_measured.account_step: the loop's own step body under the CPU ledger, in FakeTensorMode, so
+nothing is allocated) for each lever alone from naive fp32, and for the combination of the issue (GPT-2 small at batch
+32, context 1024, SDPA, full checkpointing, 8 loss chunks, set_to_none: the old estimate said 21.1 GiB, one step peaks
+at 5.2 GiB).
 
 Tolerance: TOL = 0.5 % of the measured peak, for the peak and for every category of it (parameters, gradients,
 optimizer state, activations, logits, other). The model is term by term, so it is exact but for what it leaves
@@ -21,8 +22,9 @@ from dataclasses import replace
 
 import pytest
 
-from course_lib import memory_estimate as M, memory_formula as F
+from course_lib import memory_formula as F
 from course_lib.config import cpu_preset, gpt2_small_preset
+from course_lib.lessons.formula_beside_measured import account_step
 from course_lib.measure import CATEGORIES, GiB
 
 TOL = 0.005
@@ -73,7 +75,7 @@ def config(shape: str, levers: str, **more):
 
 def check(cfg, fake=True):
     """The estimate against one measured step: the peak and each category within TOL of the peak, at the same moment."""
-    est, led = F.estimate(cfg), M.account_step(cfg, fake=fake)
+    est, led = F.estimate(cfg), account_step(cfg, fake=fake)
     err = (est.peak_bytes - led.peak_bytes) / led.peak_bytes
     assert abs(err) <= TOL, (
         f"estimate {est.peak_gib:.4f} GiB ({est.when}) vs ledger {led.peak_bytes / GiB:.4f} GiB: {100 * err:+.2f} %"
@@ -153,4 +155,4 @@ def test_fp16_measured_for_real(tiny):
     # FakeTensorMode cannot run fp16's GradScaler (it reads the scale with .item()): the tiny preset, allocated for real
     check(tiny(precision="fp16", activation_checkpointing="selective", loss_chunks=4), fake=False)
     with pytest.raises(ValueError, match="fp16"):
-        M.account_step(tiny(precision="fp16"), fake=True)
+        account_step(tiny(precision="fp16"), fake=True)

@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from course_lib import memory_estimate as M, memory_formula as F
+from course_lib import memory_formula as F
 from course_lib.config import ConfigError, ModelConfig, gpt2_small_preset, tiny_preset
 from course_lib.data import Splits
+from course_lib.lessons.formula_beside_measured import account_step
 from course_lib.lessons.memory_calculator import korthikanti_bytes, korthikanti_terms
 from course_lib.measure import GiB
 from course_lib.model import GPT
@@ -135,8 +136,8 @@ def test_checkpointing_and_sdpa_lower_activations_as_predicted():
 
 def test_account_step_equals_the_loop_and_fake_equals_real():
     cfg = _cfg()
-    real = M.account_step(cfg, fake=False)
-    fake = M.account_step(cfg, fake=True)
+    real = account_step(cfg, fake=False)
+    fake = account_step(cfg, fake=True)
     loop = _measured(cfg)
     assert real.by_category == loop["by_category"] and real.peak_bytes == loop["peak_bytes"]
     assert fake.by_category == real.by_category and fake.peak_bytes == real.peak_bytes
@@ -145,7 +146,7 @@ def test_account_step_equals_the_loop_and_fake_equals_real():
 
 
 def test_set_to_none_frees_gradients_between_steps():
-    keep, free = M.account_step(_cfg(), fake=True), M.account_step(_cfg(set_to_none=True), fake=True)
+    keep, free = account_step(_cfg(), fake=True), account_step(_cfg(set_to_none=True), fake=True)
     grads = keep.by_category["gradients"]
     assert grads > 0 and free.by_category["gradients"] == 0
     # after the step (after zero_grad) the live bytes differ by exactly the gradients
@@ -172,7 +173,7 @@ def test_static_dominated_peak_is_at_the_end_of_backward(optimizer):
 
 def test_gpt2_small_accounted_without_allocating():
     cfg = replace(gpt2_small_preset("cpu"), batch_size=8, context=512)  # activations dominate; fake, so fast
-    rep = M.account_step(cfg, fake=True)
+    rep = account_step(cfg, fake=True)
     assert rep.by_category["parameters"] == 4 * 124_439_808
     assert rep.by_category["optimizer state"] == 8 * 124_439_808 + 4 * 148
     act = F.activation_bytes(cfg)["total"]

@@ -1,14 +1,21 @@
-"""Notebooks 01 and 02: the memory formula (course_lib.memory_formula) beside a measurement, as a table and as the
-panels' runner."""
+"""Notebooks 01, 02 and 09: the memory formula (course_lib.memory_formula) beside a measurement, as a table and as the
+panels' runner, and one step accounted by the CPU ledger (`account_step`, under FakeTensorMode: nothing allocated)."""
 
 from __future__ import annotations
 
-from .. import measure
+import contextlib
+import dataclasses
+
+import torch
+
+from .. import measure, techniques
 from ..config import TrainConfig
 from ..measure import CATEGORIES, MemoryReport
 from ..memory_estimate import run_checked
 from ..memory_formula import Estimate, estimate
+from ..model import GPT
 from ..results import RESERVED_PEAK
+from ..train import train_step
 
 
 def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[str, str]]:
@@ -56,3 +63,37 @@ def fmt_bytes(n: int | float) -> str:
         if abs(n) >= 1024**k:
             return f"{n / 1024**k:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> MemoryReport:
+    """The memory of one training step of `cfg` (the loop's own step body, random token ids) by the CPU ledger, with a
+    per-op timeline of live bytes, after `warm_steps` unwatched steps (the optimizer state exists). fake=True: under
+    FakeTensorMode tensors have sizes but no memory, so GPT-2 small is accounted on a laptop. Compile is turned off:
+    the ledger needs eager ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if fake and cfg.precision == "fp16":
+        raise ValueError(
+            "precision='fp16' cannot be accounted under FakeTensorMode: its GradScaler reads the loss scale with "
+            ".item(), which a fake tensor cannot answer. Use fake=False on a config that fits, or bf16 (the same "
+            "bytes but for the scaler's few scalars)."
+        )
+    cfg = dataclasses.replace(cfg, compile=False, device="cpu")
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    torch.manual_seed(cfg.seed)
+    with mode:
+        model = GPT(cfg.model)
+        setup = techniques.build(cfg, model)
+        params = list(model.parameters())
+        V, shape = cfg.model.vocab_size, (cfg.micro_batch_size, cfg.context)
+        micro = [(torch.randint(0, V, shape), torch.randint(0, V, shape)) for _ in range(cfg.grad_accum_steps)]
+        n_targets = cfg.batch_size * cfg.context  # random ids: no padding
+        for _ in range(warm_steps):
+            train_step(setup, cfg, params, micro, n_targets=n_targets)
+        meter = measure.LedgerMeasurement(setup.parts.head)
+        with meter.watching(setup):
+            train_step(setup, cfg, params, micro, meter, n_targets=n_targets)
+        report = meter.report()
+    if fake:
+        report.method = "CPU ledger under FakeTensorMode: shapes only, nothing allocated"
+    return report

@@ -24,13 +24,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .. import memory_estimate, memory_formula, train
+from .. import memory_formula, train
 from ..config import TrainConfig
 from ..data import Splits
 from ..measure import _aliasing_returns
 from ..results import RunResult
 from ..techniques import matmul_precision
 from ..timing import StepTimer, time_fn
+from .formula_beside_measured import account_step
 
 PF_DAY_FLOPS = 10**15 * 86_400  # 1 PF-day: 10^15 FLOP/s for 86,400 s = 8.64e19 FLOPs
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. (2022): about 20 training tokens per parameter is compute-optimal
@@ -129,13 +130,13 @@ class _WorkCounter(TorchDispatchMode):
 
 def step_work(cfg: TrainConfig) -> StepWork:
     """The work of one training step of `cfg` (the first, so that nothing before it is counted): the loop's own step
-    body (memory_estimate.account_step) under FakeTensorMode, so it takes no time and no memory and the counts are
-    exact."""
+    body (formula_beside_measured.account_step) under FakeTensorMode, so it takes no time and no memory and the counts
+    are exact."""
     from torch.utils.flop_counter import FlopCounterMode
 
     flops, counter = FlopCounterMode(display=False), _WorkCounter()
     with flops, counter:
-        memory_estimate.account_step(cfg, fake=True, warm_steps=0)
+        account_step(cfg, fake=True, warm_steps=0)
     return StepWork(matmul_flops=flops.get_total_flops(), elementwise_values=counter.values, ops=counter.ops)
 
 
