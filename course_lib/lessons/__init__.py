@@ -4,7 +4,8 @@ imports from here.
 
 - `training_compute` (01, 02, 09): C = 6ND, PF-days, time to train, and what checkpointing's recompute costs.
 - `hardware` (01, 03): the GPU generations' formats, and the matmul shapes of the course's model.
-- `formula_beside_measured` (01, 02): the memory formula beside a measurement: a table and the panels' runner.
+- `formula_beside_measured` (01, 02, 09): the memory formula beside a measurement (a table, the panels' runner) and
+  one step accounted by the ledger under FakeTensorMode.
 - `memory_calculator` (02): the paper's activation formula (Korthikanti et al.) and the will-it-fit calculator's config.
 - `memory_plots` (02): will-it-fit and the step's memory timeline, drawn.
 - `number_formats` (03): the formats side by side, the dtype autocast gives each op, fp16 underflow and loss
