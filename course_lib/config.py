@@ -8,10 +8,8 @@ import contextlib
 import dataclasses
 import difflib
 import functools
-import inspect
 import math
 import numbers
-import re
 import types
 import typing
 from dataclasses import dataclass, field, replace
@@ -139,7 +137,8 @@ def parse_value(name: str, hint, text: str):
 
 
 def _owner(name: str) -> tuple[str, str, object]:
-    """("train" or "model", the field's own name, its type) for a setting (get_setting's names)."""
+    """("train" or "model", the field's own name, its type) for a setting: a TrainConfig field, or a ModelConfig field
+    as "model.<field>" or by its own name where no TrainConfig field has it (as the techniques name theirs)."""
     train, model = _field_types(TrainConfig), _field_types(ModelConfig)
     if name in train and name != "model":
         return "train", name, train[name]
@@ -162,7 +161,8 @@ def with_setting(cfg: TrainConfig, name: str, value) -> TrainConfig:
 
 
 def with_settings(cfg: TrainConfig, settings: dict) -> TrainConfig:
-    """cfg with `settings` {name: value} changed at once: only the whole new config is checked, so any order works."""
+    """cfg with every one of `settings` {name: value} changed in one step: only the whole new config is checked, so
+    settings that hold only together are taken in any order (context=128 before model.block_size=128)."""
     changes, named = {"train": {}, "model": {}}, {}
     for name, value in settings.items():
         where, field_name, _ = _owner(name)
@@ -239,6 +239,23 @@ def check_device(device) -> str:
     return str(dev)
 
 
+# TrainConfig's fields by section, in the class's order; a name is unique across them (replace() and --set use it).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    section: tuple(names.split())
+    for section, names in {
+        "model": "model",
+        "run": "device steps timing_warmup seed eval_every eval_batches measure_memory",
+        "batch": "batch_size grad_accum_steps context",
+        "precision": "precision loss_scale_init loss_scale_growth_interval",
+        "speed and memory": "keep_freed_memory compile compile_mode fused_adamw activation_checkpointing loss_chunks "
+        "set_to_none",
+        "optimisation": "optimizer lr betas eps momentum weight_decay decay_2d_only schedule lr_warmup_steps "
+        "min_lr_ratio clip_norm clip_kind",
+        "parallelism": "data_parallel",
+    }.items()
+}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """How a model is trained, by SECTIONS. Whether *this machine* can run it is asked by capabilities.require(cfg) when
@@ -292,8 +309,8 @@ class TrainConfig:
         if isinstance(self.activation_checkpointing, bool):  # configs saved before "selective" existed
             object.__setattr__(self, "activation_checkpointing", "full" if self.activation_checkpointing else "none")
         _check_types(self)
-        positive = ("batch_size", "grad_accum_steps", "context", "steps", "loss_chunks", "eval_batches")
-        _check_positive(self, *positive, "loss_scale_growth_interval")
+        _check_positive(self, "batch_size", "grad_accum_steps", "context", "steps", "loss_chunks")
+        _check_positive(self, "eval_batches", "loss_scale_growth_interval")
         _must(self, "timing_warmup", self.timing_warmup >= 0, "be an int >= 0")
         n, k = self.batch_size, self.grad_accum_steps
         fix = f"make batch_size a multiple of grad_accum_steps (e.g. batch_size={n // k * k or k})"
@@ -366,20 +383,6 @@ class TrainConfig:
         """{section: {field: value}} in SECTIONS' order; the model's fields as "model.<field>"."""
         model = {f"model.{f.name}": getattr(self.model, f.name) for f in dataclasses.fields(self.model)}
         return {name: model if name == "model" else {f: getattr(self, f) for f in fs} for name, fs in SECTIONS.items()}
-
-
-def _sections(cls) -> dict[str, tuple[str, ...]]:
-    """{section: field names} from the class's "# -- <section>" comments: a new field is one line, in its section."""
-    sections, names = {}, {f.name for f in dataclasses.fields(cls)}
-    for line in inspect.getsource(cls).splitlines():
-        if heading := re.match(r"\s*# -- ([a-z ]+?)\s*[:(]", line):
-            section = sections.setdefault(heading[1], [])
-        elif (declared := re.match(r"    (\w+): ", line)) and declared[1] in names:
-            section.append(declared[1])
-    return {name: tuple(fields) for name, fields in sections.items()}
-
-
-SECTIONS = _sections(TrainConfig)  # `config` prints a config by these; a field's name is unique across them
 
 
 def reference_preset(device: str | None = None) -> TrainConfig:
