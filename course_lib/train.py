@@ -156,8 +156,7 @@ class Trainer:
         return self._finish()
 
     def step(self) -> float:
-        """One more step after fit(), timed as fit() times its steps and recorded nowhere (the ladder times two loops
-        in pairs); returns its time in seconds."""
+        """One more step after fit(), timed like fit()'s and recorded nowhere (the ladder pairs loops): seconds."""
         with techniques.matmul_precision(self.cfg.precision), self.recorder.step(self.step_index, self.setup):
             train_step(self.setup, self.cfg, self.params, self.micro_batches(self.step_index))
         self.step_index += 1

@@ -1,7 +1,7 @@
 """Train a GPT on Shakespeare's plays: one plain training script, in the style of nanoGPT's train.py.
 
-The template of every exported script (course_lib.export): the settings below are a TrainConfig's fields, and each
-technique is an `if SETTING:` branch. It runs as it is: `python -m course_lib.train_template`.
+The template of every exported script (course_lib.export; `python -m course_lib.train_template` runs it as it is): the
+settings are a TrainConfig's fields, each technique an `if SETTING:` branch; what it imports from course_lib is inlined.
 """
 
 import argparse
@@ -90,60 +90,33 @@ class ModelConfig:
 
 
 # ---- the model: the course's GPT (course_lib/model.py) --------------------------------------------------------------
+from course_lib.model import flash_by_hand_attention, naive_attention, sdpa_attention  # noqa: E402
+
 # the attention function the model's layers call, by its name
 if ATTENTION == "naive":
-    from course_lib.model import naive_attention  # noqa: E402
-
     ATTENTION_IMPLS = {"naive": naive_attention}
 elif ATTENTION == "sdpa":
-    from course_lib.model import sdpa_attention  # noqa: E402
-
     ATTENTION_IMPLS = {"sdpa": sdpa_attention}
 else:
-    from course_lib.model import flash_by_hand_attention  # noqa: E402
-
     ATTENTION_IMPLS = {"flash": flash_by_hand_attention}
 from course_lib.model import GPT  # noqa: E402, I001
 
 # ---- the techniques and the loss (course_lib/techniques/) -----------------------------------------------------------
-from course_lib.data import count_targets  # noqa: E402, I001
-from course_lib.techniques.chunked_loss import loss_sum  # noqa: E402
-
-if LOSS_CHUNKS > 1:
-    from course_lib.techniques.chunked_loss import HeadLossInSlices  # noqa: E402
-if ACTIVATION_CHECKPOINTING == "full":
-    from course_lib.techniques.activation_checkpointing import CheckpointedBlock  # noqa: E402
-if ACTIVATION_CHECKPOINTING == "selective":
-    from course_lib.techniques.activation_checkpointing import SelectiveCheckpointedBlock  # noqa: E402
-if COMPILE:
-    from course_lib.techniques.torch_compile import CPU_INDUCTOR_OPTIONS, CUDA_GRAPH_MODES  # noqa: E402
-if COMPILE and COMPILE_MODE in CUDA_GRAPH_MODES:
-    from course_lib.techniques.torch_compile import begin_cuda_graph_step  # noqa: E402
-if WEIGHT_DECAY > 0 and DECAY_2D_ONLY:
-    from course_lib.techniques.optimizer import param_groups  # noqa: E402
-if SCHEDULE == "constant" and LR_WARMUP_STEPS > 0:
-    from course_lib.techniques.lr_schedule import constant_lr  # noqa: E402
-if SCHEDULE == "cosine":
-    from course_lib.techniques.lr_schedule import warmup_cosine_lr  # noqa: E402
-if SCHEDULE == "wsd":
-    from course_lib.techniques.lr_schedule import wsd_lr  # noqa: E402
-if SCHEDULE == "inverse_sqrt":
-    from course_lib.techniques.lr_schedule import inverse_sqrt_lr  # noqa: E402
-if SCHEDULE == "exponential":
-    from course_lib.techniques.lr_schedule import exponential_lr  # noqa: E402
-if CLIP_NORM is not None and CLIP_KIND == "per_tensor":
-    from course_lib.techniques.clipping import clip_by_tensor_norm  # noqa: E402
-if KEEP_FREED_MEMORY and DEVICE_TYPE == "cpu":
-    from course_lib.cpu_allocator import M_MMAP_MAX, M_TRIM_THRESHOLD, NEVER, is_glibc  # noqa: E402
-if DATA_PARALLEL == "bucketed":
-    from course_lib.techniques.data_parallel import BUCKET_BYTES, BucketedDDP  # noqa: E402
+from course_lib.data import count_targets  # noqa: E402
+from course_lib.techniques.chunked_loss import HeadLossInSlices, loss_sum  # noqa: E402
+from course_lib.techniques.activation_checkpointing import CheckpointedBlock, SelectiveCheckpointedBlock  # noqa: E402
+from course_lib.techniques.torch_compile import CPU_INDUCTOR_OPTIONS, CUDA_GRAPH_MODES, begin_cuda_graph_step  # noqa: E402
+from course_lib.techniques.optimizer import param_groups  # noqa: E402
+from course_lib.techniques.lr_schedule import constant_lr, warmup_cosine_lr, wsd_lr, inverse_sqrt_lr, exponential_lr  # noqa: E402
+from course_lib.techniques.clipping import clip_by_tensor_norm  # noqa: E402
+from course_lib.cpu_allocator import M_MMAP_MAX, M_TRIM_THRESHOLD, NEVER, is_glibc  # noqa: E402
+from course_lib.techniques.data_parallel import BUCKET_BYTES, BucketedDDP  # noqa: E402
 
 
 def compute_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(b, s) token ids and their targets -> the summed loss (a scalar)."""
     if LOSS_CHUNKS > 1:
-        # The output layer and the loss in slices of the tokens, each slice's gradients made in forward: only one
-        # slice of the (tokens x vocab) logits exists at a time.
+        # The head and the loss in slices of the tokens, gradients made in forward: one slice of the logits at a time.
         hidden = model.hidden(idx)  # (b, s, d)
         hidden = hidden.reshape(-1, hidden.size(-1))  # (b * s, d)
         return HeadLossInSlices.apply(hidden, model.lm_head.weight, targets.reshape(-1), model.lm_head, LOSS_CHUNKS)
@@ -177,9 +150,7 @@ def tokenizer(ranks_file: Path) -> tiktoken.Encoding:
     """The course's byte-level BPE, trained on the plays, plus <|endoftext|> and <|pad|>; offline."""
     ranks = load_ranks(ranks_file)
     special = {"<|endoftext|>": len(ranks), "<|pad|>": len(ranks) + 1}
-    return tiktoken.Encoding(
-        name="shakespeare_bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=special
-    )
+    return tiktoken.Encoding("shakespeare_bpe", pat_str=SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=special)
 
 
 def load_plays() -> list[str]:
@@ -199,8 +170,7 @@ def token_stream(enc: tiktoken.Encoding) -> torch.Tensor:
 
 
 def make_batches(stream: torch.Tensor, seed: int, rank: int = 0, world: int = 1):
-    """batches(step) -> the step's GRAD_ACCUM_STEPS micro-batches of MICRO_BATCH_SIZE random windows of CONTEXT
-    tokens (inputs and targets, int64), from one seeded generator. Change it to train on batches of your own."""
+    """batches(step) -> the step's micro-batches [(inputs, targets), ...] of random windows; change it for your own."""
     gen = torch.Generator().manual_seed(seed)
 
     def batches(step: int):
@@ -232,8 +202,6 @@ def evaluate(model: nn.Module, stream: torch.Tensor, device: torch.device) -> fl
 
 
 # ---- training -------------------------------------------------------------------------------------------------------
-
-
 def start() -> tuple[torch.device, int, int]:
     """This process's device, its rank and the number of processes (0 and 1 without data parallelism)."""
     if DATA_PARALLEL != "none":
@@ -256,8 +224,7 @@ def start() -> tuple[torch.device, int, int]:
         libc.mallopt(M_MMAP_MAX, 0)  # no block gets a mapping of its own
         libc.mallopt(M_TRIM_THRESHOLD, NEVER)  # never hand the heap's top back
     if PRECISION == "tf32":
-        # TF32: fp32 matmuls on the tensor cores with a 10-bit mantissa (CUDA Ampere and later; nothing on a CPU)
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # fp32 matmuls on tensor cores, 10-bit mantissa (Ampere+)
         torch.backends.cudnn.conv.fp32_precision = "tf32"
     return device, rank, world
 
@@ -290,21 +257,17 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     else:
         params = [{"params": list(model.parameters()), "weight_decay": WEIGHT_DECAY}]
     if OPTIMIZER == "adamw" and FUSED_ADAMW:
-        # AdamW, fused: one kernel updates every parameter tensor (no Python loop over tensors, no temporaries).
-        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, fused=True)
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, fused=True)  # one kernel for every tensor
     elif OPTIMIZER == "adamw":
-        # AdamW, the for-loop implementation (foreach=False): one parameter tensor at a time.
-        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, foreach=False)  # one tensor at a time
     elif OPTIMIZER == "sgd":
         return torch.optim.SGD(params, lr=LR)  # p -= lr * grad
     elif OPTIMIZER == "sgd_momentum":
         return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)  # a running sum of gradients
     elif OPTIMIZER == "adagrad":
-        # AdaGrad: each coordinate's step divided by the root of its summed squared gradients.
-        return torch.optim.Adagrad(params, lr=LR, eps=EPS, foreach=False)
+        return torch.optim.Adagrad(params, lr=LR, eps=EPS, foreach=False)  # step / root of the summed g^2
     else:
-        # RMSProp: each coordinate's step divided by the root of a running average of g^2.
-        return torch.optim.RMSprop(params, lr=LR, eps=EPS, foreach=False)
+        return torch.optim.RMSprop(params, lr=LR, eps=EPS, foreach=False)  # step / root of a running mean of g^2
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -407,27 +370,11 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer, device: 
     return train_step
 
 
-def report(times: list[float], losses: list[float], rank: int, world: int, losses_file: Path | None) -> None:
-    """The median step's time and tokens/s (all processes' tokens), and the losses to a file; the first process's."""
-    if DATA_PARALLEL != "none" and rank != 0:
-        return
-    median_s = statistics.median(times[TIMING_WARMUP:])  # warm-up steps left out, the median step
-    tokens_per_step = world * BATCH_SIZE * CONTEXT  # padding included
-    timed = f"steps {TIMING_WARMUP + 1}-{STEPS}"
-    print(f"median step {median_s * 1e3:.1f} ms ({timed}), {tokens_per_step / median_s:,.0f} tokens/s")
-    if losses_file:
-        losses_file.write_text(json.dumps(losses))
-
-
-def parse_args() -> argparse.Namespace:
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=Path, default=None, help="the BPE ranks file (default: the one the course installs)")
     p.add_argument("--losses", type=Path, default=None, help="also write the per-step losses here, as JSON")
-    return p.parse_args()
-
-
-def main() -> None:
-    args = parse_args()
+    args = p.parse_args()
     device, rank, world = start()
     torch.manual_seed(SEED)  # the model's initial weights
     stream = token_stream(tokenizer(args.ranks or course_ranks_file()))  # (n_tokens,) int64
@@ -442,8 +389,7 @@ def main() -> None:
     times, losses = [], []
     for step in range(STEPS):
         micro = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batches(step)]
-        # The loss is divided by the real (non-padding) target tokens of the whole step, not per micro-batch: a mean
-        # of micro-batch means is wrong when they hold different numbers of padding tokens.
+        # Divide by the whole step's target tokens: a mean of micro-batch means is wrong when their padding differs.
         n_targets = sum(count_targets(y) for _, y in micro)
         if DEVICE_TYPE == "cuda":
             torch.cuda.synchronize()  # wait for the queued GPU work before reading the clock
@@ -462,7 +408,12 @@ def main() -> None:
             if DATA_PARALLEL == "none" or rank == 0:
                 print(f"step {step + 1}: validation loss {val_loss:.4f}")
 
-    report(times, losses, rank, world, args.losses)
+    if DATA_PARALLEL == "none" or rank == 0:
+        median_s = statistics.median(times[TIMING_WARMUP:])  # the warm-up steps left out
+        tokens_per_s = world * BATCH_SIZE * CONTEXT / median_s  # all processes' tokens, padding included
+        print(f"median step {median_s * 1e3:.1f} ms (steps {TIMING_WARMUP + 1}-{STEPS}), {tokens_per_s:,.0f} tokens/s")
+        if args.losses:
+            args.losses.write_text(json.dumps(losses))
     if DATA_PARALLEL != "none":
         dist.destroy_process_group()
 
