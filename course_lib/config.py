@@ -414,5 +414,6 @@ PRESETS = {"tiny": tiny_preset, "cpu": cpu_preset, "reference": reference_preset
 
 
 def preset(name: str, device: str | None = None) -> TrainConfig:
-    _check(name in PRESETS, f"Unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    # auto, sized to a device, lives a layer up (presets.preset), which asks here for every other name
+    _check(name in PRESETS, f"Unknown preset {name!r}: choose one of auto, {', '.join(PRESETS)}")
     return PRESETS[name](device)

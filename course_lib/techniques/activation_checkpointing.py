@@ -1,5 +1,7 @@
 """Activation checkpointing: keep less of the forward pass for backward, and recompute the rest there. Applied first
 (assemble.build), to the eager blocks. Its memory term: what a block keeps (`kept_per_layer`).
+Selective keeps the matmul outputs and recomputes the element-wise work; Korthikanti et al. (2022) instead
+recompute the attention core (QK^T, softmax).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class CheckpointedBlock(nn.Module):
 
 class SelectiveCheckpointedBlock(CheckpointedBlock):
     """Selective: forward also keeps the matmul and attention outputs, backward recomputes only the element-wise work.
-    Korthikanti et al. (2022) instead recompute the attention core (the s x s part); notebook 02 measures both."""
+    Korthikanti et al. (2022) instead recompute the attention core (QK^T, softmax: the s x s part); notebook 02 measures
+    both."""
 
     def checkpoint_options(self) -> dict:
         return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
