@@ -241,14 +241,14 @@ def inline(src: str) -> str:
 
     def code(module: str, name: str) -> list[str]:
         """The sources of module.name and of what it reads from course_lib not yet written, dependencies first."""
-        if (module, name) in done:
-            return []
-        done.add((module, name))
         if module not in modules:
             modules[module] = _read_module(module)
         lines, defs, imported = modules[module]
         if name not in defs:
             raise RuntimeError(f"export: {module} defines no {name!r} at its top level")
+        if (module, defs[name].lineno) in done:  # a statement binding several names (`a, b = ...`) is written once
+            return []
+        done.add((module, defs[name].lineno))
         out = []
         for read in sorted({n.id for n in ast.walk(defs[name]) if isinstance(n, ast.Name)} - own - {name}):
             if read in defs:
