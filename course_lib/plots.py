@@ -16,7 +16,7 @@ from .results import RunResult
 CATEGORY_COLORS = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#a0a0a0")))
 
 
-def _devices(results: list[RunResult]) -> str:
+def devices_text(results: list[RunResult]) -> str:
     names = sorted({r.provenance.get("device", "?") for r in results})
     torch_versions = sorted({r.provenance.get("torch", "?") for r in results})
     return f"{' / '.join(names)}, torch {' / '.join(torch_versions)}"
@@ -50,14 +50,14 @@ def _displayable_in_ipython() -> None:
         png.for_type(Figure, lambda fig: print_figure(fig, "png", bbox_inches="tight"))
 
 
-def _new_axes(ax, figsize=(7, 3.2)):
+def new_axes(ax, figsize=(7, 3.2)):
     ax = ax if ax is not None else new_figure(figsize).subplots()
     return ax.figure, ax
 
 
 def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = None) -> Figure:
     """tokens/s per run, each bar labelled with its speed-up over the baseline (the first ok run)."""
-    fig, ax = _new_axes(ax)
+    fig, ax = new_axes(ax)
     base = baseline or next((r for r in results if r.ok), None)
     values = [r.tokens_per_s if r.ok else 0.0 for r in results]
     bars = ax.bar(range(len(results)), values, color=["#4c72b0" if r.ok else "#dddddd" for r in results])
@@ -66,7 +66,7 @@ def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = N
         ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s (median step)")
-    ax.set_title(f"Throughput, speed-up vs {base.label if base else 'n/a'}\n{_devices(results)}", fontsize=9)
+    ax.set_title(f"Throughput, speed-up vs {base.label if base else 'n/a'}\n{devices_text(results)}", fontsize=9)
     ax.margins(y=0.15)
     return fig
 
@@ -74,7 +74,7 @@ def plot_speed(results: list[RunResult], ax=None, baseline: RunResult | None = N
 def plot_memory(results: list[RunResult], ax=None) -> Figure:
     """Peak memory as stacked bars by category, in GiB. A category the device could not measure (CUDA: the
     activations and logits, inside "other") has no bar, and a run without a memory report says so."""
-    fig, ax = _new_axes(ax)
+    fig, ax = new_axes(ax)
     bottoms = [0.0] * len(results)
     for cat in CATEGORIES:
         vals = [(r.memory["by_category"].get(cat) or 0) / GiB if r.ok and r.memory else 0.0 for r in results]
@@ -89,7 +89,7 @@ def plot_memory(results: list[RunResult], ax=None) -> Figure:
     ax.set_xticks(range(len(results)), [tick(r.label) for r in results], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("peak memory (GiB)")
     methods = sorted({r.memory.get("method", "").split(":")[0] for r in results if r.ok and r.memory})
-    ax.set_title(f"Peak memory by category ({'; '.join(methods) or 'n/a'})\n{_devices(results)}", fontsize=9)
+    ax.set_title(f"Peak memory by category ({'; '.join(methods) or 'n/a'})\n{devices_text(results)}", fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
@@ -122,13 +122,13 @@ def _label(ax, xlabel: str, ylabel: str, title: str, results: list[RunResult]) -
     """Axis labels with units, the title with the devices the results came from, a legend when there are lines."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\n{_devices(results)}", fontsize=9)
+    ax.set_title(f"{title}\n{devices_text(results)}", fontsize=9)
     _legend(ax)  # none without a labelled line
 
 
 def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> Figure:
     """Training loss per optimizer step (and validation loss where measured), one line per run."""
-    fig, ax = _new_axes(ax)
+    fig, ax = new_axes(ax)
     for r in results:
         if not r.losses:
             continue
@@ -142,7 +142,7 @@ def plot_losses(results: list[RunResult], ax=None, validation: bool = True) -> F
 
 def plot_step_times(results: list[RunResult], ax=None) -> Figure:
     """Time of every step in ms, log scale; steps left out of the median (warm-up/compile, ledger) hollow."""
-    fig, ax = _new_axes(ax)
+    fig, ax = new_axes(ax)
     for r in (r for r in results if r.step_times):
         ms = [t * 1e3 for t in r.step_times]
         (line,) = ax.plot(range(len(ms)), ms, "-", lw=1, label=r.label)
@@ -157,7 +157,7 @@ def plot_step_times(results: list[RunResult], ax=None) -> Figure:
 def plot_grad_norms(results: list[RunResult], ax=None) -> Figure:
     """The global gradient norm of every step (logged before clipping), log scale, one line per run; a run's
     clipping threshold as a dashed line of its colour, a step whose norm was not finite (fp16 overflow) as an x."""
-    fig, ax = _new_axes(ax)
+    fig, ax = new_axes(ax)
     for r in (r for r in results if r.grad_norms):
         finite = [(i, g) for i, g in enumerate(r.grad_norms) if math.isfinite(g) and g > 0]
         (line,) = ax.plot(*zip(*finite), lw=1.2, label=r.label) if finite else ax.plot([], [], label=r.label)
@@ -174,103 +174,11 @@ def plot_grad_norms(results: list[RunResult], ax=None) -> Figure:
 
 def plot_lrs(results: list[RunResult], ax=None) -> Figure:
     """The learning rate each optimizer step used, one line per run."""
-    fig, ax = _new_axes(ax)
+    fig, ax = new_axes(ax)
     for r in results:
         if r.lrs:
             ax.plot(range(len(r.lrs)), r.lrs, lw=1.2, label=r.label)
     _label(ax, "optimizer step", "learning rate", "Learning-rate schedule", results)
-    return fig
-
-
-def _pair_ticks(ax, names: list[str]) -> None:
-    ticks = [3 * i + j for i in range(len(names)) for j in range(2)]
-    labels = [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")]
-    ax.set_xticks(ticks, labels, rotation=35, ha="right", fontsize=7)
-
-
-def plot_formula_beside_measured(
-    pairs: dict[str, tuple[dict, dict | None]], ax=None, title: str = "Memory by category"
-) -> Figure:
-    """For each name, the formula's bytes by category (hatched) beside the measured bytes (solid; a category measured
-    as None has no bar), labelled with the totals' difference. MiB, or GiB where a total passes 1 GiB."""
-    fig, ax = _new_axes(ax)
-    total = lambda d: sum(v or 0 for v in d.values())  # noqa: E731
-    big = max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30
-    unit, size = ("GiB", 2**30) if big else ("MiB", 2**20)
-    # the course's categories, then any a caller merged (plot_memory_vs_estimate on CUDA), in their order
-    keys = [*CATEGORIES, *dict.fromkeys(k for p in pairs.values() for d in p for k in (d or {}) if k not in CATEGORIES)]
-    present = [c for c in keys if any((d or {}).get(c) for p in pairs.values() for d in p)]
-    for i, (name, (predicted, measured)) in enumerate(pairs.items()):
-        for j, d in enumerate((predicted, measured)):
-            bottom = 0.0
-            for cat in present:
-                v = ((d or {}).get(cat) or 0) / size
-                label = cat if (i, j) == (0, 1) else None
-                hatch = "//" if j == 0 else None
-                color = CATEGORY_COLORS.get(cat, "#d0d0d0")
-                ax.bar(3 * i + j, v, bottom=bottom, color=color, hatch=hatch, edgecolor="white", label=label)
-                bottom += v
-        if measured:
-            diff = f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}"
-            ax.annotate(diff, (3 * i + 1, total(measured) / size), ha="center", va="bottom", fontsize=7)
-    _pair_ticks(ax, list(pairs))
-    ax.set_ylabel(f"bytes ({unit})")
-    ax.set_title(f"{title}: formula (hatched) beside measured", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.margins(y=0.12)
-    return fig
-
-
-def _measured_apart(predicted: dict, measured: dict) -> tuple[dict, dict, str]:
-    """(predicted, measured, the merged bar's name or "") with the categories measured as None merged into "other" on
-    both sides: the CUDA allocator gives one peak, so no bar may claim a split nobody measured."""
-    merged = [c for c in CATEGORIES if c != "other" and measured.get(c) is None]
-    if not merged:
-        return predicted, measured, ""
-    name = f"{' + '.join(merged)} + other (one total)"
-
-    def fold(d: dict) -> dict:
-        kept = {c: v for c, v in d.items() if c not in merged and c != "other"}
-        return {**kept, name: sum(d.get(c) or 0 for c in (*merged, "other"))}
-
-    return fold(predicted), fold(measured), name
-
-
-def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) -> Figure:
-    """The last `last` runs with the formula's prediction (details["estimate"]): its peak by category beside the
-    measured one (plot_formula_beside_measured), on CUDA only the categories the allocator lets apart."""
-    shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
-    split = {r.label: _measured_apart(r.details["estimate"]["by_category"], r.memory["by_category"]) for r in shown}
-    fig = plot_formula_beside_measured({label: s[:2] for label, s in split.items()}, ax, "Peak by category")
-    merged = {name for _, _, name in split.values() if name}
-    ax = ax or fig.axes[0]
-    note = "; ".join(sorted({r.memory.get("method", "").split(":")[0] for r in shown})) or "no run with an estimate"
-    if merged:
-        one_bar = "; ".join(n.removesuffix(" (one total)") for n in sorted(merged))
-        note += f" (the allocator gives only the peak, not its split: {one_bar} drawn as one bar)"
-    ax.set_title(f"{ax.get_title()}\n{note}\n{_devices(shown or results)}", fontsize=9)
-    return fig
-
-
-def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figure:
-    """For the last `last` runs with an MFU: the time the model's FLOPs (measure.flops_per_token) take at the peak
-    (hatched: step time x MFU) beside the measured median step (solid). Log scale: on a CPU they are far apart."""
-    fig, ax = _new_axes(ax)
-    shown = [r for r in results if r.ok and r.median_step_s and r.mfu][-last:]
-    for i, r in enumerate(shown):
-        ms, first = r.median_step_s * 1e3, i == 0
-        at_peak = "6N + 12Lhs FLOPs at the peak" if first else None
-        ax.bar(3 * i, ms * r.mfu, color="white", edgecolor="#4c72b0", hatch="//", label=at_peak)
-        ax.bar(3 * i + 1, ms, color="#4c72b0", label="measured median step" if first else None)
-        # MFU proper against a data sheet; elsewhere the efficiency against this machine's measured matmul peak
-        kind = "MFU" if r.mfu_basis == "data-sheet peak" else "efficiency"
-        ax.annotate(f"{kind} {r.mfu:.1%}", (3 * i + 1, ms), ha="center", va="bottom", fontsize=7)
-    _pair_ticks(ax, [r.label for r in shown])
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per optimizer step (log scale)")
-    basis = "; ".join(sorted({r.mfu_basis for r in shown})) or "no run with an MFU"
-    ax.set_title(f"Step time: FLOPs at the peak ({basis}) beside measured\n{_devices(shown or results)}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
@@ -281,8 +189,6 @@ PLOTS = {
     "step_times": plot_step_times,
     "grad_norm": plot_grad_norms,
     "lr": plot_lrs,
-    "memory_vs_estimate": plot_memory_vs_estimate,
-    "time_vs_flops": plot_time_vs_flops,
 }
 # One panel of a figure: a name in PLOTS, or fn(results, ax) drawing every run on the Axes it is given.
 PlotSpec = Union[str, Callable[[list, object], object]]
@@ -337,7 +243,7 @@ def _ladder_speed(ax, results: list[RunResult], reference: list[RunResult] | Non
     kept = {i: v for i, v in mine.items() if (results[i].ladder or {}).get("kept", True)}
     dropped = {i: v for i, v in mine.items() if i not in kept}
     if kept:
-        ax.plot(*zip(*kept.items()), "o-", color="#4c72b0", label=f"this machine, kept: {_devices(results)}")
+        ax.plot(*zip(*kept.items()), "o-", color="#4c72b0", label=f"this machine, kept: {devices_text(results)}")
     if dropped:
         ax.plot(*zip(*dropped.items()), "x", color="#999999", ms=8, mew=2, label="measured, not kept")
     for i, v in mine.items():
@@ -350,7 +256,7 @@ def _ladder_speed(ax, results: list[RunResult], reference: list[RunResult] | Non
     ref = {reference[i].label: v for i, v in ladder_speedups(reference).items()} if reference else {}
     points = [(i, ref[lab]) for i, lab in enumerate(labels) if lab in ref]
     if points:
-        ax.plot(*zip(*points), "s--", color="#dd8452", label=f"reference: {_devices(reference)}")
+        ax.plot(*zip(*points), "s--", color="#dd8452", label=f"reference: {devices_text(reference)}")
     if target:
         ax.axhline(target, ls=":", color="#888888", label=f"the course's promise (~{target:g}x)")
     ax.axhline(1.0, lw=0.8, color="#cccccc")
@@ -380,7 +286,7 @@ def plot_climbs(climbs: list[tuple[str, list[RunResult]]], promise: float = 10.0
         for ax, values, text in ((ax_speed, speed, "{:.2f}x"), (ax_mem, memory, "{:.2f}")):
             line = sorted((x, v) for x, v in values.items() if x in kept)
             if line:
-                ax.plot(*zip(*line), "o-", color=color, label=f"{name}: {_devices(results)}")
+                ax.plot(*zip(*line), "o-", color=color, label=f"{name}: {devices_text(results)}")
                 x, v = line[-1]  # the loop the climb ended with, labelled
                 ax.annotate(text.format(v), (x, v), textcoords="offset points", xytext=(6, 0), va="center", fontsize=8)
             dropped = sorted((x, v) for x, v in values.items() if x not in kept)

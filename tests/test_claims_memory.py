@@ -28,7 +28,14 @@ from course_lib import (
     train,
 )
 from course_lib.lessons import memory_plots, training_compute as CB
-from course_lib.lessons.formula_beside_measured import account_step, beside_measured, run_beside_estimate
+from course_lib.lessons.formula_beside_measured import (
+    account_step,
+    beside_measured,
+    plot_formula_beside_measured,
+    plot_memory_vs_estimate,
+    plot_time_vs_flops,
+    run_beside_estimate,
+)
 from course_lib.lessons.memory_calculator import calculator_config
 from course_lib.measure import CATEGORIES
 
@@ -170,7 +177,7 @@ def test_the_panels_plots_draw_formula_beside_measurement(splits, tiny):
         run_beside_estimate(cfg, "a", splits=splits),
         run_beside_estimate(cfg.with_model(attention="sdpa"), "b", splits=splits),
     ]
-    fig = plots.plot_results(runs, ("memory_vs_estimate", "time_vs_flops"))
+    fig = plots.plot_results(runs, (plot_memory_vs_estimate, plot_time_vs_flops))
     mem_ax, time_ax = fig.axes[:2]
     assert "formula (hatched) beside measured" in mem_ax.get_title() and "MiB" in mem_ax.get_ylabel()
     assert [t.get_text() for t in mem_ax.get_xticklabels()] == [
@@ -206,7 +213,7 @@ def test_the_notebooks_other_figures_draw(tiny):
     fig = memory_plots.plot_step_timelines({"one": report, "two": report}, "title")
     assert len(fig.axes) == 2 and "MiB" in fig.axes[0].get_ylabel() and fig.axes[0].get_title().startswith("one: peak")
     static = {"sgd": ({"parameters": 4, "gradients": 4}, {"parameters": 4, "gradients": 4})}
-    ax = plots.plot_formula_beside_measured(static).axes[0]
+    ax = plot_formula_beside_measured(static).axes[0]
     assert len(ax.get_legend().get_texts()) == 2  # only the categories that hold bytes
 
 

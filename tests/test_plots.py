@@ -1,6 +1,7 @@
 import matplotlib.pyplot as plt
 
 from course_lib import plots
+from course_lib.lessons.formula_beside_measured import plot_memory_vs_estimate
 from course_lib.results import RunResult, provenance
 
 
@@ -126,7 +127,7 @@ def test_memory_vs_estimate_on_cuda_compares_only_what_the_allocator_measures_ap
         memory=mem,
         details={"estimate": {"by_category": formula, "peak_bytes": sum(formula.values())}},
     )
-    ax = plots.plot_memory_vs_estimate([r]).axes[0]
+    ax = plot_memory_vs_estimate([r]).axes[0]
     # one bar per category shown, the formula's first (x = 0), then the measurement's (x = 1, the ones in the legend)
     names = [c.get_label() for c in ax.containers if not c.get_label().startswith("_")]
     assert len(ax.containers) == 2 * len(names)
@@ -152,5 +153,5 @@ def test_memory_vs_estimate_on_cuda_compares_only_what_the_allocator_measures_ap
         memory={"peak_bytes": 95 * MiB, "by_category": formula, "method": "CPU ledger: x"},
         details={"estimate": {"by_category": formula, "peak_bytes": 95 * MiB}},
     )
-    ax = plots.plot_memory_vs_estimate([cpu]).axes[0]
+    ax = plot_memory_vs_estimate([cpu]).axes[0]
     assert {c.get_label() for c in ax.containers} >= {"activations", "logits"} and "only the peak" not in ax.get_title()

@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..config import ConfigError, TrainConfig
-from ..plots import CATEGORY_COLORS
+from ..plots import CATEGORY_COLORS, devices_text
 from ..results import RunResult
 from . import launch as L, pipeline as P, zero_memory as Z
 
@@ -381,7 +381,7 @@ def _stacked(ax, bars, key: str, order, colors) -> set:
 def _finish(ax, ticks, results, ylabel: str, title: str, legend: bool) -> None:
     ax.set_xticks([t for t, _ in ticks], [lab for _, lab in ticks], rotation=30, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{title}\n{_devices(results)}", fontsize=9)
+    ax.set_title(f"{title}\n{devices_text(results)}", fontsize=9)
     if legend:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.margins(y=0.15)
@@ -431,6 +431,3 @@ def shipped_runs(strategies, folder=None) -> list[tuple]:
         if r.details.get("strategy") in strategies
     ]
 
-
-def _devices(results: list[RunResult]) -> str:
-    return " / ".join(sorted({r.provenance.get("device", "?") for r in results})) or "?"

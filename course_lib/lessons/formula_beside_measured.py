@@ -1,5 +1,6 @@
-"""Notebooks 01, 02 and 09: the memory formula (course_lib.memory_formula) beside a measurement, as a table and as the
-panels' runner, and one step accounted by the CPU ledger (`account_step`, under FakeTensorMode: nothing allocated)."""
+"""Notebooks 01, 02 and 09: the memory formula (course_lib.memory_formula) beside a measurement, as a table, a figure
+and the panels' runner; the FLOPs' time at the peak beside the measured step; and one step accounted by the CPU ledger
+(`account_step`, under FakeTensorMode: nothing allocated)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import dataclasses
 
 import torch
+from matplotlib.figure import Figure
 
 from .. import measure, techniques
 from ..config import TrainConfig
@@ -14,7 +16,8 @@ from ..measure import CATEGORIES, MemoryReport
 from ..memory_estimate import run_checked
 from ..memory_formula import Estimate, estimate
 from ..model import GPT
-from ..results import RESERVED_PEAK
+from ..plots import CATEGORY_COLORS, devices_text, new_axes, tick
+from ..results import RESERVED_PEAK, RunResult
 from ..train import train_step
 
 
@@ -37,7 +40,7 @@ def beside_measured(est: Estimate, measured: dict | MemoryReport) -> list[dict[s
 
 def run_beside_estimate(cfg: TrainConfig, label: str, callback=None, **kwargs):
     """A run (memory_estimate.run_checked) with the formula's prediction in details["estimate"] (drawn by
-    plots.plot_memory_vs_estimate) and its peak in the note."""
+    plot_memory_vs_estimate) and its peak in the note."""
     result = run_checked(cfg, label, callback=callback, **kwargs)
     if not result.ok or not result.memory:
         return result
@@ -97,3 +100,96 @@ def account_step(cfg: TrainConfig, fake: bool = True, warm_steps: int = 1) -> Me
     if fake:
         report.method = "CPU ledger under FakeTensorMode: shapes only, nothing allocated"
     return report
+
+
+def _pair_ticks(ax, names: list[str]) -> None:
+    ticks = [3 * i + j for i in range(len(names)) for j in range(2)]
+    labels = [f"{tick(n)} ({w})" for n in names for w in ("formula", "measured")]
+    ax.set_xticks(ticks, labels, rotation=35, ha="right", fontsize=7)
+
+
+def plot_formula_beside_measured(
+    pairs: dict[str, tuple[dict, dict | None]], ax=None, title: str = "Memory by category"
+) -> Figure:
+    """For each name, the formula's bytes by category (hatched) beside the measured bytes (solid; a category measured
+    as None has no bar), labelled with the totals' difference. MiB, or GiB where a total passes 1 GiB."""
+    fig, ax = new_axes(ax)
+    total = lambda d: sum(v or 0 for v in d.values())  # noqa: E731
+    big = max((total(d) for p in pairs.values() for d in p if d), default=0) > 2**30
+    unit, size = ("GiB", 2**30) if big else ("MiB", 2**20)
+    # the course's categories, then any a caller merged (plot_memory_vs_estimate on CUDA), in their order
+    keys = [*CATEGORIES, *dict.fromkeys(k for p in pairs.values() for d in p for k in (d or {}) if k not in CATEGORIES)]
+    present = [c for c in keys if any((d or {}).get(c) for p in pairs.values() for d in p)]
+    for i, (name, (predicted, measured)) in enumerate(pairs.items()):
+        for j, d in enumerate((predicted, measured)):
+            bottom = 0.0
+            for cat in present:
+                v = ((d or {}).get(cat) or 0) / size
+                label = cat if (i, j) == (0, 1) else None
+                hatch = "//" if j == 0 else None
+                color = CATEGORY_COLORS.get(cat, "#d0d0d0")
+                ax.bar(3 * i + j, v, bottom=bottom, color=color, hatch=hatch, edgecolor="white", label=label)
+                bottom += v
+        if measured:
+            diff = f"{round(total(measured) / total(predicted) - 1, 3) + 0.0:+.1%}"
+            ax.annotate(diff, (3 * i + 1, total(measured) / size), ha="center", va="bottom", fontsize=7)
+    _pair_ticks(ax, list(pairs))
+    ax.set_ylabel(f"bytes ({unit})")
+    ax.set_title(f"{title}: formula (hatched) beside measured", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.margins(y=0.12)
+    return fig
+
+
+def _measured_apart(predicted: dict, measured: dict) -> tuple[dict, dict, str]:
+    """(predicted, measured, the merged bar's name or "") with the categories measured as None merged into "other" on
+    both sides: the CUDA allocator gives one peak, so no bar may claim a split nobody measured."""
+    merged = [c for c in CATEGORIES if c != "other" and measured.get(c) is None]
+    if not merged:
+        return predicted, measured, ""
+    name = f"{' + '.join(merged)} + other (one total)"
+
+    def fold(d: dict) -> dict:
+        kept = {c: v for c, v in d.items() if c not in merged and c != "other"}
+        return {**kept, name: sum(d.get(c) or 0 for c in (*merged, "other"))}
+
+    return fold(predicted), fold(measured), name
+
+
+def plot_memory_vs_estimate(results: list[RunResult], ax=None, last: int = 3) -> Figure:
+    """The last `last` runs with the formula's prediction (details["estimate"]): its peak by category beside the
+    measured one (plot_formula_beside_measured), on CUDA only the categories the allocator lets apart."""
+    shown = [r for r in results if r.ok and r.memory and "estimate" in r.details][-last:]
+    split = {r.label: _measured_apart(r.details["estimate"]["by_category"], r.memory["by_category"]) for r in shown}
+    fig = plot_formula_beside_measured({label: s[:2] for label, s in split.items()}, ax, "Peak by category")
+    merged = {name for _, _, name in split.values() if name}
+    ax = ax or fig.axes[0]
+    note = "; ".join(sorted({r.memory.get("method", "").split(":")[0] for r in shown})) or "no run with an estimate"
+    if merged:
+        one_bar = "; ".join(n.removesuffix(" (one total)") for n in sorted(merged))
+        note += f" (the allocator gives only the peak, not its split: {one_bar} drawn as one bar)"
+    ax.set_title(f"{ax.get_title()}\n{note}\n{devices_text(shown or results)}", fontsize=9)
+    return fig
+
+
+def plot_time_vs_flops(results: list[RunResult], ax=None, last: int = 3) -> Figure:
+    """For the last `last` runs with an MFU: the time the model's FLOPs (measure.flops_per_token) take at the peak
+    (hatched: step time x MFU) beside the measured median step (solid). Log scale: on a CPU they are far apart."""
+    fig, ax = new_axes(ax)
+    shown = [r for r in results if r.ok and r.median_step_s and r.mfu][-last:]
+    for i, r in enumerate(shown):
+        ms, first = r.median_step_s * 1e3, i == 0
+        at_peak = "6N + 12Lhs FLOPs at the peak" if first else None
+        ax.bar(3 * i, ms * r.mfu, color="white", edgecolor="#4c72b0", hatch="//", label=at_peak)
+        ax.bar(3 * i + 1, ms, color="#4c72b0", label="measured median step" if first else None)
+        # MFU proper against a data sheet; elsewhere the efficiency against this machine's measured matmul peak
+        kind = "MFU" if r.mfu_basis == "data-sheet peak" else "efficiency"
+        ax.annotate(f"{kind} {r.mfu:.1%}", (3 * i + 1, ms), ha="center", va="bottom", fontsize=7)
+    _pair_ticks(ax, [r.label for r in shown])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per optimizer step (log scale)")
+    basis = "; ".join(sorted({r.mfu_basis for r in shown})) or "no run with an MFU"
+    title = f"Step time: FLOPs at the peak ({basis}) beside measured"
+    ax.set_title(f"{title}\n{devices_text(shown or results)}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
