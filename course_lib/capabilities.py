@@ -199,8 +199,7 @@ def _sdpa_support(dev: torch.device, dtype: torch.dtype) -> dict[str, Support]:
     return out
 
 
-# Dense (no sparsity) peak TFLOP/s from the vendors' data sheets. A key matches the device name as whole
-# words (so "L4" is not found in "L40S"), and more specific keys come first ("H100 PCIe" before "H100").
+# Dense peak TFLOP/s, from data sheets. A key matches as whole words ("L4" not in "L40S"), the more specific first.
 DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
     "H200 NVL": {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0},
     "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
@@ -222,10 +221,8 @@ DATASHEET_TFLOPS: dict[str, dict[str, float]] = {
 
 def datasheet_tflops(name: str) -> dict[str, float] | None:
     """The data-sheet peaks of a GPU by its name, or None for a device not in the table (every CPU)."""
-    found = (
-        v for k, v in DATASHEET_TFLOPS.items() if re.search(rf"(?<![A-Za-z0-9]){re.escape(k)}(?![A-Za-z0-9])", name)
-    )
-    return next(found, None)
+    keys = (k for k in DATASHEET_TFLOPS if re.search(rf"(?<![A-Za-z0-9]){re.escape(k)}(?![A-Za-z0-9])", name))
+    return next((DATASHEET_TFLOPS[k] for k in keys), None)
 
 
 def matmul_tflops(device: str, precision: str, m: int, k: int, n: int, min_time_s=0.2, max_reps=20) -> float:
@@ -255,8 +252,7 @@ def _read_cache() -> dict:
 
 
 def measured_tflops(device: str, precision: str, shape: tuple | None = None, refresh: bool = False) -> float:
-    """This machine's matmul TFLOP/s in `precision`, cached per machine: the peak over growing square sizes, or
-    `shape` (m, k, n) only. `refresh` measures again; the cache keeps the best seen (a busy machine reads low)."""
+    """This machine's matmul TFLOP/s, cached: the best of growing squares (or of `shape`); `refresh` measures again."""
     dev_type = torch.device(device).type
     if dev_type == "cpu" and precision == "tf32":
         precision = "fp32"  # TF32 changes nothing on a CPU
@@ -335,13 +331,13 @@ class Capabilities:
             raise ConfigError("; ".join(problems))
         return cfg
 
-    def peak_tflops(self, precision: str, measure: bool = True) -> tuple[float | None, str]:
-        """(peak TFLOP/s, its source): a known GPU's data sheet, else the measured peak (None unless `measure`)."""
+    def peak_tflops(self, precision: str) -> tuple[float | None, str]:
+        """(peak TFLOP/s, its source): a known GPU's data sheet, else the measured peak."""
         if self.datasheet is not None:
             value = self.datasheet.get(precision)
             return value, "data-sheet peak" if value else ""
         support = self.supports(precision)
-        if not measure or not support.ok:
+        if not support.ok:
             return None, ""
         peak = measured_tflops(self.device, precision)
         if support.native is False and precision != "fp32":
@@ -403,9 +399,7 @@ def require(cfg: TrainConfig) -> TrainConfig:
     return capabilities(cfg.device).require(cfg)
 
 
-def efficiency(
-    tokens_per_s: float, flops_per_token: int, device: str, precision: str, measure: bool = True
-) -> tuple[float | None, str]:
+def efficiency(tokens_per_s: float, flops_per_token: int, device: str, precision: str) -> tuple[float | None, str]:
     """(MFU, the peak's source): model FLOP/s over the device's peak (Capabilities.peak_tflops)."""
-    peak, basis = capabilities(device).peak_tflops(precision, measure=measure)
+    peak, basis = capabilities(device).peak_tflops(precision)
     return (tokens_per_s * flops_per_token / (peak * 1e12), basis) if peak else (None, "")

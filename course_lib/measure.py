@@ -1,6 +1,5 @@
-"""Measurement: memory and FLOPs, the same way on any device (time: course_lib.timing). Memory on CUDA is the
-allocator's peak; on a CPU an exact ledger, a TorchDispatchMode that follows every tensor storage from birth to death by
-category (CATEGORIES). FLOPs: 6N + 12·L·h·s per token (PaLM, appendix B), checkable against FlopCounterMode."""
+"""Memory (CUDA: the allocator's peak; CPU: a ledger of every tensor storage by CATEGORIES) and FLOPs (PaLM's 6N +
+12·L·h·s per token), the same way on any device; time: course_lib.timing."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "logi
 
 
 def available_cpu_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """Bytes a process can still take before Linux's out-of-memory killer ends it (MemAvailable, or less under a
-    container's cgroup v2 limit); None off Linux. Past it the kernel dies, with no error Python could catch."""
+    """Bytes left before Linux's OOM killer ends the process, uncatchably (MemAvailable, cgroup v2); None off Linux."""
     try:
         meminfo = (proc / "meminfo").read_text()
         available = int(re.search(r"^MemAvailable:\s+(\d+) kB", meminfo, re.MULTILINE).group(1)) * 1024
@@ -120,9 +118,7 @@ def _aliasing_returns(func, out) -> list[bool]:
 
 
 class MemoryLedger(TorchDispatchMode):
-    """Follows every tensor storage created while active: the live total, its peak and what it holds. `register` what
-    exists before the step; inside `phase(...)` new storages get that phase's category. A storage's size is read again
-    whenever an op touches it (resize_, FSDP2's resize to 0 and back)."""
+    """Every storage's bytes by category, live and at the peak; sizes read again at each op (resize_, FSDP2)."""
 
     PHASE_CATEGORY = {"forward": "activations", "loss": "logits"}  # any other phase makes "other"
 
@@ -180,8 +176,7 @@ class MemoryLedger(TorchDispatchMode):
         return next((self._info[sid][1] for sid in sids if sid is not None), None)
 
     def reclassify(self, tensors, category: str) -> None:
-        """Storages in `tensors` belong to `category`, now and in the peak's snapshot (a gradient is made in
-        backward, where it first counts as "other")."""
+        """`tensors` count as `category`, in the peak's snapshot too (a gradient is born in backward, as "other")."""
         for st in _storages(tensors):
             sid = self._sid(st)
             for members in (self._info, self._peak_members):
@@ -209,8 +204,7 @@ class MemoryLedger(TorchDispatchMode):
 
     @contextlib.contextmanager
     def watch(self, output_layer: torch.nn.Module | None = None):
-        """Follow one step: in `phase("forward")` new storages are "activations", "logits" from `output_layer`'s result
-        on; autograd's saved tensors are counted once per storage (`saved_bytes`), the parameters left out."""
+        """Follow one step; `saved_bytes`: autograd's saved storages, each once, the parameters left out."""
         saved_token = object()  # this watch's mark on the storages it has counted
 
         def pack(t: torch.Tensor):
@@ -244,13 +238,8 @@ class MemoryLedger(TorchDispatchMode):
         by = dict.fromkeys(CATEGORIES, 0)
         for nbytes, category in self._peak_members.values():
             by[category] += nbytes
-        return MemoryReport(
-            peak_bytes=self.peak,
-            by_category=by,
-            saved_for_backward_bytes=self.saved_bytes,
-            method="CPU ledger: every tensor storage followed through one training step",
-            timeline=list(self.timeline),
-        )
+        method = "CPU ledger: every tensor storage followed through one training step"
+        return MemoryReport(self.peak, by, self.saved_bytes, method=method, timeline=list(self.timeline))
 
 
 class NotMeasured:
@@ -317,8 +306,7 @@ class LedgerMeasurement(NotMeasured):
 
 
 class StepRecorder:
-    """Around each step, from outside: wall time, page faults, CUDA's peaks over the timed steps or the CPU ledger over
-    cfg.ledger_step, between `start` and `stop` (else only time). Built before the model: CUDA's baseline."""
+    """Each step's time, page faults and (from `start` to `stop`) memory; built before the model: CUDA's baseline."""
 
     def __init__(self, cfg: TrainConfig, cuda_graphs: bool = False):
         self.dev, self.cfg, self.cuda_graphs = torch.device(cfg.device), cfg, cuda_graphs
@@ -376,9 +364,8 @@ GRAPHS_METHOD = "CUDA graphs"  # how a reserved peak's method begins (results.pe
 
 
 def cuda_memory_report(device, static, peak=None, baseline=0, reserved=None, cuda_graphs=False, reserved_baseline=0):
-    """CUDA: the allocator's `peak` (default: max_memory_allocated) less `baseline`; `static` (parameters, gradients,
-    optimizer state) from the tensors; the rest of the peak is "other": the allocator does not know what a block was
-    for. Under `cuda_graphs` a replay allocates nothing (activations live in the graphs' pool): the reserved peak."""
+    """The allocator's peak less `baseline`, `static` by category and the rest "other" (the allocator knows no more);
+    under `cuda_graphs` the reserved peak, as a replay allocates nothing (its activations are in the graphs' pool)."""
     reserved = torch.cuda.max_memory_reserved(device) if reserved is None else reserved
     if cuda_graphs:
         peak, baseline = reserved, reserved_baseline

@@ -37,13 +37,8 @@ def git_commit() -> str | None:
 
 def provenance(device_name: str) -> dict:
     """Where a number came from: device, torch (and CUDA) version, date, commit."""
-    return {
-        "device": device_name,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git_commit(),
-    }
+    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return dict(device=device_name, torch=torch.__version__, cuda=torch.version.cuda, date=date, commit=git_commit())
 
 
 @dataclass
@@ -153,9 +148,8 @@ def save_results(results: list[RunResult], path: str | Path, **extra) -> Path:
 
 
 class ResultsFile:
-    """A results file kept current while runs are measured (a climb's --json, a panel's save_to). A failed `save` is
-    kept in `error`, not raised, so the runs go on. With `replace`, the results go to a file beside an existing one
-    until `finish`, so an unfinished set never takes the place of a whole one."""
+    """A results file kept current as runs end; a failed `save` is kept in `error` so the runs go on. With `replace`
+    the results go beside an existing file until `finish`: an unfinished set never takes the place of a whole one."""
 
     def __init__(self, path: Path, replace: bool = False, fallback_name: str = "results", **meta):
         self.path, self.meta, self.fallback_name = Path(path), meta, fallback_name
@@ -175,8 +169,7 @@ class ResultsFile:
             self.error = e
 
     def finish(self, complete: bool) -> Path | None:
-        """Where the results are once the runs end: the file (a complete set replacing the earlier one), else a new file
-        in the temporary folder, else None (`note` says why). No OSError escapes: a full disk loses no measured run."""
+        """Where the results are (else in a temporary file, else None: `note` says why); no OSError escapes."""
         self.note = ""
         if not self.results:
             return None
@@ -186,7 +179,6 @@ class ResultsFile:
                 return self.path
             except OSError as e:  # the whole set stays where it was written
                 self.note = f"could not replace {self.path} ({e}): the results are in {self.writing}"
-                return self.writing
         if self.error is None:
             return self.writing
         fallback = Path(tempfile.gettempdir()) / f"{self.fallback_name}-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
@@ -200,8 +192,7 @@ class ResultsFile:
 
 
 def load_results(path: str | Path) -> tuple[list[RunResult], dict]:
-    """The results and the rest of a file save_results wrote; a ResultsFileError says, in words a learner can act on,
-    why a file is not one (missing, a folder, empty, cut short, not text, of another kind)."""
+    """The results and the rest of a file save_results wrote, else a ResultsFileError a learner can act on."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -268,10 +259,9 @@ def table_rows(results: list[RunResult], baseline: RunResult | None = None) -> l
     for r in results:
         row = dict.fromkeys(COLUMNS, "") | {"run": r.label, "status": r.status.upper(), "note": r.reason}
         if r.ok:
-            # another network: a ratio to this baseline means nothing
-            other = base is not None and not same_model(r, base)
-            speed = r.tokens_per_s / base.tokens_per_s if not other and base and base.tokens_per_s else None
-            mem = r.peak_ratio(base) if not other and base else None
+            other = not same_model(r, base)  # another network: a ratio to this baseline means nothing
+            speed = r.tokens_per_s / base.tokens_per_s if not other and base.tokens_per_s else None
+            mem = None if other else r.peak_ratio(base)
             row |= {
                 "status": "ok",
                 "ms/step": fmt(r.median_step_s * 1e3, ".1f"),
@@ -297,8 +287,7 @@ def same_model(a: RunResult, b: RunResult) -> bool:
 
 
 def efficiency_text(r: RunResult) -> str:
-    """MFU against the data sheet's peak of the run's precision (named: TF32 has a higher one), or efficiency against
-    this machine's measured matmul peak."""
+    """MFU against the data sheet's peak of the run's precision (named: TF32's is higher), or the measured one."""
     if r.mfu is None:
         return "n/a"
     if r.mfu_basis == "measured matmul peak":
