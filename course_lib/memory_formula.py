@@ -39,8 +39,7 @@ def count_param_tensors(m: ModelConfig) -> int:
 def static_bytes(
     n_params: int, optimizer: str = "adamw", bytes_per_value: int = 4, n_param_tensors: int = 0
 ) -> dict[str, int]:
-    """Parameters and gradients, n_params x bytes each, and the optimizer's state (with step counters if n_param_tensors
-    is given)."""
+    """Parameters and gradients, n_params x bytes each, and the optimizer's state (step counters if n_param_tensors)."""
     return {
         "parameters": n_params * bytes_per_value,
         "gradients": n_params * bytes_per_value,
@@ -52,13 +51,11 @@ def static_bytes(
 
 
 def layer_activation_terms(
-    s: int, b: int, h: int, a: int, value_bytes: int = 4, attention: str = "naive", dropout: bool = False,
-    norm_bytes: int | None = None, mask_bytes: int = 1,
-) -> dict[str, int]:  # fmt: skip
-    """Bytes one block of the course's GPT keeps for backward, term by term: the paper's sixteen sbh-sized values, with
-    dropout masks only with dropout on, LayerNorm's fp32 mean and 1/std, and naive attention's softmax output and
-    causal mask or SDPA's logsumexp. norm_bytes: per LayerNorm input value (default value_bytes); mask_bytes: per
-    dropout-mask value (_mask_bytes)."""
+    s: int, b: int, h: int, a: int, value_bytes=4, attention="naive", dropout=False, norm_bytes=None, mask_bytes=1
+) -> dict[str, int]:
+    """Bytes one block keeps for backward, term by term: the paper's sixteen sbh values (dropout masks only with dropout
+    on), LayerNorm's fp32 mean and 1/std, and naive attention's softmax and mask or SDPA's logsumexp. norm_bytes: per
+    LayerNorm input value (default value_bytes); mask_bytes: per dropout-mask value (_mask_bytes)."""
     B, sbh, as2b = value_bytes, s * b * h, a * s * s * b
     nb = B if norm_bytes is None else norm_bytes
     terms = {
@@ -93,8 +90,7 @@ def weight_copy_bytes(m: ModelConfig) -> int:
 
 
 def logits_terms(b: int, s: int, vocab: int) -> dict[str, int]:
-    """The output layer and the loss, which the paper leaves out: at the start of backward three (tokens x vocab)
-    fp32 tensors are alive (cross-entropy runs in fp32, also under autocast)."""
+    """The loss's three (tokens x vocab) tensors as backward starts: fp32 even under autocast, and not in the paper."""
     tv = b * s * vocab * 4
     return {
         "log-softmax output, saved (b s V fp32)": tv,
@@ -112,13 +108,20 @@ def _mask_bytes(cfg: TrainConfig) -> int:
 R = 4
 
 
+def _block_sizes(cfg: TrainConfig):
+    """(s, b, h, a, X = sbh, S2 = a s^2 b, T = tokens, B = bytes per activation, autocast?, QKV weight copy bytes)."""
+    m = cfg.model
+    s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
+    autocast, B = _precision(cfg)
+    qkv_copy = (3 * h * h + (3 * h if m.bias else 0)) * 2 if autocast else 0
+    return s, b, h, a, s * b * h, a * s * s * b, s * b, B, autocast, qkv_copy
+
+
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     """Activations of one micro-batch: what a block saves ("per layer"), keeps through the forward ("kept per layer",
     less with checkpointing), all layers, outside them, the total, and what a block's backward recomputes."""
     m = cfg.model
-    s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
-    sbh = s * b * h
-    autocast, vb = _precision(cfg)
+    s, b, h, a, sbh, _, _, vb, autocast, _ = _block_sizes(cfg)
     mask = _mask_bytes(cfg) if m.dropout > 0 else 0
     attention, causal_mask = _attention(cfg)
     terms = layer_activation_terms(s, b, h, a, vb, attention, m.dropout > 0, norm_bytes=R, mask_bytes=mask)
@@ -138,30 +141,19 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     }
 
 
-def _block_sizes(cfg: TrainConfig):
-    """(s, b, h, a, X = sbh, S2 = a s^2 b, T = tokens, B = bytes per activation, autocast?, QKV weight copy bytes)."""
-    m = cfg.model
-    s, b, h, a = cfg.context, cfg.micro_batch_size, m.n_embd, m.n_head
-    autocast, B = _precision(cfg)
-    qkv_copy = (3 * h * h + (3 * h if m.bias else 0)) * 2 if autocast else 0
-    return s, b, h, a, s * b * h, a * s * s * b, s * b, B, autocast, qkv_copy
-
-
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
     """The last block's tensors and gradients in flight at the worst moments of its backward (it comes first, every
     other block still full), {moment: {term: (category, bytes)}}; with SDPA only the MLP's backward can be the peak."""
     points = {"MLP backward": _mlp_backward(cfg)}
-    if _attention(cfg)[0] != "naive":
-        return points
-    points["attention backward"] = _attention_backward(cfg)
-    if cfg.activation_checkpointing != "none":
-        points["attention recompute"] = _attention_recompute(cfg)
+    if _attention(cfg)[0] == "naive":
+        points["attention backward"] = _attention_backward(cfg)
+        if cfg.activation_checkpointing != "none":
+            points["attention recompute"] = _attention_recompute(cfg)
     return points
 
 
 def _mlp_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
-    """The block's first backward matmul: all its saved tensors (recomputed first under checkpointing), the gradient
-    of its output and of the GELU output."""
+    """The block's first backward matmul: its saved tensors (recomputed if checkpointed), output and GELU gradients."""
     s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
     ck, attention = cfg.activation_checkpointing, _attention(cfg)[0]
     # what the block saves (its 16-bit weight copies included): "activations", or "other" where recomputed
@@ -193,8 +185,7 @@ def _mlp_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 
 def _attention_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
-    """Naive attention's softmax backward: the MLP's tensors are gone, but three a s^2 b tensors are alive (the saved
-    probabilities, their gradient, the gradient of the scores)."""
+    """Naive attention's softmax backward: the MLP's tensors are gone, but three a s^2 b tensors are alive."""
     s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
     m, ck, causal_mask = cfg.model, cfg.activation_checkpointing, _attention(cfg)[1]
     fresh_grads = not gradients_before_backward(cfg)
@@ -227,13 +218,11 @@ def _attention_backward(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 
 def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
-    """Checkpointing's recompute of naive attention at softmax x V: the scores (still a local variable) and the
-    probabilities are both alive."""
+    """Naive attention recomputed (checkpointing) at softmax x V: the scores (a local variable) and probabilities."""
     s, b, h, a, X, S2, T, B, autocast, qkv_copy = _block_sizes(cfg)
-    ck, attention = cfg.activation_checkpointing, _attention(cfg)[0]
     rec: dict[str, tuple[str, int]] = {}
-    if ck == "selective":  # cached: the block input and every matmul output not yet taken by the recompute
-        kept = selective_activation_terms(s, b, h, a, B, attention, residual_bytes=R)
+    if cfg.activation_checkpointing == "selective":  # cached: the block input, matmul outputs not yet taken
+        kept = selective_activation_terms(s, b, h, a, B, "naive", residual_bytes=R)
         taken = kept["QK^T matmul output (a s^2 b)"]  # the scores, which the recompute has taken
         rec["kept by selective checkpointing, still cached"] = ("activations", sum(kept.values()) - taken)
     else:
@@ -254,8 +243,7 @@ def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
 
 
 def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """The output layer and the loss at their worst moments, {moment: {term: (category, bytes)}}: the loss in forward
-    (or one slice: techniques.chunked_loss) and the start of backward (logits_terms)."""
+    """The loss's worst moments, {moment: {term: (category, bytes)}}: forward (a slice if chunked), backward's start."""
     m = cfg.model
     T, h, V, k = cfg.micro_batch_size * cfg.context, m.n_embd, m.padded_vocab_size, cfg.loss_chunks
     autocast = _precision(cfg)[0]
@@ -280,9 +268,8 @@ def loss_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
 
 
 def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
-    """Every moment of a steady-state step that can hold its peak, each as {term: (ledger category, bytes)}: the loss
-    (loss_terms), the last block's backward (block_backward_terms), the end of backward (the tied embedding's two
-    gradients summed into .grad; AdamW's temporaries are smaller). With accumulation the last micro-batch is worst."""
+    """Every moment of a steady-state step (with accumulation, its last micro-batch) that can hold its peak, each as
+    {term: (ledger category, bytes)}: the loss, the last block's backward, the end of backward (AdamW's is smaller)."""
     m = cfg.model
     L, h, V = m.n_layer, m.n_embd, m.padded_vocab_size
     st = static_bytes(count_params(m), cfg.optimizer, 4, count_param_tensors(m))
@@ -310,11 +297,10 @@ def peak_candidates(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:
             **terms,
         }
 
-    emb_grad = V * h * 4
     cands["end of backward"] = {
         **static,
         "gradients": ("gradients", st["gradients"]),
-        "tied embedding's gradients, summed into .grad": ("other", (2 if grads_before == 0 else 3) * emb_grad),
+        "tied embedding's gradients, summed into .grad": ("other", (2 if grads_before == 0 else 3) * V * h * 4),
     }
     return cands
 
@@ -346,9 +332,7 @@ class Estimate:
             raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
         if self.peak_gib <= device_gib * (1 - margin):
             return "fits"
-        if self.peak_gib <= device_gib:
-            return "tight"
-        return "does not fit"
+        return "tight" if self.peak_gib <= device_gib else "does not fit"
 
 
 def estimate(cfg: TrainConfig) -> Estimate:
@@ -364,15 +348,13 @@ def estimate(cfg: TrainConfig) -> Estimate:
 
 
 def will_it_fit(cfg: TrainConfig, device_gib: float, margin: float = 0.1) -> tuple[Estimate, str]:
-    """The predicted peak and its verdict on a device of `device_gib` GiB, `margin` kept for what the formula leaves
-    out (the CUDA context, the allocator's fragmentation, library workspaces)."""
+    """The predicted peak and its verdict on `device_gib` GiB, `margin` kept for the CUDA context and fragmentation."""
     est = estimate(cfg)
     return est, est.verdict(device_gib, margin)
 
 
 def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1, limit: int = 4096) -> int:
-    """The largest batch_size (no accumulation) whose predicted peak fits, by bisection; 0 when even 1 does not, a
-    ConfigError when `limit` fits too (the answer is "more than limit", not limit)."""
+    """The largest batch_size (no accumulation) that fits, by bisection: 0 if none, a ConfigError if `limit` fits."""
 
     def fits(bs: int) -> bool:
         return will_it_fit(dataclasses.replace(cfg, batch_size=bs, grad_accum_steps=1), device_gib, margin)[1] == "fits"
