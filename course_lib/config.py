@@ -137,8 +137,7 @@ def parse_value(name: str, hint, text: str):
 
 
 def _owner(name: str) -> tuple[str, str, object]:
-    """("train" or "model", the field's own name, its type) for a setting: a TrainConfig field, or a ModelConfig field
-    as "model.<field>" or by its own name where no TrainConfig field has it (as the techniques name theirs)."""
+    """("train" or "model", the field's own name, its type) for a setting name (get_setting's)."""
     train, model = _field_types(TrainConfig), _field_types(ModelConfig)
     if name in train and name != "model":
         return "train", name, train[name]
@@ -150,7 +149,7 @@ def _owner(name: str) -> tuple[str, str, object]:
 
 
 def get_setting(cfg: TrainConfig, name: str):
-    """The value of a setting (a TrainConfig field, or a ModelConfig field as "model.<field>" or by its own name)."""
+    """A setting's value: a TrainConfig field, or a ModelConfig one as "model.<field>" or bare (TrainConfig's first)."""
     where, field_name, _ = _owner(name)
     return getattr(cfg if where == "train" else cfg.model, field_name)
 
@@ -392,8 +391,7 @@ def reference_preset(device: str | None = None) -> TrainConfig:
 
 
 def cpu_preset(device: str | None = None) -> TrainConfig:
-    """Small enough for a laptop CPU, shaped like the reference model: the same context (512) and attention-to-rest
-    ratio in the activation formula (5as/h = 40), so attention and the logits are as real a share as on a GPU."""
+    """For a laptop CPU, shaped like the reference (context 512, 5as/h = 40): attention and logits weigh as on a GPU."""
     model = ModelConfig(n_layer=2, n_head=2, n_embd=128, block_size=512)
     return TrainConfig(model, device or "cpu", batch_size=8, context=512, steps=8, timing_warmup=2)
 

@@ -324,10 +324,9 @@ class Estimate:
 
     def verdict(self, device_gib: float, margin: float = 0.1) -> str:
         """ "fits", "tight" (inside the margin kept for the CUDA context and fragmentation) or "does not fit"."""
+        ask = "give the device's memory as a positive number of GiB, e.g. 80"
         if isinstance(device_gib, bool) or not isinstance(device_gib, (int, float)) or not 0 < device_gib < math.inf:
-            raise ConfigError(
-                f"device_gib={device_gib!r}: give the device's memory as a positive number of GiB, e.g. 80"
-            )
+            raise ConfigError(f"device_gib={device_gib!r}: {ask}")
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
             raise ConfigError(f"margin={margin!r}: give the share kept free as a number in [0, 1), e.g. 0.1")
         if self.peak_gib <= device_gib * (1 - margin):
@@ -362,10 +361,8 @@ def max_batch_that_fits(cfg: TrainConfig, device_gib: float, margin: float = 0.1
     if not fits(1):
         return 0
     if fits(limit):
-        raise ConfigError(
-            f"every batch up to limit={limit} fits in {device_gib:g} GiB: the search stops there; pass a larger "
-            "limit to look further"
-        )
+        more = "the search stops there; pass a larger limit to look further"
+        raise ConfigError(f"every batch up to limit={limit} fits in {device_gib:g} GiB: {more}")
     lo, hi = 1, limit  # fits(lo), not fits(hi): the peak grows with the batch
     while hi - lo > 1:
         mid = (lo + hi) // 2
