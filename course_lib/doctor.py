@@ -1,5 +1,4 @@
-"""`python -m course_lib doctor`: every device-specific path of the course run for real and said to pass, fail, be
-n/a here (and why) or skipped: nothing is reported as passing that did not run."""
+"""`python -m course_lib doctor`: each device-specific path run for real; nothing passes that did not run."""
 
 from __future__ import annotations
 
@@ -59,6 +58,12 @@ class _NotApplicable(Exception):
     """Raised inside a check: this device has no such path (the message says why)."""
 
 
+def _needs(ok: bool, why: str) -> None:
+    """A check's path that this device lacks: n/a, and why."""
+    if not ok:
+        raise _NotApplicable(why)
+
+
 def check_config(device: str, **changes) -> C.TrainConfig:
     """The run every check trains: the tiny preset, 3 steps (tests that compile use it too: compiled once per run)."""
     changes = {"steps": 3, "timing_warmup": 1, "measure_memory": False, **changes}
@@ -102,8 +107,7 @@ def _relative(a: float, b: float) -> float:
 def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunResult]) -> str:
     """fp32(): the fp32 run of check_config, trained once per doctor run (fp32's own check, the others' reference)."""
     support = caps.supports(precision)
-    if not support.ok or support.no_effect:  # TF32 on a CPU runs fp32: not passed off as tested
-        raise _NotApplicable(support.note)
+    _needs(support.ok and not support.no_effect, support.note)  # TF32 on a CPU runs fp32: not passed off as tested
     if precision == "fp32":
         result = fp32()
         return f"{result.tokens_per_s:,.0f} tokens/s, finite losses and gradient norms over {len(result.losses)} steps"
@@ -121,8 +125,7 @@ def check_precision(caps: Capabilities, precision: str, fp32: Callable[[], RunRe
 
 def check_compile(caps: Capabilities, eager: Callable[[], RunResult]) -> str:
     """eager(): the fp32 run of check_config without compile (check_precision's fp32 run)."""
-    if not caps.techniques["compile"].ok:
-        raise _NotApplicable(caps.techniques["compile"].note)
+    _needs(caps.techniques["compile"].ok, caps.techniques["compile"].note)
     from torch._dynamo.utils import counters
 
     reference, t0, graphs = eager(), time.perf_counter(), counters["stats"]["unique_graphs"]
@@ -146,8 +149,7 @@ def check_sdpa(caps: Capabilities, backend: str) -> str:
 
     from .model import naive_attention
 
-    if not caps.sdpa[backend].ok:
-        raise _NotApplicable(caps.sdpa[backend].note)
+    _needs(caps.sdpa[backend].ok, caps.sdpa[backend].note)
     dtype, gen = sdpa_dtype(caps.type, caps.precisions), torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, 128, 32, generator=gen).to(caps.device, dtype) for _ in range(3))
     with sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[backend])]):
@@ -172,7 +174,6 @@ def check_memory_report(caps: Capabilities) -> str:
     assert by["optimizer state"] >= 2 * params, f"AdamW state {by['optimizer state']} bytes < 2 x parameters"
     known = sum(v for v in by.values() if v)
     assert known <= peak + 1, f"categories sum to {known} > peak {peak}"
-    assert caps.type != "cuda" or result.memory["reserved_bytes"] >= peak, "reserved below allocated"
     return f"peak {peak / 2**20:.1f} MiB; parameters exact; {result.memory['method']}"
 
 
@@ -180,8 +181,7 @@ def check_all_reduce(caps: Capabilities, backend: str) -> str:
     from .distributed.launch import launch
 
     gpus = torch.cuda.device_count() if caps.type == "cuda" else 0
-    if backend == "nccl" and gpus < 2:
-        raise _NotApplicable(f"NCCL between processes needs 2 GPUs; this machine has {gpus}")
+    _needs(backend != "nccl" or gpus >= 2, f"NCCL between processes needs 2 GPUs; this machine has {gpus}")
     r = launch("selftest", 2, device="cuda" if backend == "nccl" else "cpu", timeout_s=120, show_errors=False)
     assert r.ok, r.why()
     sums, backends = [rank["sum_of_ranks"] for rank in r.ranks], {rank["backend"] for rank in r.ranks}
@@ -200,13 +200,8 @@ def check_matmul_peak(caps: Capabilities) -> str:
     return "measured matmul peak: " + ", ".join(parts)
 
 
-def _cuda_only(caps: Capabilities) -> None:
-    if caps.type != "cuda":
-        raise _NotApplicable("CUDA only")
-
-
 def check_reserved(caps: Capabilities) -> str:
-    _cuda_only(caps)
+    _needs(caps.type == "cuda", "CUDA only")
     from .train import run
 
     run(check_config(caps.device), "doctor reserved")
@@ -216,7 +211,7 @@ def check_reserved(caps: Capabilities) -> str:
 
 
 def check_oom(caps: Capabilities) -> str:
-    _cuda_only(caps)
+    _needs(caps.type == "cuda", "CUDA only")
     from .measure import cuda_index, warm_up_cuda_libraries
     from .train import run
 
@@ -246,9 +241,8 @@ def check_oom(caps: Capabilities) -> str:
 
 
 def check_tf32(caps: Capabilities) -> str:
-    _cuda_only(caps)
-    if not caps.precisions["tf32"].ok:
-        raise _NotApplicable(caps.precisions["tf32"].note)
+    _needs(caps.type == "cuda", "CUDA only")
+    _needs(caps.precisions["tf32"].ok, caps.precisions["tf32"].note)
     from .techniques import matmul_precision
 
     a, b = (torch.randn(1024, 1024, device=caps.device, dtype=torch.float64) for _ in range(2))
@@ -262,7 +256,7 @@ def check_tf32(caps: Capabilities) -> str:
 
 
 def check_snapshot(caps: Capabilities) -> str:
-    _cuda_only(caps)
+    _needs(caps.type == "cuda", "CUDA only")
     from .train import run
 
     path = Path(tempfile.mkdtemp(prefix="course_snapshot_")) / "snapshot.pickle"
