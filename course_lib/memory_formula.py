@@ -228,8 +228,7 @@ def _attention_recompute(cfg: TrainConfig) -> dict[str, tuple[str, int]]:
     else:
         rec["block input, kept"] = ("activations", X * R)
         rec["QKV matmul output, recomputed (3 sbh)"] = ("other", 3 * X * B)  # alive while q, k, v are local variables
-    # LayerNorm's output is still the attention's argument (a local variable); under autocast it is fp32 and the QKV
-    # matmul keeps a 16-bit copy
+    # LayerNorm's output, still attention's argument (a local variable), is fp32 under autocast: QKV takes a 16-bit copy
     rec["LayerNorm output and statistics, recomputed"] = ("other", X * (4 if autocast else B) + T * 8)
     if autocast:
         rec["16-bit copy of the LayerNorm output (sbh)"] = ("other", X * 2)
