@@ -30,6 +30,7 @@ MIN_PAIRS = 3  # fewer paired steps cannot tell a change from noise
 GIVE_UP_SLOWER = 1.5  # a speed rung this much slower in each of its first GIVE_UP_AFTER paired steps is stopped there
 GIVE_UP_AFTER = MIN_PAIRS  # enough pairs for a verdict
 NOISE_MULTIPLE = 2  # one window of the same step against itself says only roughly how wide the noise is: twice it
+FINAL_PAIRS = 3  # a final row takes this many times a rung's timed steps: its figure is quoted alone, and must hold
 OPTIMISED = "= optimised here"  # the fastest loop that fits, on this device
 LEANEST = "= leanest here"  # the loop with the least memory, on this device (the last row)
 FINAL_ROWS = (OPTIMISED, LEANEST)
@@ -395,11 +396,14 @@ class _Climb:
             if best.trainer is not None and best is not naive:
                 best.trainer = None  # the leanest loop is timed: its model and optimizer make room for this one
                 free_memory()
-            result, _, pairs = _measure(cfg, OPTIMISED, naive, self.progress, give_up=False)
+            result, trainer, pairs = _measure(cfg, OPTIMISED, naive, self.progress, give_up=False)
             if result.status == "oom":
                 continue
             if not result.ok:  # another failure: the leanest loop stands in, and its row says why
                 return None, f"the loop without them failed ({result.status}: {result.reason})"
+            more, _ = _paired(naive.trainer, trainer, len(pairs) * (FINAL_PAIRS - 1))  # (failed: the fit's pairs)
+            pairs += more
+            _times_from_pairs(result, pairs, cfg)
             opt_kept = [k for k in kept if k not in {r.label for r in left}]
             result.reason = "naive fp32 " + " ".join(opt_kept)
             result.ladder = _timed_against_naive(pairs, naive.result, opt_kept, result.peak_ratio(naive.result))
@@ -412,7 +416,7 @@ class _Climb:
         return None, ""
 
     def leanest_row(self, kept: list[str], measured: bool) -> RunResult:
-        """The climb's loop timed once more in pairs against naive fp32 (as many pairs as a rung has timed steps); its
+        """The climb's loop timed once more in pairs against naive fp32 (FINAL_PAIRS times a rung's timed steps); its
         memory is the one measured at the rung that made it the best (the same config)."""
         naive, best, top = self.naive_loop, self.best, self.best.result
         reason = "naive fp32 " + " ".join(kept) if kept else "naive fp32: no rung helped here"
@@ -424,7 +428,7 @@ class _Climb:
             why = why if measured else "no rung was measured: the loop is naive fp32 by default"
             row.ladder = {"kept": True, "why": why, "speedup": 1.0, "speedup_basis": BASELINE, "memory_vs_naive": 1.0}
             return _timed_as(row, top, factor=1.0, kept_rungs=[])
-        n = max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
+        n = FINAL_PAIRS * max(MIN_PAIRS, len(top.step_times) - len(top.excluded_steps))
         # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
         pairs, failed = _paired(naive.trainer, best.trainer, n + 1)
         pairs = pairs[1:]
@@ -434,10 +438,7 @@ class _Climb:
             row.ladder |= {"speedup": best.speedup, "speedup_basis": PRODUCT, "kept_rungs": kept}
             row.ladder["memory_vs_naive"] = top.peak_ratio(naive.result)
             return _timed_as(row, top)
-        row.step_times = [b for _, b in pairs]
-        row.median_step_s = statistics.median(row.step_times)
-        row.tokens_per_s = top.tokens_per_step / row.median_step_s
-        row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, top.flops_per_token, best.cfg.device, best.cfg.precision)
+        _times_from_pairs(row, pairs, best.cfg)
         row.ladder = _timed_against_naive(pairs, naive.result, kept, top.peak_ratio(naive.result))
         return row
 
@@ -644,6 +645,14 @@ def _timed_against_naive(pairs, naive: RunResult, kept: list[str], memory_vs_nai
     lad |= _speed_fields(speed, [list(p) for p in pairs])
     lad |= {"speedup": speed.factor, "speedup_basis": PAIRED, "kept_rungs": kept}
     return lad | {"memory_vs_naive": memory_vs_naive}
+
+
+def _times_from_pairs(row: RunResult, pairs, cfg: C.TrainConfig) -> None:
+    """A final row's step times: its loop's side of the (naive_s, loop_s) pairs, every one timed."""
+    row.step_times, row.excluded_steps = [b for _, b in pairs], []
+    row.median_step_s = statistics.median(row.step_times)
+    row.tokens_per_s = row.tokens_per_step / row.median_step_s
+    row.mfu, row.mfu_basis = efficiency(row.tokens_per_s, row.flops_per_token, cfg.device, cfg.precision)
 
 
 def _timed_as(row: RunResult, source: RunResult, **ladder) -> RunResult:
