@@ -91,17 +91,21 @@ def main(argv=None) -> int:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache  # a first run: nothing compiled yet (the kernel inherits it)
         timing = time_notebook(args.notebook.resolve(), args.presses)
     where = machine()
+    from course_lib.capabilities import kernel_caps
+
+    capped = [f"{k}={v}" for k, v in kernel_caps().items()]  # kernels held to an instruction set
     record = {
         "what": f"a notebook as a learner meets it: all cells, then each Run button pressed {args.presses} times",
         "notebook": args.notebook.name,
         "budget": os.environ.get("COURSE_BUDGET", "full") or "full",
-        "command": "python tests/time_as_learner.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "command": " ".join([*capped, "python tests/time_as_learner.py", *map(shlex.quote, argv or sys.argv[1:])]),
         "machine_note": args.note,
         **where,
         **timing,
     }
     slug = re.sub(r"[^a-z0-9]+", "-", where["device"].lower()).strip("-")[:40]
-    out = args.out / f"{where['date'][:10]}_{slug}_{args.notebook.stem}_as-learner.json"
+    kind = "_kernels-capped" if capped else ""  # beside the record of the CPU as it is, not over it
+    out = args.out / f"{where['date'][:10]}_{slug}{kind}_{args.notebook.stem}_as-learner.json"
     from course_lib.cache import write_atomic
 
     write_atomic(out, lambda f: f.write_text(json.dumps(record, indent=1) + "\n"), strict=True)
