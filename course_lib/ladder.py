@@ -725,10 +725,6 @@ def optimised_config(results: list[RunResult]) -> C.TrainConfig:
     return final_config(results, "optimised")
 
 
-def leanest_config(results: list[RunResult]) -> C.TrainConfig:
-    return final_config(results, "leanest")
-
-
 def rungs_of(results: list[RunResult]) -> list[RunResult]:
     """The rungs of a climb, without the final rows."""
     return [r for r in results if r.label not in FINAL_ROWS]

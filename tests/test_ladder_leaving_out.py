@@ -7,8 +7,8 @@ from course_lib import config as C, techniques as T
 from course_lib.ladder import (
     AGAIN,
     FINAL_ROWS,
+    final_config,
     ladder_configs,
-    leanest_config,
     optimised,
     optimised_config,
     run_ladder,
@@ -51,7 +51,7 @@ def test_left_out_rungs_are_skipped_with_the_reason_and_the_climb_goes_on_withou
                 if rung_name(r) in [name for name, _, _ in t.rungs]:
                     kept[t.name] = t.value(C.TrainConfig.from_dict(r.config))
     # the leanest loop is the kept rungs'; the optimised one leaves out the memory rungs that cost time, and only those
-    lean = leanest_config(results)
+    lean = final_config(results, "leanest")
     assert {t.name: t.value(lean) for t in T.TECHNIQUES} == {t.name: kept.get(t.name, t.off) for t in T.TECHNIQUES}
     fastest, left_out = optimised_config(results), optimised(results).ladder.get("left_out", {})
     for t in T.TECHNIQUES:
@@ -82,7 +82,7 @@ def test_the_fixed_ladder_keeps_every_rung_it_runs(one_block):
     ran = [r for r in rungs_of(results) if r.ok]
     assert [r.label for r in ran] == ["naive fp32", "+ sdpa", "+ set_to_none", "+ chunked loss"]
     assert all(r.ladder["kept"] for r in ran) and all("kept (fixed ladder)" in r.ladder["why"] for r in ran[1:])
-    for final in (optimised_config(results), leanest_config(results)):  # the fixed ladder's two loops are one
+    for final in (optimised_config(results), final_config(results, "leanest")):  # the fixed ladder's two loops are one
         assert (final.model.attention, final.set_to_none, final.loss_chunks) == ("sdpa", True, 8)
 
 

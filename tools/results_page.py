@@ -15,10 +15,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from course_lib.cache import write_atomic
 from course_lib.data import DATA_DIR, MEASURED_DIR
 from course_lib.ladder import LEANEST, OPTIMISED, PRODUCT, speedup_basis
-from course_lib.plots import ladder_speedups, plot_climbs
+from course_lib.plots import devices_text, ladder_speedups, new_figure, tick
 from course_lib.reference import CHECKS_DIR, REFERENCE_DIR, load_reference, measured_cpu_climbs, measured_cpus
 from course_lib.results import RunResult
 
@@ -246,6 +248,47 @@ def page() -> str:
     shipped += [f"- `{_rel(f)}`{_where(f)}" for f in sorted(CHECKS_DIR.glob("*"))]
     lines += ["## Other shipped measurements", "", *shipped, ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def plot_climbs(climbs: list[tuple[str, list[RunResult]]], promise: float = 10.0) -> Figure:
+    """Several devices' ladders on shared axes, one colour each (`climbs`: (name, a climb's results)), rung by rung:
+    speed-up over naive fp32 (left) and peak memory over naive fp32's (right), both on log scales. A filled marker
+    joined by the line is a kept rung, a hollow one a rung measured and not kept; a rung a device did not climb, or
+    whose peak was not measured, has no marker. `promise` draws the course's promise (about 10x faster in 10x less
+    memory) as dotted lines."""
+    fig = new_figure((12, 5.2))
+    ax_speed, ax_mem = fig.subplots(1, 2)
+    rungs = list(dict.fromkeys(r.label for _, results in climbs for r in results))
+    colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52")
+    for (name, results), color in zip(climbs, colors):
+        at = {r.label: rungs.index(r.label) for r in results}
+        base = next((r for r in results if r.ok and r.peak_gib), None)
+        speed = {at[results[i].label]: v for i, v in ladder_speedups(results).items()}
+        memory = {at[r.label]: r.peak_gib / base.peak_gib for r in results if r.ok and r.peak_gib and base}
+        kept = {at[r.label] for r in results if r.ok and (r.ladder or {}).get("kept", True)}
+        for ax, values, text in ((ax_speed, speed, "{:.2f}x"), (ax_mem, memory, "{:.2f}")):
+            line = sorted((x, v) for x, v in values.items() if x in kept)
+            if line:
+                ax.plot(*zip(*line), "o-", color=color, label=f"{name}: {devices_text(results)}")
+                x, v = line[-1]  # the loop the climb ended with, labelled
+                ax.annotate(text.format(v), (x, v), textcoords="offset points", xytext=(6, 0), va="center", fontsize=8)
+            dropped = sorted((x, v) for x, v in values.items() if x not in kept)
+            if dropped:
+                ax.plot(*zip(*dropped), "o", mfc="none", color=color)
+    if promise:
+        ax_speed.axhline(promise, ls=":", color="#888888", label=f"the course's promise (~{promise:g}x)")
+        ax_mem.axhline(1 / promise, ls=":", color="#888888", label=f"the course's promise (~1/{promise:g})")
+    for ax, ylabel, title in (
+        (ax_speed, "speed-up over naive fp32 (x, log scale)", "Speed, rung by rung (hollow: measured, not kept)"),
+        (ax_mem, "peak memory / naive fp32's (log scale)", "Peak memory, rung by rung"),
+    ):
+        ax.axhline(1.0, lw=0.8, color="#cccccc")
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(rungs)), [tick(lab) for lab in rungs], rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+    fig.legend(*ax_speed.get_legend_handles_labels(), loc="outside lower center", ncol=2, fontsize=8)
+    return fig
 
 
 def figure_source() -> str:
