@@ -315,6 +315,7 @@ class StepRecorder:
         self.baseline = torch.cuda.memory_allocated(self.dev) if cuda else 0
         self.reserved_baseline = torch.cuda.memory_reserved(self.dev) if cuda else 0
         self.recording, self.ledger, self.faults = False, None, None
+        self.cuda_peak = self.cuda_reserved = None  # memory() before any start(): nothing recorded, not an error
         self.timer = StepTimer(self.dev)
 
     def start(self, output_layer: torch.nn.Module | None) -> None:
