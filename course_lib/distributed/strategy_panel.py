@@ -430,4 +430,3 @@ def shipped_runs(strategies, folder=None) -> list[tuple]:
         for r in results
         if r.details.get("strategy") in strategies
     ]
-
