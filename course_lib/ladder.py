@@ -1,9 +1,10 @@
 """Climb the ladder of techniques from naive fp32, and keep what helps on this device.
 
 Each rung adds one technique to the best loop so far, each timed step paired with one of the best loop's (a drifting
-machine moves both alike); its factor is the median of the paired ratios, and `judge` decides. Speed rungs not kept get
-a second look at the top; a GPU waiting on launches tries CUDA graphs. Two rows end the table, timed in pairs against
-naive fp32: `= optimised here` (the fastest loop that fits) and `= leanest here` (the climb's loop itself).
+machine moves both alike); its factor is the median of the paired ratios, and `judge` decides; a kept rung's loop is
+timed in pairs with naive fp32 too, for a figure of its own. Speed rungs not kept get a second look at the top; a GPU
+waiting on launches tries CUDA graphs. Two rows end the table, timed in pairs against naive fp32: `= optimised here`
+(the fastest loop that fits) and `= leanest here` (the climb's loop itself).
 """
 
 from __future__ import annotations
@@ -334,8 +335,17 @@ class _Climb:
         lad |= {"memory_vs_naive": result.peak_ratio(self.naive_loop.result), "device_note": note}
         # a second window where the first was within noise; a step against itself, later rungs' same_step_noise
         lad |= {"pairs_again": [list(p) for p in more], "same_step_factor": speed.factor if same_step else None}
-        result.ladder = lad
-        return _Loop(trainer.cfg, trainer, result, speedup) if kept else None
+        result.ladder = lad | (self.timed_with_naive(trainer, len(pairs)) if kept and not same_step else {})
+        return _Loop(trainer.cfg, trainer, result, result.ladder["speedup"]) if kept else None
+
+    def timed_with_naive(self, trainer: Trainer, n: int) -> dict:
+        """A kept loop's own figure: its speed-up over naive fp32 from `n` steps of each in turn ({}: the product)."""
+        pairs, failed = _paired(self.naive_loop.trainer, trainer, n)
+        speed = speed_change(pairs)
+        if failed or speed.factor is None:
+            return {}
+        lad = {"speedup": speed.factor, "speedup_iqr": [speed.low, speed.high], "speedup_basis": PAIRED}
+        return lad | {"pairs_vs_naive": [list(p) for p in pairs]}
 
     def second_looks(self) -> None:
         """Speed rungs not kept, tried again on top of the loop the climb reached: what came after can change their
@@ -432,10 +442,10 @@ class _Climb:
         # one untimed pair first: a compiled loop compiles again after a later rung reset the compiler
         pairs, failed = _paired(naive.trainer, best.trainer, n + 1)
         pairs = pairs[1:]
-        if failed:  # (out of memory with both loops held) the best rung's own run, and the product of the kept factors
-            why = f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, the product of "
-            row.ladder = {"kept": True, "why": why + "the kept rungs' factors", "vs": naive.result.label}
-            row.ladder |= {"speedup": best.speedup, "speedup_basis": PRODUCT, "kept_rungs": kept}
+        if failed:  # (out of memory with both loops held) the best rung's own run and figure
+            why = f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, {top.label}'s"
+            row.ladder = {"kept": True, "why": why, "vs": naive.result.label}
+            row.ladder |= {"speedup": best.speedup, "speedup_basis": speedup_basis(top), "kept_rungs": kept}
             row.ladder["memory_vs_naive"] = top.peak_ratio(naive.result)
             return _timed_as(row, top)
         _times_from_pairs(row, pairs, best.cfg)
@@ -749,8 +759,8 @@ def spread_text(r: RunResult) -> str:
 
 LADDER_COLUMNS = {  # each column's header, and what it holds all the way down
     "vs best so far, paired": "a rung's step time against the best loop so far, timed in pairs (median, IQR)",
-    "vs naive, product of pairs": "the loop's speed-up over naive fp32: the product of the paired factors up to it",
-    "vs naive, paired": "a final loop's speed-up over naive fp32, its steps timed in pairs with naive's (median, IQR)",
+    "vs naive, product of pairs": "a rung not kept: the best loop's speed-up over naive fp32 times the rung's factor",
+    "vs naive, paired": "a kept or final loop's speed-up over naive fp32, its steps timed in pairs with naive's",
     "memory vs naive": "the measured peak over naive fp32's",
 }
 
@@ -774,7 +784,9 @@ def ladder_rows(results: list[RunResult]) -> list[dict[str, str]]:
                 "kept": ("yes" if lad.get("kept") else "no") if r.ok or r.status != "skipped" else "-",
                 "vs best so far, paired": "" if final else paired,
                 "vs naive, product of pairs": _factor_text(lad.get("speedup")) if basis == PRODUCT else "",
-                "vs naive, paired": (paired if final else _factor_text(lad.get("speedup"))) if basis == PAIRED else "",
+                "vs naive, paired": (paired if final else _factor_text(lad.get("speedup"), lad.get("speedup_iqr")))
+                if basis == PAIRED
+                else "",
                 "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
                 "peak GiB": r.peak_text() if r.ok else "",
                 "memory vs naive": _factor_text(lad.get("memory_vs_naive")),

@@ -119,7 +119,7 @@ def _block_sizes(cfg: TrainConfig):
 
 def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     """Activations of one micro-batch: what a block saves ("per layer"), keeps through the forward ("kept per layer",
-    less with checkpointing), all layers, outside them, the total, and what a block's backward recomputes."""
+    less with checkpointing), and the total with what the model keeps outside its blocks."""
     m = cfg.model
     s, b, h, a, sbh, _, _, vb, autocast, _ = _block_sizes(cfg)
     mask = _mask_bytes(cfg) if m.dropout > 0 else 0
@@ -130,15 +130,8 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     # outside the blocks: position ids, the final LayerNorm's input and statistics, the embedding's dropout mask, and
     # the output layer's input, kept only in fp32 (autocast keeps a 16-bit copy, a logit term; the chunked loss none)
     outside = s * 8 + sbh * R + 2 * b * s * 4 + sbh * mask + (sbh * 4 if not autocast and cfg.loss_chunks == 1 else 0)
-    kept, recompute = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=R)
-    return {
-        "per layer": layer,
-        "kept per layer": kept,
-        "layers": m.n_layer * kept,
-        "outside layers": outside,
-        "total": m.n_layer * kept + outside,
-        "recompute": recompute,
-    }
+    kept, _ = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=R)
+    return {"per layer": layer, "kept per layer": kept, "total": m.n_layer * kept + outside}
 
 
 def block_backward_terms(cfg: TrainConfig) -> dict[str, dict[str, tuple[str, int]]]:

@@ -103,8 +103,8 @@ def figure_climbs() -> list[tuple[str, list[RunResult]]]:
 
 def _expect_table() -> list[str]:
     rows = [
-        "| device | model | climbs | `= optimised here` / naive fp32 (speed, paired) | fastest kept rung (product of "
-        "pairs) | less memory: optimised loop | less memory: leanest loop |",
+        "| device | model | climbs | `= optimised here` / naive fp32 (speed, paired) | fastest kept rung (paired; in "
+        "older climbs the product of pairs) | less memory: optimised loop | less memory: leanest loop |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, climbs in device_classes():
