@@ -52,7 +52,7 @@ def _expected(climb: Climb) -> list[float | None]:
     results = climb.results
     row = lambda label: next((r for r in results if r.label == label and r.ok), None)  # noqa: E731
     kept = [r for r in results if r.ok and (r.ladder or {}).get("kept", True)]
-    kept_labels = {r.label for r in kept}
+    kept_labels = {r.label for r in kept} - {OPTIMISED, LEANEST}  # a rung's, not a final row's
     fastest = max((v for i, v in ladder_speedups(results).items() if results[i].label in kept_labels), default=None)
     base = next((r for r in results if r.ok and r.peak_gib), None)
     saved = lambda r: base.peak_gib / r.peak_gib if base and r and r.peak_gib else None  # noqa: E731
