@@ -778,15 +778,14 @@ def ladder_rows(results: list[RunResult]) -> list[dict[str, str]]:
         lad = r.ladder or {}
         basis, final = speedup_basis(r), r.label in FINAL_ROWS
         paired = _factor_text(lad.get("factor"), lad.get("factor_iqr"))
+        own = paired if final else _factor_text(lad.get("speedup"), lad.get("speedup_iqr"))  # its pairs with naive
         rows.append(
             {
                 "rung": r.label,
                 "kept": ("yes" if lad.get("kept") else "no") if r.ok or r.status != "skipped" else "-",
                 "vs best so far, paired": "" if final else paired,
                 "vs naive, product of pairs": _factor_text(lad.get("speedup")) if basis == PRODUCT else "",
-                "vs naive, paired": (paired if final else _factor_text(lad.get("speedup"), lad.get("speedup_iqr")))
-                if basis == PAIRED
-                else "",
+                "vs naive, paired": own if basis == PAIRED else "",
                 "ms/step min-med-max": spread_text(r) if r.ok else r.status.upper(),
                 "peak GiB": r.peak_text() if r.ok else "",
                 "memory vs naive": _factor_text(lad.get("memory_vs_naive")),

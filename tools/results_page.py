@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from course_lib.cache import write_atomic
 from course_lib.data import DATA_DIR, MEASURED_DIR
-from course_lib.ladder import LEANEST, OPTIMISED, PRODUCT, speedup_basis
+from course_lib.ladder import LEANEST, OPTIMISED, ladder_rows
 from course_lib.plots import devices_text, ladder_speedups, new_figure, tick
 from course_lib.reference import CHECKS_DIR, REFERENCE_DIR, load_reference, measured_cpu_climbs, measured_cpus
 from course_lib.results import RunResult
@@ -189,15 +189,12 @@ def _climb_section(climb: Climb) -> list[str]:
         "| rung | kept | vs naive, product of pairs | vs naive, paired | tokens/s | peak GiB |",
         "|---|---|---|---|---|---|",
     ]
-    speed = ladder_speedups(climb.results)
-    for i, r in enumerate(climb.results):
+    for r, row in zip(climb.results, ladder_rows(climb.results)):  # the ladder's own columns, one meaning each
         kept = "yes" if r.ok and (r.ladder or {}).get("kept", True) else ("no" if r.ok else r.status)
         tps = f"{r.tokens_per_s:,.0f}" if r.ok and r.tokens_per_s else "n/a"
         peak = f"{r.peak_gib:.3f}" if r.ok and r.peak_gib else "not measured"
-        # one meaning per column: a rung's speed-up multiplies paired factors, a final row's is paired with naive
-        rate = f"{speed[i]:.2f}x" if i in speed else "n/a"
-        product, paired = (rate, "") if speedup_basis(r) == PRODUCT else ("", rate)
-        out.append(f"| {r.label} | {kept} | {product} | {paired} | {tps} | {peak} |")
+        speed = f"{row['vs naive, product of pairs']} | {row['vs naive, paired']}"
+        out.append(f"| {r.label} | {kept} | {speed} | {tps} | {peak} |")
     return out + [""]
 
 
