@@ -31,6 +31,7 @@ import math
 import sys
 from pathlib import Path
 
+import numpy
 import torch
 import triton
 import triton.language as tl
@@ -191,6 +192,18 @@ def interpreted() -> bool:
     return type(_forward_kernel).__name__ == "InterpretedFunction"
 
 
+def interpreter_too_old() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels here, or None: before 3.8 it converts a loop bound to int
+    the way numpy 2.4 refuses."""
+    triton_version, numpy_version = (tuple(map(int, v.split(".")[:2])) for v in (triton.__version__, numpy.__version__))
+    if triton_version < (3, 8) and numpy_version >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run beside numpy {numpy.__version__}: "
+            "pip install 'triton>=3.8' (or 'numpy<2.4')"
+        )
+    return None
+
+
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, block_q: int, block_k: int) -> None:
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.size(-1) != k.size(-1):
         raise ValueError(f"q, k, v must be (batch, heads, s, head_dim) alike; got {q.shape}, {k.shape}, {v.shape}")
@@ -206,6 +219,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bloc
             "the Triton kernels need an NVIDIA GPU, or Triton's interpreter on a CPU: set TRITON_INTERPRET=1 "
             "before importing course_lib.lessons.flash_attention_triton"
         )
+    if q.device.type != "cuda" and (too_old := interpreter_too_old()):
+        raise RuntimeError(too_old)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
