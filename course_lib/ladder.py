@@ -369,11 +369,14 @@ class _Climb:
         """[OPTIMISED, LEANEST]: the climb's loop less the memory rungs that cost time, and the loop itself."""
         results, fixed = self.results, self.fixed
         kept = [r.label for r in results[1:] if r.ladder.get("kept")]
-        lean = self.leanest_row(kept, measured=any(r.status != "skipped" for r in results[1:]))
+        lean = self.pooled_with_its_rung(
+            self.leanest_row(kept, measured=any(r.status != "skipped" for r in results[1:]))
+        )
         costly = [] if fixed else memory_rungs_that_cost_time(results)
         free = [r for r in _memory_rungs_kept(results) if r not in costly]
         free_notes = [f"{_short(r.label)} kept: no measurable cost in time" for r in free]
         opt, failed = self.optimised_row(kept, costly, free_notes)
+        opt = opt and self.pooled_with_its_rung(opt)
         if opt is None:  # the leanest loop is the optimised one
             opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
             if failed or costly:
@@ -424,6 +427,25 @@ class _Climb:
             result.ladder["why"] += "; " + "; ".join(why + notes)
             return result, ""
         return None, ""
+
+    def pooled_with_its_rung(self, row: RunResult) -> RunResult:
+        """One loop, one figure: where a kept rung ran the final row's loop, both quote the pairs of both windows (and
+        the rungs priced from that rung's figure follow it)."""
+        rung = next((r for r in self.results if r.config == row.config and r.ladder.get("pairs_vs_naive")), None)
+        if rung is None or speedup_basis(row) != PAIRED or not row.ladder.get("pairs"):
+            return row
+        own, old = speed_change(row.ladder["pairs"]), rung.ladder["speedup"]
+        speed = speed_change(row.ladder["pairs"] + rung.ladder["pairs_vs_naive"])
+        pooled, iqr = {"speedup": speed.factor, "pooled_pairs": speed.pairs}, [speed.low, speed.high]
+        row.ladder |= pooled | {"factor": speed.factor, "factor_iqr": iqr, "pooled_with": rung.label}
+        rung.ladder |= pooled | {"speedup_iqr": iqr, "pooled_with": row.label}
+        _, sep, rest = row.ladder["why"].partition(";")  # its first part said the row's own figure
+        here = f"({own.pairs} here, {speed.pairs - own.pairs} at {rung.label})"
+        row.ladder["why"] = f"{speed.text()} naive fp32, timed in pairs with it {here}{sep}{rest}"
+        for r in self.results:
+            if r.ladder.get("vs") == rung.label and speedup_basis(r) == PRODUCT and r.ladder.get("speedup"):
+                r.ladder["speedup"] *= speed.factor / old
+        return row
 
     def leanest_row(self, kept: list[str], measured: bool) -> RunResult:
         """The climb's loop timed once more in pairs against naive fp32 (FINAL_PAIRS times a rung's timed steps); its
@@ -760,7 +782,8 @@ def spread_text(r: RunResult) -> str:
 LADDER_COLUMNS = {  # each column's header, and what it holds all the way down
     "vs best so far, paired": "a rung's step time against the best loop so far, timed in pairs (median, IQR)",
     "vs naive, product of pairs": "a rung not kept: the best loop's speed-up over naive fp32 times the rung's factor",
-    "vs naive, paired": "a kept or final loop's speed-up over naive fp32, its steps timed in pairs with naive's",
+    "vs naive, paired": "a kept or final loop's speed-up over naive fp32, its steps timed in pairs with naive's (one "
+    "loop, one figure: a final row and the rung that ran its loop pool their pairs)",
     "memory vs naive": "the measured peak over naive fp32's",
 }
 
@@ -805,8 +828,9 @@ def _loop_line(row: RunResult, what: str) -> str:
     lad, basis = row.ladder, speedup_basis(row)
     if lad.get("pairs") and basis == PAIRED:
         low, high = lad["factor_iqr"]
-        speed = f"{lad['factor']:.2f}x naive fp32's speed ({low:.2f}-{high:.2f} over {len(lad['pairs'])} steps timed "
-        speed += "in pairs with naive)"
+        n, where = lad.get("pooled_pairs", len(lad["pairs"])), f", here and at {lad.get('pooled_with')}"
+        speed = f"{lad['factor']:.2f}x naive fp32's speed ({low:.2f}-{high:.2f} over {n} steps timed in pairs "
+        speed += f"with naive{where if 'pooled_with' in lad else ''})"
     elif basis == BASELINE:
         speed = "naive fp32 itself"
     else:

@@ -303,6 +303,32 @@ def test_which_memory_rungs_cost_time_from_the_rows_alone(tiny):
     ]
 
 
+def test_one_loop_one_figure_a_final_row_and_the_rung_that_ran_its_loop_pool_their_pairs(climb):
+    """The optimised loop is + compile's here, the leanest + checkpointing's: each pair of rows quotes one figure, from
+    the pairs with naive of both windows, and a rung not kept, priced from a pooled rung's figure, follows it."""
+    results = climb("avx2 laptop", native_16bit=False)
+    rows, table = by_label(results), {row["rung"]: row for row in L.ladder_rows(results)}
+    for final, rung in ((L.OPTIMISED, "+ compile"), (L.LEANEST, "+ checkpointing")):
+        row, at = rows[final], rows[rung]
+        assert row.config == at.config and (row.ladder["pooled_with"], at.ladder["pooled_with"]) == (rung, final)
+        both = L.speed_change(row.ladder["pairs"] + at.ladder["pairs_vs_naive"])
+        assert row.ladder["factor"] == row.ladder["speedup"] == at.ladder["speedup"] == both.factor
+        assert row.ladder["pooled_pairs"] == both.pairs == len(row.ladder["pairs"]) + len(at.ladder["pairs_vs_naive"])
+        assert (
+            f"{both.text()} naive fp32, timed in pairs with it" in row.ladder["why"]
+            and f"at {rung})" in row.ladder["why"]
+        )
+        assert table[final]["vs naive, paired"] == table[rung]["vs naive, paired"] != ""
+    again = [r for r in results if r.ladder.get("vs") == "+ checkpointing" and L.speedup_basis(r) == L.PRODUCT]
+    assert again
+    for r in again:
+        factor = 1.0 if r.ladder.get("same_step_factor") else r.ladder["factor"]
+        assert r.ladder["speedup"] == pytest.approx(rows["+ checkpointing"].ladder["speedup"] * factor)
+    assert "over %d steps timed in pairs with naive, here and at + compile" % rows[L.OPTIMISED].ladder[
+        "pooled_pairs"
+    ] in (L.verdict(results))
+
+
 def test_each_column_of_the_table_means_one_thing(climb):
     """Products of paired factors and direct pairs against naive never share a column."""
     results = climb("avx2 laptop", native_16bit=False)
