@@ -4,7 +4,8 @@ Each rung adds one technique to the best loop so far, each timed step paired wit
 machine moves both alike); its factor is the median of the paired ratios, and `judge` decides; a kept rung's loop is
 timed in pairs with naive fp32 too, for a figure of its own. Speed rungs not kept get a second look at the top; a GPU
 waiting on launches tries CUDA graphs. Two rows end the table, timed in pairs against naive fp32: `= optimised here`
-(the fastest loop that fits) and `= leanest here` (the climb's loop itself).
+(the fastest loop that fits) and `= leanest here` (the climb's loop itself). One loop, one figure: a final row whose
+loop a rung ran pools both rows' pairs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ MIN_PAIRS = 3  # fewer paired steps cannot tell a change from noise
 GIVE_UP_SLOWER = 1.5  # a speed rung this much slower in each of its first GIVE_UP_AFTER paired steps is stopped there
 GIVE_UP_AFTER = MIN_PAIRS  # enough pairs for a verdict
 NOISE_MULTIPLE = 2  # one window of the same step against itself says only roughly how wide the noise is: twice it
-FINAL_PAIRS = 3  # a final row takes this many times a rung's timed steps: its figure is quoted alone, and must hold
+FINAL_PAIRS = 3  # a final row takes this many times a rung's timed steps: the figure handed to the learner must hold
 OPTIMISED = "= optimised here"  # the fastest loop that fits, on this device
 LEANEST = "= leanest here"  # the loop with the least memory, on this device (the last row)
 FINAL_ROWS = (OPTIMISED, LEANEST)
@@ -376,7 +377,8 @@ class _Climb:
         free = [r for r in _memory_rungs_kept(results) if r not in costly]
         free_notes = [f"{_short(r.label)} kept: no measurable cost in time" for r in free]
         opt, failed = self.optimised_row(kept, costly, free_notes)
-        opt = opt and self.pooled_with_its_rung(opt)
+        if opt is not None:
+            opt = self.pooled_with_its_rung(opt)
         if opt is None:  # the leanest loop is the optimised one
             opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
             if failed or costly:
@@ -430,8 +432,9 @@ class _Climb:
 
     def pooled_with_its_rung(self, row: RunResult) -> RunResult:
         """One loop, one figure: where a kept rung ran the final row's loop, both quote the pairs of both windows (and
-        the rungs priced from that rung's figure follow it)."""
-        rung = next((r for r in self.results if r.config == row.config and r.ladder.get("pairs_vs_naive")), None)
+        the rows priced from that rung's figure, or from one priced from it, follow it)."""
+        same = (r for r in reversed(self.results) if r.config == row.config and r.ladder.get("pairs_vs_naive"))
+        rung = next(same, None)
         if rung is None or speedup_basis(row) != PAIRED or not row.ladder.get("pairs"):
             return row
         own, old = speed_change(row.ladder["pairs"]), rung.ladder["speedup"]
@@ -441,10 +444,12 @@ class _Climb:
         rung.ladder |= pooled | {"speedup_iqr": iqr, "pooled_with": row.label}
         _, sep, rest = row.ladder["why"].partition(";")  # its first part said the row's own figure
         here = f"({own.pairs} here, {speed.pairs - own.pairs} at {rung.label})"
-        row.ladder["why"] = f"{speed.text()} naive fp32, timed in pairs with it {here}{sep}{rest}"
-        for r in self.results:
-            if r.ladder.get("vs") == rung.label and speedup_basis(r) == PRODUCT and r.ladder.get("speedup"):
+        row.ladder["why"] = f"{_paired_with_naive_text(speed)} {here}{sep}{rest}"
+        priced_from = {rung.label}
+        for r in self.results:  # in climb order: a row priced from a rescaled one follows it too
+            if r.ladder.get("vs") in priced_from and speedup_basis(r) == PRODUCT and r.ladder.get("speedup"):
                 r.ladder["speedup"] *= speed.factor / old
+                priced_from.add(r.label)
         return row
 
     def leanest_row(self, kept: list[str], measured: bool) -> RunResult:
@@ -673,10 +678,14 @@ def _speed_fields(speed: SpeedChange, pairs) -> dict:
 def _timed_against_naive(pairs, naive: RunResult, kept: list[str], memory_vs_naive: float | None) -> dict:
     """A final row's `ladder` dict: its speed-up over naive fp32 from (naive_s, loop_s) pairs, its rungs and peak."""
     speed = speed_change(pairs)
-    lad = {"kept": True, "why": f"{speed.text()} naive fp32, timed in pairs with it", "vs": naive.label}
+    lad = {"kept": True, "why": _paired_with_naive_text(speed), "vs": naive.label}
     lad |= _speed_fields(speed, [list(p) for p in pairs])
     lad |= {"speedup": speed.factor, "speedup_basis": PAIRED, "kept_rungs": kept}
     return lad | {"memory_vs_naive": memory_vs_naive}
+
+
+def _paired_with_naive_text(speed: SpeedChange) -> str:
+    return f"{speed.text()} naive fp32, timed in pairs with it"
 
 
 def _times_from_pairs(row: RunResult, pairs, cfg: C.TrainConfig) -> None:
@@ -828,9 +837,9 @@ def _loop_line(row: RunResult, what: str) -> str:
     lad, basis = row.ladder, speedup_basis(row)
     if lad.get("pairs") and basis == PAIRED:
         low, high = lad["factor_iqr"]
-        n, where = lad.get("pooled_pairs", len(lad["pairs"])), f", here and at {lad.get('pooled_with')}"
+        n, where = lad.get("pooled_pairs", len(lad["pairs"])), lad.get("pooled_with")
         speed = f"{lad['factor']:.2f}x naive fp32's speed ({low:.2f}-{high:.2f} over {n} steps timed in pairs "
-        speed += f"with naive{where if 'pooled_with' in lad else ''})"
+        speed += f"with naive{f', here and at {where}' if where else ''})"
     elif basis == BASELINE:
         speed = "naive fp32 itself"
     else:

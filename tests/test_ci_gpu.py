@@ -3,6 +3,7 @@ course_lib has, so that a renamed function costs a failed test on a CPU, not a G
 
 import ast
 import importlib
+import importlib.util
 import os
 import re
 import subprocess
@@ -26,11 +27,9 @@ def python_snippets() -> list[str]:
 
 
 def resolve(module: str, name: str):
-    """`from module import name`: a submodule, or an attribute of the module."""
-    try:
-        return importlib.import_module(f"{module}.{name}")
-    except ModuleNotFoundError:
-        return getattr(importlib.import_module(module), name)
+    """`from module import name`, as Python finds it: an attribute of the module, else its submodule."""
+    parent = importlib.import_module(module)
+    return getattr(parent, name) if hasattr(parent, name) else importlib.import_module(f"{module}.{name}")
 
 
 def missing_names(snippet: str) -> list[str]:
@@ -54,9 +53,34 @@ def missing_names(snippet: str) -> list[str]:
 
 
 def test_the_script_has_the_python_this_test_reads():
-    snippets = python_snippets()
-    assert len(snippets) >= 8, "the patterns no longer find the script's Python: mend python_snippets()"
-    assert sum("course_lib" in s for s in snippets) >= 4
+    text = SCRIPT.read_text()
+    assert len(python_snippets()) == text.count("<<") + text.count("$PY -c ") >= 8, "mend python_snippets()"
+
+
+def course_lib_commands() -> list[tuple[str, list[str]]]:
+    """(module and subcommand, its --options) for each `$PY -m course_lib...` line of the script."""
+    found = re.findall(r"\$PY -m (course_lib\S*)( [a-z]+)?((?: [^\n;&|)]*)?)", SCRIPT.read_text())
+    return [(module + sub, re.findall(r"(?<!\S)--[a-z][a-z-]*", rest)) for module, sub, rest in found]
+
+
+@pytest.mark.parametrize("command, options", course_lib_commands())
+def test_every_course_lib_command_and_option_the_script_runs_is_there(command, options):
+    from course_lib.__main__ import build_parser
+
+    module, _, sub = command.partition(" ")
+    assert importlib.util.find_spec(module) is not None, module
+    if module == "course_lib":
+        accepted = build_parser()._subparsers._group_actions[0].choices[sub]._option_string_actions
+        assert [o for o in options if o not in accepted] == []
+    else:  # a lesson's own command line
+        source = Path(importlib.util.find_spec(module).origin).read_text()
+        assert [o for o in options if f'"{o}"' not in source] == []
+
+
+def test_the_script_runs_each_course_lib_command_this_test_reads():
+    commands = {c for c, _ in course_lib_commands()}
+    assert {"course_lib ladder", "course_lib profile", "course_lib doctor"} <= commands, commands
+    assert "course_lib.lessons.flash_attention_triton" in commands
 
 
 @pytest.mark.parametrize("snippet", python_snippets(), ids=lambda s: s.strip().splitlines()[-1][:40])

@@ -204,7 +204,7 @@ def test_the_optimised_loop_leaves_out_memory_techniques_that_cost_time_and_the_
     for row, c in ((opt, cfg), (lean, lean_cfg)):  # each timed in pairs with naive: one figure per loop
         expected = speed(T.naive(c), "avx2 laptop") / speed(c, "avx2 laptop")
         assert row.ladder["factor"] == pytest.approx(expected, rel=0.04)
-        # more pairs than a rung's, every one the row's own step time: a figure quoted alone must hold
+        # more pairs than a rung's, every one the row's own step time: the figure handed to the learner must hold
         rung_pairs = len(by_label(results)["+ compile"].ladder["pairs"])
         assert len(row.ladder["pairs"]) == L.FINAL_PAIRS * rung_pairs
         assert row.step_times == [t for _, t in row.ladder["pairs"]] and not row.excluded_steps
@@ -327,6 +327,23 @@ def test_one_loop_one_figure_a_final_row_and_the_rung_that_ran_its_loop_pool_the
     assert "over %d steps timed in pairs with naive, here and at + compile" % rows[L.OPTIMISED].ladder[
         "pooled_pairs"
     ] in (L.verdict(results))
+
+
+def test_rows_priced_from_a_pooled_rung_follow_it_down_the_chain(climb, monkeypatch):
+    """A kept loop not timed with naive (made to fail here for the chunked loss) is priced by the product of pairs:
+    every row priced from the pooled rung, directly or through another such row, follows the pooled figure."""
+    timed = L._Climb.timed_with_naive
+    fails_chunked = lambda self, trainer, n: {} if trainer.cfg.loss_chunks > 1 else timed(self, trainer, n)  # noqa: E731
+    monkeypatch.setattr(L._Climb, "timed_with_naive", fails_chunked)
+    rows = by_label(climb("avx2 laptop", native_16bit=False))
+    assert rows[L.OPTIMISED].ladder["pooled_with"] == "+ compile" and "pooled_with" not in rows[L.LEANEST].ladder
+    assert (
+        rows["+ checkpointing"].ladder["vs"] == "+ chunked loss" and rows["+ chunked loss"].ladder["vs"] == "+ compile"
+    )
+    for label in ("+ chunked loss", "+ checkpointing"):
+        r = rows[label]
+        assert L.speedup_basis(r) == L.PRODUCT
+        assert r.ladder["speedup"] == pytest.approx(rows[r.ladder["vs"]].ladder["speedup"] * r.ladder["factor"])
 
 
 def test_each_column_of_the_table_means_one_thing(climb):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -193,13 +194,16 @@ def interpreted() -> bool:
 
 
 def interpreter_too_old() -> str | None:
-    """Why this Triton's interpreter cannot run the kernels here, or None: before 3.8 it converts a loop bound to int
-    the way numpy 2.4 refuses."""
-    triton_version, numpy_version = (tuple(map(int, v.split(".")[:2])) for v in (triton.__version__, numpy.__version__))
-    if triton_version < (3, 8) and numpy_version >= (2, 4):
+    """Why this Triton's interpreter cannot run the kernels here, or None: before 3.7.1 (pyproject's `kernels` pin) it
+    converts a loop bound to int the way numpy 2.4 refuses."""
+    triton_version, numpy_version = (
+        tuple(int(re.match(r"\d*", part)[0] or 0) for part in v.split(".")[:3])
+        for v in (triton.__version__, numpy.__version__)
+    )
+    if triton_version < (3, 7, 1) and numpy_version >= (2, 4):
         return (
             f"Triton {triton.__version__}'s interpreter cannot run beside numpy {numpy.__version__}: "
-            "pip install 'triton>=3.8' (or 'numpy<2.4')"
+            "pip install 'triton>=3.7.1' (or 'numpy<2.4')"
         )
     return None
 
