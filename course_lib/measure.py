@@ -158,7 +158,9 @@ class MemoryLedger(TorchDispatchMode):
         info[0] = nbytes
         if self.live > self.peak:
             self.peak = self.live
-            self._peak_members = {k: v[:] for k, v in self._info.items()}
+            # copied in one step first: a storage freed meanwhile (its weakref's callback, run by a garbage collection
+            # or autograd's GPU thread) would change _info while the snapshot iterates it
+            self._peak_members = {k: v[:] for k, v in dict(self._info).items()}
 
     def _free(self, sid: int) -> None:
         self._refs.pop(sid, None)

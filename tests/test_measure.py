@@ -31,6 +31,25 @@ def test_ledger_follows_births_and_deaths_exactly():
     assert ledger.peak == 8000 and ledger.live == 0
 
 
+def test_a_storage_freed_while_a_new_peak_is_copied_does_not_stop_the_step():
+    """A storage's weakref callback can run while a new peak is being copied (a garbage collection, or autograd's GPU
+    thread letting go of a tensor, as on an H200 in notebook 02): the copy must not iterate the live table."""
+    ledger = measure.MemoryLedger()
+
+    class FreesOneMidway(dict):
+        def items(self):
+            for i, item in enumerate(super().items()):
+                if i == 1:
+                    ledger._free(next(iter(self)))
+                yield item
+
+    with ledger:
+        kept = [torch.empty(100) for _ in range(3)]
+        ledger._info = FreesOneMidway(ledger._info)
+        new_peak = torch.empty(1000)
+    assert ledger.peak >= new_peak.nbytes and len(kept) == 3
+
+
 def test_ledger_counts_a_view_once_and_registers_existing_tensors():
     p = torch.zeros(256)
     ledger = measure.MemoryLedger()
