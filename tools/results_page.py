@@ -55,7 +55,7 @@ def _expected(climb: Climb) -> list[float | None]:
     kept_labels = {r.label for r in kept} - {OPTIMISED, LEANEST}  # a rung's, not a final row's
     fastest = max((v for i, v in ladder_speedups(results).items() if results[i].label in kept_labels), default=None)
     base = next((r for r in results if r.ok and r.peak_gib), None)
-    saved = lambda r: base.peak_gib / r.peak_gib if base and r and r.peak_gib else None  # noqa: E731
+    saved = lambda r: 1 / ratio if base and r and (ratio := r.peak_ratio(base)) else None  # noqa: E731 - one kind
     # the `= leanest here` row, or in a climb shipped before it had one, its kept rung with the smallest peak
     leanest = row(LEANEST) or min((r for r in kept if r.peak_gib), key=lambda r: r.peak_gib, default=None)
     optimised = row(OPTIMISED)
@@ -192,7 +192,7 @@ def _climb_section(climb: Climb) -> list[str]:
     for r, row in zip(climb.results, ladder_rows(climb.results)):  # the ladder's own columns, one meaning each
         kept = "yes" if r.ok and (r.ladder or {}).get("kept", True) else ("no" if r.ok else r.status)
         tps = f"{r.tokens_per_s:,.0f}" if r.ok and r.tokens_per_s else "n/a"
-        peak = f"{r.peak_gib:.3f}" if r.ok and r.peak_gib else "not measured"
+        peak = r.peak_text(".3f") if r.ok and r.peak_gib else "not measured"
         speed = f"{row['vs naive, product of pairs']} | {row['vs naive, paired']}"
         out.append(f"| {r.label} | {kept} | {speed} | {tps} | {peak} |")
     return out + [""]
@@ -222,7 +222,8 @@ def page() -> str:
         "## What to expect",
         "",
         "Speed-ups are over naive fp32 on the same device, timed in pairs ([method.md](method.md)); "
-        "\"less memory\" is naive fp32's peak over the loop's. A range spans the device's shipped climbs.",
+        "\"less memory\" is naive fp32's peak over the loop's (n/a where the loop's is the memory reserved under CUDA "
+        "graphs, no ratio to a live peak). A range spans the device's shipped climbs.",
         "",
         *_expect_table(),
         "",
@@ -251,17 +252,20 @@ def plot_climbs(climbs: list[tuple[str, list[RunResult]]], promise: float = 10.0
     """Several devices' ladders on shared axes, one colour each (`climbs`: (name, a climb's results)), rung by rung:
     speed-up over naive fp32 (left) and peak memory over naive fp32's (right), both on log scales. A filled marker
     joined by the line is a kept rung, a hollow one a rung measured and not kept; a rung a device did not climb, or
-    whose peak was not measured, has no marker. `promise` draws the course's promise (about 10x faster in 10x less
-    memory) as dotted lines."""
+    whose peak was not measured (or is a reserved one, no ratio to naive's live peak), has no marker; the final rows
+    come last. `promise` draws the course's promise (about 10x faster in 10x less memory) as dotted lines."""
     fig = new_figure((12, 5.2))
     ax_speed, ax_mem = fig.subplots(1, 2)
-    rungs = list(dict.fromkeys(r.label for _, results in climbs for r in results))
+    labels = dict.fromkeys(r.label for _, results in climbs for r in results)
+    rungs = [lab for lab in labels if lab not in (OPTIMISED, LEANEST)] + [
+        lab for lab in (OPTIMISED, LEANEST) if lab in labels
+    ]
     colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52")
     for (name, results), color in zip(climbs, colors):
         at = {r.label: rungs.index(r.label) for r in results}
         base = next((r for r in results if r.ok and r.peak_gib), None)
         speed = {at[results[i].label]: v for i, v in ladder_speedups(results).items()}
-        memory = {at[r.label]: r.peak_gib / base.peak_gib for r in results if r.ok and r.peak_gib and base}
+        memory = {at[r.label]: q for r in results if r.ok and base and (q := r.peak_ratio(base))}  # of one kind
         kept = {at[r.label] for r in results if r.ok and (r.ladder or {}).get("kept", True)}
         for ax, values, text in ((ax_speed, speed, "{:.2f}x"), (ax_mem, memory, "{:.2f}")):
             line = sorted((x, v) for x, v in values.items() if x in kept)
