@@ -22,7 +22,10 @@ RESERVED_PEAK = "reserved, CUDA graphs' pool included"  # how a reserved peak is
 
 
 def git_commit() -> str | None:
-    """The course's commit, "-dirty" where its tracked files differ (code no commit holds); None outside a checkout."""
+    """The course's commit, "-dirty" where its tracked files differ (code no commit holds); None outside a checkout.
+    COURSE_COMMIT names it where the code is a copy whose own git history is another's (a lent GPU machine's)."""
+    if named := os.environ.get("COURSE_COMMIT"):
+        return named
 
     def git(*args: str) -> str:
         here = Path(__file__).resolve().parent

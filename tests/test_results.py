@@ -72,3 +72,10 @@ def test_a_rate_keeps_its_digits_below_100_gflops():
 
     assert gflops_text(4.12e8) == "0.412 GFLOP/s"  # a tiny matmul's rate, not "0 GFLOP/s"
     assert gflops_text(87.4e9) == "87.4 GFLOP/s" and gflops_text(1_534.6e9) == "1,535 GFLOP/s"
+
+
+def test_course_commit_names_the_code_where_the_copy_has_another_git(monkeypatch):
+    monkeypatch.setenv("COURSE_COMMIT", "abc1234")
+    assert provenance("CPU (test)")["commit"] == "abc1234"
+    monkeypatch.delenv("COURSE_COMMIT")
+    assert provenance("CPU (test)")["commit"] != "abc1234"
