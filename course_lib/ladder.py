@@ -370,15 +370,11 @@ class _Climb:
         """[OPTIMISED, LEANEST]: the climb's loop less the memory rungs that cost time, and the loop itself."""
         results, fixed = self.results, self.fixed
         kept = [r.label for r in results[1:] if r.ladder.get("kept")]
-        lean = self.pooled_with_its_rung(
-            self.leanest_row(kept, measured=any(r.status != "skipped" for r in results[1:]))
-        )
+        lean = self.leanest_row(kept, measured=any(r.status != "skipped" for r in results[1:]))
         costly = [] if fixed else memory_rungs_that_cost_time(results)
         free = [r for r in _memory_rungs_kept(results) if r not in costly]
         free_notes = [f"{_short(r.label)} kept: no measurable cost in time" for r in free]
         opt, failed = self.optimised_row(kept, costly, free_notes)
-        if opt is not None:
-            opt = self.pooled_with_its_rung(opt)
         if opt is None:  # the leanest loop is the optimised one
             opt = dataclasses.replace(lean, label=OPTIMISED, ladder=dict(lean.ladder), details=dict(lean.details))
             if failed or costly:
@@ -422,6 +418,7 @@ class _Climb:
             opt_kept = [k for k in kept if k not in {r.label for r in left}]
             result.reason = "naive fp32 " + " ".join(opt_kept)
             result.ladder = _timed_against_naive(pairs, naive.result, opt_kept, result.peak_ratio(naive.result))
+            self.pool_with_its_rung(result)
             result.ladder["left_out"] = {r.label: _slower_text(r) for r in left}
             result.ladder["put_back"] = [r.label for r in put_back]
             why = [f"{_short(rung_name(r))} left out: {_slower_text(r)}" for r in left]
@@ -430,27 +427,26 @@ class _Climb:
             return result, ""
         return None, ""
 
-    def pooled_with_its_rung(self, row: RunResult) -> RunResult:
-        """One loop, one figure: where a kept rung ran the final row's loop, both quote the pairs of both windows (and
-        the rows priced from that rung's figure, or from one priced from it, follow it)."""
+    def pool_with_its_rung(self, row: RunResult) -> None:
+        """One loop, one figure: where a kept rung ran the final row's loop (just timed in pairs with naive), both
+        quote the pairs of both windows; the rows priced from that rung's figure, or from one priced from it, follow."""
         same = (r for r in reversed(self.results) if r.config == row.config and r.ladder.get("pairs_vs_naive"))
         rung = next(same, None)
-        if rung is None or speedup_basis(row) != PAIRED or not row.ladder.get("pairs"):
-            return row
+        if rung is None:
+            return
         own, old = speed_change(row.ladder["pairs"]), rung.ladder["speedup"]
         speed = speed_change(row.ladder["pairs"] + rung.ladder["pairs_vs_naive"])
-        pooled, iqr = {"speedup": speed.factor, "pooled_pairs": speed.pairs}, [speed.low, speed.high]
-        row.ladder |= pooled | {"factor": speed.factor, "factor_iqr": iqr, "pooled_with": rung.label}
-        rung.ladder |= pooled | {"speedup_iqr": iqr, "pooled_with": row.label}
-        _, sep, rest = row.ladder["why"].partition(";")  # its first part said the row's own figure
+        iqr = [speed.low, speed.high]
+        row.ladder |= {"speedup": speed.factor, "factor": speed.factor, "factor_iqr": iqr, "pooled_with": rung.label}
+        row.ladder["pooled_pairs"] = speed.pairs
+        rung.ladder |= {"speedup": speed.factor, "speedup_iqr": iqr, "pooled_with": row.label}
         here = f"({own.pairs} here, {speed.pairs - own.pairs} at {rung.label})"
-        row.ladder["why"] = f"{_paired_with_naive_text(speed)} {here}{sep}{rest}"
+        row.ladder["why"] = f"{_paired_with_naive_text(speed)} {here}"
         priced_from = {rung.label}
         for r in self.results:  # in climb order: a row priced from a rescaled one follows it too
             if r.ladder.get("vs") in priced_from and speedup_basis(r) == PRODUCT and r.ladder.get("speedup"):
                 r.ladder["speedup"] *= speed.factor / old
                 priced_from.add(r.label)
-        return row
 
     def leanest_row(self, kept: list[str], measured: bool) -> RunResult:
         """The climb's loop timed once more in pairs against naive fp32 (FINAL_PAIRS times a rung's timed steps); its
@@ -477,6 +473,7 @@ class _Climb:
             return _timed_as(row, top)
         _times_from_pairs(row, pairs, best.cfg)
         row.ladder = _timed_against_naive(pairs, naive.result, kept, top.peak_ratio(naive.result))
+        self.pool_with_its_rung(row)
         return row
 
 
@@ -790,7 +787,7 @@ def spread_text(r: RunResult) -> str:
 
 LADDER_COLUMNS = {  # each column's header, and what it holds all the way down
     "vs best so far, paired": "a rung's step time against the best loop so far, timed in pairs (median, IQR)",
-    "vs naive, product of pairs": "a rung not kept: the best loop's speed-up over naive fp32 times the rung's factor",
+    "vs naive, product of pairs": "a rung not kept (or not timed with naive): the best loop's figure times its factor",
     "vs naive, paired": "a kept or final loop's speed-up over naive fp32, its steps timed in pairs with naive's (one "
     "loop, one figure: a final row and the rung that ran its loop pool their pairs)",
     "memory vs naive": "the measured peak over naive fp32's",

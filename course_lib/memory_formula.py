@@ -130,7 +130,7 @@ def activation_bytes(cfg: TrainConfig) -> dict[str, int]:
     # outside the blocks: position ids, the final LayerNorm's input and statistics, the embedding's dropout mask, and
     # the output layer's input, kept only in fp32 (autocast keeps a 16-bit copy, a logit term; the chunked loss none)
     outside = s * 8 + sbh * R + 2 * b * s * 4 + sbh * mask + (sbh * 4 if not autocast and cfg.loss_chunks == 1 else 0)
-    kept, _ = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=R)
+    kept = kept_per_layer(cfg.activation_checkpointing, layer, s, b, h, a, vb, attention, residual_bytes=R)
     return {"per layer": layer, "kept per layer": kept, "total": m.n_layer * kept + outside}
 
 

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from course_lib.cache import write_atomic
 from course_lib.data import DATA_DIR, MEASURED_DIR
-from course_lib.ladder import LEANEST, OPTIMISED, ladder_rows
+from course_lib.ladder import FINAL_ROWS, LEANEST, OPTIMISED, ladder_rows, rungs_of
 from course_lib.plots import devices_text, ladder_speedups, new_figure, tick
 from course_lib.reference import CHECKS_DIR, REFERENCE_DIR, load_reference, measured_cpu_climbs, measured_cpus
 from course_lib.results import RunResult
@@ -52,10 +52,10 @@ def _expected(climb: Climb) -> list[float | None]:
     results = climb.results
     row = lambda label: next((r for r in results if r.label == label and r.ok), None)  # noqa: E731
     kept = [r for r in results if r.ok and (r.ladder or {}).get("kept", True)]
-    kept_labels = {r.label for r in kept} - {OPTIMISED, LEANEST}  # a rung's, not a final row's
+    kept_labels = {r.label for r in rungs_of(kept)}  # a rung's, not a final row's
     fastest = max((v for i, v in ladder_speedups(results).items() if results[i].label in kept_labels), default=None)
     base = next((r for r in results if r.ok and r.peak_gib), None)
-    saved = lambda r: 1 / ratio if base and r and (ratio := r.peak_ratio(base)) else None  # noqa: E731 - one kind
+    saved = lambda r: base.peak_ratio(r) if base and r else None  # noqa: E731 - of one kind only
     # the `= leanest here` row, or in a climb shipped before it had one, its kept rung with the smallest peak
     leanest = row(LEANEST) or min((r for r in kept if r.peak_gib), key=lambda r: r.peak_gib, default=None)
     optimised = row(OPTIMISED)
@@ -257,9 +257,7 @@ def plot_climbs(climbs: list[tuple[str, list[RunResult]]], promise: float = 10.0
     fig = new_figure((12, 5.2))
     ax_speed, ax_mem = fig.subplots(1, 2)
     labels = dict.fromkeys(r.label for _, results in climbs for r in results)
-    rungs = [lab for lab in labels if lab not in (OPTIMISED, LEANEST)] + [
-        lab for lab in (OPTIMISED, LEANEST) if lab in labels
-    ]
+    rungs = [lab for lab in labels if lab not in FINAL_ROWS] + [lab for lab in FINAL_ROWS if lab in labels]
     colors = ("#4c72b0", "#dd8452", "#55a868", "#8172b3", "#c44e52")
     for (name, results), color in zip(climbs, colors):
         at = {r.label: rungs.index(r.label) for r in results}

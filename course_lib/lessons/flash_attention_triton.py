@@ -26,16 +26,16 @@ compile. `benchmark` times them against SDPA's flash kernel
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
-import re
 import sys
 from pathlib import Path
 
-import numpy
 import torch
 import triton
 import triton.language as tl
+from torch.torch_version import TorchVersion
 
 __all__ = [
     "flash_attention_triton",
@@ -196,13 +196,10 @@ def interpreted() -> bool:
 def interpreter_too_old() -> str | None:
     """Why this Triton's interpreter cannot run the kernels here, or None: before 3.7.1 (pyproject's `kernels` pin) it
     converts a loop bound to int the way numpy 2.4 refuses."""
-    triton_version, numpy_version = (
-        tuple(int(re.match(r"\d*", part)[0] or 0) for part in v.split(".")[:3])
-        for v in (triton.__version__, numpy.__version__)
-    )
-    if triton_version < (3, 7, 1) and numpy_version >= (2, 4):
+    numpy_version = importlib.metadata.version("numpy")
+    if TorchVersion(triton.__version__) < (3, 7, 1) and TorchVersion(numpy_version) >= (2, 4):
         return (
-            f"Triton {triton.__version__}'s interpreter cannot run beside numpy {numpy.__version__}: "
+            f"Triton {triton.__version__}'s interpreter cannot run beside numpy {numpy_version}: "
             "pip install 'triton>=3.7.1' (or 'numpy<2.4')"
         )
     return None
@@ -218,13 +215,14 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, bloc
     for name, n in (("head_dim", q.size(-1)), ("block_q", block_q), ("block_k", block_k)):
         if n < 16 or n & (n - 1):  # tl.arange needs a power of two; tl.dot a side of at least 16
             raise ValueError(f"{name} must be a power of two of at least 16, got {n}")
-    if q.device.type != "cuda" and not interpreted():
-        raise RuntimeError(
-            "the Triton kernels need an NVIDIA GPU, or Triton's interpreter on a CPU: set TRITON_INTERPRET=1 "
-            "before importing course_lib.lessons.flash_attention_triton"
-        )
-    if q.device.type != "cuda" and (too_old := interpreter_too_old()):
-        raise RuntimeError(too_old)
+    if q.device.type != "cuda":
+        if not interpreted():
+            raise RuntimeError(
+                "the Triton kernels need an NVIDIA GPU, or Triton's interpreter on a CPU: set TRITON_INTERPRET=1 "
+                "before importing course_lib.lessons.flash_attention_triton"
+            )
+        if too_old := interpreter_too_old():
+            raise RuntimeError(too_old)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -92,16 +92,14 @@ def selective_activation_terms(
 
 def kept_per_layer(
     mode: str, saved: int, s: int, b: int, h: int, a: int, value_bytes: int, attention: str, residual_bytes: int
-) -> tuple[int, int]:
-    """(bytes one block keeps through the forward, bytes its backward recomputes) for a block that saves `saved` bytes
-    uncheckpointed: all of them ("none"), its input ("full"), or its input and matmul outputs ("selective")."""
+) -> int:
+    """The bytes one block keeps through the forward, for a block that saves `saved` bytes uncheckpointed: all of them
+    ("none"), its input ("full"), or its input and matmul outputs ("selective")."""
     if mode == "full":
-        kept = s * b * h * residual_bytes
-    elif mode == "selective":
-        kept = sum(selective_activation_terms(s, b, h, a, value_bytes, attention, residual_bytes).values())
-    else:
-        kept = saved
-    return kept, 0 if mode == "none" else saved
+        return s * b * h * residual_bytes
+    if mode == "selective":
+        return sum(selective_activation_terms(s, b, h, a, value_bytes, attention, residual_bytes).values())
+    return saved
 
 
 TECHNIQUE = Technique(
