@@ -469,6 +469,9 @@ class _Climb:
             why = f"not timed against naive fp32 ({failed} when paired): {fmt(best.speedup, '.2f')}x, {top.label}'s"
             row.ladder = {"kept": True, "why": why, "vs": naive.result.label}
             row.ladder |= {"speedup": best.speedup, "speedup_basis": speedup_basis(top), "kept_rungs": kept}
+            if top.ladder.get("pairs_vs_naive"):  # the same loop, timed in pairs with naive at its rung: that figure
+                row.ladder |= {"factor": best.speedup, "factor_iqr": top.ladder.get("speedup_iqr")}
+                row.ladder["pairs"] = top.ladder["pairs_vs_naive"]
             row.ladder["memory_vs_naive"] = top.peak_ratio(naive.result)
             return _timed_as(row, top)
         _times_from_pairs(row, pairs, best.cfg)

@@ -4,6 +4,7 @@ what is not and why can be checked exactly. The real loop under the ladder is te
 and test_cli.py."""
 
 import dataclasses
+import inspect
 import random
 import re
 
@@ -344,6 +345,23 @@ def test_rows_priced_from_a_pooled_rung_follow_it_down_the_chain(climb, monkeypa
         r = rows[label]
         assert L.speedup_basis(r) == L.PRODUCT
         assert r.ladder["speedup"] == pytest.approx(rows[r.ladder["vs"]].ladder["speedup"] * r.ladder["factor"])
+
+
+def test_a_leanest_loop_not_timed_with_naive_quotes_its_rungs_paired_figure(climb, monkeypatch):
+    """Pairing the leanest loop with naive fails (out of memory with both held, on a GPU): the row quotes the figure
+    its rung's loop got in pairs with naive, in the paired column and in the verdict, not an empty cell."""
+    paired = L._paired
+    fails_for_the_last_row = lambda first, second, n: (  # noqa: E731
+        ([], "OutOfMemoryError") if inspect.stack()[1].function == "leanest_row" else paired(first, second, n)
+    )
+    monkeypatch.setattr(L, "_paired", fails_for_the_last_row)
+    results = climb("avx2 laptop", native_16bit=False)
+    rows, table = by_label(results), {row["rung"]: row for row in L.ladder_rows(results)}
+    lean, top = rows[L.LEANEST], rows["+ checkpointing"]
+    assert "not timed against naive fp32 (OutOfMemoryError when paired)" in lean.ladder["why"]
+    assert L.speedup_basis(lean) == L.PAIRED and lean.ladder["factor"] == top.ladder["speedup"]
+    assert table[L.LEANEST]["vs naive, paired"] == table["+ checkpointing"]["vs naive, paired"] != ""
+    assert "the product of its rungs' factors" not in L.verdict(results)
 
 
 def test_each_column_of_the_table_means_one_thing(climb):
